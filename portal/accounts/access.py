@@ -1,0 +1,34 @@
+"""One permission path per resource, shared by HTML views, the API and WebSocket consumers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+
+from portal.accounts.models import Project
+
+
+def visible_projects(user: Any) -> QuerySet[Project]:
+    if not user.is_authenticated:
+        return Project.objects.none()
+    if user.is_staff:
+        return Project.objects.all()
+    return Project.objects.filter(memberships__user=user)
+
+
+def can_see_project(user: Any, project_id: int) -> bool:
+    return visible_projects(user).filter(pk=project_id).exists()
+
+
+def can_manage_sandbox(user: Any, sandbox: Any) -> bool:
+    """Stop/extend: the owner, the project's managers and admins."""
+    if not user.is_authenticated:
+        return False
+    if user.is_staff or sandbox.owner_id == user.pk:
+        return True
+    from portal.accounts.models import Membership
+
+    return Membership.objects.filter(
+        user=user, project_id=sandbox.project_id, role=Membership.Role.MANAGER
+    ).exists()

@@ -1,0 +1,88 @@
+"""Users belong to projects through memberships; API tokens are stored hashed."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class Project(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    slug = models.SlugField(max_length=50, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        MANAGER = "manager", "Project manager"
+        MEMBER = "member", "Member"
+        BILLING = "billing", "Billing viewer"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["user", "project"],
+                name="%(app_label)s_%(class)s_one_per_user_project",
+                violation_error_message="This user is already in this project.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.project} ({self.role})"
+
+
+def _hash_token(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ApiToken(models.Model):
+    """A bearer token. Only its SHA-256 is stored; the key is shown once, at creation."""
+
+    PREFIX = "gps_"
+
+    class Scope(models.TextChoices):
+        READ_USAGE = "read:usage", "Read usage and invoices"
+        WRITE_SANDBOXES = "write:sandboxes", "Create and stop sandboxes"
+        ADMIN = "admin", "Administer"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    name = models.CharField(max_length=100)
+    key_hash = models.CharField(max_length=64, unique=True)  # serves the lookup on every API call
+    key_prefix = models.CharField(max_length=12)  # lets a user tell tokens apart
+    scopes = models.JSONField(default=list)
+    created_at = models.DateTimeField(default=timezone.now)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.key_prefix}…)"
+
+    @classmethod
+    def issue(cls, user: object, name: str, scopes: list[str]) -> tuple[ApiToken, str]:
+        key = cls.PREFIX + secrets.token_urlsafe(32)
+        token = cls.objects.create(
+            user=user, name=name, key_hash=_hash_token(key), key_prefix=key[:12], scopes=scopes
+        )
+        return token, key
+
+    @classmethod
+    def find(cls, key: str) -> ApiToken | None:
+        return (
+            cls.objects.select_related("user")
+            .filter(key_hash=_hash_token(key), revoked_at__isnull=True, user__is_active=True)
+            .first()
+        )

@@ -1,0 +1,63 @@
+"""The usage ledger: append-only intervals, priced when they close."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+from portal.accounts.models import Project
+from portal.catalog.models import Tier
+
+MICROS_PER_UNIT = 1_000_000
+
+
+def cost_micros(price_per_gpu_hour_micros: int, milli_gpu: int, duration_us: int) -> int:
+    """price/GPU-h x share x duration, in integer micro-units (rounded half up)."""
+    numerator = price_per_gpu_hour_micros * milli_gpu * duration_us
+    denominator = 1000 * 3600 * MICROS_PER_UNIT
+    return (numerator + denominator // 2) // denominator
+
+
+class UsageRecord(models.Model):
+    sandbox = models.ForeignKey("sandboxes.Sandbox", on_delete=models.PROTECT, related_name="usage")
+    allocation_key = models.CharField(max_length=40)
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="usage")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="usage")
+    tier = models.ForeignKey(Tier, on_delete=models.PROTECT, related_name="usage")
+    gpu_model = models.CharField(max_length=40)
+    milli_gpu = models.PositiveIntegerField(help_text="GPUs held, in thousandths.")
+    # Price snapshot: later price changes do not reprice past usage.
+    price_per_gpu_hour_micros = models.BigIntegerField()
+    currency = models.CharField(max_length=3)
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    duration = models.DurationField(null=True, blank=True)
+    cost_micros = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-started_at", "-pk"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["allocation_key"], condition=models.Q(ended_at__isnull=True),
+                name="%(app_label)s_%(class)s_one_open_per_allocation",
+                violation_error_message="An allocation has at most one open usage interval.",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(ended_at__isnull=True) | models.Q(ended_at__gte=models.F("started_at")),
+                name="%(app_label)s_%(class)s_ends_after_start",
+                violation_error_message="A usage interval cannot end before it starts.",
+            ),
+        ]
+        indexes = [
+            # GET /api/v1/usage/ pages by project and time.
+            models.Index(fields=["project", "-started_at"], name="usage_project_time_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"usage of sandbox {self.sandbox_id} from {self.started_at:%Y-%m-%d %H:%M}"
+
+    @property
+    def cost_display(self) -> str:
+        if self.cost_micros is None:
+            return "—"
+        return f"{self.cost_micros / MICROS_PER_UNIT:.4f} {self.currency}"

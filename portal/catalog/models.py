@@ -1,0 +1,89 @@
+"""What users may ask for: tiers (sharing mode, isolation, price, limits) and images."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db import models
+
+
+class SharingMode(models.TextChoices):
+    DEDICATED = "dedicated", "Dedicated GPUs"
+    MIG = "mig", "MIG slice"
+    MPS = "mps", "MPS share"
+    TIMESLICE = "timeslice", "Time-slice replica"
+
+
+class IsolationLevel(models.TextChoices):
+    PROCESS = "process", "Process"
+    CONTAINER = "container", "Container"
+    VM = "vm", "Virtual machine"
+
+
+class PriorityClass(models.Model):
+    name = models.SlugField(max_length=40, unique=True)
+    value = models.IntegerField(help_text="Higher runs first.")
+    preemptible = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["-value"]
+        verbose_name_plural = "priority classes"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.value})"
+
+
+class Tier(models.Model):
+    name = models.CharField(max_length=60, unique=True)
+    slug = models.SlugField(max_length=40, unique=True)
+    description = models.TextField(blank=True)
+    sharing_mode = models.CharField(max_length=16, choices=SharingMode.choices)
+    isolation_levels = models.JSONField(default=list, help_text="Subset of process, container, vm.")
+    # Money as integers in minor units: millionths of the currency per GPU-hour.
+    price_per_gpu_hour_micros = models.BigIntegerField()
+    currency = models.CharField(max_length=3, default="EUR")
+    priority_class = models.ForeignKey(PriorityClass, on_delete=models.PROTECT, related_name="tiers")
+    max_duration = models.DurationField(default=timedelta(hours=8))
+    max_gpus = models.PositiveSmallIntegerField(default=1, help_text="Dedicated tiers: GPUs per sandbox.")
+    cpu_limit = models.FloatField(default=2.0)
+    memory_limit_mib = models.PositiveIntegerField(default=4096)
+    pids_limit = models.PositiveIntegerField(default=512)
+    network = models.BooleanField(default=False, help_text="Sandboxes get a network.")
+    active = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["price_per_gpu_hour_micros"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(price_per_gpu_hour_micros__gte=0),
+                name="%(app_label)s_%(class)s_price_not_negative",
+                violation_error_message="A price cannot be negative.",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(max_gpus__gte=1, max_gpus__lte=8),
+                name="%(app_label)s_%(class)s_max_gpus_1_to_8",
+                violation_error_message="Dedicated sandboxes take 1 to 8 GPUs of one host.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def price_display(self) -> str:
+        return f"{self.price_per_gpu_hour_micros / 1_000_000:.2f} {self.currency}/GPU-h"
+
+
+class SandboxImage(models.Model):
+    """The allowlist: sandboxes may only run these images."""
+
+    name = models.CharField(max_length=60, unique=True)
+    reference = models.CharField(max_length=200, help_text="Container image, e.g. gpushare/sandbox-base:1")
+    command = models.JSONField(default=list, help_text="Command run in the sandbox, as a list.")
+    active = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name

@@ -1,0 +1,73 @@
+"""Typed environment helpers for settings: fail loudly, naming the variable.
+
+Every secret may come from ``NAME_FILE`` instead of ``NAME`` (Docker/Kubernetes secrets).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class ConfigError(Exception):
+    """A setting from the environment is missing or malformed."""
+
+
+def _raw(name: str) -> str | None:
+    file_var = f"{name}_FILE"
+    if file_var in os.environ:
+        path = Path(os.environ[file_var])
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{file_var}: cannot read {path}: {exc.strerror}") from exc
+    return os.environ.get(name)
+
+
+def env_str(name: str, default: str | None = None) -> str:
+    value = _raw(name)
+    if value is None or value == "":
+        if default is None:
+            raise ConfigError(f"{name} is required but not set")
+        return default
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    value = _raw(name)
+    if value is None or value == "":
+        return default
+    lowered = value.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ConfigError(f"{name}={value!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
+
+
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
+    value = _raw(name)
+    if value is None or value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer") from None
+    if minimum is not None and number < minimum:
+        raise ConfigError(f"{name}={number} must be at least {minimum}")
+    return number
+
+
+def env_choice(name: str, choices: Sequence[str], default: str) -> str:
+    value = env_str(name, default).strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(choices)}")
+    return value
+
+
+def env_list(name: str, default: Sequence[str]) -> list[str]:
+    value = _raw(name)
+    if value is None or value.strip() == "":
+        return list(default)
+    return [item.strip() for item in value.split(",") if item.strip()]

@@ -1,0 +1,72 @@
+"""Applying what host agents report: heartbeats and GPU inventory."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+
+from portal.catalog.models import SharingMode
+from portal.fleet.models import Gpu, Host, MigInstance
+
+
+def do_heartbeat(host_name: str, at: datetime, backend: str, driver: str) -> bool:
+    """Record an agent's heartbeat; a lost host that beats again comes back up."""
+    updated = Host.objects.filter(name=host_name).update(last_heartbeat_at=at, backend=backend, driver=driver)
+    Host.objects.filter(name=host_name, state=Host.State.LOST).update(state=Host.State.UP)
+    return bool(updated)
+
+
+@transaction.atomic
+def do_sync_inventory(host_name: str, backend: str, driver: str, gpus: list[dict[str, Any]]) -> Host:
+    """Make the database's GPUs and MIG instances match what the agent sees.
+
+    GPUs are matched by UUID; a GPU's sharing mode is an admin decision and is kept,
+    except that a GPU in MIG mode is always shared by MIG.
+    """
+    host, _ = Host.objects.select_for_update().get_or_create(
+        name=host_name, defaults={"backend": backend, "driver": driver}
+    )
+    host.backend, host.driver = backend, driver
+    host.save(update_fields=["backend", "driver"])
+    seen = set()
+    for info in gpus:
+        seen.add(info["uuid"])
+        gpu, created = Gpu.objects.get_or_create(
+            uuid=info["uuid"],
+            defaults={
+                "host": host, "index": info["index"], "name": info["name"], "model": info["model"],
+                "memory_mib": info["memory_mib"], "mig_enabled": info["mig_enabled"],
+                "sharing_mode": SharingMode.MIG if info["mig_enabled"] else SharingMode.DEDICATED,
+            },
+        )
+        if not created:
+            gpu.name, gpu.model, gpu.memory_mib = info["name"], info["model"], info["memory_mib"]
+            gpu.mig_enabled = info["mig_enabled"]
+            if gpu.mig_enabled:
+                gpu.sharing_mode = SharingMode.MIG
+            elif gpu.sharing_mode == SharingMode.MIG:
+                gpu.sharing_mode = SharingMode.DEDICATED
+            if gpu.state == Gpu.State.UNAVAILABLE:
+                gpu.state = Gpu.State.AVAILABLE
+            gpu.save()
+        _sync_mig(gpu, info.get("mig_devices") or [])
+    Gpu.objects.filter(host=host).exclude(uuid__in=seen).update(state=Gpu.State.UNAVAILABLE)
+    return host
+
+
+def _sync_mig(gpu: Gpu, devices: list[dict[str, Any]]) -> None:
+    reported = {d["uuid"]: d for d in devices}
+    # Instances that vanished are removed unless a sandbox holds them (then drift is
+    # repaired by reconciliation, which fails that sandbox first).
+    gpu.mig_instances.exclude(uuid__in=reported).filter(allocations__isnull=True).delete()
+    for uuid, d in reported.items():
+        MigInstance.objects.update_or_create(
+            uuid=uuid,
+            defaults={
+                "gpu": gpu, "profile": d["profile"], "start": d["start"],
+                "memory_slices": d["memory_slices"], "memory_mib": d["memory_mib"],
+                "gpu_instance_id": d["gpu_instance_id"], "compute_instance_id": d["compute_instance_id"],
+            },
+        )

@@ -1,0 +1,99 @@
+"""Hosts, their GPUs and MIG instances, as the agents report them."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+from portal.catalog.models import SharingMode
+
+
+class Host(models.Model):
+    class State(models.TextChoices):
+        UP = "up", "Up"
+        LOST = "lost", "Lost"  # missed heartbeats
+        DRAINING = "draining", "Draining"
+
+    name = models.SlugField(max_length=63, unique=True)  # also its Celery queue: host.<name>
+    backend = models.CharField(max_length=16, help_text="GPU backend the agent runs: nvml or simulated.")
+    driver = models.CharField(max_length=16, blank=True, help_text="Sandbox driver: docker or process.")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.UP)
+    cpu_cores = models.PositiveIntegerField(default=0)
+    memory_mib = models.PositiveIntegerField(default=0)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def simulated(self) -> bool:
+        return self.backend == "simulated"
+
+    @property
+    def queue(self) -> str:
+        return f"host.{self.name}"
+
+
+class Gpu(models.Model):
+    class State(models.TextChoices):
+        AVAILABLE = "available", "Available"
+        DRAINED = "drained", "Drained"
+        UNAVAILABLE = "unavailable", "Unavailable"  # host lost or GPU vanished
+
+    host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=64, unique=True)
+    name = models.CharField(max_length=100)
+    model = models.CharField(max_length=40, blank=True)
+    memory_mib = models.PositiveIntegerField()
+    mig_enabled = models.BooleanField(default=False)
+    # How a non-MIG GPU is shared; MIG GPUs are always shared by slice.
+    sharing_mode = models.CharField(max_length=16, choices=SharingMode.choices, default=SharingMode.DEDICATED)
+    timeslice_replicas = models.PositiveSmallIntegerField(default=4)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.AVAILABLE)
+
+    class Meta:
+        ordering = ["host__name", "index"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["host", "index"],
+                name="%(app_label)s_%(class)s_one_per_host_index",
+                violation_error_message="A host has one GPU per index.",
+            ),
+            models.CheckConstraint(
+                condition=~models.Q(mig_enabled=True) | models.Q(sharing_mode=SharingMode.MIG),
+                name="%(app_label)s_%(class)s_mig_gpus_share_by_mig",
+                violation_error_message="A GPU in MIG mode is shared by MIG slices.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.host.name}/gpu{self.index} ({self.model or self.name})"
+
+
+class MigInstance(models.Model):
+    gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="mig_instances")
+    uuid = models.CharField(max_length=64, unique=True)
+    profile = models.CharField(max_length=16)
+    start = models.PositiveSmallIntegerField()
+    memory_slices = models.PositiveSmallIntegerField()
+    memory_mib = models.PositiveIntegerField()
+    gpu_instance_id = models.PositiveSmallIntegerField()
+    compute_instance_id = models.PositiveSmallIntegerField()
+
+    class Meta:
+        ordering = ["gpu", "start"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["gpu", "start"],
+                name="%(app_label)s_%(class)s_one_per_start",
+                violation_error_message="Two MIG instances cannot start at the same slice.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.profile}@{self.start} on {self.gpu}"

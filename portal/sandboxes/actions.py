@@ -1,0 +1,286 @@
+"""Every sandbox state change, as ``check_*`` (validate) / ``do_*`` (write) pairs.
+
+Views, API viewsets, Celery tasks and admin actions call these; nothing else writes a
+sandbox's state. Each ``do_*`` runs in one transaction, locks the sandbox row
+(``select_for_update``), writes a ``SandboxEvent`` per transition and is idempotent: a
+repeated call (a broker message delivered twice) finds the work done and returns.
+Messages to workers are sent only after commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from portal.accounts.models import Membership, Project
+from portal.billing import ledger
+from portal.catalog.models import IsolationLevel, SandboxImage, SharingMode, Tier
+from portal.fleet.models import Gpu, Host, MigInstance
+from portal.quotas.models import QuotaPolicy
+from portal.sandboxes.models import LIVE_STATES, Allocation, Sandbox, SandboxEvent, SandboxState
+from scheduler.cluster import DeviceGrant
+from scheduler.gpus import MODELS
+from workers import dispatch
+
+log = logging.getLogger(__name__)
+S = SandboxState
+
+# Allowed transitions; anything else is refused (and logged) rather than written.
+TRANSITIONS: dict[str, set[str]] = {
+    S.REQUESTED: {S.QUEUED, S.FAILED, S.STOPPED},
+    S.QUEUED: {S.PLACING, S.STOPPED, S.FAILED, S.EXPIRED},
+    S.PLACING: {S.STARTING, S.QUEUED, S.STOPPING, S.FAILED},
+    S.STARTING: {S.RUNNING, S.STOPPING, S.FAILED, S.QUEUED},
+    S.RUNNING: {S.STOPPING, S.FAILED, S.PREEMPTED, S.EXPIRED},
+    S.STOPPING: {S.STOPPED, S.FAILED},
+}
+PHASE_TIMESTAMPS = {S.PLACING: "placed_at", S.STOPPING: "stop_requested_at"}
+
+
+class SandboxRequestError(Exception):
+    """A request that cannot be accepted; ``field`` names the input at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SandboxRequest:
+    project: Project
+    tier: Tier
+    image: SandboxImage
+    isolation: str
+    gpu_count: int = 1
+    mig_profile: str = ""
+    mps_memory_mib: int = 0
+    mps_thread_pct: int = 0
+    duration: timedelta | None = None
+    name: str = ""
+
+
+def _transition(sandbox: Sandbox, to: str, *, actor: Any = None, message: str = "",
+                data: dict[str, Any] | None = None) -> None:
+    """Move a locked sandbox to ``to`` and write its event. Caller holds the row lock."""
+    if to not in TRANSITIONS.get(sandbox.state, set()):
+        raise ValueError(f"sandbox {sandbox.pk}: {sandbox.state} -> {to} is not a transition")
+    now = timezone.now()
+    SandboxEvent.objects.create(
+        sandbox=sandbox, at=now, from_state=sandbox.state, to_state=to,
+        actor=actor if getattr(actor, "is_authenticated", False) else None,
+        message=message[:300], data=data or {},
+    )
+    sandbox.state = to
+    fields = ["state"]
+    if to in PHASE_TIMESTAMPS:
+        setattr(sandbox, PHASE_TIMESTAMPS[to], now)
+        fields.append(PHASE_TIMESTAMPS[to])
+    if to != S.QUEUED and sandbox.pending_reason:
+        sandbox.pending_reason = ""
+        fields.append("pending_reason")
+    sandbox.save(update_fields=fields)
+
+
+def _locked(sandbox_id: int) -> Sandbox | None:
+    return Sandbox.objects.select_for_update().filter(pk=sandbox_id).first()
+
+
+# --- request -------------------------------------------------------------------------------
+
+
+def check_request_sandbox(user: Any, req: SandboxRequest) -> None:
+    """Permission, tier rules and quota; raises SandboxRequestError naming the field."""
+    if not user.is_staff and not Membership.objects.filter(user=user, project=req.project).exclude(
+        role=Membership.Role.BILLING
+    ).exists():
+        raise SandboxRequestError("project", "You are not a member of this project.")
+    tier = req.tier
+    if not tier.active:
+        raise SandboxRequestError("tier", f"The tier {tier.name} is closed to new sandboxes.")
+    if not req.image.active:
+        raise SandboxRequestError("image", f"The image {req.image.name} is not allowed.")
+    if req.isolation not in tier.isolation_levels:
+        allowed = ", ".join(tier.isolation_levels) or "none"
+        raise SandboxRequestError("isolation", f"The tier {tier.name} allows isolation: {allowed}.")
+    if req.isolation == IsolationLevel.VM:
+        raise SandboxRequestError("isolation", "VM sandboxes are not available on this fleet yet.")
+    mode = tier.sharing_mode
+    if mode == SharingMode.DEDICATED and not 1 <= req.gpu_count <= tier.max_gpus:
+        raise SandboxRequestError("gpu_count", f"The tier {tier.name} allows 1 to {tier.max_gpus} GPUs.")
+    if mode == SharingMode.MIG:
+        known = {p.name for m in MODELS.values() for p in m.mig_profiles}
+        if req.mig_profile not in known:
+            raise SandboxRequestError("mig_profile", f"Unknown MIG profile {req.mig_profile!r}.")
+    if mode == SharingMode.MPS:
+        if not 1 <= req.mps_thread_pct <= 100:
+            raise SandboxRequestError("mps_thread_pct", "The thread share must be 1 to 100 %.")
+        if not 256 <= req.mps_memory_mib <= 81920:
+            raise SandboxRequestError("mps_memory_mib", "The memory share must be 256 to 81920 MiB.")
+    duration = req.duration or tier.max_duration
+    if duration <= timedelta(0) or duration > tier.max_duration:
+        raise SandboxRequestError(
+            "duration", f"The tier {tier.name} allows up to {tier.max_duration} per sandbox."
+        )
+    quota = QuotaPolicy.objects.filter(project=req.project).first()
+    if quota is not None:
+        live = Sandbox.objects.filter(project=req.project, state__in=LIVE_STATES).count()
+        if live >= quota.max_live_sandboxes:
+            raise SandboxRequestError(
+                "project",
+                f"Project {req.project.name} has reached its quota of "
+                f"{quota.max_live_sandboxes} live sandboxes.",
+            )
+
+
+def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
+    """Create the sandbox and queue it; the scheduling cycle is nudged after commit."""
+    with transaction.atomic():
+        sandbox = Sandbox.objects.create(
+            project=req.project, owner=user, tier=req.tier, image=req.image,
+            isolation=req.isolation, name=req.name,
+            gpu_count=req.gpu_count if req.tier.sharing_mode == SharingMode.DEDICATED else 1,
+            mig_profile=req.mig_profile if req.tier.sharing_mode == SharingMode.MIG else "",
+            mps_memory_mib=req.mps_memory_mib if req.tier.sharing_mode == SharingMode.MPS else 0,
+            mps_thread_pct=req.mps_thread_pct if req.tier.sharing_mode == SharingMode.MPS else 0,
+            max_duration=req.duration or req.tier.max_duration,
+        )
+        SandboxEvent.objects.create(sandbox=sandbox, to_state=S.REQUESTED, actor=user,
+                                    message=f"requested {sandbox.request_summary} on {req.tier.name}")
+        _transition(sandbox, S.QUEUED, actor=user, message="waiting for the scheduler")
+        transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
+    return sandbox
+
+
+# --- placement (control worker) -----------------------------------------------------------
+
+
+def do_place(sandbox_id: int, host_name: str, grants: tuple[DeviceGrant, ...]) -> bool:
+    """Book the devices for a queued sandbox and hand it to its host's agent.
+
+    Runs inside the scheduling cycle's lock. The database constraints are the last guard
+    against double booking: on an IntegrityError nothing is written and it stays queued.
+    """
+    try:
+        with transaction.atomic():
+            sandbox = _locked(sandbox_id)
+            if sandbox is None or sandbox.state != S.QUEUED:
+                return False
+            host = Host.objects.get(name=host_name)
+            gpus = {g.uuid: g for g in Gpu.objects.filter(uuid__in=[g.gpu_uuid for g in grants])}
+            migs = {m.uuid: m for m in MigInstance.objects.filter(uuid__in=[g.mig_uuid for g in grants])}
+            sandbox.host = host
+            sandbox.allocation_key = uuid.uuid4().hex
+            sandbox.save(update_fields=["host", "allocation_key"])
+            Allocation.objects.bulk_create(
+                Allocation(
+                    sandbox=sandbox, gpu=gpus[g.gpu_uuid], mig_instance=migs.get(g.mig_uuid),
+                    kind=g.kind, device_uuid=g.device_uuid, milli_gpu=g.milli_gpu,
+                    mps_memory_mib=g.mps_memory_mib, mps_thread_pct=g.mps_thread_pct, replica=g.replica,
+                )
+                for g in grants
+            )
+            devices = ", ".join(g.device_uuid for g in grants)
+            _transition(sandbox, S.PLACING, message=f"placed on {host.name}: {devices}",
+                        data={"host": host.name, "devices": [g.device_uuid for g in grants]})
+            transaction.on_commit(lambda: _send_launch(sandbox_id))
+    except IntegrityError as exc:
+        log.warning("placement of sandbox %s on %s refused by the database: %s", sandbox_id, host_name, exc)
+        return False
+    return True
+
+
+def _send_launch(sandbox_id: int) -> None:
+    from portal.sandboxes.specs import launch_spec
+
+    with transaction.atomic():
+        sandbox = _locked(sandbox_id)
+        if sandbox is None or sandbox.state != S.PLACING or sandbox.host is None:
+            return
+        spec = launch_spec(sandbox)
+        _transition(sandbox, S.STARTING, message=f"launch sent to {sandbox.host.name}")
+        host_name = sandbox.host.name
+    dispatch.to_host(host_name, "launch_sandbox", spec.to_json())
+
+
+def do_set_pending_reason(sandbox_id: int, reason: str) -> None:
+    Sandbox.objects.filter(pk=sandbox_id, state=S.QUEUED).exclude(pending_reason=reason).update(
+        pending_reason=reason[:200]
+    )
+
+
+# --- reports from agents --------------------------------------------------------------------
+
+
+def _by_key(allocation_key: str) -> Sandbox | None:
+    return Sandbox.objects.select_for_update().filter(allocation_key=allocation_key).first()
+
+
+def do_mark_running(allocation_key: str, handle: dict[str, Any], started_at: datetime) -> None:
+    with transaction.atomic():
+        sandbox = _by_key(allocation_key)
+        if sandbox is None or sandbox.state != S.STARTING:
+            return  # a duplicate report, or the sandbox was stopped meanwhile
+        sandbox.handle = handle
+        sandbox.started_at = started_at
+        sandbox.save(update_fields=["handle", "started_at"])
+        _transition(sandbox, S.RUNNING, message=f"running ({handle.get('driver')} {handle.get('ref', '')[:12]})")
+        ledger.open_interval(sandbox, started_at)
+
+
+def do_mark_stopped(allocation_key: str, ended_at: datetime, message: str = "stopped") -> None:
+    with transaction.atomic():
+        sandbox = _by_key(allocation_key)
+        if sandbox is None or sandbox.state not in (S.STOPPING, S.RUNNING, S.STARTING):
+            return
+        if sandbox.state != S.STOPPING:
+            _transition(sandbox, S.STOPPING, message="the sandbox exited by itself")
+        _end(sandbox, S.STOPPED, ended_at, message)
+
+
+def do_fail(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> None:
+    with transaction.atomic():
+        sandbox = _locked(sandbox_id)
+        if sandbox is None or sandbox.state not in TRANSITIONS or S.FAILED not in TRANSITIONS[sandbox.state]:
+            return
+        sandbox.failure = reason
+        sandbox.save(update_fields=["failure"])
+        _end(sandbox, S.FAILED, ended_at or timezone.now(), reason)
+
+
+def _end(sandbox: Sandbox, to: str, ended_at: datetime, message: str) -> None:
+    """Close usage, release the devices and move to an end state (row lock held)."""
+    ledger.close_interval(sandbox, ended_at)
+    Allocation.objects.filter(sandbox=sandbox, active=True).update(active=False, released_at=ended_at)
+    sandbox.ended_at = ended_at
+    sandbox.save(update_fields=["ended_at"])
+    _transition(sandbox, to, message=message)
+    transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
+
+
+# --- stop -------------------------------------------------------------------------------------
+
+
+def do_request_stop(sandbox_id: int, actor: Any, reason: str = "stop requested") -> None:
+    """Stop a sandbox: a queued one ends at once, a placed one is stopped by its agent."""
+    with transaction.atomic():
+        sandbox = _locked(sandbox_id)
+        if sandbox is None or sandbox.state not in LIVE_STATES or sandbox.state == S.STOPPING:
+            return
+        if sandbox.state in (S.REQUESTED, S.QUEUED):
+            _transition(sandbox, S.STOPPED, actor=actor, message=f"{reason} before placement")
+            sandbox.ended_at = timezone.now()
+            sandbox.save(update_fields=["ended_at"])
+            return
+        _transition(sandbox, S.STOPPING, actor=actor, message=reason)
+        host_name = sandbox.host.name if sandbox.host else ""
+        key, handle = sandbox.allocation_key, sandbox.handle
+        transaction.on_commit(
+            lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle)
+        )

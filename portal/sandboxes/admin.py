@@ -1,0 +1,22 @@
+from django.contrib import admin
+
+from portal.sandboxes.models import Sandbox, SandboxEvent
+
+
+class EventInline(admin.TabularInline):  # type: ignore[type-arg]
+    model = SandboxEvent
+    extra = 0
+    can_delete = False
+    readonly_fields = ("at", "from_state", "to_state", "actor", "message", "data")
+
+
+@admin.register(Sandbox)
+class SandboxAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Read-only here: state changes go through portal.sandboxes.actions."""
+
+    list_display = ("pk", "project", "owner", "tier", "state", "host", "requested_at")
+    list_filter = ("state", "tier")
+    inlines = [EventInline]
+
+    def has_change_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+        return False

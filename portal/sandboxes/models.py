@@ -1,0 +1,183 @@
+"""Sandboxes, what they hold (allocations) and their history (events)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from portal.accounts.models import Project
+from portal.catalog.models import IsolationLevel, SandboxImage, Tier
+from portal.fleet.models import Gpu, Host, MigInstance
+
+
+class SandboxState(models.TextChoices):
+    """Lifecycle; every transition goes through ``portal.sandboxes.actions``::
+
+        requested -> queued -> placing -> starting -> running -> stopping -> stopped
+                         \\         \\          \\          \\
+                          `---------`----------`----------`--> failed | preempted | expired
+    """
+
+    REQUESTED = "requested", "Requested"
+    QUEUED = "queued", "Queued"
+    PLACING = "placing", "Placing"
+    STARTING = "starting", "Starting"
+    RUNNING = "running", "Running"
+    STOPPING = "stopping", "Stopping"
+    STOPPED = "stopped", "Stopped"
+    FAILED = "failed", "Failed"
+    PREEMPTED = "preempted", "Preempted"
+    EXPIRED = "expired", "Expired"
+
+
+LIVE_STATES = (
+    SandboxState.REQUESTED, SandboxState.QUEUED, SandboxState.PLACING,
+    SandboxState.STARTING, SandboxState.RUNNING, SandboxState.STOPPING,
+)
+ENDED_STATES = (SandboxState.STOPPED, SandboxState.FAILED, SandboxState.PREEMPTED, SandboxState.EXPIRED)
+
+
+class Sandbox(models.Model):
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="sandboxes")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="sandboxes")
+    tier = models.ForeignKey(Tier, on_delete=models.PROTECT, related_name="sandboxes")
+    image = models.ForeignKey(SandboxImage, on_delete=models.PROTECT, related_name="sandboxes")
+    isolation = models.CharField(max_length=16, choices=IsolationLevel.choices)
+    name = models.CharField(max_length=60, blank=True)
+    # What was asked for: exactly one of these applies, by the tier's sharing mode.
+    gpu_count = models.PositiveSmallIntegerField(default=1)
+    mig_profile = models.CharField(max_length=16, blank=True)
+    mps_memory_mib = models.PositiveIntegerField(default=0)
+    mps_thread_pct = models.PositiveSmallIntegerField(default=0)
+    max_duration = models.DurationField()
+
+    state = models.CharField(max_length=16, choices=SandboxState.choices, default=SandboxState.REQUESTED)
+    pending_reason = models.CharField(max_length=200, blank=True)
+    failure = models.TextField(blank=True)
+    host = models.ForeignKey(Host, on_delete=models.PROTECT, null=True, blank=True, related_name="sandboxes")
+    # Idempotency key of the current placement: drivers label what they launch with it.
+    allocation_key = models.CharField(max_length=40, blank=True)
+    handle = models.JSONField(null=True, blank=True)
+
+    requested_at = models.DateTimeField(default=timezone.now)
+    placed_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    stop_requested_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-requested_at"]
+        indexes = [
+            # The scheduling cycle polls the queue: a partial index keeps it small.
+            models.Index(
+                fields=["requested_at"], name="sandbox_queue_idx",
+                condition=models.Q(state="queued"),
+            ),
+            # "My sandboxes" and project pages list by project, newest first.
+            models.Index(fields=["project", "-requested_at"], name="sandbox_project_idx"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(gpu_count__gte=1, gpu_count__lte=8),
+                name="%(app_label)s_%(class)s_gpu_count_1_to_8",
+                violation_error_message="A sandbox takes 1 to 8 GPUs.",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(mps_thread_pct__lte=100),
+                name="%(app_label)s_%(class)s_mps_threads_at_most_100",
+                violation_error_message="An MPS share takes at most 100% of the threads.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"sandbox {self.pk} ({self.state})"
+
+    @property
+    def is_live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    @property
+    def request_summary(self) -> str:
+        mode = self.tier.sharing_mode
+        if mode == "mig":
+            return f"MIG {self.mig_profile}"
+        if mode == "mps":
+            return f"MPS {self.mps_memory_mib // 1024} GiB, {self.mps_thread_pct}% threads"
+        if mode == "timeslice":
+            return "1 time-slice replica"
+        return f"{self.gpu_count} GPU" + ("s" if self.gpu_count > 1 else "")
+
+
+class Allocation(models.Model):
+    """One device a placed sandbox holds. Released (active=False) when it ends."""
+
+    class Kind(models.TextChoices):
+        EXCLUSIVE = "exclusive", "Whole GPU"
+        MIG = "mig", "MIG instance"
+        MPS = "mps", "MPS share"
+        TIMESLICE = "timeslice", "Time-slice replica"
+
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="allocations")
+    gpu = models.ForeignKey(Gpu, on_delete=models.PROTECT, related_name="allocations")
+    mig_instance = models.ForeignKey(
+        MigInstance, on_delete=models.PROTECT, null=True, blank=True, related_name="allocations"
+    )
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    device_uuid = models.CharField(max_length=64)  # what the sandbox sees: GPU-… or MIG-…
+    milli_gpu = models.PositiveIntegerField(help_text="Share of the GPU in thousandths, for pricing.")
+    mps_memory_mib = models.PositiveIntegerField(default=0)
+    mps_thread_pct = models.PositiveSmallIntegerField(default=0)
+    replica = models.PositiveSmallIntegerField(null=True, blank=True)
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    released_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["gpu"], condition=models.Q(active=True, kind="exclusive"),
+                name="%(app_label)s_%(class)s_one_live_per_exclusive_gpu",
+                violation_error_message="This GPU is already held by a sandbox.",
+            ),
+            models.UniqueConstraint(
+                fields=["mig_instance"], condition=models.Q(active=True),
+                name="%(app_label)s_%(class)s_one_live_per_mig_instance",
+                violation_error_message="This MIG instance is already held by a sandbox.",
+            ),
+            models.UniqueConstraint(
+                fields=["gpu", "replica"], condition=models.Q(active=True, kind="timeslice"),
+                name="%(app_label)s_%(class)s_one_live_per_replica",
+                violation_error_message="This time-slice replica is already held.",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(milli_gpu__gte=1, milli_gpu__lte=1000),
+                name="%(app_label)s_%(class)s_share_within_one_gpu",
+                violation_error_message="An allocation holds between 0.001 and 1 GPU.",
+            ),
+        ]
+        indexes = [
+            # Placement snapshots read the live allocations of every GPU.
+            models.Index(fields=["gpu"], name="allocation_live_idx", condition=models.Q(active=True)),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.device_uuid} for sandbox {self.sandbox_id}"
+
+
+class SandboxEvent(models.Model):
+    """Append-only history of a sandbox: one row per transition."""
+
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(default=timezone.now)
+    from_state = models.CharField(max_length=16, blank=True)
+    to_state = models.CharField(max_length=16)
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
+    message = models.CharField(max_length=300, blank=True)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["at", "pk"]
+
+    def __str__(self) -> str:
+        return f"{self.sandbox_id}: {self.from_state or '∅'} → {self.to_state}"

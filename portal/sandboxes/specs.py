@@ -1,0 +1,36 @@
+"""Turning a placed sandbox into the self-contained launch message an agent executes."""
+
+from __future__ import annotations
+
+from portal.sandboxes.models import Allocation, Sandbox
+from workers.drivers.base import MpsShare, SandboxSpec
+
+
+def launch_spec(sandbox: Sandbox) -> SandboxSpec:
+    assert sandbox.host is not None  # noqa: S101 - only placed sandboxes are launched
+    allocations = list(sandbox.allocations.filter(active=True).order_by("gpu__index"))
+    mps = None
+    mps_alloc = next((a for a in allocations if a.kind == Allocation.Kind.MPS), None)
+    if mps_alloc is not None:
+        # The agent fills in its control daemon's pipe directory for this GPU.
+        mps = MpsShare(pipe_dir="", thread_pct=mps_alloc.mps_thread_pct, memory_mib=mps_alloc.mps_memory_mib)
+    tier = sandbox.tier
+    return SandboxSpec(
+        allocation_id=sandbox.allocation_key,
+        sandbox_id=sandbox.pk,
+        host=sandbox.host.name,
+        project=sandbox.project.slug,
+        owner=sandbox.owner.get_username(),
+        image=sandbox.image.reference,
+        command=tuple(sandbox.image.command or ("sleep", "infinity")),
+        device_uuids=tuple(a.device_uuid for a in allocations),
+        real_gpu=not sandbox.host.simulated,
+        cpu_limit=tier.cpu_limit,
+        memory_limit_mib=tier.memory_limit_mib,
+        pids_limit=tier.pids_limit,
+        network=tier.network,
+        mps=mps,
+        env={"GPUSHARE_SANDBOX_ID": str(sandbox.pk), "GPUSHARE_PROJECT": sandbox.project.slug},
+        milli_gpu=sum(a.milli_gpu for a in allocations),
+        price_per_gpu_hour_micros=tier.price_per_gpu_hour_micros,
+    )

@@ -1,0 +1,91 @@
+"""Thin views: they read, and call ``actions`` to change anything."""
+
+from __future__ import annotations
+
+from django.contrib.auth.decorators import login_required
+from django.db.models import QuerySet
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from django.core.exceptions import PermissionDenied
+
+from portal.accounts.access import can_manage_sandbox, visible_projects
+from portal.billing.ledger import running_cost_micros
+from portal.catalog.models import Tier
+from portal.sandboxes import actions
+from portal.sandboxes.forms import SandboxRequestForm
+from portal.sandboxes.models import Sandbox
+
+
+def _sandboxes_for_user(user: object) -> QuerySet[Sandbox]:
+    return Sandbox.objects.filter(project__in=visible_projects(user)).select_related(
+        "project", "owner", "tier", "image", "host"
+    )
+
+
+def _get_sandbox_for_user(request: HttpRequest, pk: int) -> Sandbox:
+    """The sandbox, or 404 for anything the user may not see (no hint it exists)."""
+    sandbox = _sandboxes_for_user(request.user).filter(pk=pk).first()
+    if sandbox is None:
+        raise Http404("No such sandbox")
+    return sandbox
+
+
+@login_required
+def sandbox_list(request: HttpRequest) -> HttpResponse:
+    sandboxes = _sandboxes_for_user(request.user)[:200]
+    template = "sandboxes/_rows.html" if request.headers.get("HX-Request") else "sandboxes/list.html"
+    return render(request, template, {"sandboxes": sandboxes})
+
+
+@login_required
+def sandbox_new(request: HttpRequest) -> HttpResponse:
+    form = SandboxRequestForm(request.POST or None, user=request.user)
+    if request.method == "POST" and form.is_valid() and form.request_obj is not None:
+        sandbox = actions.do_request_sandbox(request.user, form.request_obj)
+        return redirect("sandbox-detail", pk=sandbox.pk)
+    tier_modes = {str(t.pk): t.sharing_mode for t in Tier.objects.filter(active=True)}
+    return render(request, "sandboxes/new.html", {"form": form, "tier_modes": tier_modes},
+                  status=400 if form.errors else 200)
+
+
+def _detail_context(sandbox: Sandbox) -> dict[str, object]:
+    usage = list(sandbox.usage.all())
+    now = timezone.now()
+    cost = sum(running_cost_micros(u, now) for u in usage)
+    return {
+        "sandbox": sandbox,
+        "events": sandbox.events.select_related("actor"),
+        "allocations": sandbox.allocations.select_related("gpu", "mig_instance"),
+        "usage": usage,
+        "cost": f"{cost / 1_000_000:.4f} {sandbox.tier.currency}",
+        "time_left": (sandbox.started_at + sandbox.max_duration - now) if sandbox.started_at and
+        sandbox.state == "running" else None,
+    }
+
+
+@login_required
+def sandbox_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    sandbox = _get_sandbox_for_user(request, pk)
+    return render(request, "sandboxes/detail.html", _detail_context(sandbox))
+
+
+@login_required
+def sandbox_status(request: HttpRequest, pk: int) -> HttpResponse:
+    """The htmx-polled part of the detail page: state, events, usage."""
+    sandbox = _get_sandbox_for_user(request, pk)
+    return render(request, "sandboxes/_status.html", _detail_context(sandbox))
+
+
+@login_required
+@require_POST
+def sandbox_stop(request: HttpRequest, pk: int) -> HttpResponse:
+    sandbox = _get_sandbox_for_user(request, pk)
+    if not can_manage_sandbox(request.user, sandbox):
+        raise PermissionDenied("Only the owner, a project manager or an admin can stop this sandbox.")
+    actions.do_request_stop(sandbox.pk, request.user)
+    if request.headers.get("HX-Request"):
+        return sandbox_status(request, pk)
+    return redirect("sandbox-detail", pk=pk)

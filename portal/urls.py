@@ -1,0 +1,32 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from django.views.generic import RedirectView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.routers import DefaultRouter
+
+from portal.billing.api import SandboxViewSet, UsageRecordViewSet
+from portal.console import views as console
+from portal.sandboxes import views as sandboxes
+from portal.telemetry.health import healthz
+
+router = DefaultRouter()
+router.register("usage", UsageRecordViewSet, basename="usage")
+router.register("sandboxes", SandboxViewSet, basename="sandbox")
+
+urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="sandbox-list", permanent=False)),
+    path("healthz", healthz, name="healthz"),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("sandboxes/", sandboxes.sandbox_list, name="sandbox-list"),
+    path("sandboxes/new/", sandboxes.sandbox_new, name="sandbox-new"),
+    path("sandboxes/<int:pk>/", sandboxes.sandbox_detail, name="sandbox-detail"),
+    path("sandboxes/<int:pk>/status/", sandboxes.sandbox_status, name="sandbox-status"),
+    path("sandboxes/<int:pk>/stop/", sandboxes.sandbox_stop, name="sandbox-stop"),
+    path("console/fleet/", console.fleet, name="console-fleet"),
+    path("admin/", admin.site.urls),
+    path("api/v1/", include((router.urls, "api"), namespace="api")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+]

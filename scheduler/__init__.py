@@ -1,0 +1,1 @@
+"""Pure-Python scheduling core: dataclasses in, decisions out. Imports nothing from Django or Celery."""

@@ -1,0 +1,23 @@
+"""Placement policies: given a snapshot and one request, pick devices or say why not."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from scheduler.cluster import Pending, Place, Request, Snapshot
+
+
+class Policy(Protocol):
+    name: str
+
+    def place(self, snapshot: Snapshot, request: Request) -> Place | Pending: ...
+
+
+def get_policy(name: str) -> Policy:
+    from scheduler.policies.firstfit import FirstFit
+
+    policies: dict[str, Policy] = {"first-fit": FirstFit()}
+    try:
+        return policies[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(policies))}") from None

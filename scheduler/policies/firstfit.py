@@ -1,0 +1,77 @@
+"""First fit: hosts and GPUs in name/index order, the first that can take the request."""
+
+from __future__ import annotations
+
+from scheduler.cluster import (
+    DEDICATED, MIG, MPS, TIMESLICE, DeviceGrant, GpuState, Pending, Place, Request, Snapshot,
+)
+from scheduler.gpus import COMPUTE_SLICES, MODELS
+
+
+class FirstFit:
+    name = "first-fit"
+
+    def place(self, snapshot: Snapshot, request: Request) -> Place | Pending:
+        hosts = [h for h in snapshot.hosts if h.up]
+        if not hosts:
+            return Pending(request.id, "no GPU host is up")
+        for host in hosts:
+            gpus = [g for g in host.gpus if g.available and g.mode == request.mode]
+            grants = _fit(gpus, request)
+            if grants:
+                return Place(request.id, host.name, grants)
+        return Pending(request.id, _why_not(snapshot, request))
+
+
+def _fit(gpus: list[GpuState], request: Request) -> tuple[DeviceGrant, ...]:
+    if request.mode == DEDICATED:
+        free = [g for g in gpus if g.idle]
+        if len(free) < request.gpu_count:
+            return ()
+        return tuple(DeviceGrant(g.uuid, g.uuid, "exclusive", 1000) for g in free[: request.gpu_count])
+    for gpu in gpus:
+        if request.mode == MIG:
+            for slot in gpu.mig:
+                if not slot.busy and slot.profile == request.mig_profile:
+                    model = MODELS.get(gpu.model)
+                    compute = model.profile(slot.profile).compute_slices if model else 1
+                    milli = compute * 1000 // COMPUTE_SLICES
+                    return (DeviceGrant(gpu.uuid, slot.uuid, "mig", milli, mig_uuid=slot.uuid),)
+        elif request.mode == MPS:
+            if (
+                gpu.mps_used_mib + request.mps_memory_mib <= gpu.memory_mib
+                and gpu.mps_used_threads + request.mps_thread_pct <= 100
+            ):
+                return (
+                    DeviceGrant(
+                        gpu.uuid, gpu.uuid, "mps", max(1, request.mps_thread_pct * 10),
+                        mps_memory_mib=request.mps_memory_mib, mps_thread_pct=request.mps_thread_pct,
+                    ),
+                )
+        elif request.mode == TIMESLICE:
+            free_replicas = [r for r in range(gpu.replicas) if r not in gpu.replicas_used]
+            if free_replicas:
+                milli = 1000 // max(1, gpu.replicas)
+                return (DeviceGrant(gpu.uuid, gpu.uuid, "timeslice", milli, replica=free_replicas[0]),)
+    return ()
+
+
+def _why_not(snapshot: Snapshot, request: Request) -> str:
+    """A reason a person can act on: what kind of capacity is missing."""
+    gpus = [g for h in snapshot.hosts if h.up for g in h.gpus if g.mode == request.mode]
+    if not gpus:
+        return f"no GPU in the fleet offers {request.mode} sharing"
+    if not any(g.available for g in gpus):
+        return f"every {request.mode} GPU is drained or unavailable"
+    if request.mode == DEDICATED:
+        most = max(sum(1 for g in h.gpus if g.available and g.mode == DEDICATED and g.idle)
+                   for h in snapshot.hosts if h.up)
+        return f"waiting for {request.gpu_count} free GPUs on one host (at most {most} free now)"
+    if request.mode == MIG:
+        if not any(s.profile == request.mig_profile for g in gpus for s in g.mig):
+            return f"no MIG instance of profile {request.mig_profile} exists in the fleet"
+        return f"every {request.mig_profile} MIG slice is in use"
+    if request.mode == MPS:
+        return (f"no MPS GPU has {request.mps_memory_mib} MiB and {request.mps_thread_pct}% "
+                "threads free")
+    return "every time-slice replica is in use"

@@ -1,0 +1,13 @@
+// Browser entry point: htmx for partial updates, uPlot for live GPU charts.
+import htmx from "htmx.org";
+import { mountGpuCharts } from "./gpu-chart.js";
+import { wireRequestForm } from "./request-form.js";
+
+window.htmx = htmx;
+
+document.addEventListener("DOMContentLoaded", () => {
+  const chart = document.getElementById("gpu-chart");
+  if (chart) mountGpuCharts(chart);
+  const form = document.querySelector(".request-form");
+  if (form) wireRequestForm(form);
+});

@@ -1,0 +1,23 @@
+// Dims the request-form fields that do not apply to the chosen tier's sharing mode.
+const FIELDS_BY_MODE = {
+  dedicated: ["gpu_count"],
+  mig: ["mig_profile"],
+  mps: ["mps_memory_gib", "mps_thread_pct"],
+  timeslice: [],
+};
+const MODE_FIELDS = ["gpu_count", "mig_profile", "mps_memory_gib", "mps_thread_pct"];
+
+export function wireRequestForm(form) {
+  const modes = JSON.parse(document.getElementById("tier-modes")?.textContent || "{}");
+  const tier = form.querySelector("[name=tier]");
+  if (!tier) return;
+  const apply = () => {
+    const wanted = FIELDS_BY_MODE[modes[tier.value]] || MODE_FIELDS;
+    for (const name of MODE_FIELDS) {
+      const box = form.querySelector(`[data-field=${name}]`);
+      if (box) box.classList.toggle("is-irrelevant", !wanted.includes(name));
+    }
+  };
+  tier.addEventListener("change", apply);
+  apply();
+}

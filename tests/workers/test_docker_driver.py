@@ -1,0 +1,348 @@
+"""Docker driver: spec -> container arguments (no engine), then against a real engine."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+import docker.errors
+import pytest
+
+from tests.workers.engines import require_engine
+from workers.drivers import make_driver
+from workers.drivers.base import DriverError, MpsShare, SandboxSpec
+from workers.drivers.docker import (
+    DockerDriver,
+    _parse_docker_time,
+    container_kwargs,
+    docker_available,
+)
+from workers.drivers.process import ProcessDriver
+
+IMAGE = "gpushare/sandbox-base:1"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_spec(host: str = "h1", **overrides: object) -> SandboxSpec:
+    values: dict[str, object] = {
+        "allocation_id": f"t{uuid.uuid4().hex[:12]}",
+        "sandbox_id": 42,
+        "host": host,
+        "project": "proj",
+        "owner": "alice",
+        "image": IMAGE,
+        "command": ("sleep", "300"),
+        "device_uuids": ("GPU-aaaa", "MIG-bbbb"),
+        "real_gpu": False,
+        "cpu_limit": 0.5,
+        "memory_limit_mib": 128,
+        "pids_limit": 64,
+        "env": {"FOO": "bar"},
+    }
+    values.update(overrides)
+    return SandboxSpec(**values)  # type: ignore[arg-type]
+
+
+# --- no engine needed --------------------------------------------------------------------
+
+
+def test_kwargs_lock_the_container_down() -> None:
+    spec = make_spec()
+    kw = container_kwargs(spec)
+    assert kw["name"] == f"gpushare-{spec.allocation_id}"
+    assert kw["labels"] == spec.labels()
+    assert kw["user"] == "1000:1000"
+    assert kw["cap_drop"] == ["ALL"]
+    assert kw["security_opt"] == ["no-new-privileges"]
+    assert kw["read_only"] is True
+    assert set(kw["tmpfs"]) == {"/tmp", "/home/sandbox"}
+    assert all("size=" in opts for opts in kw["tmpfs"].values())
+    assert kw["mem_limit"] == kw["memswap_limit"] == "128m"
+    assert kw["nano_cpus"] == 500_000_000
+    assert kw["pids_limit"] == 64
+    assert kw["network_mode"] == "none"
+    assert kw["init"] is True
+    assert kw["restart_policy"] == {"Name": "no"}
+    assert kw["auto_remove"] is False
+    assert kw["environment"]["FOO"] == "bar"
+    assert kw["environment"]["NVIDIA_VISIBLE_DEVICES"] == "GPU-aaaa,MIG-bbbb"
+    assert "device_requests" not in kw  # simulated host: no NVIDIA runtime involved
+    assert "mounts" not in kw
+
+
+def test_kwargs_real_gpu_requests_devices_by_uuid() -> None:
+    kw = container_kwargs(make_spec(real_gpu=True))
+    (request,) = kw["device_requests"]
+    assert request["DeviceIDs"] == ["GPU-aaaa", "MIG-bbbb"]
+    assert request["Capabilities"] == [["gpu"]]
+    assert kw["environment"]["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa,MIG-bbbb"
+
+
+def test_kwargs_mps_mounts_pipe_dir_and_sets_variables() -> None:
+    mps = MpsShare(pipe_dir="/run/gpushare/mps/GPU-aaaa", thread_pct=25, memory_mib=4096)
+    kw = container_kwargs(make_spec(mps=mps, device_uuids=("GPU-aaaa",)))
+    (mount,) = kw["mounts"]
+    assert mount["Source"] == mount["Target"] == mps.pipe_dir
+    assert mount["Type"] == "bind"
+    assert mount["ReadOnly"] is False
+    env = kw["environment"]
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == mps.pipe_dir
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+
+
+def test_kwargs_network_only_when_allowed() -> None:
+    assert "network_mode" not in container_kwargs(make_spec(network=True))
+
+
+def test_parse_docker_time() -> None:
+    assert _parse_docker_time("2026-01-02T03:04:05.123456789Z") == 1767323045123
+    assert _parse_docker_time("2026-01-02T03:04:05Z") == 1767323045000
+    assert _parse_docker_time("0001-01-01T00:00:00Z") is None
+    assert _parse_docker_time("") is None
+
+
+def test_make_driver_kinds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(make_driver("docker", "h1", tmp_path), DockerDriver)
+    assert isinstance(make_driver("process", "h1", tmp_path), ProcessDriver)
+    monkeypatch.setattr("workers.drivers.docker.docker_available", lambda: False)
+    assert isinstance(make_driver("auto", "h1", tmp_path), ProcessDriver)
+    monkeypatch.setattr("workers.drivers.docker.docker_available", lambda: True)
+    assert isinstance(make_driver("auto", "h1", tmp_path), DockerDriver)
+    with pytest.raises(ValueError, match="'libvrit'"):
+        make_driver("libvrit", "h1", tmp_path)
+
+
+def test_unreachable_engine_is_a_driver_error() -> None:
+    client = docker.DockerClient(base_url="unix:///nonexistent/docker.sock", version="1.41")
+    with pytest.raises(DriverError, match="cannot reach the Docker engine"):
+        DockerDriver(client, host="h1").list_owned()
+
+
+# --- against a real engine ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[docker.DockerClient]:
+    require_engine(docker_available(), "Docker engine")
+    built = subprocess.run(
+        [REPO / "scripts" / "build-sandbox-image.sh"], capture_output=True, text=True, check=False
+    )
+    require_engine(built.returncode == 0, f"{IMAGE} image ({built.stderr.strip()})")
+    engine = docker.from_env()
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def host(client: docker.DockerClient) -> Iterator[str]:
+    """A host name no one else uses, so that list_owned and cleanup see only our sandboxes."""
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    yield name
+    for container in client.containers.list(
+        all=True, filters={"label": f"io.gpushare.host={name}"}
+    ):
+        container.remove(force=True)
+
+
+@pytest.fixture
+def driver(client: docker.DockerClient, host: str) -> DockerDriver:
+    return DockerDriver(client, host=host)
+
+
+def read_until(terminal: object, pattern: bytes, timeout_s: float = 10.0) -> bytes:
+    out = b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not re.search(pattern, out):
+        out += terminal.read(0.2)  # type: ignore[attr-defined]
+    return out
+
+
+def read_until_eof(terminal: object, timeout_s: float = 10.0) -> None:
+    """Reads until the terminal raises EOFError; returns (failing the caller) if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        terminal.read(0.2)  # type: ignore[attr-defined]
+
+
+@pytest.mark.docker
+def test_launch_applies_confinement(
+    driver: DockerDriver, client: docker.DockerClient, host: str
+) -> None:
+    spec = make_spec(host)
+    before_ms = int(time.time() * 1000) - 1000
+    handle = driver.launch(spec)
+    container = client.containers.get(handle.ref)
+    attrs = container.attrs
+    config, hostcfg = attrs["Config"], attrs["HostConfig"]
+    assert handle.allocation_id == spec.allocation_id and handle.sandbox_id == 42
+    assert container.name == f"gpushare-{spec.allocation_id}"
+    assert spec.labels().items() <= config["Labels"].items()
+    assert config["User"] == "1000:1000"
+    assert hostcfg["CapDrop"] == ["ALL"]
+    assert "no-new-privileges" in hostcfg["SecurityOpt"]
+    assert hostcfg["ReadonlyRootfs"] is True
+    assert hostcfg["Memory"] == hostcfg["MemorySwap"] == 128 * 1024 * 1024
+    assert hostcfg["NanoCpus"] == 500_000_000
+    assert hostcfg["PidsLimit"] == 64
+    assert hostcfg["NetworkMode"] == "none"
+    assert hostcfg["Init"] is True
+    assert hostcfg["RestartPolicy"]["Name"] == "no"
+    assert hostcfg["AutoRemove"] is False
+    assert "NVIDIA_VISIBLE_DEVICES=GPU-aaaa,MIG-bbbb" in config["Env"]
+    assert "FOO=bar" in config["Env"]
+
+    status = driver.status(handle)
+    assert status.state == "running"
+    assert status.started_at_ms is not None and status.started_at_ms >= before_ms
+
+    # What the sandbox itself sees, not only what the engine was told.
+    code, out = container.exec_run(
+        ["sh", "-c", "id -u; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; touch /x"]
+    )
+    text = out.decode()
+    assert code != 0  # the root filesystem is read-only
+    assert text.splitlines()[0] == "1000"
+    assert re.search(r"CapEff:\s+0+\n", text)
+    assert re.search(r"NoNewPrivs:\s+1", text)
+    assert "Read-only file system" in text
+    code, out = container.exec_run(["sh", "-c", "cd && touch ok && echo $HOME && ls /tmp"])
+    assert code == 0, out
+    assert out.decode().splitlines()[0] == "/home/sandbox"
+
+
+@pytest.mark.docker
+def test_launch_is_idempotent(driver: DockerDriver, client: docker.DockerClient, host: str) -> None:
+    spec = make_spec(host)
+    first = driver.launch(spec)
+    assert driver.launch(spec) == first
+    # A second driver (another agent process) racing on the same allocation.
+    spec2 = make_spec(host)
+    results: list[str] = []
+    launchers = [
+        threading.Thread(target=lambda: results.append(DockerDriver(host=host).launch(spec2).ref))
+        for _ in range(4)
+    ]
+    for thread in launchers:
+        thread.start()
+    for thread in launchers:
+        thread.join()
+    assert len(results) == 4 and len(set(results)) == 1
+    owned = client.containers.list(
+        all=True, filters={"label": f"io.gpushare.allocation={spec2.allocation_id}"}
+    )
+    assert [c.id for c in owned] == results[:1]
+
+
+@pytest.mark.docker
+def test_mps_env_and_mount(driver: DockerDriver, client: docker.DockerClient, host: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="gpushare-mps-") as pipe_dir:
+        mps = MpsShare(pipe_dir=pipe_dir, thread_pct=30, memory_mib=2048)
+        handle = driver.launch(make_spec(host, mps=mps, device_uuids=("GPU-aaaa",)))
+        container = client.containers.get(handle.ref)
+        (mount,) = container.attrs["Mounts"]
+        assert mount["Type"] == "bind"
+        assert mount["Source"] == mount["Destination"] == pipe_dir
+        assert mount["RW"] is True
+        env = container.attrs["Config"]["Env"]
+        assert f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}" in env
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in env
+        assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M" in env
+        code, _ = container.exec_run(["test", "-d", pipe_dir])
+        assert code == 0
+        driver.stop(handle, grace_s=0)
+
+
+@pytest.mark.docker
+def test_stop_removes_container_and_is_idempotent(
+    driver: DockerDriver, client: docker.DockerClient, host: str
+) -> None:
+    handle = driver.launch(make_spec(host))
+    started = time.monotonic()
+    driver.stop(handle, grace_s=5)
+    assert time.monotonic() - started < 5  # init forwards SIGTERM: no wait for the grace
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(handle.ref)
+    assert driver.status(handle).state == "missing"
+    driver.stop(handle)  # already gone: no error
+
+
+@pytest.mark.docker
+def test_status_reports_exit_code(driver: DockerDriver, host: str) -> None:
+    handle = driver.launch(make_spec(host, command=("sh", "-c", "exit 3")))
+    deadline = time.monotonic() + 10
+    while driver.status(handle).state == "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status = driver.status(handle)
+    assert status.state == "exited"
+    assert status.exit_code == 3
+    assert driver.launch(make_spec(host, allocation_id=handle.allocation_id)) == handle
+
+
+@pytest.mark.docker
+def test_list_owned_filters_by_host(driver: DockerDriver, host: str) -> None:
+    handles = {driver.launch(make_spec(host)) for _ in range(2)}
+    assert set(driver.list_owned()) == handles
+    assert not handles & set(DockerDriver(host=f"{host}-other").list_owned())
+    assert handles <= set(DockerDriver().list_owned())  # no host: everything labelled
+
+
+@pytest.mark.docker
+def test_network_allowed_leaves_the_none_network(
+    driver: DockerDriver, client: docker.DockerClient, host: str
+) -> None:
+    handle = driver.launch(make_spec(host, network=True))
+    # The engine's default network; on a --bridge=none engine that still means loopback.
+    assert client.containers.get(handle.ref).attrs["HostConfig"]["NetworkMode"] != "none"
+
+
+@pytest.mark.docker
+def test_terminal_runs_a_shell(driver: DockerDriver, host: str) -> None:
+    handle = driver.launch(make_spec(host))
+    terminal = driver.exec_terminal(handle)
+    try:
+        terminal.resize(40, 120)
+        terminal.write(b"echo h''i; id -u\n")  # the quotes keep the echoed line from matching
+        out = read_until(terminal, rb"\nhi\r?\n1000\r?\n")
+        assert re.search(rb"\nhi\r?\n1000\r?\n", out), out
+        terminal.write(b"exit\n")
+        with pytest.raises(EOFError):
+            read_until_eof(terminal)
+    finally:
+        terminal.close()
+
+
+@pytest.mark.docker
+def test_missing_image_names_the_build_script(driver: DockerDriver, host: str) -> None:
+    with pytest.raises(DriverError, match=r"gpushare/no-such-image:0.*build-sandbox-image\.sh"):
+        driver.launch(make_spec(host, image="gpushare/no-such-image:0"))
+    assert driver.list_owned() == []
+
+
+@pytest.mark.docker
+def test_missing_binary_exits_127(driver: DockerDriver, host: str) -> None:
+    # The init process (tini) execs the command, so the container starts and then exits.
+    handle = driver.launch(make_spec(host, command=("/no/such/binary",)))
+    deadline = time.monotonic() + 10
+    while driver.status(handle).state == "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert driver.status(handle).exit_code == 127
+
+
+@pytest.mark.docker
+def test_container_that_cannot_start_leaves_nothing(
+    driver: DockerDriver, client: docker.DockerClient, host: str
+) -> None:
+    if "nvidia" in client.info().get("Runtimes", {}):
+        pytest.skip("this engine can satisfy GPU device requests")
+    # Without the NVIDIA runtime the engine refuses the device request at start.
+    with pytest.raises(DriverError, match="Docker engine refused"):
+        driver.launch(make_spec(host, real_gpu=True))
+    assert driver.list_owned() == []

@@ -1,0 +1,436 @@
+"""SimulatedBackend: MIG geometry, deterministic UUIDs, load-driven telemetry, health hooks."""
+
+from __future__ import annotations
+
+import threading
+import uuid as uuidlib
+from collections.abc import Callable
+from functools import partial
+
+import pytest
+
+from scheduler.gpus import MEMORY_SLICES, MODELS
+from workers.gpu import make_backend
+from workers.gpu.base import GpuBackend, GpuBackendError
+from workers.gpu.simulated import (
+    SimulatedBackend,
+    SimulatedGpuConfig,
+    default_mig_layout,
+    parse_sim_spec,
+)
+
+H100_LEGAL_STARTS = {
+    "1g.10gb": {0, 1, 2, 3, 4, 5, 6},
+    "1g.20gb": {0, 2, 4, 6},
+    "2g.20gb": {0, 2, 4},
+    "3g.40gb": {0, 4},
+    "4g.40gb": {0},
+    "7g.80gb": {0},
+}
+
+
+class FakeClock:
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def whole_gpu(model: str = "H100-80GB", clock: FakeClock | None = None) -> SimulatedBackend:
+    return SimulatedBackend("host-a", [SimulatedGpuConfig(model)], clock=clock or FakeClock())
+
+
+def empty_mig_gpu(model: str = "H100-80GB") -> tuple[SimulatedBackend, str]:
+    """A MIG-enabled GPU with no instances (MIG GPUs start with the default layout)."""
+    backend = SimulatedBackend("host-a", [SimulatedGpuConfig(model, mig=True)], clock=FakeClock())
+    gpu = backend.list_gpus()[0].uuid
+    for mig in backend.mig_layout(gpu):
+        backend.destroy_mig(gpu, mig.uuid)
+    assert backend.mig_layout(gpu) == []
+    return backend, gpu
+
+
+# -- MIG geometry ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", sorted(H100_LEGAL_STARTS))
+@pytest.mark.parametrize("start", range(MEMORY_SLICES))
+def test_h100_placements_follow_nvidia_table(profile: str, start: int) -> None:
+    backend, gpu = empty_mig_gpu()
+    if start in H100_LEGAL_STARTS[profile]:
+        mig = backend.create_mig(gpu, profile, start)
+        assert (mig.profile, mig.start, mig.parent_uuid) == (profile, start, gpu)
+        assert backend.mig_layout(gpu) == [mig]
+    else:
+        with pytest.raises(
+            GpuBackendError, match=rf"{profile} cannot start at memory slice {start}"
+        ):
+            backend.create_mig(gpu, profile, start)
+        assert backend.mig_layout(gpu) == []
+
+
+def test_overlapping_start_is_refused_and_names_the_instance() -> None:
+    backend, gpu = empty_mig_gpu()
+    backend.create_mig(gpu, "3g.40gb", 0)
+    with pytest.raises(GpuBackendError, match=r"1g\.10gb@2 overlaps 3g\.40gb@0"):
+        backend.create_mig(gpu, "1g.10gb", 2)
+    with pytest.raises(GpuBackendError, match="overlaps"):
+        backend.create_mig(gpu, "7g.80gb", 0)
+    assert backend.create_mig(gpu, "3g.40gb", 4).start == 4
+
+
+def test_seven_small_slices_fill_the_gpu() -> None:
+    backend, gpu = empty_mig_gpu()
+    migs = [backend.create_mig(gpu, "1g.10gb", start) for start in range(7)]
+    assert len({m.uuid for m in migs}) == 7
+    assert len({m.gpu_instance_id for m in migs}) == 7
+    assert all(0 <= m.gpu_instance_id < 16 and m.compute_instance_id == 0 for m in migs)
+    with pytest.raises(GpuBackendError, match="overlaps"):
+        backend.create_mig(gpu, "1g.20gb", 6)
+
+
+def test_mig_errors_name_the_problem() -> None:
+    backend, gpu = empty_mig_gpu()
+    with pytest.raises(GpuBackendError, match=r"no MIG profile '5g\.50gb'.*1g\.10gb"):
+        backend.create_mig(gpu, "5g.50gb", 0)
+    with pytest.raises(GpuBackendError, match="no GPU GPU-nope"):
+        backend.create_mig("GPU-nope", "1g.10gb", 0)
+    with pytest.raises(GpuBackendError, match="is not a MIG device"):
+        backend.destroy_mig(gpu, "MIG-nope")
+    plain = whole_gpu()
+    with pytest.raises(GpuBackendError, match="MIG mode is disabled"):
+        plain.create_mig(plain.list_gpus()[0].uuid, "1g.10gb", 0)
+
+
+def test_destroy_refuses_an_instance_in_use() -> None:
+    backend, gpu = empty_mig_gpu()
+    mig = backend.create_mig(gpu, "2g.20gb", 2)
+    backend.note_load("alloc-1", [mig.uuid], 1000, 50.0)
+    with pytest.raises(GpuBackendError, match="in use by alloc-1"):
+        backend.destroy_mig(gpu, mig.uuid)
+    backend.forget_load("alloc-1")
+    backend.destroy_mig(gpu, mig.uuid)
+    assert backend.mig_layout(gpu) == []
+
+
+@pytest.mark.parametrize("model", [m.name for m in MODELS.values() if m.mig_capable])
+def test_default_layout_is_legal_and_uses_every_slice(model: str) -> None:
+    layout = default_mig_layout(model)
+    backend = SimulatedBackend("h", [SimulatedGpuConfig(model, mig=True)], clock=FakeClock())
+    migs = backend.list_gpus()[0].mig_devices
+    assert [(m.profile, m.start) for m in sorted(migs, key=lambda m: m.start)] == sorted(
+        layout, key=lambda p: p[1]
+    )
+    assert sum(m.memory_slices for m in migs) == MEMORY_SLICES
+    profiles = MODELS[model]
+    assert sum(profiles.profile(m.profile).compute_slices for m in migs) == 7
+
+
+def test_configured_layout_and_bad_configs() -> None:
+    layout = (("7g.80gb", 0),)
+    backend = SimulatedBackend("h", [SimulatedGpuConfig("A100-80GB", True, layout)])
+    assert [m.profile for m in backend.list_gpus()[0].mig_devices] == ["7g.80gb"]
+    with pytest.raises(ValueError, match=r"bad MIG layout.*cannot start"):
+        SimulatedBackend("h", [SimulatedGpuConfig("H100-80GB", True, (("3g.40gb", 2),))])
+    with pytest.raises(ValueError, match="needs mig=True"):
+        SimulatedBackend("h", [SimulatedGpuConfig("H100-80GB", False, layout)])
+    with pytest.raises(ValueError, match="unknown GPU model 'V100'"):
+        SimulatedBackend("h", [SimulatedGpuConfig("V100")])
+
+
+# -- identity --------------------------------------------------------------------------------
+
+
+def test_uuids_are_deterministic_per_host_and_index() -> None:
+    configs = parse_sim_spec("H100-80GB:2:mig=1")
+    first = SimulatedBackend("host-a", configs).list_gpus()
+    again = SimulatedBackend("host-a", configs, seed=7).list_gpus()  # an agent restart
+    other = SimulatedBackend("host-b", configs).list_gpus()
+    assert [g.uuid for g in first] == [g.uuid for g in again]
+    assert [m.uuid for m in first[1].mig_devices] == [m.uuid for m in again[1].mig_devices]
+    assert {g.uuid for g in first}.isdisjoint(g.uuid for g in other)
+    assert all(g.uuid.startswith("GPU-") and g.simulated for g in first)
+    uuidlib.UUID(first[0].uuid.removeprefix("GPU-"))
+    mig = first[1].mig_devices[0]
+    assert mig.uuid.startswith("MIG-")
+    uuidlib.UUID(mig.uuid.removeprefix("MIG-"))
+
+
+def test_recreated_instance_gets_the_same_uuid() -> None:
+    backend, gpu = empty_mig_gpu()
+    before = backend.create_mig(gpu, "2g.20gb", 4)
+    backend.destroy_mig(gpu, before.uuid)
+    assert backend.create_mig(gpu, "2g.20gb", 4).uuid == before.uuid
+
+
+def test_inventory_names_map_back_to_models() -> None:
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB;A100-80GB;A100-40GB"))
+    gpus = backend.list_gpus()
+    assert [g.model for g in gpus] == ["H100-80GB", "A100-80GB", "A100-40GB"]
+    assert [g.index for g in gpus] == [0, 1, 2]
+    assert gpus[0].name == "NVIDIA H100 80GB HBM3"
+    assert gpus[2].memory_mib == MODELS["A100-40GB"].memory_mib
+    assert backend.name == "simulated" and backend.simulated
+
+
+# -- spec parsing ----------------------------------------------------------------------------
+
+
+def test_parse_sim_spec() -> None:
+    configs = parse_sim_spec(" H100-80GB:4:mig=0,1 ; A100-80GB:2 ")
+    assert [c.model for c in configs] == ["H100-80GB"] * 4 + ["A100-80GB"] * 2
+    assert [c.mig for c in configs] == [True, True, False, False, False, False]
+    assert parse_sim_spec("") == []
+    assert parse_sim_spec("A100-40GB") == [SimulatedGpuConfig("A100-40GB")]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("B200:1", "unknown GPU model 'B200'"),
+        ("H100-80GB:x", "bad GPU count 'x'"),
+        ("H100-80GB:0", "at least 1"),
+        ("H100-80GB:2:mig=2", r"MIG indices \[2\] out of range"),
+        ("H100-80GB:2:mig=a", "bad MIG indices"),
+    ],
+)
+def test_parse_sim_spec_rejects(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_sim_spec(spec)
+
+
+def test_make_backend_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("workers.gpu.nvml_available", lambda: False)
+    backend = make_backend("auto", "host-a", "A100-80GB:2")
+    assert isinstance(backend, SimulatedBackend) and len(backend.list_gpus()) == 2
+    assert make_backend("simulated", "host-a", "").list_gpus() == []
+    with pytest.raises(ValueError, match="'cuda'"):
+        make_backend("cuda", "host-a", "")
+
+
+# -- telemetry -------------------------------------------------------------------------------
+
+
+def test_idle_sample() -> None:
+    backend = whole_gpu()
+    gpu = backend.list_gpus()[0].uuid
+    sample = backend.sample(gpu)
+    model = MODELS["H100-80GB"]
+    assert 30 <= sample.temp_c <= 36
+    assert sample.util_pct == 0
+    assert model.idle_w * 0.98 <= sample.power_w <= model.idle_w * 1.02
+    assert sample.mem_used_mib == 512 and sample.mem_total_mib == model.memory_mib
+    assert sample.sm_clock_mhz < model.max_sm_clock_mhz / 2
+    assert sample.throttle == ("gpu_idle",)
+    assert sample.mem_by_owner == {}
+    assert sample.t_ms == 1_700_000_000_000
+
+
+def test_temperature_and_power_follow_load_and_fall_back() -> None:
+    clock = FakeClock()
+    backend = whole_gpu(clock=clock)
+    gpu = backend.list_gpus()[0].uuid
+    idle = backend.sample(gpu)
+    backend.note_load("alloc-1", [gpu], 20_000, 100.0)
+    clock.t += 25  # one time constant: about 63 % of the way to equilibrium
+    one_tau = backend.sample(gpu)
+    rise = (one_tau.temp_c - idle.temp_c) / (76 - 33)
+    assert 0.55 < rise < 0.72
+    clock.t += 300
+    hot = backend.sample(gpu)
+    model = MODELS["H100-80GB"]
+    assert 70 <= hot.temp_c <= 80
+    assert hot.power_w >= model.tdp_w * 0.95
+    assert hot.util_pct >= 97
+    assert hot.sm_clock_mhz >= model.max_sm_clock_mhz * 0.9
+    assert "gpu_idle" not in hot.throttle
+    backend.forget_load("alloc-1")
+    clock.t += 300
+    cooled = backend.sample(gpu)
+    assert cooled.temp_c < 37 and cooled.util_pct == 0
+    assert cooled.power_w < model.idle_w * 1.05
+
+
+@pytest.mark.parametrize("step_s", [0.1, 1.0, 10.0])
+def test_thermal_curve_does_not_depend_on_sampling_rate(step_s: float) -> None:
+    reference_clock, clock = FakeClock(), FakeClock()
+    reference, backend = whole_gpu(clock=reference_clock), whole_gpu(clock=clock)
+    gpu = backend.list_gpus()[0].uuid
+    for b in (reference, backend):
+        b.note_load("alloc-1", [gpu], 1000, 60.0)
+    for _ in range(round(30 / step_s)):
+        clock.t += step_s
+        backend.sample(gpu)
+    reference_clock.t += 30
+    # Only the ±0.3 °C sample noise may differ.
+    assert abs(backend.sample(gpu).temp_c - reference.sample(gpu).temp_c) <= 0.7
+
+
+def test_memory_held_by_owners() -> None:
+    backend = SimulatedBackend("h", parse_sim_spec("A100-40GB:2"), clock=FakeClock())
+    gpu0, gpu1 = (g.uuid for g in backend.list_gpus())
+    backend.note_load("alloc-1", [gpu0, gpu1], 10_000, 40.0)
+    backend.note_load("alloc-2", [gpu0], 5_000, 30.0)
+    sample = backend.sample(gpu0)
+    assert sample.mem_by_owner == {"alloc-1": 10_000, "alloc-2": 5_000}
+    assert sample.mem_used_mib == 512 + 15_000
+    assert 65 <= sample.util_pct <= 75
+    assert backend.sample(gpu1).mem_by_owner == {"alloc-1": 10_000}
+    backend.note_load("alloc-3", [gpu0], 40_000, 10.0)
+    assert backend.sample(gpu0).mem_used_mib == MODELS["A100-40GB"].memory_mib  # capped
+    for owner in ("alloc-1", "alloc-2", "alloc-3"):
+        backend.forget_load(owner)
+    assert backend.sample(gpu0).mem_used_mib == 512
+    backend.forget_load("never-there")
+
+
+def test_mig_load_lands_on_parent_scaled_by_share() -> None:
+    backend, gpu = empty_mig_gpu()
+    big = backend.create_mig(gpu, "3g.40gb", 4)
+    small = backend.create_mig(gpu, "1g.10gb", 0)
+    backend.note_load("alloc-1", [big.uuid], 8_000, 100.0)
+    parent, device, idle_device = (
+        backend.sample(gpu),
+        backend.sample(big.uuid),
+        backend.sample(small.uuid),
+    )
+    assert abs(parent.util_pct - 100 * 3 / 7) <= 2.5
+    assert device.util_pct >= 97 and idle_device.util_pct == 0
+    assert device.mem_total_mib == big.memory_mib
+    assert device.mem_used_mib == 16 + 8_000 and device.mem_by_owner == {"alloc-1": 8_000}
+    assert parent.mem_by_owner == {"alloc-1": 8_000} and parent.mem_used_mib == 512 + 8_000
+    assert idle_device.mem_by_owner == {}
+    # Temperature, power and clocks are the board's.
+    assert abs(device.temp_c - parent.temp_c) <= 0.7
+    assert abs(device.power_w - parent.power_w) <= parent.power_w * 0.03
+
+
+def test_samples_are_reproducible_for_a_seed() -> None:
+    def run(seed: int) -> list[float]:
+        clock = FakeClock()
+        backend = SimulatedBackend("h", parse_sim_spec("H100-80GB"), seed=seed, clock=clock)
+        gpu = backend.list_gpus()[0].uuid
+        backend.note_load("a", [gpu], 100, 50.0)
+        values = []
+        for _ in range(20):
+            clock.t += 0.5
+            sample = backend.sample(gpu)
+            values += [sample.util_pct, sample.power_w, sample.temp_c]
+        return values
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_note_load_rejects_unknown_devices() -> None:
+    backend = whole_gpu()
+    with pytest.raises(GpuBackendError, match="MIG-nope"):
+        backend.note_load("a", ["MIG-nope"], 1, 1.0)
+    with pytest.raises(GpuBackendError, match="GPU-nope"):
+        backend.sample("GPU-nope")
+
+
+# -- health ----------------------------------------------------------------------------------
+
+
+def test_xid_injection_is_drained_once() -> None:
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1:mig=0"), clock=FakeClock())
+    mig = backend.list_gpus()[0].mig_devices[0]
+    backend.inject_xid(mig.uuid, 43)
+    events = backend.health_events()
+    assert [(e.uuid, e.kind, e.xid) for e in events] == [(mig.uuid, "xid", 43)]
+    assert events[0].t_ms == 1_700_000_000_000
+    assert backend.health_events() == []
+
+
+def test_overheat_throttles_and_raises_one_event_per_episode() -> None:
+    clock = FakeClock()
+    backend = whole_gpu(clock=clock)
+    gpu = backend.list_gpus()[0].uuid
+    normal_clock = backend.sample(gpu).sm_clock_mhz
+    backend.note_load("a", [gpu], 100, 100.0)
+    clock.t += 120
+    cool_loaded = backend.sample(gpu)
+    backend.inject_overheat(gpu, 95.0)
+    hot = backend.sample(gpu)
+    assert hot.temp_c >= 94
+    assert "sw_thermal" in hot.throttle and "hw_slowdown" in hot.throttle
+    assert hot.sm_clock_mhz < cool_loaded.sm_clock_mhz * 0.6 and normal_clock > 0
+    events = backend.health_events()
+    assert [(e.uuid, e.kind) for e in events] == [(gpu, "overheat")]
+    clock.t += 1  # still hot: no second event
+    backend.sample(gpu)
+    assert backend.health_events() == []
+    clock.t += 200
+    cooled = backend.sample(gpu)
+    assert cooled.temp_c < 80 and "sw_thermal" not in cooled.throttle
+    backend.inject_overheat(gpu, 91.0)
+    assert [e.kind for e in backend.health_events()] == ["overheat"]
+
+
+def test_lost_gpu_leaves_inventory_and_fails_calls() -> None:
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:2"), clock=FakeClock())
+    lost, kept = (g.uuid for g in backend.list_gpus())
+    backend.mark_lost(lost)
+    backend.mark_lost(lost)
+    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(lost, "gpu_lost")]
+    assert [g.uuid for g in backend.list_gpus()] == [kept]
+    with pytest.raises(GpuBackendError, match="is lost"):
+        backend.sample(lost)
+    with pytest.raises(GpuBackendError, match="is lost"):
+        backend.mig_layout(lost)
+    backend.sample(kept)
+
+
+# -- concurrency -----------------------------------------------------------------------------
+
+
+def test_concurrent_sampling_loading_and_mig_changes() -> None:
+    backend: GpuBackend = SimulatedBackend("h", parse_sim_spec("H100-80GB:2:mig=1"))
+    plain, mig_gpu = (g.uuid for g in backend.list_gpus())
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def guarded(work: Callable[[], None]) -> None:
+        try:
+            while not stop.is_set():
+                work()
+        except BaseException as exc:  # a failure in any thread fails the test
+            errors.append(exc)
+
+    def sampler() -> None:
+        backend.list_gpus()
+        for device in steady:  # the reshaper's instance may vanish between list and sample
+            backend.sample(device)
+        backend.health_events()
+
+    def loader(name: str) -> None:
+        backend.note_load(name, [plain], 1000, 50.0)
+        backend.forget_load(name)
+
+    def reshaper() -> None:
+        mig = (
+            backend.create_mig(mig_gpu, "1g.20gb", 6)
+            if len(backend.mig_layout(mig_gpu)) < 5
+            else None
+        )
+        if mig is not None:
+            backend.destroy_mig(mig_gpu, mig.uuid)
+
+    backend.destroy_mig(mig_gpu, backend.mig_layout(mig_gpu)[-1].uuid)  # frees slices 4-7
+    steady = [plain, mig_gpu] + [m.uuid for m in backend.mig_layout(mig_gpu)]
+    threads = [threading.Thread(target=guarded, args=(sampler,)) for _ in range(3)]
+    threads += [
+        threading.Thread(target=guarded, args=(partial(loader, f"alloc-{i}"),)) for i in range(3)
+    ]
+    threads.append(threading.Thread(target=guarded, args=(reshaper,)))
+    for thread in threads:
+        thread.start()
+    stop.wait(0.5)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert backend.sample(plain).mem_by_owner == {}
+    assert len(backend.mig_layout(mig_gpu)) == 3

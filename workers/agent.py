@@ -1,0 +1,217 @@
+"""The host agent: tasks on ``host.<name>``, a sampler and a heartbeat. No ORM here.
+
+It launches and stops sandboxes from self-contained specs, streams GPU samples to the
+channel layer and reports everything else to the control queue. Run it with
+``GPUSHARE_ROLE=agent GPUSHARE_HOST=<name> celery -A workers worker -Q host.<name> -P threads``
+(threads: the tasks and the sampler share one backend and one picture of the host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import signals
+
+from portal.env import env_int, env_str
+from workers import config, dispatch
+from workers.celery import app
+from workers.drivers import make_driver
+from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
+from workers.gpu import make_backend
+from workers.gpu.base import GpuBackend, GpuInfo
+from workers.telemetry import (
+    FLEET_GROUP, SandboxFigures, gpu_group, make_layer, publish, sample_message, sandbox_group,
+)
+
+log = logging.getLogger(__name__)
+FLEET_EVERY = 5  # the fleet group gets one sample in five
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Agent:
+    def __init__(self, host: str, backend: GpuBackend, driver: SandboxDriver, var_dir: Path) -> None:
+        self.host = host
+        self.backend = backend
+        self.driver = driver
+        self.var_dir = var_dir
+        self.lock = threading.Lock()
+        self.running: dict[str, SandboxSpec] = {}  # allocation id -> spec
+        self.started_ms: dict[str, int] = {}
+        self.stopped: set[str] = set()  # allocation ids stopped: a late launch must not revive them
+        self._stop = threading.Event()
+        self._gpus: list[GpuInfo] = []
+
+    # --- inventory and liveness ------------------------------------------------------------
+
+    def inventory(self) -> list[dict[str, Any]]:
+        self._gpus = self.backend.list_gpus()
+        return [g.to_json() for g in self._gpus]
+
+    def report_inventory(self) -> None:
+        dispatch.to_control("agent_inventory", self.host, self.backend.name, self.driver.name, self.inventory())
+
+    def heartbeat(self) -> None:
+        dispatch.to_control("agent_heartbeat", self.host, _now_ms(), self.backend.name, self.driver.name)
+
+    # --- sandboxes ---------------------------------------------------------------------------
+
+    def launch(self, spec: SandboxSpec) -> None:
+        with self.lock:
+            if spec.allocation_id in self.stopped:
+                log.info("launch of %s ignored: it was stopped already", spec.allocation_id)
+                return
+        if spec.mps is not None and not spec.mps.pipe_dir:
+            pipe = self.var_dir / "mps" / spec.device_uuids[0] / "pipe"
+            pipe.mkdir(parents=True, exist_ok=True)
+            spec = dataclasses.replace(spec, mps=dataclasses.replace(spec.mps, pipe_dir=str(pipe)))
+        try:
+            handle = self.driver.launch(spec)
+        except DriverError as exc:
+            dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, str(exc))
+            return
+        started = self.driver.status(handle).started_at_ms or _now_ms()
+        with self.lock:
+            self.running[spec.allocation_id] = spec
+            self.started_ms[spec.allocation_id] = started
+        mem, util = self._simulated_load(spec)
+        self.backend.note_load(spec.allocation_id, list(spec.device_uuids), mem, util)
+        dispatch.to_control("sandbox_launched", spec.allocation_id, handle.to_json(), started)
+
+    def stop(self, allocation_id: str, sandbox_id: int, handle_json: dict[str, Any] | None) -> None:
+        with self.lock:
+            self.stopped.add(allocation_id)
+        handle = SandboxHandle.from_json(handle_json) if handle_json else self._find(allocation_id)
+        if handle is not None:
+            self.driver.stop(handle, grace_s=float(env_int("SANDBOX_STOP_GRACE_S", 5, minimum=0)))
+        self.backend.forget_load(allocation_id)
+        with self.lock:
+            self.running.pop(allocation_id, None)
+            self.started_ms.pop(allocation_id, None)
+        dispatch.to_control("sandbox_stopped", allocation_id, _now_ms())
+
+    def _find(self, allocation_id: str) -> SandboxHandle | None:
+        return next((h for h in self.driver.list_owned() if h.allocation_id == allocation_id), None)
+
+    def _simulated_load(self, spec: SandboxSpec) -> tuple[int, float]:
+        """What a sandbox puts on a simulated GPU; real backends measure it instead."""
+        if spec.mps is not None:
+            return spec.mps.memory_mib, float(spec.mps.thread_pct) * 0.9
+        sizes = {g.uuid: g.memory_mib for g in self._gpus}
+        sizes.update({m.uuid: m.memory_mib for g in self._gpus for m in g.mig_devices})
+        device_mib = sizes.get(spec.device_uuids[0], 8192) if spec.device_uuids else 8192
+        return int(device_mib * 0.4), 85.0
+
+    # --- telemetry ---------------------------------------------------------------------------
+
+    def figures(self, allocation_id: str, spec: SandboxSpec, now_ms: int, mem_mib: int,
+                util_pct: float) -> SandboxFigures:
+        elapsed_us = max(0, now_ms - self.started_ms.get(allocation_id, now_ms)) * 1000
+        cost = (spec.price_per_gpu_hour_micros * spec.milli_gpu * elapsed_us) // (1000 * 3600 * 10**6)
+        return SandboxFigures(mem_mib=mem_mib, util_pct=util_pct, cost_micros=cost)
+
+    async def sample_forever(self, interval_s: float, heartbeat_s: float) -> None:
+        layer = make_layer(config.redis_url())
+        tick = 0
+        next_beat = 0.0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            if started >= next_beat:
+                await asyncio.to_thread(self.heartbeat)
+                next_beat = started + heartbeat_s
+            try:
+                await self._publish_all(layer, tick)
+            except Exception:  # a bad sample must not stop the stream for every GPU
+                log.exception("sampling failed")
+            tick += 1
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+    async def _publish_all(self, layer: Any, tick: int) -> None:
+        with self.lock:
+            running = dict(self.running)
+        now = _now_ms()
+        by_device: dict[str, list[tuple[str, SandboxSpec]]] = {}
+        for key, spec in running.items():
+            for device in spec.device_uuids:
+                by_device.setdefault(device, []).append((key, spec))
+        for gpu in self._gpus:
+            sample = self.backend.sample(gpu.uuid)
+            on_gpu = {key: spec for key, spec in running.items()
+                      if set(spec.device_uuids) & ({gpu.uuid} | {m.uuid for m in gpu.mig_devices})}
+            figures = {
+                str(spec.sandbox_id): self.figures(key, spec, now, sample.mem_by_owner.get(key, 0),
+                                                   sample.util_pct)
+                for key, spec in on_gpu.items()
+            }
+            message = sample_message(sample, self.host, self.backend.simulated, figures)
+            await publish(layer, gpu_group(gpu.uuid), message)
+            if tick % FLEET_EVERY == 0:
+                await publish(layer, FLEET_GROUP, message)
+        for device, holders in by_device.items():
+            device_sample = self.backend.sample(device)
+            for key, spec in holders:
+                own = {str(spec.sandbox_id): self.figures(
+                    key, spec, now, device_sample.mem_by_owner.get(key, 0), device_sample.util_pct)}
+                await publish(layer, sandbox_group(spec.sandbox_id),
+                              sample_message(device_sample, self.host, self.backend.simulated, own))
+
+    def start(self) -> None:
+        interval = env_int("SAMPLE_INTERVAL_MS", 1000, minimum=50) / 1000
+        heartbeat = float(env_int("AGENT_HEARTBEAT_S", 5, minimum=1))
+        self.report_inventory()
+        threading.Thread(
+            target=lambda: asyncio.run(self.sample_forever(interval, heartbeat)),
+            name="agent-sampler", daemon=True,
+        ).start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.backend.close()
+
+
+_agent: Agent | None = None
+_agent_lock = threading.Lock()
+
+
+def get_agent() -> Agent:
+    global _agent
+    with _agent_lock:
+        if _agent is None:
+            host = env_str("GPUSHARE_HOST")
+            var = config.var_dir() / "agents" / host
+            var.mkdir(parents=True, exist_ok=True)
+            backend = make_backend(config.gpu_backend_kind(), host, os.environ.get("GPUSHARE_SIM_GPUS", ""))
+            driver = make_driver(config.sandbox_driver_kind(), host, var / "sandboxes")
+            log.info("agent %s: GPU backend %s, sandbox driver %s", host, backend.name, driver.name)
+            _agent = Agent(host, backend, driver, var)
+        return _agent
+
+
+@app.task(name="workers.agent.launch_sandbox", ignore_result=True)
+def launch_sandbox(spec: dict[str, Any]) -> None:
+    get_agent().launch(SandboxSpec.from_json(spec))
+
+
+@app.task(name="workers.agent.stop_sandbox", ignore_result=True)
+def stop_sandbox(allocation_id: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:
+    get_agent().stop(allocation_id, sandbox_id, handle)
+
+
+@signals.worker_ready.connect
+def _on_ready(**_: Any) -> None:
+    get_agent().start()
+
+
+@signals.worker_shutdown.connect
+def _on_shutdown(**_: Any) -> None:
+    if _agent is not None:
+        _agent.shutdown()

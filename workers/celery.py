@@ -1,0 +1,55 @@
+"""The Celery app: one ``control`` queue, one ``host.<name>`` queue per GPU host.
+
+The role (GPUSHARE_ROLE) decides which task modules a process loads: ``control`` loads
+the ORM-backed ``workers.control``; ``agent`` loads only ``workers.agent``, which never
+touches the database, so a GPU host needs only the broker URL.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from portal.env import env_choice, env_int
+from workers import config
+
+CONTROL_QUEUE = "control"
+ROLES = ("control", "agent", "beat", "client")
+
+
+def host_queue(host: str) -> str:
+    return f"host.{host}"
+
+
+ROLE = env_choice("GPUSHARE_ROLE", ROLES, "client")
+_TASK_MODULES = {"control": ["workers.control"], "agent": ["workers.agent"]}
+
+app = Celery("gpushare", include=_TASK_MODULES.get(ROLE, []))
+app.conf.update(
+    broker_url=config.celery_broker_url(config.redis_url()),
+    broker_connection_retry_on_startup=True,
+    # Tasks re-run after a worker dies mid-task (acks_late); every task is idempotent.
+    broker_transport_options={"visibility_timeout": 300},
+    task_serializer="json",
+    accept_content=["json"],
+    task_ignore_result=True,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    task_default_queue=CONTROL_QUEUE,
+    task_time_limit=120,
+    task_soft_time_limit=100,
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    timezone="UTC",
+    beat_schedule={
+        "control-tick": {
+            "task": "workers.control.tick",
+            "schedule": float(env_int("CYCLE_INTERVAL_S", 2, minimum=1)),
+            "options": {"queue": CONTROL_QUEUE, "expires": 10},
+        }
+    },
+)
+
+if ROLE == "control":
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")

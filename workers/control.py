@@ -1,0 +1,136 @@
+"""Tasks on the ``control`` queue: the only worker that changes fleet state (uses the ORM).
+
+Agents report here; every task takes plain JSON, returns quietly when its row is gone,
+and is idempotent because the ``actions`` it calls are.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import django
+import redis
+from celery import signals
+
+django.setup()
+
+from django.conf import settings  # noqa: E402
+from django.db import transaction  # noqa: E402
+from django.utils import timezone  # noqa: E402
+
+from portal.fleet.inventory import do_heartbeat, do_sync_inventory  # noqa: E402
+from portal.fleet.models import Gpu, Host  # noqa: E402
+from portal.sandboxes import actions  # noqa: E402
+from portal.sandboxes.models import Sandbox, SandboxState  # noqa: E402
+from portal.sandboxes.scheduling import schedule_once  # noqa: E402
+from workers.celery import app  # noqa: E402
+from workers.config import CONTROL_HEARTBEAT_KEY  # noqa: E402
+
+log = logging.getLogger(__name__)
+CYCLE_LOCK = "gpushare:lock:scheduling-cycle"
+MISSED_BEATS_LOST = 3
+
+
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def _from_ms(t_ms: int) -> datetime:
+    return datetime.fromtimestamp(t_ms / 1000, tz=UTC)
+
+
+@app.task(name="workers.control.schedule_cycle", ignore_result=True)
+def schedule_cycle() -> None:
+    """Run one cycle unless another worker is running one (it will see our queue too)."""
+    lock = _redis().lock(CYCLE_LOCK, timeout=60, blocking=False)
+    if not lock.acquire():
+        return
+    try:
+        schedule_once(time.time())
+    finally:
+        lock.release()
+
+
+@app.task(name="workers.control.tick", ignore_result=True)
+def tick() -> None:
+    """Periodic: mark silent hosts lost, retry stuck launches, run a cycle."""
+    mark_lost_hosts(timezone.now())
+    resend_stuck_placements(timezone.now())
+    schedule_cycle()
+
+
+def mark_lost_hosts(now: datetime) -> int:
+    cutoff = now - timedelta(seconds=settings.AGENT_HEARTBEAT_S * MISSED_BEATS_LOST)
+    with transaction.atomic():
+        lost = list(
+            Host.objects.select_for_update().filter(state=Host.State.UP, last_heartbeat_at__lt=cutoff)
+        )
+        for host in lost:
+            log.warning("host %s missed %d heartbeats: marked lost", host.name, MISSED_BEATS_LOST)
+            host.state = Host.State.LOST
+            host.save(update_fields=["state"])
+            Gpu.objects.filter(host=host, state=Gpu.State.AVAILABLE).update(state=Gpu.State.UNAVAILABLE)
+    return len(lost)
+
+
+def resend_stuck_placements(now: datetime) -> None:
+    """A sandbox left in ``placing`` (the broker was down after commit) is sent again."""
+    stuck = Sandbox.objects.filter(state=SandboxState.PLACING, placed_at__lt=now - timedelta(seconds=10))
+    for sandbox_id in stuck.values_list("pk", flat=True):
+        actions._send_launch(sandbox_id)
+
+
+@app.task(name="workers.control.agent_heartbeat", ignore_result=True)
+def agent_heartbeat(host: str, t_ms: int, backend: str, driver: str) -> None:
+    if not do_heartbeat(host, _from_ms(t_ms), backend, driver):
+        log.warning("heartbeat from unknown host %s ignored (no inventory yet)", host)
+
+
+@app.task(name="workers.control.agent_inventory", ignore_result=True)
+def agent_inventory(host: str, backend: str, driver: str, gpus: list[dict[str, Any]]) -> None:
+    do_sync_inventory(host, backend, driver, gpus)
+    do_heartbeat(host, timezone.now(), backend, driver)
+
+
+@app.task(name="workers.control.sandbox_launched", ignore_result=True)
+def sandbox_launched(allocation_key: str, handle: dict[str, Any], started_ms: int) -> None:
+    actions.do_mark_running(allocation_key, handle, _from_ms(started_ms))
+
+
+@app.task(name="workers.control.sandbox_launch_failed", ignore_result=True)
+def sandbox_launch_failed(sandbox_id: int, allocation_key: str, message: str) -> None:
+    log.warning("launch of sandbox %s (%s) failed: %s", sandbox_id, allocation_key, message)
+    actions.do_fail(sandbox_id, f"launch failed: {message}")
+
+
+@app.task(name="workers.control.sandbox_stopped", ignore_result=True)
+def sandbox_stopped(allocation_key: str, ended_ms: int, message: str = "stopped") -> None:
+    actions.do_mark_stopped(allocation_key, _from_ms(ended_ms), message)
+
+
+def _beat_forever(stop: threading.Event) -> None:
+    """The control worker's own liveness, read by /healthz."""
+    client = _redis()
+    while not stop.is_set():
+        try:
+            client.set(CONTROL_HEARTBEAT_KEY, int(time.time() * 1000), ex=15)
+        except redis.RedisError as exc:
+            log.warning("control heartbeat not written: %s", exc)
+        stop.wait(2)
+
+
+_stop = threading.Event()
+
+
+@signals.worker_ready.connect
+def _start_heartbeat(**_: Any) -> None:
+    threading.Thread(target=_beat_forever, args=(_stop,), name="control-heartbeat", daemon=True).start()
+
+
+@signals.worker_shutdown.connect
+def _stop_heartbeat(**_: Any) -> None:
+    _stop.set()

@@ -1,0 +1,27 @@
+"""Sandbox drivers; ``make_driver`` picks one by the agent's configured kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workers.drivers.base import SandboxDriver
+
+DRIVER_KINDS = ("docker", "process", "auto")
+
+
+def make_driver(kind: str, host: str, state_dir: Path) -> SandboxDriver:
+    """``docker``, ``process``, or ``auto``: docker when an engine answers, else process.
+
+    Drivers are imported here, not at module level, so a host without the docker SDK
+    can still run the process driver.
+    """
+    if kind not in DRIVER_KINDS:
+        raise ValueError(f"unknown sandbox driver {kind!r}; expected one of {DRIVER_KINDS}")
+    if kind in ("docker", "auto"):
+        from workers.drivers.docker import DockerDriver, docker_available
+
+        if kind == "docker" or docker_available():
+            return DockerDriver(host=host)
+    from workers.drivers.process import ProcessDriver
+
+    return ProcessDriver(state_dir, host=host)

@@ -1,0 +1,131 @@
+"""The sandbox driver seam: launch, stop and find sandboxes at one isolation level.
+
+Tasks carry a ``SandboxSpec`` as plain JSON; the driver turns it into a container, a VM or
+a confined process. Launch is idempotent, keyed by ``allocation_id``: a repeated message
+finds the sandbox it already made. Everything a driver makes carries labels (or a name)
+from which ``list_owned`` rebuilds the agent's picture after a restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+LABEL_PREFIX = "io.gpushare"
+
+
+@dataclass(frozen=True)
+class MpsShare:
+    pipe_dir: str  # CUDA_MPS_PIPE_DIRECTORY of the GPU's control daemon
+    thread_pct: int  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+    memory_mib: int  # CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for each visible device
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    allocation_id: str  # idempotency key, unique per placement
+    sandbox_id: int
+    host: str
+    project: str
+    owner: str
+    image: str  # container image reference (docker), ignored by process
+    command: tuple[str, ...]
+    device_uuids: tuple[str, ...]  # GPU-... or MIG-... UUIDs the sandbox may see
+    real_gpu: bool  # False on simulated hosts: no NVIDIA runtime device request
+    cpu_limit: float = 1.0
+    memory_limit_mib: int = 1024
+    pids_limit: int = 256
+    network: bool = False
+    mps: MpsShare | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    # Metering facts so the agent can stream the running cost with each sample.
+    milli_gpu: int = 0
+    price_per_gpu_hour_micros: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SandboxSpec:
+        values = dict(data)
+        values["command"] = tuple(values.get("command") or ())
+        values["device_uuids"] = tuple(values.get("device_uuids") or ())
+        mps = values.get("mps")
+        values["mps"] = MpsShare(**mps) if mps else None
+        values["env"] = dict(values.get("env") or {})
+        return cls(**values)
+
+    def labels(self) -> dict[str, str]:
+        return {
+            f"{LABEL_PREFIX}.allocation": self.allocation_id,
+            f"{LABEL_PREFIX}.sandbox": str(self.sandbox_id),
+            f"{LABEL_PREFIX}.host": self.host,
+            f"{LABEL_PREFIX}.project": self.project,
+            f"{LABEL_PREFIX}.owner": self.owner,
+            f"{LABEL_PREFIX}.devices": ",".join(self.device_uuids),
+        }
+
+    def gpu_env(self) -> dict[str, str]:
+        """Variables that bind the sandbox to its devices (and MPS share)."""
+        env = {"NVIDIA_VISIBLE_DEVICES": ",".join(self.device_uuids) or "void"}
+        if self.real_gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_uuids)
+        if self.mps is not None:
+            env["CUDA_MPS_PIPE_DIRECTORY"] = self.mps.pipe_dir
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.mps.thread_pct)
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
+                f"{i}={self.mps.memory_mib}M" for i in range(max(1, len(self.device_uuids)))
+            )
+        return env
+
+
+@dataclass(frozen=True)
+class SandboxHandle:
+    driver: str  # "docker" | "process" | "libvirt"
+    allocation_id: str
+    sandbox_id: int
+    ref: str  # container id, pid, domain uuid
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SandboxHandle:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class SandboxStatus:
+    state: str  # "running" | "exited" | "missing"
+    exit_code: int | None = None
+    started_at_ms: int | None = None
+
+
+class DriverError(RuntimeError):
+    """The driver could not do what was asked (engine down, bad image...)."""
+
+
+class SandboxDriver(Protocol):
+    name: str
+
+    def launch(self, spec: SandboxSpec) -> SandboxHandle: ...
+
+    def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None: ...
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus: ...
+
+    def list_owned(self) -> list[SandboxHandle]: ...
+
+    def exec_terminal(self, handle: SandboxHandle) -> Terminal: ...
+
+
+class Terminal(Protocol):
+    """An interactive pty into a sandbox, for the portal's web terminal."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def read(self, timeout_s: float = 0.1) -> bytes: ...
+
+    def resize(self, rows: int, cols: int) -> None: ...
+
+    def close(self) -> None: ...

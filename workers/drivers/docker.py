@@ -1,0 +1,342 @@
+"""Docker sandbox driver: one locked-down container per allocation.
+
+Every container runs as uid 1000 with all capabilities dropped, no-new-privileges, a
+read-only root (writable size-limited tmpfs at /tmp and /home/sandbox), memory, CPU and
+pids limits, and no network unless the spec allows it. GPUs are handed over with a device
+request by GPU or MIG UUID, which the NVIDIA container runtime turns into device nodes;
+on simulated hosts (``spec.real_gpu`` false) there is no device request and only the
+``NVIDIA_VISIBLE_DEVICES`` variable says what the sandbox was given.
+
+When the spec allows network the container joins the engine's default network. On hosts
+whose engine runs with ``--bridge=none`` (the development machines do, to leave the host's
+network alone) that default network has no bridge, so such a container still sees only
+loopback.
+
+Containers are named ``gpushare-<allocation_id>`` and labelled from ``spec.labels()``;
+the name makes a concurrent double launch collide (409) instead of making two sandboxes,
+and the labels let ``list_owned`` rebuild the agent's picture after a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import docker
+import docker.errors
+import docker.types
+import requests.exceptions
+
+from workers.drivers.base import (
+    LABEL_PREFIX,
+    DriverError,
+    SandboxHandle,
+    SandboxSpec,
+    SandboxStatus,
+)
+
+log = logging.getLogger(__name__)
+
+SANDBOX_USER = "1000:1000"
+SANDBOX_HOME = "/home/sandbox"
+SANDBOX_TMP = "/tmp"  # noqa: S108 - the container's own tmpfs, not the host's /tmp
+BUILD_HINT = "build it with scripts/build-sandbox-image.sh (or load it with docker load)"
+ALLOCATION_LABEL = f"{LABEL_PREFIX}.allocation"
+_PING_TIMEOUT_S = 2.0
+_RACE_WAIT_S = 5.0
+# Container states that still hold the sandbox's processes.
+_LIVE_STATES = frozenset({"running", "paused", "restarting"})
+
+
+def container_name(allocation_id: str) -> str:
+    return f"gpushare-{allocation_id}"
+
+
+def _tmpfs_mib(spec: SandboxSpec) -> int:
+    # tmpfs pages are charged to the container's memory cgroup anyway; the size cap only
+    # stops one directory from eating the whole memory limit.
+    return max(16, spec.memory_limit_mib // 4)
+
+
+def container_kwargs(spec: SandboxSpec) -> dict[str, Any]:
+    """The ``containers.create`` arguments for ``spec`` (pure, so it is unit-testable)."""
+    tmpfs_size = f"size={_tmpfs_mib(spec)}m"
+    kwargs: dict[str, Any] = {
+        "image": spec.image,
+        "command": list(spec.command) or None,
+        "name": container_name(spec.allocation_id),
+        "hostname": f"sandbox-{spec.sandbox_id}",
+        "labels": spec.labels(),
+        "environment": {**spec.env, **spec.gpu_env()},
+        "user": SANDBOX_USER,
+        "working_dir": SANDBOX_HOME,
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "read_only": True,
+        "tmpfs": {
+            SANDBOX_TMP: f"rw,nosuid,nodev,mode=1777,{tmpfs_size}",
+            SANDBOX_HOME: f"rw,nosuid,nodev,mode=0700,uid=1000,gid=1000,{tmpfs_size}",
+        },
+        "mem_limit": f"{spec.memory_limit_mib}m",
+        "memswap_limit": f"{spec.memory_limit_mib}m",  # equal to mem_limit: no swap
+        "nano_cpus": round(spec.cpu_limit * 1e9),
+        "pids_limit": spec.pids_limit,
+        "init": True,  # reap zombies and forward signals, so stop's grace period works
+        "restart_policy": {"Name": "no"},
+        "auto_remove": False,  # status() must still see the exit code after exit
+    }
+    if not spec.network:
+        kwargs["network_mode"] = "none"
+    if spec.real_gpu:
+        kwargs["device_requests"] = [
+            docker.types.DeviceRequest(device_ids=list(spec.device_uuids), capabilities=[["gpu"]])
+        ]
+    if spec.mps is not None:
+        # Read-write: clients create and connect to sockets in the pipe directory.
+        kwargs["mounts"] = [
+            docker.types.Mount(
+                target=spec.mps.pipe_dir, source=spec.mps.pipe_dir, type="bind", read_only=False
+            )
+        ]
+    return kwargs
+
+
+def _parse_docker_time(value: str | None) -> int | None:
+    """Epoch ms from Docker's RFC 3339 time (nanoseconds, ``Z``); None for the zero time."""
+    if not value or value.startswith("0001-01-01"):
+        return None
+    stamp = value.replace("Z", "+00:00")
+    if "." in stamp:
+        # Python parses at most microseconds; Docker writes nanoseconds.
+        head, _, rest = stamp.partition(".")
+        digits = "".join(c for c in rest if c.isdigit())
+        stamp = f"{head}.{digits[:6]}{rest[len(digits) :]}"
+    try:
+        return int(datetime.fromisoformat(stamp).timestamp() * 1000)
+    except ValueError:
+        return None
+
+
+@contextlib.contextmanager
+def _engine_errors(action: str) -> Iterator[None]:
+    """Turn docker SDK and transport errors into DriverError naming what we were doing."""
+    try:
+        yield
+    except docker.errors.ImageNotFound as exc:
+        raise DriverError(f"{action}: image not found ({exc.explanation}); {BUILD_HINT}") from exc
+    except docker.errors.APIError as exc:
+        raise DriverError(f"{action}: Docker engine refused: {exc.explanation or exc}") from exc
+    except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+        raise DriverError(f"{action}: cannot reach the Docker engine: {exc}") from exc
+
+
+def docker_available(timeout_s: float = _PING_TIMEOUT_S) -> bool:
+    """True when the engine from the environment (DOCKER_HOST or the socket) answers a ping."""
+    try:
+        client = docker.from_env(timeout=max(1, round(timeout_s)))
+    except (docker.errors.DockerException, requests.exceptions.RequestException):
+        return False
+    try:
+        return bool(client.ping())
+    except (docker.errors.DockerException, requests.exceptions.RequestException):
+        return False
+    finally:
+        client.close()
+
+
+class DockerTerminal:
+    """A pty exec in a container, over the engine's hijacked attach socket.
+
+    ``read`` returns ``b""`` when nothing arrived within the timeout and raises
+    ``EOFError`` once the shell has gone.
+    """
+
+    def __init__(self, api: Any, exec_id: str, sock: Any) -> None:
+        self._api = api
+        self._exec_id = exec_id
+        self._holder = sock  # keeps the HTTP response (and so the connection) alive
+        # The SDK returns a SocketIO for unix sockets; select/recv need the socket itself.
+        self._sock: socket.socket = getattr(sock, "_sock", sock)
+        self._closed = False
+
+    def write(self, data: bytes) -> None:
+        if self._closed:
+            raise EOFError("terminal is closed")
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            raise EOFError(f"terminal connection lost: {exc}") from exc
+
+    def read(self, timeout_s: float = 0.1) -> bytes:
+        if self._closed:
+            raise EOFError("terminal is closed")
+        ready, _, _ = select.select([self._sock], [], [], timeout_s)
+        if not ready:
+            return b""
+        try:
+            data = self._sock.recv(65536)
+        except OSError as exc:
+            raise EOFError(f"terminal connection lost: {exc}") from exc
+        if not data:
+            raise EOFError("shell exited")
+        return data
+
+    def resize(self, rows: int, cols: int) -> None:
+        with _engine_errors("resize terminal"):
+            self._api.exec_resize(self._exec_id, height=rows, width=cols)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Closing the attach stream closes the pty master, which hangs up the shell.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with contextlib.suppress(OSError, AttributeError):
+            self._holder.close()
+
+
+class DockerDriver:
+    name = "docker"
+
+    def __init__(self, client: docker.DockerClient | None = None, host: str = "") -> None:
+        self._client = client
+        self.host = host
+
+    @property
+    def client(self) -> docker.DockerClient:
+        # Created on first use so that building a driver never needs a running engine.
+        if self._client is None:
+            with _engine_errors("connect"):
+                self._client = docker.from_env()
+        return self._client
+
+    def _handle(self, container: Any) -> SandboxHandle:
+        labels = container.labels
+        return SandboxHandle(
+            driver=self.name,
+            allocation_id=labels[ALLOCATION_LABEL],
+            sandbox_id=int(labels.get(f"{LABEL_PREFIX}.sandbox", "0")),
+            ref=container.id,
+        )
+
+    def _find(self, allocation_id: str) -> Any | None:
+        found = self.client.containers.list(
+            all=True, filters={"label": f"{ALLOCATION_LABEL}={allocation_id}"}
+        )
+        return found[0] if found else None
+
+    def _await_named(self, allocation_id: str) -> Any:
+        """The container holding our name; the engine reserves a name before the container
+        it names can be looked up, so a racing create may briefly see neither."""
+        deadline = time.monotonic() + _RACE_WAIT_S
+        while True:
+            try:
+                return self.client.containers.get(container_name(allocation_id))
+            except docker.errors.NotFound:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def launch(self, spec: SandboxSpec) -> SandboxHandle:
+        action = f"launch sandbox {spec.allocation_id} from {spec.image}"
+        with _engine_errors(action):
+            existing = self._find(spec.allocation_id)
+            if existing is not None:
+                if existing.status == "created":
+                    # A previous launch died between create and start: finish it.
+                    existing.start()
+                return self._handle(existing)
+            try:
+                container = self.client.containers.create(**container_kwargs(spec))
+            except docker.errors.ImageNotFound as exc:
+                raise DriverError(
+                    f"{action}: image {spec.image!r} is not on this host; {BUILD_HINT}"
+                ) from exc
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:
+                    raise
+                # A concurrent launch of the same allocation won the name: use its container.
+                return self._handle(self._await_named(spec.allocation_id))
+            try:
+                container.start()
+            except docker.errors.APIError:
+                # A container that cannot start (bad command, missing runtime) must not be
+                # found by the next launch as if it were the sandbox.
+                with contextlib.suppress(docker.errors.APIError):
+                    container.remove(force=True)
+                raise
+            log.info("launched sandbox %s as container %s", spec.allocation_id, container.id)
+            return self._handle(container)
+
+    def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
+        with _engine_errors(f"stop sandbox {handle.allocation_id}"):
+            try:
+                container = self.client.containers.get(handle.ref)
+            except docker.errors.NotFound:
+                return
+            try:
+                if container.status in _LIVE_STATES:
+                    container.stop(timeout=max(0, round(grace_s)))
+                container.remove(force=True)
+            except docker.errors.NotFound:
+                return  # removed concurrently: stopping is idempotent
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        with _engine_errors(f"inspect sandbox {handle.allocation_id}"):
+            try:
+                container = self.client.containers.get(handle.ref)
+            except docker.errors.NotFound:
+                return SandboxStatus(state="missing")
+            state = container.attrs.get("State") or {}
+            started = _parse_docker_time(state.get("StartedAt"))
+            if container.status in _LIVE_STATES:
+                return SandboxStatus(state="running", started_at_ms=started)
+            # "created" (never started) has no exit code worth reporting.
+            code = state.get("ExitCode") if container.status != "created" else None
+            return SandboxStatus(state="exited", exit_code=code, started_at_ms=started)
+
+    def list_owned(self) -> list[SandboxHandle]:
+        labels = [ALLOCATION_LABEL]
+        if self.host:
+            labels.append(f"{LABEL_PREFIX}.host={self.host}")
+        with _engine_errors("list sandboxes"):
+            containers = self.client.containers.list(all=True, filters={"label": labels})
+        handles = []
+        for container in containers:
+            try:
+                handles.append(self._handle(container))
+            except ValueError:
+                log.warning("container %s has a malformed sandbox label; ignored", container.id)
+        return handles
+
+    def exec_terminal(self, handle: SandboxHandle) -> DockerTerminal:
+        with _engine_errors(f"open a terminal in sandbox {handle.allocation_id}"):
+            try:
+                container = self.client.containers.get(handle.ref)
+            except docker.errors.NotFound as exc:
+                raise DriverError(f"sandbox {handle.allocation_id} has no container") from exc
+            if container.status != "running":
+                raise DriverError(
+                    f"sandbox {handle.allocation_id} is {container.status}, not running"
+                )
+            api = self.client.api
+            exec_id = api.exec_create(
+                container.id,
+                cmd=["/bin/sh"],
+                stdin=True,
+                tty=True,
+                user=SANDBOX_USER,
+                workdir=SANDBOX_HOME,
+                environment={"TERM": "xterm-256color"},
+            )["Id"]
+            sock = api.exec_start(exec_id, tty=True, socket=True)
+        return DockerTerminal(api, exec_id, sock)

@@ -1,0 +1,637 @@
+"""Process sandbox driver: the command confined by bubblewrap, limited by cgroups.
+
+For hosts without a container engine. The sandbox is ``bwrap --unshare-all`` over a
+read-only view of the host's /usr (and the few /etc files dynamic binaries need), with a
+fresh /proc, a minimal /dev, tmpfs /tmp and home, no network unless the spec allows it,
+a cleared environment and uid 1000 inside its own user namespace.
+
+Process tree, and why each link is there::
+
+    sh (wrapper, session leader, pid recorded)   joins the cgroup, then waits
+     └ bwrap (outer, as ``run_as`` when we are root)
+        └ bwrap (pid 1 of the sandbox pid namespace)   child-pid in the status file
+           └ the command
+
+* The wrapper shell writes its own pid into the cgroups *before* anything forks, so
+  nothing escapes the limits, and it stays as bwrap's parent: ``--die-with-parent`` ties
+  bwrap to its parent *thread*, so if the agent (or the worker thread that launched) were
+  the parent, an agent restart would kill every sandbox.
+* When the agent runs as root, bwrap runs as ``run_as`` (default nobody) through
+  ``setpriv``: otherwise the sandbox's uid 1000 maps to host root, and every root-owned
+  file bound into the sandbox would count as the sandbox user's own.
+* bwrap's ``--json-status-fd`` gives the sandbox's pid namespace and, later, the exit
+  code, in a file that outlives the agent.
+
+Limits: cgroup v2 (memory.max, memory.swap.max, cpu.max, pids.max) or cgroup v1 (memory,
+memsw, CFS quota, pids) under ``<mount>/gpushare/<allocation>``, whichever the host mounts
+with those controllers and lets us write. Otherwise ``prlimit`` (RLIMIT_AS, RLIMIT_NPROC):
+weaker, since RLIMIT_AS caps address space rather than memory, RLIMIT_NPROC counts every
+process of the uid, and nothing caps CPU; the log line says which applied.
+
+GPU isolation here is by device node where the driver exposes a minor number for the GPU
+UUID, and by ``CUDA_VISIBLE_DEVICES`` only for MIG devices (all GPU nodes are bound).
+MPS clients must run as the same uid as the MPS server: pass that uid as ``run_as``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import termios
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workers.drivers.base import DriverError, SandboxHandle, SandboxSpec, SandboxStatus
+
+log = logging.getLogger(__name__)
+
+SANDBOX_UID = 1000
+SANDBOX_HOME = "/home/sandbox"
+SANDBOX_TMP = "/tmp"  # noqa: S108 - the sandbox's own tmpfs, not the host's /tmp
+NOBODY_UID = 65534
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_CGROUP_PARENT = "gpushare"
+_CPU_PERIOD_US = 100_000
+# The wrapper shell, outer bwrap and bwrap's init live in the sandbox's pids cgroup too.
+_WRAPPER_PIDS = 3
+_START_TIMEOUT_S = 10.0
+_POLL_S = 0.05
+_BASE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+# Host /etc files that dynamic binaries, TLS and name lookups need; never all of /etc.
+_ETC_FILES = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates",
+    "ca-certificates.conf", "localtime", "nsswitch.conf", "host.conf", "hosts", "gai.conf",
+    "protocols", "services", "mime.types",
+)  # fmt: skip
+_PASSWD = (
+    f"root:x:0:0:root:/root:/bin/sh\n"
+    f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{SANDBOX_HOME}:/bin/sh\n"
+    f"nobody:x:{NOBODY_UID}:{NOBODY_UID}:nobody:/nonexistent:/bin/false\n"
+)
+_GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:{NOBODY_UID}:\n"
+# Joins every cgroup.procs file given before "--", then runs the rest. The sandbox
+# variant stays as the parent (see the module docstring); the terminal variant execs.
+_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
+_JOIN_AND_WAIT = _JOIN + '"$@"'
+_JOIN_AND_EXEC = _JOIN + 'exec "$@"'
+
+
+def bwrap_available() -> bool:
+    """True when bwrap is installed and can create the namespaces the sandbox needs."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return False
+    probe = [bwrap, "--unshare-all", "--ro-bind", "/", "/", "--proc", "/proc", "true"]
+    try:
+        probed = subprocess.run(probe, capture_output=True, timeout=10, check=False)  # noqa: S603
+        return probed.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# --- /proc helpers -----------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of ``pid``, or None when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and parentheses: split after its last ")".
+    rest = raw[raw.rfind(")") + 2 :].split()
+    return rest[0], int(rest[19])
+
+
+def _alive(pid: int, start_ticks: int) -> bool:
+    stat = _proc_stat(pid)
+    return stat is not None and stat[1] == start_ticks and stat[0] not in ("Z", "X")
+
+
+def _pids_in_namespace(pidns: str) -> list[int]:
+    """Host pids of the processes in the pid namespace ``pid:[inode]``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.readlink(entry / "ns" / "pid") == pidns:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _gpu_device_nodes(uuids: tuple[str, ...], gpus_dir: Path) -> list[str]:
+    """The /dev nodes that give access to ``uuids`` and no other GPU, where possible."""
+    common = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    minors: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for info in gpus_dir.glob("*/information"):
+            fields = dict(
+                line.split(":", 1) for line in info.read_text().splitlines() if ":" in line
+            )
+            with contextlib.suppress(KeyError, ValueError):
+                minors[fields["GPU UUID"].strip()] = int(fields["Device Minor"])
+    if uuids and all(uuid in minors for uuid in uuids):
+        return common + [f"/dev/nvidia{minors[uuid]}" for uuid in uuids]
+    # MIG devices (and GPUs the driver does not list) are reached through their parent's
+    # node plus capability nodes; without that mapping bind them all and rely on
+    # CUDA_VISIBLE_DEVICES.
+    log.info("binding every GPU node: no device minor for %s", ", ".join(uuids) or "(none)")
+    nodes = sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))
+    return [*common, *nodes, "/dev/nvidia-caps"]
+
+
+# --- cgroups -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Limits:
+    mode: str  # "cgroup-v2" | "cgroup-v1" | "rlimit"
+    cgroups: tuple[str, ...]  # directories made for this sandbox
+    procs_files: tuple[str, ...]  # cgroup.procs files the wrapper joins
+    prlimit: tuple[str, ...]  # prlimit prefix for the rlimit fallback
+
+
+def _cgroup_mounts() -> tuple[str | None, dict[str, str]]:
+    """(cgroup2 mount with memory+cpu+pids, or None; v1 controller -> mount point)."""
+    v2: str | None = None
+    v1: dict[str, str] = {}
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, target, fstype, options, *_ = line.split()
+        if fstype == "cgroup2":
+            controllers = Path(target, "cgroup.controllers")
+            with contextlib.suppress(OSError):
+                if {"memory", "cpu", "pids"} <= set(controllers.read_text().split()):
+                    v2 = target
+        elif fstype == "cgroup":
+            for option in options.split(","):
+                if option in ("memory", "cpu", "pids"):
+                    v1[option] = target
+    return v2, v1
+
+
+def _make_cgroups(spec: SandboxSpec) -> _Limits:
+    """Create and fill the sandbox's cgroups; OSError when the host will not let us."""
+    memory = spec.memory_limit_mib * 1024 * 1024
+    quota = max(1000, round(spec.cpu_limit * _CPU_PERIOD_US))
+    pids = spec.pids_limit + _WRAPPER_PIDS
+    v2, v1 = _cgroup_mounts()
+    made: list[Path] = []
+    try:
+        if v2 is not None:
+            parent = Path(v2, _CGROUP_PARENT)
+            parent.mkdir(exist_ok=True)
+            # Controllers must be enabled on every level above the leaf.
+            for level in (Path(v2), parent):
+                (level / "cgroup.subtree_control").write_text("+memory +cpu +pids")
+            leaf = parent / spec.allocation_id
+            leaf.mkdir(exist_ok=True)
+            made.append(leaf)
+            (leaf / "memory.max").write_text(str(memory))
+            if (leaf / "memory.swap.max").exists():
+                (leaf / "memory.swap.max").write_text("0")
+            (leaf / "cpu.max").write_text(f"{quota} {_CPU_PERIOD_US}")
+            (leaf / "pids.max").write_text(str(pids))
+            return _Limits("cgroup-v2", (str(leaf),), (str(leaf / "cgroup.procs"),), ())
+        if {"memory", "cpu", "pids"} <= v1.keys():
+            leaves = {c: Path(v1[c], _CGROUP_PARENT, spec.allocation_id) for c in v1}
+            for leaf in dict.fromkeys(leaves.values()):  # co-mounted controllers share one
+                leaf.mkdir(parents=True, exist_ok=True)
+                made.append(leaf)
+            # The memory limit goes first: memsw may never be below it.
+            (leaves["memory"] / "memory.limit_in_bytes").write_text(str(memory))
+            if (leaves["memory"] / "memory.memsw.limit_in_bytes").exists():
+                (leaves["memory"] / "memory.memsw.limit_in_bytes").write_text(str(memory))
+            (leaves["cpu"] / "cpu.cfs_period_us").write_text(str(_CPU_PERIOD_US))
+            (leaves["cpu"] / "cpu.cfs_quota_us").write_text(str(quota))
+            (leaves["pids"] / "pids.max").write_text(str(pids))
+            dirs = tuple(str(d) for d in made)
+            return _Limits("cgroup-v1", dirs, tuple(f"{d}/cgroup.procs" for d in dirs), ())
+        raise OSError(errno.ENOTSUP, "no cgroup hierarchy with memory, cpu and pids")
+    except OSError:
+        _remove_cgroups(tuple(str(d) for d in made))
+        raise
+
+
+def _rlimits(spec: SandboxSpec) -> _Limits:
+    memory = spec.memory_limit_mib * 1024 * 1024
+    nproc = spec.pids_limit + _WRAPPER_PIDS
+    return _Limits("rlimit", (), (), ("prlimit", f"--as={memory}", f"--nproc={nproc}"))
+
+
+def _remove_cgroups(dirs: tuple[str, ...]) -> None:
+    for d in dirs:
+        procs = Path(d, "cgroup.procs")
+        for _ in range(40):
+            if not procs.exists():
+                break
+            with contextlib.suppress(OSError, ValueError):
+                _signal_all([int(p) for p in procs.read_text().split()], signal.SIGKILL)
+            try:
+                Path(d).rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(_POLL_S)  # EBUSY until the killed processes are gone
+        else:
+            log.warning("could not remove cgroup %s", d)
+
+
+# --- terminal ----------------------------------------------------------------------------
+
+
+class ProcessTerminal:
+    """A shell inside the sandbox's namespaces on a pty.
+
+    ``read`` returns ``b""`` when nothing arrived within the timeout and raises
+    ``EOFError`` once the shell has gone.
+    """
+
+    def __init__(self, master_fd: int, proc: subprocess.Popen[bytes]) -> None:
+        self._fd = master_fd
+        self._proc = proc
+        self._closed = False
+
+    def write(self, data: bytes) -> None:
+        if self._closed:
+            raise EOFError("terminal is closed")
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self._fd, view) :]
+            except OSError as exc:
+                raise EOFError(f"terminal lost: {exc}") from exc
+
+    def read(self, timeout_s: float = 0.1) -> bytes:
+        if self._closed:
+            raise EOFError("terminal is closed")
+        ready, _, _ = select.select([self._fd], [], [], timeout_s)
+        if not ready:
+            return b""
+        try:
+            data = os.read(self._fd, 65536)
+        except OSError as exc:  # EIO: every slave end closed, the shell has exited
+            raise EOFError("shell exited") from exc
+        if not data:
+            raise EOFError("shell exited")
+        return data
+
+    def resize(self, rows: int, cols: int) -> None:
+        fcntl.ioctl(self._fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        os.close(self._fd)  # hangs up the pty: the shell gets SIGHUP
+        try:
+            self._proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+# --- driver ------------------------------------------------------------------------------
+
+
+class ProcessDriver:
+    name = "process"
+
+    def __init__(
+        self,
+        state_dir: Path,
+        host: str = "",
+        *,
+        limits: str = "auto",
+        run_as: int = NOBODY_UID,
+        gpus_dir: Path = Path("/proc/driver/nvidia/gpus"),
+    ) -> None:
+        if limits not in ("auto", "cgroup", "rlimit"):
+            raise ValueError(f"limits must be auto, cgroup or rlimit, not {limits!r}")
+        self.state_dir = Path(state_dir)
+        self.host = host
+        self.limits = limits
+        self.run_as = run_as
+        self.gpus_dir = gpus_dir
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._thread_lock = threading.Lock()
+
+    # -- state files --
+
+    def _path(self, allocation_id: str, suffix: str) -> Path:
+        if not _SAFE_ID.fullmatch(allocation_id):
+            raise DriverError(f"allocation id {allocation_id!r} is not safe as a file name")
+        return self.state_dir / f"{allocation_id}.{suffix}"
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        # One lock for the whole state dir, across threads (the mutex) and across agent
+        # processes sharing the dir (flock on a fresh descriptor per holder).
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with self._thread_lock, open(self.state_dir / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _load(self, allocation_id: str) -> dict[str, Any] | None:
+        try:
+            state: dict[str, Any] = json.loads(self._path(allocation_id, "json").read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise DriverError(f"unreadable state for sandbox {allocation_id}: {exc}") from exc
+        return state
+
+    def _save(self, state: dict[str, Any]) -> None:
+        path = self._path(state["allocation_id"], "json")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(path)  # atomic: a crash never leaves half a state file
+
+    def _status_lines(self, allocation_id: str) -> list[dict[str, Any]]:
+        """The JSON documents bwrap wrote to the status file (one per line)."""
+        try:
+            text = self._path(allocation_id, "status").read_text()
+        except OSError:
+            return []
+        docs = []
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError):
+                docs.append(json.loads(line))
+        return docs
+
+    def _handle(self, state: dict[str, Any]) -> SandboxHandle:
+        return SandboxHandle(
+            driver=self.name,
+            allocation_id=state["allocation_id"],
+            sandbox_id=state["sandbox_id"],
+            ref=str(state["pid"]),
+        )
+
+    def _running(self, state: dict[str, Any]) -> bool:
+        child = self._children.get(state["allocation_id"])
+        if child is not None:
+            child.poll()  # reap our own exited wrapper so it does not linger as a zombie
+        return _alive(state["pid"], state["start_ticks"])
+
+    # -- launch --
+
+    def _choose_limits(self, spec: SandboxSpec) -> _Limits:
+        if self.limits == "rlimit":
+            return _rlimits(spec)
+        try:
+            return _make_cgroups(spec)
+        except OSError as exc:
+            if self.limits == "cgroup":
+                raise DriverError(f"cannot create cgroups for {spec.allocation_id}: {exc}") from exc
+            log.warning(
+                "cgroups not usable (%s); sandbox %s falls back to rlimits", exc, spec.allocation_id
+            )
+            return _rlimits(spec)
+
+    def _bwrap_args(
+        self, spec: SandboxSpec, passwd_fd: int, group_fd: int, status_fd: int
+    ) -> list[str]:
+        args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+        if spec.network:
+            args.append("--share-net")
+        args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        args += ["--hostname", f"sandbox-{spec.sandbox_id}", "--ro-bind", "/usr", "/usr"]
+        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+            if os.path.islink(top):  # merged-/usr hosts: keep the symlink into /usr
+                args += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                args += ["--ro-bind", top, top]
+        for name in _ETC_FILES:
+            args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        if spec.network:
+            args += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
+        args += ["--perms", "0644", "--ro-bind-data", str(passwd_fd), "/etc/passwd"]
+        args += ["--perms", "0644", "--ro-bind-data", str(group_fd), "/etc/group"]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        tmpfs_bytes = str(max(16, spec.memory_limit_mib // 4) * 1024 * 1024)
+        args += ["--size", tmpfs_bytes, "--perms", "1777", "--tmpfs", SANDBOX_TMP]
+        args += ["--size", tmpfs_bytes, "--perms", "0700", "--tmpfs", SANDBOX_HOME]
+        if spec.real_gpu:
+            for node in _gpu_device_nodes(spec.device_uuids, self.gpus_dir):
+                args += ["--dev-bind-try", node, node]
+        if spec.mps is not None:
+            # Read-write: the client creates and connects to sockets in the pipe directory.
+            args += ["--bind", spec.mps.pipe_dir, spec.mps.pipe_dir]
+        args += ["--chdir", SANDBOX_HOME, "--clearenv"]
+        for key, value in self._sandbox_env(spec).items():
+            args += ["--setenv", key, value]
+        args += ["--json-status-fd", str(status_fd), "--", *spec.command]
+        return args
+
+    @staticmethod
+    def _sandbox_env(spec: SandboxSpec) -> dict[str, str]:
+        base = {"PATH": _BASE_PATH, "HOME": SANDBOX_HOME, "USER": "sandbox"}
+        return {**base, **spec.env, **spec.gpu_env()}
+
+    def launch(self, spec: SandboxSpec) -> SandboxHandle:
+        if not spec.command:
+            raise DriverError(f"sandbox {spec.allocation_id}: the process driver needs a command")
+        with self._locked():
+            state = self._load(spec.allocation_id)
+            if state is not None:
+                # Idempotent: a repeated launch finds the sandbox, running or exited (its
+                # exit code stays readable until stop() clears it).
+                return self._handle(state)
+            return self._spawn(spec)
+
+    def _spawn(self, spec: SandboxSpec) -> SandboxHandle:
+        limits = self._choose_limits(spec)
+        log_path = self._path(spec.allocation_id, "log")
+        status_path = self._path(spec.allocation_id, "status")
+        drop = []
+        if os.geteuid() == 0:
+            uid = str(self.run_as)
+            drop = ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--"]
+        fds: list[int] = []
+        try:
+            for content in (_PASSWD, _GROUP):
+                fd = os.memfd_create("gpushare-etc", 0)  # bwrap copies it: no file on disk
+                fds.append(fd)
+                os.write(fd, content.encode())
+                os.lseek(fd, 0, os.SEEK_SET)
+            fds.append(os.open(status_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            argv = [
+                "/bin/sh", "-c", _JOIN_AND_WAIT, "gpushare-sandbox", *limits.procs_files, "--",
+                *drop, *limits.prlimit, *self._bwrap_args(spec, *fds),
+            ]  # fmt: skip
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen(  # noqa: S603 - argv built here, no shell input
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    pass_fds=fds,
+                    cwd="/",
+                    env={"PATH": _BASE_PATH},
+                )
+        except OSError as exc:
+            _remove_cgroups(limits.cgroups)
+            raise DriverError(f"cannot start sandbox {spec.allocation_id}: {exc}") from exc
+        finally:
+            for fd in fds:
+                os.close(fd)
+        started = time.time()
+        stat = _proc_stat(proc.pid)
+        info = self._wait_for_child(spec.allocation_id, proc)
+        if stat is None or info is None:
+            _remove_cgroups(limits.cgroups)
+            tail = log_path.read_text(errors="replace")[-2000:].strip() if log_path.exists() else ""
+            for path in (log_path, status_path):
+                path.unlink(missing_ok=True)
+            raise DriverError(
+                f"sandbox {spec.allocation_id} failed to start: {tail or 'no output'}"
+            )
+        self._children[spec.allocation_id] = proc
+        state = {
+            "allocation_id": spec.allocation_id,
+            "sandbox_id": spec.sandbox_id,
+            "pid": proc.pid,
+            "start_ticks": stat[1],
+            "started_at_ms": int(started * 1000),
+            "child_pid": info["child-pid"],
+            "pidns": f"pid:[{info['pid-namespace']}]",
+            "limits": limits.mode,
+            "cgroups": list(limits.cgroups),
+            "procs_files": list(limits.procs_files),
+            "prlimit": list(limits.prlimit),
+            "spec": spec.to_json(),
+        }
+        self._save(state)
+        log.info(
+            "launched sandbox %s as pid %d (bwrap, limits: %s)",
+            spec.allocation_id, proc.pid, limits.mode,
+        )  # fmt: skip
+        return self._handle(state)
+
+    def _wait_for_child(
+        self, allocation_id: str, proc: subprocess.Popen[bytes]
+    ) -> dict[str, Any] | None:
+        """bwrap's first status document (sandbox pid and namespaces), None if it failed."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            docs = self._status_lines(allocation_id)
+            if docs and "child-pid" in docs[0]:
+                return docs[0]
+            if proc.poll() is not None:
+                return None
+            time.sleep(_POLL_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+
+    # -- stop / status / list --
+
+    def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
+        with self._locked():
+            state = self._load(handle.allocation_id)
+            if state is None:
+                return
+            if self._running(state):
+                self._terminate(state, grace_s)
+            _remove_cgroups(tuple(state.get("cgroups", ())))
+            for suffix in ("json", "status", "log"):
+                self._path(handle.allocation_id, suffix).unlink(missing_ok=True)
+            self._children.pop(handle.allocation_id, None)
+            log.info("stopped sandbox %s", handle.allocation_id)
+
+    def _terminate(self, state: dict[str, Any], grace_s: float) -> None:
+        # SIGTERM goes to the sandbox's own processes, not to the wrapper's group: the
+        # outer bwrap would die at once and take the sandbox down with SIGKILL, giving the
+        # command no chance to clean up. The namespace's init (bwrap) ignores it, then
+        # exits with the command's status.
+        members = _pids_in_namespace(state["pidns"])
+        _signal_all([p for p in members if p != state["child_pid"]], signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and self._running(state):
+            time.sleep(_POLL_S)
+        if self._running(state):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(state["pid"], signal.SIGKILL)
+            _signal_all(_pids_in_namespace(state["pidns"]), signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and self._running(state):
+                time.sleep(_POLL_S)
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        state = self._load(handle.allocation_id)
+        if state is None:
+            return SandboxStatus(state="missing")
+        started = state.get("started_at_ms")
+        if self._running(state):
+            return SandboxStatus(state="running", started_at_ms=started)
+        code = next(
+            (d["exit-code"] for d in reversed(self._status_lines(handle.allocation_id))
+             if "exit-code" in d),
+            None,
+        )  # fmt: skip
+        return SandboxStatus(state="exited", exit_code=code, started_at_ms=started)
+
+    def list_owned(self) -> list[SandboxHandle]:
+        """Every sandbox with a state file, exited ones included (status says which)."""
+        handles = []
+        for path in sorted(self.state_dir.glob("*.json")):
+            try:
+                state = json.loads(path.read_text())
+            except (OSError, ValueError):
+                log.warning("ignoring unreadable sandbox state %s", path)
+                continue
+            if self.host and state["spec"].get("host") != self.host:
+                continue
+            handles.append(self._handle(state))
+        return handles
+
+    # -- terminal --
+
+    def exec_terminal(self, handle: SandboxHandle) -> ProcessTerminal:
+        state = self._load(handle.allocation_id)
+        if state is None or not self._running(state):
+            raise DriverError(f"sandbox {handle.allocation_id} is not running")
+        spec = SandboxSpec.from_json(state["spec"])
+        uid = str(SANDBOX_UID)
+        argv = [
+            "/bin/sh", "-c", _JOIN_AND_EXEC, "gpushare-terminal", *state["procs_files"], "--",
+            *state["prlimit"],
+            # setsid --ctty makes the pty the shell's controlling terminal (job control, ^C).
+            "setsid", "--ctty", "nsenter", "--target", str(state["child_pid"]), "--all",
+            "--setuid", uid, "--setgid", uid, f"--wdns={SANDBOX_HOME}", "--", "/bin/sh", "-i",
+        ]  # fmt: skip
+        env = {**self._sandbox_env(spec), "TERM": "xterm-256color"}
+        master, slave = os.openpty()
+        try:
+            proc = subprocess.Popen(  # noqa: S603 - argv built here, no shell input
+                argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd="/"
+            )
+        except OSError as exc:
+            os.close(master)
+            raise DriverError(f"cannot open a terminal in {handle.allocation_id}: {exc}") from exc
+        finally:
+            os.close(slave)
+        return ProcessTerminal(master, proc)

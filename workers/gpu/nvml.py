@@ -1,0 +1,449 @@
+"""The GPU backend for real NVIDIA GPUs, on nvidia-ml-py (``pynvml``).
+
+Every NVML failure leaves this module as a ``GpuBackendError`` naming the operation and
+the device, so the agent handles one exception type. A GPU that answers
+``NVML_ERROR_GPU_IS_LOST`` to any call is also reported once as a ``gpu_lost`` health event.
+
+MIG: reading and changing GPU instances needs root (the agent runs as root on GPU hosts).
+Changing MIG *mode* is never done here: that needs a GPU reset and stays an operator's job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pynvml
+
+from scheduler.gpus import free_starts, model_for_name
+from workers.gpu.base import GpuBackendError, GpuInfo, GpuSample, HealthEvent, MigDevice
+
+MIB = 1024 * 1024
+# gpuInstanceId in event data when the event is not tied to one MIG instance.
+_NO_INSTANCE = 0xFFFFFFFF
+
+# Every GPU instance profile NVML knows; each GPU offers some of them.
+_GI_PROFILE_ENUMS = tuple(
+    value
+    for key, value in sorted(vars(pynvml).items())
+    if key.startswith("NVML_GPU_INSTANCE_PROFILE_") and key != "NVML_GPU_INSTANCE_PROFILE_COUNT"
+)
+
+# The compute instance that spans the whole GPU instance: one per slice count.
+_CI_PROFILE_FOR_SLICES = {
+    1: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+    2: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE,
+    3: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
+    4: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE,
+    6: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE,
+    7: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE,
+    8: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE,
+}
+
+# Clock event ("throttle") reason bits, named as GpuSample.throttle spells them.
+_CLOCK_REASONS = (
+    (pynvml.nvmlClocksEventReasonGpuIdle, "gpu_idle"),
+    (pynvml.nvmlClocksEventReasonApplicationsClocksSetting, "applications_clocks_setting"),
+    (pynvml.nvmlClocksEventReasonSwPowerCap, "sw_power_cap"),
+    (pynvml.nvmlClocksEventReasonHwSlowdown, "hw_slowdown"),
+    (pynvml.nvmlClocksEventReasonSyncBoost, "sync_boost"),
+    (pynvml.nvmlClocksEventReasonSwThermalSlowdown, "sw_thermal"),
+    (pynvml.nvmlClocksEventReasonHwThermalSlowdown, "hw_thermal"),
+    (pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown, "hw_power_brake"),
+    (pynvml.nvmlClocksEventReasonDisplayClockSetting, "display_clock_setting"),
+)
+
+_HEALTH_EVENT_TYPES = pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _GiProfile:
+    id: int  # the profile id NVML's create and info calls use
+    name: str  # e.g. "3g.40gb"
+    slices: int  # compute slices
+
+
+def nvml_available() -> bool:
+    """True when NVML loads and sees at least one GPU (GPU_BACKEND=auto picks nvml then)."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    try:
+        return int(pynvml.nvmlDeviceGetCount()) > 0
+    except pynvml.NVMLError:
+        return False
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def decode_clock_reasons(bits: int) -> tuple[str, ...]:
+    return tuple(name for bit, name in _CLOCK_REASONS if bits & bit)
+
+
+class NvmlBackend:
+    name = "nvml"
+    simulated = False
+
+    def __init__(self) -> None:
+        # The agent samples from its own thread while task threads change MIG layouts.
+        self._lock = threading.RLock()
+        self._events: list[HealthEvent] = []
+        self._lost: set[str] = set()
+        self._known: dict[int, str] = {}  # index -> GPU uuid, to name a GPU once it is lost
+        self._mig_parent: dict[str, str] = {}  # MIG uuid -> GPU uuid
+        self._mig_by_gi: dict[tuple[str, int], str] = {}  # (GPU uuid, GI id) -> MIG uuid
+        self._gi_profiles_by_gpu: dict[str, dict[str, _GiProfile]] = {}
+        self._closed = False
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as err:
+            raise GpuBackendError(f"NVML did not initialise: {err}") from err
+        try:
+            self._event_set = self._register_events()
+        except BaseException:
+            pynvml.nvmlShutdown()
+            raise
+
+    # -- inventory -------------------------------------------------------------------------
+
+    def list_gpus(self) -> list[GpuInfo]:
+        with self._guard("count GPUs"):
+            count = int(pynvml.nvmlDeviceGetCount())
+        gpus = []
+        for index in range(count):
+            try:
+                gpus.append(self._gpu_info(index))
+            except GpuBackendError:
+                if self._known.get(index) in self._lost:
+                    continue  # a lost GPU leaves the inventory; its health event says why
+                raise
+        return gpus
+
+    def _gpu_info(self, index: int) -> GpuInfo:
+        with self._guard(f"read GPU {index}", self._known.get(index)):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = str(pynvml.nvmlDeviceGetUUID(handle))
+        with self._lock:
+            self._known[index] = uuid
+        with self._guard("read GPU", uuid):
+            name = str(pynvml.nvmlDeviceGetName(handle))
+            memory_mib = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB
+            mig_enabled = _mig_enabled(handle)
+            migs = self._mig_devices(handle, uuid) if mig_enabled else []
+        model = model_for_name(name, memory_mib)
+        return GpuInfo(
+            uuid=uuid,
+            index=index,
+            name=name,
+            model=model.name if model else "",
+            memory_mib=memory_mib,
+            mig_enabled=mig_enabled,
+            mig_devices=tuple(migs),
+            simulated=False,
+        )
+
+    def mig_layout(self, uuid: str) -> list[MigDevice]:
+        with self._guard("read MIG layout", uuid):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            return self._mig_devices(handle, uuid) if _mig_enabled(handle) else []
+
+    def _mig_devices(self, parent: Any, parent_uuid: str) -> list[MigDevice]:
+        names = {p.id: p.name for p in self._gi_profiles(parent, parent_uuid).values()}
+        devices = []
+        for index in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
+            try:
+                handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
+            except pynvml.NVMLError_NotFound:
+                continue  # an empty MIG device slot
+            gi_id = int(pynvml.nvmlDeviceGetGpuInstanceId(handle))
+            info = pynvml.nvmlGpuInstanceGetInfo(pynvml.nvmlDeviceGetGpuInstanceById(parent, gi_id))
+            profile_id = int(info.profileId)
+            device = MigDevice(
+                uuid=str(pynvml.nvmlDeviceGetUUID(handle)),
+                parent_uuid=parent_uuid,
+                profile=names.get(profile_id, f"profile-{profile_id}"),
+                start=int(info.placement.start),
+                memory_slices=int(info.placement.size),
+                memory_mib=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB,
+                gpu_instance_id=gi_id,
+                compute_instance_id=int(pynvml.nvmlDeviceGetComputeInstanceId(handle)),
+            )
+            devices.append(device)
+        with self._lock:
+            for device in devices:
+                self._mig_parent[device.uuid] = parent_uuid
+                self._mig_by_gi[(parent_uuid, device.gpu_instance_id)] = device.uuid
+        return sorted(devices, key=lambda d: d.start)
+
+    def _gi_profiles(self, handle: Any, uuid: str) -> dict[str, _GiProfile]:
+        """The GPU instance profiles this GPU offers, by name (cached: they never change)."""
+        with self._lock:
+            cached = self._gi_profiles_by_gpu.get(uuid)
+        if cached is not None:
+            return cached
+        profiles = {}
+        for enum in _GI_PROFILE_ENUMS:
+            try:
+                info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, enum)
+            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
+                continue  # not offered by this GPU
+            name = str(info.name).removeprefix("MIG ")  # NVML says e.g. "MIG 3g.40gb"
+            profiles[name] = _GiProfile(int(info.id), name, int(info.sliceCount))
+        with self._lock:
+            self._gi_profiles_by_gpu[uuid] = profiles
+        return profiles
+
+    # -- MIG changes -----------------------------------------------------------------------
+
+    def create_mig(self, uuid: str, profile: str, start: int) -> MigDevice:
+        with self._guard(f"create MIG {profile}@{start}", uuid):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            if not _mig_enabled(handle):
+                raise GpuBackendError(f"MIG mode is disabled on {uuid}")
+            gi_profile = self._gi_profiles(handle, uuid).get(profile)
+            if gi_profile is None:
+                known = ", ".join(sorted(self._gi_profiles(handle, uuid)))
+                raise GpuBackendError(f"{uuid} has no MIG profile {profile!r} (known: {known})")
+            memory_slices = self._check_placement(handle, uuid, profile, start)
+            placement = pynvml.c_nvmlGpuInstancePlacement_t(start=start, size=memory_slices)
+            gpu_instance = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+                handle, gi_profile.id, ctypes.byref(placement)
+            )
+            try:
+                ci_info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gpu_instance,
+                    _CI_PROFILE_FOR_SLICES[gi_profile.slices],
+                    pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                )
+                pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_info.id)
+            except pynvml.NVMLError:
+                # A GPU instance without a compute instance is no device a sandbox can use.
+                with suppress(pynvml.NVMLError):
+                    pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+                raise
+            gi_id = int(pynvml.nvmlGpuInstanceGetInfo(gpu_instance).id)
+            for device in self._mig_devices(handle, uuid):
+                if device.gpu_instance_id == gi_id:
+                    return device
+        raise GpuBackendError(f"created GPU instance {gi_id} on {uuid} but no MIG device shows it")
+
+    def _check_placement(self, handle: Any, uuid: str, profile: str, start: int) -> int:
+        """Refuse an illegal or overlapping start with a clear message; return its size."""
+        name = str(pynvml.nvmlDeviceGetName(handle))
+        model = model_for_name(name, int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB)
+        if model is None or profile not in {p.name for p in model.mig_profiles}:
+            raise GpuBackendError(f"no MIG geometry known for {profile} on {name} ({uuid})")
+        mig_profile = model.profile(profile)
+        if start not in mig_profile.starts:
+            legal = ", ".join(map(str, mig_profile.starts))
+            raise GpuBackendError(
+                f"{profile} cannot start at memory slice {start} on {model.name}; legal: {legal}"
+            )
+        used = self._mig_devices(handle, uuid)
+        if start not in free_starts(model, profile, [(d.start, d.memory_slices) for d in used]):
+            wanted = set(mig_profile.slots(start))
+            clash = [
+                f"{d.profile}@{d.start}"
+                for d in used
+                if wanted.intersection(range(d.start, d.start + d.memory_slices))
+            ]
+            raise GpuBackendError(f"{profile}@{start} overlaps {', '.join(clash)} on {uuid}")
+        return mig_profile.memory_slices
+
+    def destroy_mig(self, uuid: str, mig_uuid: str) -> None:
+        with self._guard(f"destroy MIG {mig_uuid}", uuid):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            device = next((d for d in self._mig_devices(handle, uuid) if d.uuid == mig_uuid), None)
+            if device is None:
+                raise GpuBackendError(f"{mig_uuid} is not a MIG device of {uuid}")
+            gpu_instance = pynvml.nvmlDeviceGetGpuInstanceById(handle, device.gpu_instance_id)
+            compute_instance = pynvml.nvmlGpuInstanceGetComputeInstanceById(
+                gpu_instance, device.compute_instance_id
+            )
+            pynvml.nvmlComputeInstanceDestroy(compute_instance)
+            pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+        with self._lock:
+            self._mig_parent.pop(mig_uuid, None)
+            self._mig_by_gi.pop((uuid, device.gpu_instance_id), None)
+
+    # -- telemetry -------------------------------------------------------------------------
+
+    def sample(self, uuid: str) -> GpuSample:
+        """Temperature, power and clocks come from the whole GPU; memory from the device."""
+        with self._guard("sample", uuid):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            parent = (
+                pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+                if uuid.startswith("MIG-")
+                else handle
+            )
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            # NVML has no utilization for MIG devices, nor for a GPU in MIG mode: 0 there.
+            util = _unless_unsupported(
+                lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu), 0.0
+            )
+            power_mw = _unless_unsupported(lambda: int(pynvml.nvmlDeviceGetPowerUsage(parent)), 0)
+            reasons = _unless_unsupported(lambda: _clock_reasons(parent), 0)
+            return GpuSample(
+                uuid=uuid,
+                t_ms=int(time.time() * 1000),
+                temp_c=float(pynvml.nvmlDeviceGetTemperature(parent, pynvml.NVML_TEMPERATURE_GPU)),
+                util_pct=util,
+                mem_used_mib=int(memory.used) // MIB,
+                mem_total_mib=int(memory.total) // MIB,
+                power_w=power_mw / 1000,
+                sm_clock_mhz=int(pynvml.nvmlDeviceGetClockInfo(parent, pynvml.NVML_CLOCK_SM)),
+                throttle=decode_clock_reasons(reasons),
+                mem_by_owner=_unless_unsupported(lambda: _memory_by_pid(handle), {}),
+            )
+
+    # -- health ----------------------------------------------------------------------------
+
+    def _register_events(self) -> Any:
+        """An event set for XID and double-bit ECC errors on every GPU that supports them."""
+        with self._guard("create NVML event set"):
+            try:
+                event_set = pynvml.nvmlEventSetCreate()
+            except pynvml.NVMLError_NotSupported:
+                return None
+            for index in range(int(pynvml.nvmlDeviceGetCount())):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                self._known[index] = str(pynvml.nvmlDeviceGetUUID(handle))
+                try:
+                    wanted = int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
+                    wanted &= _HEALTH_EVENT_TYPES
+                    if wanted:
+                        pynvml.nvmlDeviceRegisterEvents(handle, wanted, event_set)
+                except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_NoPermission):
+                    continue  # such a GPU still reports loss through failing calls
+            return event_set
+
+    def health_events(self) -> list[HealthEvent]:
+        """Events since the last call: NVML's event set, drained without waiting, and losses."""
+        with self._lock:
+            while self._event_set is not None:
+                try:
+                    data = pynvml.nvmlEventSetWait_v2(self._event_set, 0)
+                except pynvml.NVMLError_Timeout:
+                    break  # drained
+                except pynvml.NVMLError_GpuIsLost:
+                    self._find_lost()
+                    break
+                except pynvml.NVMLError as err:
+                    raise GpuBackendError(f"read NVML events: {err}") from err
+                self._events.append(self._event_from(data))
+            events, self._events = self._events, []
+            return events
+
+    def _event_from(self, data: Any) -> HealthEvent:
+        with self._guard("read NVML event"):
+            gpu_uuid = str(pynvml.nvmlDeviceGetUUID(data.device))
+        gi_id = int(data.gpuInstanceId)
+        # An error tied to one MIG instance names that device, so only its sandbox is hit.
+        uuid = (
+            self._mig_by_gi.get((gpu_uuid, gi_id), gpu_uuid) if gi_id != _NO_INSTANCE else gpu_uuid
+        )
+        t_ms = int(time.time() * 1000)
+        if int(data.eventType) == pynvml.nvmlEventTypeXidCriticalError:
+            xid = int(data.eventData)
+            return HealthEvent(uuid, "xid", f"XID {xid}", t_ms, xid=xid)
+        return HealthEvent(uuid, "ecc_dbe", "double-bit ECC error", t_ms)
+
+    def _find_lost(self) -> None:
+        """The event set only says *a* GPU is lost: ask each known one."""
+        for uuid in list(self._known.values()):
+            with suppress(GpuBackendError), self._guard("probe", uuid):
+                handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+
+    def _note_lost(self, uuid: str) -> None:
+        with self._lock:
+            if uuid not in self._lost:
+                self._lost.add(uuid)
+                t_ms = int(time.time() * 1000)
+                self._events.append(HealthEvent(uuid, "gpu_lost", "GPU is lost", t_ms))
+
+    @contextmanager
+    def _guard(self, what: str, uuid: str | None = None) -> Iterator[None]:
+        """Turn NVML errors into GpuBackendError, noting a lost GPU on the way.
+
+        ``uuid`` is the device the calls address, None when that is not known yet.
+        """
+        where = uuid or "this host"
+        try:
+            yield
+        except pynvml.NVMLError_GpuIsLost as err:
+            if uuid is None:
+                self._find_lost()
+                raise GpuBackendError(f"{what}: a GPU on this host is lost") from err
+            self._note_lost(self._mig_parent.get(uuid, uuid))
+            raise GpuBackendError(f"{what}: {uuid} is lost") from err
+        except pynvml.NVMLError as err:
+            raise GpuBackendError(f"{what} on {where}: {err}") from err
+
+    # -- load (nothing to do: real GPUs measure it) -----------------------------------------
+
+    def note_load(self, owner: str, device_uuids: list[str], mem_mib: int, util_pct: float) -> None:
+        """Real GPUs report their own load."""
+
+    def forget_load(self, owner: str) -> None:
+        """Real GPUs report their own load."""
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._event_set is not None:
+                with suppress(pynvml.NVMLError):
+                    pynvml.nvmlEventSetFree(self._event_set)
+            with suppress(pynvml.NVMLError):
+                pynvml.nvmlShutdown()
+
+
+def _mig_enabled(handle: Any) -> bool:
+    try:
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+    except pynvml.NVMLError_NotSupported:
+        return False  # not a MIG-capable GPU
+    return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
+
+
+def _clock_reasons(handle: Any) -> int:
+    """Current clock event reasons; the older "throttle" call for drivers before R535."""
+    current = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    if current is not None:
+        with suppress(pynvml.NVMLError_FunctionNotFound):
+            return int(current(handle))
+    return int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+
+
+def _memory_by_pid(handle: Any) -> dict[str, int]:
+    held: dict[str, int] = {}
+    for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+        if process.usedGpuMemory is None:
+            continue  # not reported (e.g. without the rights to see other users' processes)
+        key = f"pid:{process.pid}"
+        held[key] = held.get(key, 0) + int(process.usedGpuMemory) // MIB
+    return held
+
+
+def _unless_unsupported(read: Callable[[], T], default: T) -> T:
+    """A reading this GPU, driver or user cannot take is left at its default."""
+    try:
+        return read()
+    except (
+        pynvml.NVMLError_NotSupported,
+        pynvml.NVMLError_NoPermission,
+        # pynvml raises this, not an NVMLError, when the driver lacks a versioned call
+        pynvml.NVMLLibraryMismatchError,
+    ):
+        return default
