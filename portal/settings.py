@@ -39,6 +39,7 @@ INSTALLED_APPS = [
     "channels",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "portal.accounts",
     "portal.catalog",
     "portal.fleet",
@@ -127,12 +128,17 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "staticfiles"
 STATICFILES_DIRS = [BASE_DIR / "static"]
+# Hashed, compressed names need ``collectstatic`` (a deploy step); without it (DEBUG, tests)
+# files are served straight from static/ by WhiteNoise's finders.
+STATIC_MANIFEST = env_bool("STATIC_MANIFEST", not DEBUG)
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
-    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"
-                    if not DEBUG else "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "staticfiles": {
+        "BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage" if STATIC_MANIFEST
+        else "django.contrib.staticfiles.storage.StaticFilesStorage"
+    },
 }
-WHITENOISE_USE_FINDERS = DEBUG
+WHITENOISE_USE_FINDERS = not STATIC_MANIFEST
 
 CHANNEL_LAYERS = {
     "default": {
@@ -158,6 +164,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Sandboxes, usage and prices for billing systems.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # Seconds without an agent heartbeat before /healthz calls it stale (3 missed beats).

@@ -310,8 +310,8 @@ def test_terminal_runs_a_shell(driver: DockerDriver, host: str) -> None:
     try:
         terminal.resize(40, 120)
         terminal.write(b"echo h''i; id -u\n")  # the quotes keep the echoed line from matching
-        out = read_until(terminal, rb"\nhi\r?\n1000\r?\n")
-        assert re.search(rb"\nhi\r?\n1000\r?\n", out), out
+        out = read_until(terminal, rb"hi\r?\n1000\r?\n")
+        assert re.search(rb"hi\r?\n1000\r?\n", out), out
         terminal.write(b"exit\n")
         with pytest.raises(EOFError):
             read_until_eof(terminal)

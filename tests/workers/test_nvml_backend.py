@@ -718,3 +718,17 @@ def test_load_hints_are_ignored(fake: FakeNvml, backend: NvmlBackend) -> None:
     backend.note_load("alloc-1", [H100_UUID], 1000, 50.0)
     backend.forget_load("alloc-1")
     assert len(fake.calls) == before
+
+
+def test_event_from_a_gpu_lost_meanwhile(fake: FakeNvml, backend: NvmlBackend) -> None:
+    fake.pending = [event(fake.a100, pynvml.nvmlEventTypeXidCriticalError, 79)]
+    fake.lost.add(A100_UUID)
+    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(A100_UUID, "gpu_lost")]
+
+
+def test_gpu_lost_before_the_backend_starts(fake: FakeNvml) -> None:
+    fake.lost.add(H100_UUID)
+    backend = NvmlBackend()  # the other GPU still works
+    assert list(fake.registered) == [A100_UUID]
+    assert [g.uuid for g in backend.list_gpus()] == [A100_UUID]
+    backend.close()

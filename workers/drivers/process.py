@@ -8,7 +8,7 @@ a cleared environment and uid 1000 inside its own user namespace.
 Process tree, and why each link is there::
 
     sh (wrapper, session leader, pid recorded)   joins the cgroup, then waits
-     └ bwrap (outer, as ``run_as`` when we are root)
+     └ bwrap (outer; a host uid of its own when we are root)
         └ bwrap (pid 1 of the sandbox pid namespace)   child-pid in the status file
            └ the command
 
@@ -16,9 +16,13 @@ Process tree, and why each link is there::
   nothing escapes the limits, and it stays as bwrap's parent: ``--die-with-parent`` ties
   bwrap to its parent *thread*, so if the agent (or the worker thread that launched) were
   the parent, an agent restart would kill every sandbox.
-* When the agent runs as root, bwrap runs as ``run_as`` (default nobody) through
+* When the agent runs as root, bwrap runs as an unprivileged host uid through
   ``setpriv``: otherwise the sandbox's uid 1000 maps to host root, and every root-owned
-  file bound into the sandbox would count as the sandbox user's own.
+  file bound into the sandbox would count as the sandbox user's own. Each sandbox gets
+  its own uid (``_UID_BASE + sandbox_id``), so sandboxes cannot touch one another's
+  processes or files and RLIMIT_NPROC counts one sandbox; except under MPS, whose server
+  serves one uid at a time, so every MPS client runs as ``mps_uid`` (1000, the uid the
+  docker driver uses: run the MPS control daemon as that uid). ``run_as`` pins one uid.
 * bwrap's ``--json-status-fd`` gives the sandbox's pid namespace and, later, the exit
   code, in a file that outlives the agent.
 
@@ -26,11 +30,11 @@ Limits: cgroup v2 (memory.max, memory.swap.max, cpu.max, pids.max) or cgroup v1 
 memsw, CFS quota, pids) under ``<mount>/gpushare/<allocation>``, whichever the host mounts
 with those controllers and lets us write. Otherwise ``prlimit`` (RLIMIT_AS, RLIMIT_NPROC):
 weaker, since RLIMIT_AS caps address space rather than memory, RLIMIT_NPROC counts every
-process of the uid, and nothing caps CPU; the log line says which applied.
+process of the host uid, so it is only set when the sandbox has a uid of its own, and
+nothing caps CPU; the log line says which applied.
 
 GPU isolation here is by device node where the driver exposes a minor number for the GPU
 UUID, and by ``CUDA_VISIBLE_DEVICES`` only for MIG devices (all GPU nodes are bound).
-MPS clients must run as the same uid as the MPS server: pass that uid as ``run_as``.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ SANDBOX_UID = 1000
 SANDBOX_HOME = "/home/sandbox"
 SANDBOX_TMP = "/tmp"  # noqa: S108 - the sandbox's own tmpfs, not the host's /tmp
 NOBODY_UID = 65534
+# Host uids for sandboxes, one per sandbox id: far above login users, and above the
+# subordinate ranges (/etc/subuid) that user-namespace tools usually hand out.
+_UID_BASE = 1_000_000_000
+_UID_SPAN = 1_000_000
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _CGROUP_PARENT = "gpushare"
 _CPU_PERIOD_US = 100_000
@@ -233,10 +241,15 @@ def _make_cgroups(spec: SandboxSpec) -> _Limits:
         raise
 
 
-def _rlimits(spec: SandboxSpec) -> _Limits:
-    memory = spec.memory_limit_mib * 1024 * 1024
-    nproc = spec.pids_limit + _WRAPPER_PIDS
-    return _Limits("rlimit", (), (), ("prlimit", f"--as={memory}", f"--nproc={nproc}"))
+def _rlimits(spec: SandboxSpec, private_uid: bool) -> _Limits:
+    prlimit = ["prlimit", f"--as={spec.memory_limit_mib * 1024 * 1024}"]
+    if private_uid:
+        prlimit.append(f"--nproc={spec.pids_limit + _WRAPPER_PIDS}")
+    else:
+        # RLIMIT_NPROC counts every process of the host uid: on a shared uid it would
+        # count other sandboxes (and containers) too and fail launches at random.
+        log.warning("sandbox %s has no pids limit: its host uid is shared", spec.allocation_id)
+    return _Limits("rlimit", (), (), tuple(prlimit))
 
 
 def _remove_cgroups(dirs: tuple[str, ...]) -> None:
@@ -324,7 +337,8 @@ class ProcessDriver:
         host: str = "",
         *,
         limits: str = "auto",
-        run_as: int = NOBODY_UID,
+        run_as: int | None = None,
+        mps_uid: int = SANDBOX_UID,
         gpus_dir: Path = Path("/proc/driver/nvidia/gpus"),
     ) -> None:
         if limits not in ("auto", "cgroup", "rlimit"):
@@ -333,6 +347,7 @@ class ProcessDriver:
         self.host = host
         self.limits = limits
         self.run_as = run_as
+        self.mps_uid = mps_uid
         self.gpus_dir = gpus_dir
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._thread_lock = threading.Lock()
@@ -397,8 +412,9 @@ class ProcessDriver:
     # -- launch --
 
     def _choose_limits(self, spec: SandboxSpec) -> _Limits:
+        private_uid = os.geteuid() == 0 and spec.mps is None and self.run_as is None
         if self.limits == "rlimit":
-            return _rlimits(spec)
+            return _rlimits(spec, private_uid)
         try:
             return _make_cgroups(spec)
         except OSError as exc:
@@ -407,7 +423,7 @@ class ProcessDriver:
             log.warning(
                 "cgroups not usable (%s); sandbox %s falls back to rlimits", exc, spec.allocation_id
             )
-            return _rlimits(spec)
+            return _rlimits(spec, private_uid)
 
     def _bwrap_args(
         self, spec: SandboxSpec, passwd_fd: int, group_fd: int, status_fd: int
@@ -449,6 +465,13 @@ class ProcessDriver:
         base = {"PATH": _BASE_PATH, "HOME": SANDBOX_HOME, "USER": "sandbox"}
         return {**base, **spec.env, **spec.gpu_env()}
 
+    def _host_uid(self, spec: SandboxSpec) -> int:
+        if spec.mps is not None:
+            return self.mps_uid
+        if self.run_as is not None:
+            return self.run_as
+        return _UID_BASE + spec.sandbox_id % _UID_SPAN
+
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         if not spec.command:
             raise DriverError(f"sandbox {spec.allocation_id}: the process driver needs a command")
@@ -466,7 +489,7 @@ class ProcessDriver:
         status_path = self._path(spec.allocation_id, "status")
         drop = []
         if os.geteuid() == 0:
-            uid = str(self.run_as)
+            uid = str(self._host_uid(spec))
             drop = ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--"]
         fds: list[int] = []
         try:
@@ -499,7 +522,7 @@ class ProcessDriver:
                 os.close(fd)
         started = time.time()
         stat = _proc_stat(proc.pid)
-        info = self._wait_for_child(spec.allocation_id, proc)
+        info = self._wait_for_setup(spec.allocation_id, proc, log_path)
         if stat is None or info is None:
             _remove_cgroups(limits.cgroups)
             tail = log_path.read_text(errors="replace")[-2000:].strip() if log_path.exists() else ""
@@ -530,16 +553,29 @@ class ProcessDriver:
         )  # fmt: skip
         return self._handle(state)
 
-    def _wait_for_child(
-        self, allocation_id: str, proc: subprocess.Popen[bytes]
+    def _wait_for_setup(
+        self, allocation_id: str, proc: subprocess.Popen[bytes], log_path: Path
     ) -> dict[str, Any] | None:
-        """bwrap's first status document (sandbox pid and namespaces), None if it failed."""
+        """bwrap's first status document once the sandbox is set up; None if setup failed.
+
+        bwrap reports the sandbox's pid as soon as it clones, before the mounts, and forks
+        the command only after them: setup is done once anything besides bwrap's own init
+        runs in the new pid namespace. A command that exits before we look is told from a
+        failed setup (or exec) by bwrap's "bwrap: ..." error in the log.
+        """
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
+            wrapper_done = proc.poll() is not None
             docs = self._status_lines(allocation_id)
             if docs and "child-pid" in docs[0]:
-                return docs[0]
-            if proc.poll() is not None:
+                info = docs[0]
+                members = _pids_in_namespace(f"pid:[{info['pid-namespace']}]")
+                if any(pid != info["child-pid"] for pid in members):
+                    return info
+                if any("exit-code" in doc for doc in docs):
+                    lines = log_path.read_text(errors="replace").splitlines()
+                    return None if any(x.startswith("bwrap: ") for x in lines) else info
+            if wrapper_done:
                 return None
             time.sleep(_POLL_S)
         with contextlib.suppress(ProcessLookupError):

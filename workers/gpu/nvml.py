@@ -11,6 +11,7 @@ Changing MIG *mode* is never done here: that needs a GPU reset and stays an oper
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,8 @@ import pynvml
 
 from scheduler.gpus import free_starts, model_for_name
 from workers.gpu.base import GpuBackendError, GpuInfo, GpuSample, HealthEvent, MigDevice
+
+log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 # gpuInstanceId in event data when the event is not tied to one MIG instance.
@@ -81,7 +84,8 @@ def nvml_available() -> bool:
     except pynvml.NVMLError:
         return False
     finally:
-        pynvml.nvmlShutdown()
+        with suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
 
 
 def decode_clock_reasons(bits: int) -> tuple[str, ...]:
@@ -121,9 +125,9 @@ class NvmlBackend:
         for index in range(count):
             try:
                 gpus.append(self._gpu_info(index))
-            except GpuBackendError:
-                if self._known.get(index) in self._lost:
-                    continue  # a lost GPU leaves the inventory; its health event says why
+            except GpuBackendError as err:
+                if isinstance(err.__cause__, pynvml.NVMLError_GpuIsLost):
+                    continue  # a lost GPU leaves the inventory; a gpu_lost event says why
                 raise
         return gpus
 
@@ -315,15 +319,17 @@ class NvmlBackend:
             except pynvml.NVMLError_NotSupported:
                 return None
             for index in range(int(pynvml.nvmlDeviceGetCount())):
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                self._known[index] = str(pynvml.nvmlDeviceGetUUID(handle))
                 try:
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                    self._known[index] = str(pynvml.nvmlDeviceGetUUID(handle))
                     wanted = int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
                     wanted &= _HEALTH_EVENT_TYPES
                     if wanted:
                         pynvml.nvmlDeviceRegisterEvents(handle, wanted, event_set)
                 except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_NoPermission):
                     continue  # such a GPU still reports loss through failing calls
+                except pynvml.NVMLError_GpuIsLost:
+                    continue  # already gone: it stays out of list_gpus, the others still work
             return event_set
 
     def health_events(self) -> list[HealthEvent]:
@@ -339,7 +345,11 @@ class NvmlBackend:
                     break
                 except pynvml.NVMLError as err:
                     raise GpuBackendError(f"read NVML events: {err}") from err
-                self._events.append(self._event_from(data))
+                try:
+                    self._events.append(self._event_from(data))
+                except GpuBackendError:
+                    # No device to name it by (if lost, _find_lost has queued that instead).
+                    log.warning("dropped an NVML event", exc_info=True)
             events, self._events = self._events, []
             return events
 

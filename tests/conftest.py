@@ -1,0 +1,85 @@
+"""Personas (owner, member, outsider, admin), a demo catalog and a fleet for every test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from django.conf import settings
+
+from portal.fleet.inventory import do_sync_inventory
+from tests.factories import ImageFactory, MembershipFactory, ProjectFactory, TierFactory, UserFactory
+from workers.config import ensure_embedded_redis
+from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+
+PASSWORD = "correct-horse-battery"  # noqa: S105 - the factories' test password
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _redis_for_tests() -> None:
+    """Start the embedded Redis when REDIS_URL is unset, and empty the test database.
+
+    Tests own the Redis database they are given (make test and .ci/run pick one that
+    nothing else uses), so stale queue messages from an earlier run cannot leak in.
+    """
+    ensure_embedded_redis()
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    if settings.EMBEDDED_REDIS_DIR is None and client.connection_pool.connection_kwargs.get("db", 0) == 0:
+        pytest.exit("REDIS_URL must name a Redis database other than 0 for tests (e.g. /15): "
+                    "the suite empties it", returncode=2)
+    client.flushdb()
+
+
+@pytest.fixture
+def people(db: Any) -> dict[str, Any]:
+    project = ProjectFactory(slug="vision", name="Vision")
+    other = ProjectFactory(slug="nlp", name="NLP")
+    owner = UserFactory(username="olivia")
+    member = UserFactory(username="mark")
+    outsider = UserFactory(username="oscar")
+    admin = UserFactory(username="ada", is_staff=True, is_superuser=True)
+    MembershipFactory(user=owner, project=project, role="manager")
+    MembershipFactory(user=member, project=project, role="member")
+    MembershipFactory(user=outsider, project=other, role="manager")
+    return {"project": project, "other_project": other, "owner": owner, "member": member,
+            "outsider": outsider, "admin": admin}
+
+
+@pytest.fixture
+def catalog(db: Any) -> dict[str, Any]:
+    return {
+        "dedicated": TierFactory(slug="dedicated"),
+        "mig": TierFactory(slug="mig", price_per_gpu_hour_micros=700_000),
+        "mps": TierFactory(slug="mps", price_per_gpu_hour_micros=400_000),
+        "timeslice": TierFactory(slug="timeslice", price_per_gpu_hour_micros=210_000),
+        "image": ImageFactory(),
+    }
+
+
+def seed_host(name: str, spec: str, sharing: dict[int, str] | None = None) -> None:
+    """A simulated host in the database, as if its agent had reported its inventory."""
+    from portal.fleet.models import Gpu
+
+    gpus = SimulatedBackend(name, parse_sim_spec(spec)).list_gpus()
+    do_sync_inventory(name, "simulated", "docker", [g.to_json() for g in gpus])
+    for index, mode in (sharing or {}).items():
+        Gpu.objects.filter(host__name=name, index=index).update(sharing_mode=mode)
+
+
+@pytest.fixture
+def fleet(db: Any) -> None:
+    seed_host("h100", "H100-80GB:4:mig=0,1")
+    seed_host("a100", "A100-80GB:4", {2: "mps", 3: "timeslice"})
+
+
+@pytest.fixture
+def sent_tasks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, tuple[Any, ...]]]:
+    """Capture messages to workers instead of sending them (unit tests)."""
+    sent: list[tuple[str, str, tuple[Any, ...]]] = []
+    from workers import dispatch
+
+    monkeypatch.setattr(dispatch, "to_host", lambda host, task, *a: sent.append((f"host.{host}", task, a)))
+    monkeypatch.setattr(dispatch, "to_control", lambda task, *a: sent.append(("control", task, a)))
+    return sent
+

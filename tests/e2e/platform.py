@@ -1,0 +1,142 @@
+"""Run the real platform processes against the test database, for e2e and browser tests.
+
+Workers get the test database's URL and the test Redis, so what the test writes through
+the ORM is what they see. Each run uses its own host name, hence its own agent queue.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def database_url() -> str:
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{Path(db['NAME']).resolve()}"
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db.get("PASSWORD") else "")
+    return f"postgres://{auth}@{db['HOST'] or 'localhost'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Platform:
+    def __init__(self, var_dir: Path, log_dir: Path) -> None:
+        self.host = f"e2e-{uuid.uuid4().hex[:6]}"
+        self.var_dir = var_dir
+        self.log_dir = log_dir
+        var_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.port = 0
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {
+            **os.environ, "DATABASE_URL": database_url(), "REDIS_URL": settings.REDIS_URL,
+            "GPUSHARE_VAR_DIR": str(self.var_dir), "SECRET_KEY": settings.SECRET_KEY,
+            "AGENT_HEARTBEAT_S": "1", "CYCLE_INTERVAL_S": "1", "SANDBOX_STOP_GRACE_S": "2",
+            **extra,
+        }
+
+    def start(self, name: str, argv: list[str], **extra: str) -> None:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        self.procs[name] = subprocess.Popen(  # noqa: S603
+            argv, cwd=ROOT, env=self.env(**extra), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def start_workers(self, sim_gpus: str = "H100-80GB:2:mig=1", driver: str = "docker") -> None:
+        celery = [sys.executable, "-m", "celery", "-A", "workers"]
+        self.start("control", [*celery, "worker", "-Q", "control", "-n", f"control-{self.host}@%h",
+                               "-P", "threads", "-c", "2", "--loglevel=INFO"], GPUSHARE_ROLE="control")
+        self.start("agent", [*celery, "worker", "-Q", f"host.{self.host}", "-n", f"agent-{self.host}@%h",
+                             "-P", "threads", "-c", "2", "--loglevel=INFO"],
+                   GPUSHARE_ROLE="agent", GPUSHARE_HOST=self.host, GPUSHARE_SIM_GPUS=sim_gpus,
+                   GPU_BACKEND="simulated", SANDBOX_DRIVER=driver, SAMPLE_INTERVAL_MS="500")
+        self.start("beat", [*celery, "beat", "-s", str(self.var_dir / "beat-schedule"), "--loglevel=INFO"],
+                   GPUSHARE_ROLE="beat")
+
+    def start_web(self) -> str:
+        self.port = free_port()
+        self.start("web", [sys.executable, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1",
+                           "--port", str(self.port)])
+        import urllib.request
+
+        def up() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:  # noqa: S310
+                    return r.status in (200, 503)
+            except OSError as exc:
+                return getattr(exc, "code", None) == 503
+        wait_for(up, 30, "the web server")
+        return f"http://127.0.0.1:{self.port}"
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}"
+                         for p in sorted(self.log_dir.glob("*.log")))
+
+    def stop(self) -> None:
+        """Stop the processes, then remove any container this run's agent left behind."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        from workers.drivers.docker import docker_available
+
+        if docker_available():
+            import docker
+
+            client = docker.from_env()
+            for container in client.containers.list(all=True, filters={"label": f"io.gpushare.host={self.host}"}):
+                container.remove(force=True)
+
+
+@contextmanager
+def running_platform(tmp_path: Path, web: bool = False, **workers: str) -> Iterator[Platform]:
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    platform = Platform(tmp_path / "var", tmp_path / "logs")
+    try:
+        platform.start_workers(**workers)
+        if web:
+            platform.start_web()
+        from portal.fleet.models import Host
+
+        wait_for(lambda: Host.objects.filter(name=platform.host, gpus__isnull=False).exists(), 60,
+                 "the agent's inventory")
+        yield platform
+    except BaseException:
+        sys.stderr.write(platform.logs())
+        raise
+    finally:
+        platform.stop()

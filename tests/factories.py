@@ -1,0 +1,77 @@
+"""factory-boy factories for the portal's models."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import factory
+from django.contrib.auth import get_user_model
+
+from portal.accounts.models import Membership, Project
+from portal.catalog.models import PriorityClass, SandboxImage, SharingMode, Tier
+
+
+class UserFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = get_user_model()
+        django_get_or_create = ("username",)
+
+    username = factory.Sequence(lambda n: f"user{n}")
+    email = factory.LazyAttribute(lambda u: f"{u.username}@example.org")
+    password = factory.django.Password("correct-horse-battery")
+
+
+class ProjectFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Project
+        django_get_or_create = ("slug",)
+
+    name = factory.Sequence(lambda n: f"Project {n}")
+    slug = factory.Sequence(lambda n: f"project-{n}")
+
+
+class MembershipFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Membership
+
+    user = factory.SubFactory(UserFactory)
+    project = factory.SubFactory(ProjectFactory)
+    role = Membership.Role.MEMBER
+
+
+class PriorityClassFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = PriorityClass
+        django_get_or_create = ("name",)
+
+    name = "standard"
+    value = 100
+
+
+class TierFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Tier
+        django_get_or_create = ("slug",)
+
+    name = factory.LazyAttribute(lambda t: t.slug.title())
+    slug = SharingMode.DEDICATED
+    sharing_mode = factory.LazyAttribute(lambda t: t.slug)
+    isolation_levels = ["container", "process"]
+    price_per_gpu_hour_micros = 2_500_000
+    currency = "EUR"
+    priority_class = factory.SubFactory(PriorityClassFactory)
+    max_gpus = 4
+    max_duration = timedelta(hours=8)
+    cpu_limit = 0.5
+    memory_limit_mib = 256
+    pids_limit = 64
+
+
+class ImageFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = SandboxImage
+        django_get_or_create = ("name",)
+
+    name = "busybox"
+    reference = "gpushare/sandbox-base:1"
+    command = ["sh", "-c", "while true; do sleep 3600; done"]

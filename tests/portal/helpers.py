@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+from typing import Any
+
+from portal.sandboxes import actions
+from portal.sandboxes.models import Sandbox
+from portal.sandboxes.scheduling import schedule_once
+
+
+def request(user: Any, project: Any, tier: Any, image: Any, **kw: Any) -> Sandbox:
+    req = actions.SandboxRequest(project=project, tier=tier, image=image, isolation="container", **kw)
+    actions.check_request_sandbox(user, req)
+    return actions.do_request_sandbox(user, req)
+
+
+def place_all() -> None:
+    schedule_once(now=0)

@@ -1,0 +1,101 @@
+"""The scheduling seam: first-fit placement for every sharing mode, and pending reasons."""
+
+from __future__ import annotations
+
+from scheduler.cluster import GpuState, HostState, MigSlot, Pending, Place, Request, Snapshot
+from scheduler.cycle import order_queue, run_cycle
+from scheduler.policies import get_policy
+
+
+def gpu(host: str, index: int, mode: str = "dedicated", **kw: object) -> GpuState:
+    return GpuState(uuid=f"GPU-{host}-{index}", host=host, index=index, model="H100-80GB",
+                    memory_mib=81559, mode=mode, **kw)  # type: ignore[arg-type]
+
+
+def req(id: int, mode: str = "dedicated", priority: int = 100, at: float = 0.0, **kw: object) -> Request:
+    return Request(id=id, project="p", priority=priority, submitted_at=at, mode=mode, **kw)  # type: ignore[arg-type]
+
+
+def fleet() -> Snapshot:
+    return Snapshot(hosts=[
+        HostState("a", True, [gpu("a", 0), gpu("a", 1),
+                              gpu("a", 2, "mig", mig=[MigSlot("MIG-1", "3g.40gb", 0, 4),
+                                                      MigSlot("MIG-2", "1g.10gb", 4, 1)])]),
+        HostState("b", True, [gpu("b", 0, "mps"), gpu("b", 1, "timeslice", replicas=2)]),
+    ])
+
+
+POLICY = get_policy("first-fit")
+
+
+def test_dedicated_takes_free_gpus_on_one_host() -> None:
+    decisions = run_cycle(fleet(), [req(1, gpu_count=2)], POLICY, now=0)
+    assert decisions == [Place(1, "a", decisions[0].grants)]  # type: ignore[union-attr]
+    assert [g.device_uuid for g in decisions[0].grants] == ["GPU-a-0", "GPU-a-1"]  # type: ignore[union-attr]
+
+
+def test_dedicated_never_spans_hosts() -> None:
+    [decision] = run_cycle(fleet(), [req(1, gpu_count=3)], POLICY, now=0)
+    assert isinstance(decision, Pending)
+    assert "3 free GPUs on one host" in decision.reason
+
+
+def test_mig_gets_a_free_instance_of_its_profile_and_its_uuid() -> None:
+    [decision] = run_cycle(fleet(), [req(1, "mig", mig_profile="1g.10gb")], POLICY, now=0)
+    assert isinstance(decision, Place)
+    assert decision.grants[0].device_uuid == "MIG-2"
+    assert decision.grants[0].milli_gpu == 142  # 1 of 7 compute slices
+
+
+def test_mig_profile_missing_says_so() -> None:
+    [decision] = run_cycle(fleet(), [req(1, "mig", mig_profile="7g.80gb")], POLICY, now=0)
+    assert isinstance(decision, Pending)
+    assert "no MIG instance of profile 7g.80gb" in decision.reason
+
+
+def test_mps_shares_stay_within_memory_and_threads() -> None:
+    queue = [req(i, "mps", at=i, mps_memory_mib=20000, mps_thread_pct=40) for i in range(1, 4)]
+    decisions = run_cycle(fleet(), queue, POLICY, now=0)
+    assert [type(d).__name__ for d in decisions] == ["Place", "Place", "Pending"]
+    assert "40% threads free" in decisions[2].reason  # type: ignore[union-attr]
+
+
+def test_timeslice_replicas_run_out() -> None:
+    decisions = run_cycle(fleet(), [req(i, "timeslice", at=i) for i in range(1, 4)], POLICY, now=0)
+    assert [getattr(d, "grants", (None,))[0] and d.grants[0].replica for d in decisions[:2]] == [0, 1]  # type: ignore[union-attr]
+    assert isinstance(decisions[2], Pending)
+
+
+def test_booked_devices_are_not_given_twice_in_one_cycle() -> None:
+    decisions = run_cycle(fleet(), [req(1, at=1), req(2, at=2), req(3, at=3)], POLICY, now=0)
+    placed = [g.device_uuid for d in decisions if isinstance(d, Place) for g in d.grants]
+    assert len(placed) == len(set(placed)) == 2
+    assert isinstance(decisions[2], Pending)
+
+
+def test_the_given_snapshot_is_not_modified() -> None:
+    snapshot = fleet()
+    run_cycle(snapshot, [req(1, gpu_count=2)], POLICY, now=0)
+    assert all(g.idle for h in snapshot.hosts for g in h.gpus)
+
+
+def test_drained_and_lost_capacity_is_not_used() -> None:
+    snapshot = fleet()
+    snapshot.hosts[0].gpus[0].available = False
+    snapshot.hosts[1].up = False
+    [decision] = run_cycle(snapshot, [req(1, gpu_count=2)], POLICY, now=0)
+    assert isinstance(decision, Pending)
+    [mps] = run_cycle(snapshot, [req(2, "mps", mps_memory_mib=1000, mps_thread_pct=10)], POLICY, now=0)
+    assert isinstance(mps, Pending) and "no GPU in the fleet offers mps" in mps.reason
+
+
+def test_queue_order_is_priority_then_age_then_id() -> None:
+    queue = [req(3, at=5), req(1, priority=50, at=1), req(2, at=5), req(4, priority=200, at=9)]
+    assert [r.id for r in order_queue(queue)] == [4, 2, 3, 1]
+
+
+def test_unknown_policy_names_the_known_ones() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="first-fit"):
+        get_policy("nope")

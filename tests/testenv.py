@@ -1,0 +1,14 @@
+"""Test-process environment, loaded with ``-p tests.testenv`` so it runs before
+pytest-django reads the settings (a conftest would be too late).
+
+Tests run with production defaults (DEBUG off) and a throwaway key; everything else
+comes from the environment (DATABASE_URL, REDIS_URL) as in ``make test``.
+"""
+
+import os
+
+os.environ.setdefault("SECRET_KEY", "test-only-secret-key-not-for-production")
+os.environ.setdefault("SESSION_COOKIE_SECURE", "false")
+os.environ.setdefault("CSRF_COOKIE_SECURE", "false")
+os.environ.setdefault("ALLOWED_HOSTS", "localhost,127.0.0.1,testserver")
+os.environ.setdefault("STATIC_MANIFEST", "false")
