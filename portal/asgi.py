@@ -6,7 +6,7 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
-from workers.config import ensure_embedded_redis  # noqa: E402
+from workers.config import ensure_embedded_redis
 
 ensure_embedded_redis()
 

@@ -7,6 +7,7 @@ processes through that socket. Production always sets REDIS_URL.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from pathlib import Path
@@ -61,7 +62,6 @@ def ensure_running(var_dir: Path) -> str:
 def stop(var_dir: Path) -> None:
     socket_path = var_dir / "redis.sock"
     if _ping(socket_path):
-        try:
+        # shutdown closes the connection under us: that is success
+        with contextlib.suppress(redis.ConnectionError):
             redis.Redis(unix_socket_path=str(socket_path)).shutdown(nosave=True)
-        except redis.ConnectionError:
-            pass  # shutdown closes the connection under us: that is success

@@ -29,19 +29,41 @@ def _celery(*args: str) -> list[str]:
 def commands(port: int, host: str) -> list[tuple[str, list[str], dict[str, str]]]:
     var = config.var_dir()
     procs: list[tuple[str, list[str], dict[str, str]]] = [
-        ("web", [PY, "-m", "uvicorn", "portal.asgi:application", "--host", host, "--port", str(port),
-                 "--no-access-log"], {}),
-        ("control", _celery("worker", "-Q", "control", "-n", "control@%h", "-P", "threads", "-c", "4"),
-         {"GPUSHARE_ROLE": "control"}),
+        (
+            "web",
+            [
+                PY,
+                "-m",
+                "uvicorn",
+                "portal.asgi:application",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--no-access-log",
+            ],
+            {},
+        ),
+        (
+            "control",
+            _celery("worker", "-Q", "control", "-n", "control@%h", "-P", "threads", "-c", "4"),
+            {"GPUSHARE_ROLE": "control"},
+        ),
         ("beat", _celery("beat", "-s", str(var / "celerybeat-schedule")), {"GPUSHARE_ROLE": "beat"}),
     ]
     for name, spec in DEMO_HOSTS.items():
-        procs.append((
-            f"agent:{name}",
-            _celery("worker", "-Q", f"host.{name}", "-n", f"agent-{name}@%h", "-P", "threads", "-c", "4"),
-            {"GPUSHARE_ROLE": "agent", "GPUSHARE_HOST": name, "GPUSHARE_SIM_GPUS": spec,
-             "GPU_BACKEND": "simulated"},
-        ))
+        procs.append(
+            (
+                f"agent:{name}",
+                _celery("worker", "-Q", f"host.{name}", "-n", f"agent-{name}@%h", "-P", "threads", "-c", "4"),
+                {
+                    "GPUSHARE_ROLE": "agent",
+                    "GPUSHARE_HOST": name,
+                    "GPUSHARE_SIM_GPUS": spec,
+                    "GPU_BACKEND": "simulated",
+                },
+            )
+        )
     return procs
 
 
@@ -63,15 +85,22 @@ def main() -> int:
     running: list[tuple[str, subprocess.Popen[str]]] = []
     for name, argv, extra in commands(port, bind):
         proc = subprocess.Popen(  # noqa: S603
-            argv, env={**os.environ, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,  # our Ctrl-C is forwarded once, by us
+            argv,
+            env={**os.environ, **extra},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # our Ctrl-C is forwarded once, by us
         )
         threading.Thread(target=_pump, args=(name, proc.stdout), daemon=True).start()
         running.append((name, proc))
     logins = ", ".join(f"{u} / {p}" for u, p in DEMO_USERS.items())
-    print(f"\n  gpushare is starting on http://{bind}:{port}/  (health: /healthz)\n"
-          f"  demo logins: {logins}\n  simulated hosts: {', '.join(DEMO_HOSTS)}\n"
-          "  Ctrl-C stops everything.\n", flush=True)
+    print(
+        f"\n  gpushare is starting on http://{bind}:{port}/  (health: /healthz)\n"
+        f"  demo logins: {logins}\n  simulated hosts: {', '.join(DEMO_HOSTS)}\n"
+        "  Ctrl-C stops everything.\n",
+        flush=True,
+    )
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())

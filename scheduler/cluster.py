@@ -38,7 +38,9 @@ class GpuState:
     def idle(self) -> bool:
         """Nothing at all placed on it."""
         return not (
-            self.exclusive_busy or any(s.busy for s in self.mig) or self.mps_used_threads
+            self.exclusive_busy
+            or any(s.busy for s in self.mig)
+            or self.mps_used_threads
             or self.replicas_used
         )
 

@@ -58,7 +58,12 @@ def _p(name: str, c: int, m: int, mib: int, sms: int, starts: tuple[int, ...]) -
 
 
 _H100_80GB = GpuModel(
-    "H100-80GB", memory_mib=81559, sm_count=132, tdp_w=700, idle_w=70, max_sm_clock_mhz=1980,
+    "H100-80GB",
+    memory_mib=81559,
+    sm_count=132,
+    tdp_w=700,
+    idle_w=70,
+    max_sm_clock_mhz=1980,
     mig_profiles=(
         _p("1g.10gb", 1, 1, 9856, 16, (0, 1, 2, 3, 4, 5, 6)),
         _p("1g.20gb", 1, 2, 19968, 26, (0, 2, 4, 6)),
@@ -70,7 +75,12 @@ _H100_80GB = GpuModel(
 )
 
 _A100_80GB = GpuModel(
-    "A100-80GB", memory_mib=81920, sm_count=108, tdp_w=400, idle_w=55, max_sm_clock_mhz=1410,
+    "A100-80GB",
+    memory_mib=81920,
+    sm_count=108,
+    tdp_w=400,
+    idle_w=55,
+    max_sm_clock_mhz=1410,
     mig_profiles=(
         _p("1g.10gb", 1, 1, 9728, 14, (0, 1, 2, 3, 4, 5, 6)),
         _p("1g.20gb", 1, 2, 19968, 14, (0, 2, 4, 6)),
@@ -82,7 +92,12 @@ _A100_80GB = GpuModel(
 )
 
 _A100_40GB = GpuModel(
-    "A100-40GB", memory_mib=40960, sm_count=108, tdp_w=400, idle_w=50, max_sm_clock_mhz=1410,
+    "A100-40GB",
+    memory_mib=40960,
+    sm_count=108,
+    tdp_w=400,
+    idle_w=50,
+    max_sm_clock_mhz=1410,
     mig_profiles=(
         _p("1g.5gb", 1, 1, 4864, 14, (0, 1, 2, 3, 4, 5, 6)),
         _p("1g.10gb", 1, 2, 9856, 14, (0, 2, 4, 6)),

@@ -13,7 +13,7 @@ from tests.factories import ImageFactory, MembershipFactory, ProjectFactory, Tie
 from workers.config import ensure_embedded_redis
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
-PASSWORD = "correct-horse-battery"  # noqa: S105 - the factories' test password
+PASSWORD = "correct-horse-battery"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -26,8 +26,10 @@ def _redis_for_tests() -> None:
     ensure_embedded_redis()
     client = redis.Redis.from_url(settings.REDIS_URL)
     if settings.EMBEDDED_REDIS_DIR is None and client.connection_pool.connection_kwargs.get("db", 0) == 0:
-        pytest.exit("REDIS_URL must name a Redis database other than 0 for tests (e.g. /15): "
-                    "the suite empties it", returncode=2)
+        pytest.exit(
+            "REDIS_URL must name a Redis database other than 0 for tests (e.g. /15): the suite empties it",
+            returncode=2,
+        )
     client.flushdb()
 
 
@@ -42,8 +44,14 @@ def people(db: Any) -> dict[str, Any]:
     MembershipFactory(user=owner, project=project, role="manager")
     MembershipFactory(user=member, project=project, role="member")
     MembershipFactory(user=outsider, project=other, role="manager")
-    return {"project": project, "other_project": other, "owner": owner, "member": member,
-            "outsider": outsider, "admin": admin}
+    return {
+        "project": project,
+        "other_project": other,
+        "owner": owner,
+        "member": member,
+        "outsider": outsider,
+        "admin": admin,
+    }
 
 
 @pytest.fixture
@@ -82,4 +90,3 @@ def sent_tasks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, tuple[An
     monkeypatch.setattr(dispatch, "to_host", lambda host, task, *a: sent.append((f"host.{host}", task, a)))
     monkeypatch.setattr(dispatch, "to_control", lambda task, *a: sent.append(("control", task, a)))
     return sent
-

@@ -27,7 +27,13 @@ from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, Sand
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend, GpuInfo
 from workers.telemetry import (
-    FLEET_GROUP, SandboxFigures, gpu_group, make_layer, publish, sample_message, sandbox_group,
+    FLEET_GROUP,
+    SandboxFigures,
+    gpu_group,
+    make_layer,
+    publish,
+    sample_message,
+    sandbox_group,
 )
 
 log = logging.getLogger(__name__)
@@ -58,7 +64,9 @@ class Agent:
         return [g.to_json() for g in self._gpus]
 
     def report_inventory(self) -> None:
-        dispatch.to_control("agent_inventory", self.host, self.backend.name, self.driver.name, self.inventory())
+        dispatch.to_control(
+            "agent_inventory", self.host, self.backend.name, self.driver.name, self.inventory()
+        )
 
     def heartbeat(self) -> None:
         dispatch.to_control("agent_heartbeat", self.host, _now_ms(), self.backend.name, self.driver.name)
@@ -113,8 +121,9 @@ class Agent:
 
     # --- telemetry ---------------------------------------------------------------------------
 
-    def figures(self, allocation_id: str, spec: SandboxSpec, now_ms: int, mem_mib: int,
-                util_pct: float) -> SandboxFigures:
+    def figures(
+        self, allocation_id: str, spec: SandboxSpec, now_ms: int, mem_mib: int, util_pct: float
+    ) -> SandboxFigures:
         elapsed_us = max(0, now_ms - self.started_ms.get(allocation_id, now_ms)) * 1000
         cost = (spec.price_per_gpu_hour_micros * spec.milli_gpu * elapsed_us) // (1000 * 3600 * 10**6)
         return SandboxFigures(mem_mib=mem_mib, util_pct=util_pct, cost_micros=cost)
@@ -145,11 +154,15 @@ class Agent:
                 by_device.setdefault(device, []).append((key, spec))
         for gpu in self._gpus:
             sample = self.backend.sample(gpu.uuid)
-            on_gpu = {key: spec for key, spec in running.items()
-                      if set(spec.device_uuids) & ({gpu.uuid} | {m.uuid for m in gpu.mig_devices})}
+            on_gpu = {
+                key: spec
+                for key, spec in running.items()
+                if set(spec.device_uuids) & ({gpu.uuid} | {m.uuid for m in gpu.mig_devices})
+            }
             figures = {
-                str(spec.sandbox_id): self.figures(key, spec, now, sample.mem_by_owner.get(key, 0),
-                                                   sample.util_pct)
+                str(spec.sandbox_id): self.figures(
+                    key, spec, now, sample.mem_by_owner.get(key, 0), sample.util_pct
+                )
                 for key, spec in on_gpu.items()
             }
             message = sample_message(sample, self.host, self.backend.simulated, figures)
@@ -159,10 +172,16 @@ class Agent:
         for device, holders in by_device.items():
             device_sample = self.backend.sample(device)
             for key, spec in holders:
-                own = {str(spec.sandbox_id): self.figures(
-                    key, spec, now, device_sample.mem_by_owner.get(key, 0), device_sample.util_pct)}
-                await publish(layer, sandbox_group(spec.sandbox_id),
-                              sample_message(device_sample, self.host, self.backend.simulated, own))
+                own = {
+                    str(spec.sandbox_id): self.figures(
+                        key, spec, now, device_sample.mem_by_owner.get(key, 0), device_sample.util_pct
+                    )
+                }
+                await publish(
+                    layer,
+                    sandbox_group(spec.sandbox_id),
+                    sample_message(device_sample, self.host, self.backend.simulated, own),
+                )
 
     def start(self) -> None:
         interval = env_int("SAMPLE_INTERVAL_MS", 1000, minimum=50) / 1000
@@ -170,7 +189,8 @@ class Agent:
         self.report_inventory()
         threading.Thread(
             target=lambda: asyncio.run(self.sample_forever(interval, heartbeat)),
-            name="agent-sampler", daemon=True,
+            name="agent-sampler",
+            daemon=True,
         ).start()
 
     def shutdown(self) -> None:

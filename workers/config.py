@@ -23,9 +23,7 @@ def var_dir() -> Path:
 
 def embedded_redis_dir() -> Path | None:
     """The embedded Redis folder when REDIS_URL is unset, else None."""
-    return None if os.environ.get("REDIS_URL") or os.environ.get("REDIS_URL_FILE") else (
-        var_dir() / "redis"
-    )
+    return None if os.environ.get("REDIS_URL") or os.environ.get("REDIS_URL_FILE") else (var_dir() / "redis")
 
 
 def redis_url() -> str:

@@ -49,11 +49,19 @@ def sample_message(
     sample: GpuSample, host: str, simulated: bool, sandboxes: dict[str, SandboxFigures]
 ) -> GpuSampleMessage:
     return GpuSampleMessage(
-        type="gpu.sample", gpu=sample.uuid, host=host, t=sample.t_ms,
-        temp_c=round(sample.temp_c, 1), util_pct=round(sample.util_pct, 1),
-        mem_used_mib=sample.mem_used_mib, mem_total_mib=sample.mem_total_mib,
-        power_w=round(sample.power_w, 1), sm_clock_mhz=sample.sm_clock_mhz,
-        throttle=list(sample.throttle), simulated=simulated, sandboxes=sandboxes,
+        type="gpu.sample",
+        gpu=sample.uuid,
+        host=host,
+        t=sample.t_ms,
+        temp_c=round(sample.temp_c, 1),
+        util_pct=round(sample.util_pct, 1),
+        mem_used_mib=sample.mem_used_mib,
+        mem_total_mib=sample.mem_total_mib,
+        power_w=round(sample.power_w, 1),
+        sm_clock_mhz=sample.sm_clock_mhz,
+        throttle=list(sample.throttle),
+        simulated=simulated,
+        sandboxes=sandboxes,
     )
 
 

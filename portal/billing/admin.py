@@ -4,13 +4,22 @@ from portal.billing.models import UsageRecord
 
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class UsageRecordAdmin(admin.ModelAdmin):
     """The ledger is append-only: readable here, never edited."""
 
-    list_display = ("sandbox", "project", "tier", "milli_gpu", "started_at", "ended_at", "cost_micros", "currency")
+    list_display = (
+        "sandbox",
+        "project",
+        "tier",
+        "milli_gpu",
+        "started_at",
+        "ended_at",
+        "cost_micros",
+        "currency",
+    )
 
-    def has_change_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+    def has_change_permission(self, request, obj=None):
         return False
 
-    def has_delete_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+    def has_delete_permission(self, request, obj=None):
         return False

@@ -3,6 +3,8 @@ are 404, exactly as in the HTML views."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db.models import QuerySet
 from rest_framework import mixins, pagination, serializers, viewsets
 
@@ -24,16 +26,27 @@ class NewestRequestFirst(NewestFirst):
 
 
 class UsageRecordSerializer(serializers.ModelSerializer[UsageRecord]):
-    project = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    user = serializers.SlugRelatedField(slug_field="username", read_only=True)
-    tier = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    project: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    user: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    tier: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     duration_seconds = serializers.SerializerMethodField()
 
     class Meta:
         model = UsageRecord
         fields = [
-            "id", "sandbox", "allocation_key", "project", "user", "tier", "gpu_model", "milli_gpu",
-            "price_per_gpu_hour_micros", "currency", "started_at", "ended_at", "duration_seconds",
+            "id",
+            "sandbox",
+            "allocation_key",
+            "project",
+            "user",
+            "tier",
+            "gpu_model",
+            "milli_gpu",
+            "price_per_gpu_hour_micros",
+            "currency",
+            "started_at",
+            "ended_at",
+            "duration_seconds",
             "cost_micros",
         ]
         read_only_fields = fields
@@ -42,7 +55,7 @@ class UsageRecordSerializer(serializers.ModelSerializer[UsageRecord]):
         return obj.duration.total_seconds() if obj.duration is not None else None
 
 
-class UsageRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
+class UsageRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Usage intervals of the caller's projects, newest first; closed ones carry their cost."""
 
     serializer_class = UsageRecordSerializer
@@ -55,22 +68,34 @@ class UsageRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
 
 
 class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
-    project = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    owner = serializers.SlugRelatedField(slug_field="username", read_only=True)
-    tier = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    host = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    project: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    owner: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    tier: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    host: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="name", read_only=True)
 
     class Meta:
         model = Sandbox
         fields = [
-            "id", "project", "owner", "tier", "isolation", "state", "pending_reason", "host",
-            "gpu_count", "mig_profile", "mps_memory_mib", "mps_thread_pct", "requested_at",
-            "started_at", "ended_at",
+            "id",
+            "project",
+            "owner",
+            "tier",
+            "isolation",
+            "state",
+            "pending_reason",
+            "host",
+            "gpu_count",
+            "mig_profile",
+            "mps_memory_mib",
+            "mps_thread_pct",
+            "requested_at",
+            "started_at",
+            "ended_at",
         ]
         read_only_fields = fields
 
 
-class SandboxViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
+class SandboxViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = SandboxSerializer
     pagination_class = NewestRequestFirst
 

@@ -16,17 +16,23 @@ _ZERO = timedelta(0)
 
 
 def open_interval(sandbox: Sandbox, started_at: datetime) -> UsageRecord:
-    existing = UsageRecord.objects.filter(allocation_key=sandbox.allocation_key, ended_at__isnull=True).first()
+    existing = UsageRecord.objects.filter(
+        allocation_key=sandbox.allocation_key, ended_at__isnull=True
+    ).first()
     if existing is not None:
         return existing  # idempotent: one open interval per allocation
     allocations = list(sandbox.allocations.filter(active=True).select_related("gpu"))
     tier = sandbox.tier
     return UsageRecord.objects.create(
-        sandbox=sandbox, allocation_key=sandbox.allocation_key, project_id=sandbox.project_id,
-        user_id=sandbox.owner_id, tier=tier,
+        sandbox=sandbox,
+        allocation_key=sandbox.allocation_key,
+        project_id=sandbox.project_id,
+        user_id=sandbox.owner_id,
+        tier=tier,
         gpu_model=allocations[0].gpu.model if allocations else "",
         milli_gpu=sum(a.milli_gpu for a in allocations),
-        price_per_gpu_hour_micros=tier.price_per_gpu_hour_micros, currency=tier.currency,
+        price_per_gpu_hour_micros=tier.price_per_gpu_hour_micros,
+        currency=tier.currency,
         started_at=started_at,
     )
 

@@ -38,7 +38,8 @@ class UsageRecord(models.Model):
         ordering = ["-started_at", "-pk"]
         constraints = [
             models.UniqueConstraint(
-                fields=["allocation_key"], condition=models.Q(ended_at__isnull=True),
+                fields=["allocation_key"],
+                condition=models.Q(ended_at__isnull=True),
                 name="%(app_label)s_%(class)s_one_open_per_allocation",
                 violation_error_message="An allocation has at most one open usage interval.",
             ),

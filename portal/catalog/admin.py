@@ -4,8 +4,16 @@ from portal.catalog.models import PriorityClass, SandboxImage, Tier
 
 
 @admin.register(Tier)
-class TierAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    list_display = ("name", "sharing_mode", "isolation_levels", "price_display", "priority_class", "max_duration", "active")
+class TierAdmin(admin.ModelAdmin):
+    list_display = (
+        "name",
+        "sharing_mode",
+        "isolation_levels",
+        "price_display",
+        "priority_class",
+        "max_duration",
+        "active",
+    )
 
 
 admin.site.register(PriorityClass)

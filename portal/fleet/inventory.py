@@ -36,8 +36,12 @@ def do_sync_inventory(host_name: str, backend: str, driver: str, gpus: list[dict
         gpu, created = Gpu.objects.get_or_create(
             uuid=info["uuid"],
             defaults={
-                "host": host, "index": info["index"], "name": info["name"], "model": info["model"],
-                "memory_mib": info["memory_mib"], "mig_enabled": info["mig_enabled"],
+                "host": host,
+                "index": info["index"],
+                "name": info["name"],
+                "model": info["model"],
+                "memory_mib": info["memory_mib"],
+                "mig_enabled": info["mig_enabled"],
                 "sharing_mode": SharingMode.MIG if info["mig_enabled"] else SharingMode.DEDICATED,
             },
         )
@@ -65,8 +69,12 @@ def _sync_mig(gpu: Gpu, devices: list[dict[str, Any]]) -> None:
         MigInstance.objects.update_or_create(
             uuid=uuid,
             defaults={
-                "gpu": gpu, "profile": d["profile"], "start": d["start"],
-                "memory_slices": d["memory_slices"], "memory_mib": d["memory_mib"],
-                "gpu_instance_id": d["gpu_instance_id"], "compute_instance_id": d["compute_instance_id"],
+                "gpu": gpu,
+                "profile": d["profile"],
+                "start": d["start"],
+                "memory_slices": d["memory_slices"],
+                "memory_mib": d["memory_mib"],
+                "gpu_instance_id": d["gpu_instance_id"],
+                "compute_instance_id": d["compute_instance_id"],
             },
         )

@@ -40,7 +40,7 @@ TRANSITIONS: dict[str, set[str]] = {
     S.RUNNING: {S.STOPPING, S.FAILED, S.PREEMPTED, S.EXPIRED},
     S.STOPPING: {S.STOPPED, S.FAILED},
 }
-PHASE_TIMESTAMPS = {S.PLACING: "placed_at", S.STOPPING: "stop_requested_at"}
+PHASE_TIMESTAMPS: dict[str, str] = {S.PLACING: "placed_at", S.STOPPING: "stop_requested_at"}
 
 
 class SandboxRequestError(Exception):
@@ -66,16 +66,21 @@ class SandboxRequest:
     name: str = ""
 
 
-def _transition(sandbox: Sandbox, to: str, *, actor: Any = None, message: str = "",
-                data: dict[str, Any] | None = None) -> None:
+def _transition(
+    sandbox: Sandbox, to: str, *, actor: Any = None, message: str = "", data: dict[str, Any] | None = None
+) -> None:
     """Move a locked sandbox to ``to`` and write its event. Caller holds the row lock."""
     if to not in TRANSITIONS.get(sandbox.state, set()):
         raise ValueError(f"sandbox {sandbox.pk}: {sandbox.state} -> {to} is not a transition")
     now = timezone.now()
     SandboxEvent.objects.create(
-        sandbox=sandbox, at=now, from_state=sandbox.state, to_state=to,
+        sandbox=sandbox,
+        at=now,
+        from_state=sandbox.state,
+        to_state=to,
         actor=actor if getattr(actor, "is_authenticated", False) else None,
-        message=message[:300], data=data or {},
+        message=message[:300],
+        data=data or {},
     )
     sandbox.state = to
     fields = ["state"]
@@ -97,9 +102,12 @@ def _locked(sandbox_id: int) -> Sandbox | None:
 
 def check_request_sandbox(user: Any, req: SandboxRequest) -> None:
     """Permission, tier rules and quota; raises SandboxRequestError naming the field."""
-    if not user.is_staff and not Membership.objects.filter(user=user, project=req.project).exclude(
-        role=Membership.Role.BILLING
-    ).exists():
+    if (
+        not user.is_staff
+        and not Membership.objects.filter(user=user, project=req.project)
+        .exclude(role=Membership.Role.BILLING)
+        .exists()
+    ):
         raise SandboxRequestError("project", "You are not a member of this project.")
     tier = req.tier
     if not tier.active:
@@ -143,16 +151,24 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
     """Create the sandbox and queue it; the scheduling cycle is nudged after commit."""
     with transaction.atomic():
         sandbox = Sandbox.objects.create(
-            project=req.project, owner=user, tier=req.tier, image=req.image,
-            isolation=req.isolation, name=req.name,
+            project=req.project,
+            owner=user,
+            tier=req.tier,
+            image=req.image,
+            isolation=req.isolation,
+            name=req.name,
             gpu_count=req.gpu_count if req.tier.sharing_mode == SharingMode.DEDICATED else 1,
             mig_profile=req.mig_profile if req.tier.sharing_mode == SharingMode.MIG else "",
             mps_memory_mib=req.mps_memory_mib if req.tier.sharing_mode == SharingMode.MPS else 0,
             mps_thread_pct=req.mps_thread_pct if req.tier.sharing_mode == SharingMode.MPS else 0,
             max_duration=req.duration or req.tier.max_duration,
         )
-        SandboxEvent.objects.create(sandbox=sandbox, to_state=S.REQUESTED, actor=user,
-                                    message=f"requested {sandbox.request_summary} on {req.tier.name}")
+        SandboxEvent.objects.create(
+            sandbox=sandbox,
+            to_state=S.REQUESTED,
+            actor=user,
+            message=f"requested {sandbox.request_summary} on {req.tier.name}",
+        )
         _transition(sandbox, S.QUEUED, actor=user, message="waiting for the scheduler")
         transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
     return sandbox
@@ -180,15 +196,25 @@ def do_place(sandbox_id: int, host_name: str, grants: tuple[DeviceGrant, ...]) -
             sandbox.save(update_fields=["host", "allocation_key"])
             Allocation.objects.bulk_create(
                 Allocation(
-                    sandbox=sandbox, gpu=gpus[g.gpu_uuid], mig_instance=migs.get(g.mig_uuid),
-                    kind=g.kind, device_uuid=g.device_uuid, milli_gpu=g.milli_gpu,
-                    mps_memory_mib=g.mps_memory_mib, mps_thread_pct=g.mps_thread_pct, replica=g.replica,
+                    sandbox=sandbox,
+                    gpu=gpus[g.gpu_uuid],
+                    mig_instance=migs.get(g.mig_uuid),
+                    kind=g.kind,
+                    device_uuid=g.device_uuid,
+                    milli_gpu=g.milli_gpu,
+                    mps_memory_mib=g.mps_memory_mib,
+                    mps_thread_pct=g.mps_thread_pct,
+                    replica=g.replica,
                 )
                 for g in grants
             )
             devices = ", ".join(g.device_uuid for g in grants)
-            _transition(sandbox, S.PLACING, message=f"placed on {host.name}: {devices}",
-                        data={"host": host.name, "devices": [g.device_uuid for g in grants]})
+            _transition(
+                sandbox,
+                S.PLACING,
+                message=f"placed on {host.name}: {devices}",
+                data={"host": host.name, "devices": [g.device_uuid for g in grants]},
+            )
             transaction.on_commit(lambda: _send_launch(sandbox_id))
     except IntegrityError as exc:
         log.warning("placement of sandbox %s on %s refused by the database: %s", sandbox_id, host_name, exc)
@@ -230,7 +256,9 @@ def do_mark_running(allocation_key: str, handle: dict[str, Any], started_at: dat
         sandbox.handle = handle
         sandbox.started_at = started_at
         sandbox.save(update_fields=["handle", "started_at"])
-        _transition(sandbox, S.RUNNING, message=f"running ({handle.get('driver')} {handle.get('ref', '')[:12]})")
+        _transition(
+            sandbox, S.RUNNING, message=f"running ({handle.get('driver')} {handle.get('ref', '')[:12]})"
+        )
         ledger.open_interval(sandbox, started_at)
 
 
@@ -281,6 +309,4 @@ def do_request_stop(sandbox_id: int, actor: Any, reason: str = "stop requested")
         _transition(sandbox, S.STOPPING, actor=actor, message=reason)
         host_name = sandbox.host.name if sandbox.host else ""
         key, handle = sandbox.allocation_key, sandbox.handle
-        transaction.on_commit(
-            lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle)
-        )
+        transaction.on_commit(lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle))

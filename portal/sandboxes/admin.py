@@ -3,7 +3,7 @@ from django.contrib import admin
 from portal.sandboxes.models import Sandbox, SandboxEvent
 
 
-class EventInline(admin.TabularInline):  # type: ignore[type-arg]
+class EventInline(admin.TabularInline):
     model = SandboxEvent
     extra = 0
     can_delete = False
@@ -11,12 +11,12 @@ class EventInline(admin.TabularInline):  # type: ignore[type-arg]
 
 
 @admin.register(Sandbox)
-class SandboxAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class SandboxAdmin(admin.ModelAdmin):
     """Read-only here: state changes go through portal.sandboxes.actions."""
 
     list_display = ("pk", "project", "owner", "tier", "state", "host", "requested_at")
     list_filter = ("state", "tier")
     inlines = [EventInline]
 
-    def has_change_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+    def has_change_permission(self, request, obj=None):
         return False

@@ -13,8 +13,9 @@ from portal.catalog.models import IsolationLevel, SandboxImage, Tier
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
 from scheduler.gpus import MODELS
 
-MIG_PROFILES = sorted({p.name for m in MODELS.values() for p in m.mig_profiles},
-                      key=lambda n: (int(n.split("g")[0]), n))
+MIG_PROFILES = sorted(
+    {p.name for m in MODELS.values() for p in m.mig_profiles}, key=lambda n: (int(n.split("g")[0]), n)
+)
 
 
 class SandboxRequestForm(forms.Form):
@@ -22,22 +23,33 @@ class SandboxRequestForm(forms.Form):
     tier = forms.ModelChoiceField(queryset=Tier.objects.filter(active=True))
     image = forms.ModelChoiceField(queryset=SandboxImage.objects.filter(active=True))
     isolation = forms.ChoiceField(choices=IsolationLevel.choices, initial=IsolationLevel.CONTAINER)
-    gpu_count = forms.IntegerField(min_value=1, max_value=8, initial=1, required=False,
-                                   label="GPUs", help_text="Dedicated tiers")
-    mig_profile = forms.ChoiceField(choices=[("", "—")] + [(p, p) for p in MIG_PROFILES], required=False,
-                                    label="MIG profile", help_text="MIG tiers")
-    mps_memory_gib = forms.IntegerField(min_value=1, max_value=80, initial=10, required=False,
-                                        label="MPS memory (GiB)", help_text="MPS tiers")
-    mps_thread_pct = forms.IntegerField(min_value=1, max_value=100, initial=25, required=False,
-                                        label="MPS threads (%)", help_text="MPS tiers")
+    gpu_count = forms.IntegerField(
+        min_value=1, max_value=8, initial=1, required=False, label="GPUs", help_text="Dedicated tiers"
+    )
+    mig_profile = forms.ChoiceField(
+        choices=[("", "—")] + [(p, p) for p in MIG_PROFILES],
+        required=False,
+        label="MIG profile",
+        help_text="MIG tiers",
+    )
+    mps_memory_gib = forms.IntegerField(
+        min_value=1, max_value=80, initial=10, required=False, label="MPS memory (GiB)", help_text="MPS tiers"
+    )
+    mps_thread_pct = forms.IntegerField(
+        min_value=1, max_value=100, initial=25, required=False, label="MPS threads (%)", help_text="MPS tiers"
+    )
     duration_hours = forms.IntegerField(min_value=1, max_value=720, initial=1, label="Duration (hours)")
 
     def __init__(self, *args: Any, user: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.user = user
-        projects = Project.objects.all() if user.is_staff else Project.objects.filter(
-            memberships__user=user
-        ).exclude(memberships__role=Membership.Role.BILLING)
+        projects = (
+            Project.objects.all()
+            if user.is_staff
+            else Project.objects.filter(memberships__user=user).exclude(
+                memberships__role=Membership.Role.BILLING
+            )
+        )
         self.fields["project"].queryset = projects.distinct()  # type: ignore[attr-defined]
         self.request_obj: SandboxRequest | None = None
 
@@ -46,8 +58,11 @@ class SandboxRequestForm(forms.Form):
         if self.errors:
             return data
         req = SandboxRequest(
-            project=data["project"], tier=data["tier"], image=data["image"],
-            isolation=data["isolation"], gpu_count=data.get("gpu_count") or 1,
+            project=data["project"],
+            tier=data["tier"],
+            image=data["image"],
+            isolation=data["isolation"],
+            gpu_count=data.get("gpu_count") or 1,
             mig_profile=data.get("mig_profile") or "",
             mps_memory_mib=(data.get("mps_memory_gib") or 0) * 1024,
             mps_thread_pct=data.get("mps_thread_pct") or 0,
@@ -56,7 +71,9 @@ class SandboxRequestForm(forms.Form):
         try:
             check_request_sandbox(self.user, req)
         except SandboxRequestError as exc:
-            field = {"mps_memory_mib": "mps_memory_gib", "duration": "duration_hours"}.get(exc.field, exc.field)
+            field = {"mps_memory_mib": "mps_memory_gib", "duration": "duration_hours"}.get(
+                exc.field, exc.field
+            )
             self.add_error(field if field in self.fields else None, exc.message)
         self.request_obj = req
         return data

@@ -32,8 +32,12 @@ class SandboxState(models.TextChoices):
 
 
 LIVE_STATES = (
-    SandboxState.REQUESTED, SandboxState.QUEUED, SandboxState.PLACING,
-    SandboxState.STARTING, SandboxState.RUNNING, SandboxState.STOPPING,
+    SandboxState.REQUESTED,
+    SandboxState.QUEUED,
+    SandboxState.PLACING,
+    SandboxState.STARTING,
+    SandboxState.RUNNING,
+    SandboxState.STOPPING,
 )
 ENDED_STATES = (SandboxState.STOPPED, SandboxState.FAILED, SandboxState.PREEMPTED, SandboxState.EXPIRED)
 
@@ -71,7 +75,8 @@ class Sandbox(models.Model):
         indexes = [
             # The scheduling cycle polls the queue: a partial index keeps it small.
             models.Index(
-                fields=["requested_at"], name="sandbox_queue_idx",
+                fields=["requested_at"],
+                name="sandbox_queue_idx",
                 condition=models.Q(state="queued"),
             ),
             # "My sandboxes" and project pages list by project, newest first.
@@ -136,17 +141,20 @@ class Allocation(models.Model):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=["gpu"], condition=models.Q(active=True, kind="exclusive"),
+                fields=["gpu"],
+                condition=models.Q(active=True, kind="exclusive"),
                 name="%(app_label)s_%(class)s_one_live_per_exclusive_gpu",
                 violation_error_message="This GPU is already held by a sandbox.",
             ),
             models.UniqueConstraint(
-                fields=["mig_instance"], condition=models.Q(active=True),
+                fields=["mig_instance"],
+                condition=models.Q(active=True),
                 name="%(app_label)s_%(class)s_one_live_per_mig_instance",
                 violation_error_message="This MIG instance is already held by a sandbox.",
             ),
             models.UniqueConstraint(
-                fields=["gpu", "replica"], condition=models.Q(active=True, kind="timeslice"),
+                fields=["gpu", "replica"],
+                condition=models.Q(active=True, kind="timeslice"),
                 name="%(app_label)s_%(class)s_one_live_per_replica",
                 violation_error_message="This time-slice replica is already held.",
             ),

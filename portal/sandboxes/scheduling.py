@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 def build_snapshot() -> Snapshot:
     live = Allocation.objects.filter(active=True)
     held: dict[int, list[Allocation]] = defaultdict(list)
-    for alloc in live.only("gpu_id", "kind", "mig_instance_id", "mps_memory_mib", "mps_thread_pct", "replica"):
+    for alloc in live.only(
+        "gpu_id", "kind", "mig_instance_id", "mps_memory_mib", "mps_thread_pct", "replica"
+    ):
         held[alloc.gpu_id].append(alloc)
     busy_mig = {a.mig_instance_id for allocs in held.values() for a in allocs if a.mig_instance_id}
     hosts = []
@@ -33,8 +35,12 @@ def build_snapshot() -> Snapshot:
             allocs = held.get(gpu.pk, [])
             gpus.append(
                 GpuState(
-                    uuid=gpu.uuid, host=host.name, index=gpu.index, model=gpu.model,
-                    memory_mib=gpu.memory_mib, mode=gpu.sharing_mode,
+                    uuid=gpu.uuid,
+                    host=host.name,
+                    index=gpu.index,
+                    model=gpu.model,
+                    memory_mib=gpu.memory_mib,
+                    mode=gpu.sharing_mode,
                     available=gpu.state == Gpu.State.AVAILABLE,
                     exclusive_busy=any(a.kind == Allocation.Kind.EXCLUSIVE for a in allocs),
                     mig=[
@@ -57,10 +63,15 @@ def build_queue() -> list[Request]:
     )
     return [
         Request(
-            id=s.pk, project=s.project.slug, priority=s.tier.priority_class.value,
-            submitted_at=s.requested_at.timestamp(), mode=s.tier.sharing_mode,
-            gpu_count=s.gpu_count, mig_profile=s.mig_profile,
-            mps_memory_mib=s.mps_memory_mib, mps_thread_pct=s.mps_thread_pct,
+            id=s.pk,
+            project=s.project.slug,
+            priority=s.tier.priority_class.value,
+            submitted_at=s.requested_at.timestamp(),
+            mode=s.tier.sharing_mode,
+            gpu_count=s.gpu_count,
+            mig_profile=s.mig_profile,
+            mps_memory_mib=s.mps_memory_mib,
+            mps_thread_pct=s.mps_thread_pct,
         )
         for s in queued
     ]

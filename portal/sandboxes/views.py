@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
-
-from django.core.exceptions import PermissionDenied
 
 from portal.accounts.access import can_manage_sandbox, visible_projects
 from portal.billing.ledger import running_cost_micros
@@ -47,8 +48,16 @@ def sandbox_new(request: HttpRequest) -> HttpResponse:
         sandbox = actions.do_request_sandbox(request.user, form.request_obj)
         return redirect("sandbox-detail", pk=sandbox.pk)
     tier_modes = {str(t.pk): t.sharing_mode for t in Tier.objects.filter(active=True)}
-    return render(request, "sandboxes/new.html", {"form": form, "tier_modes": tier_modes},
-                  status=400 if form.errors else 200)
+    return render(
+        request,
+        "sandboxes/new.html",
+        {"form": form, "tier_modes": tier_modes},
+        status=400 if form.errors else 200,
+    )
+
+
+def _whole_seconds(delta: timedelta) -> timedelta:
+    return timedelta(seconds=max(0, int(delta.total_seconds())))
 
 
 def _detail_context(sandbox: Sandbox) -> dict[str, object]:
@@ -61,8 +70,9 @@ def _detail_context(sandbox: Sandbox) -> dict[str, object]:
         "allocations": sandbox.allocations.select_related("gpu", "mig_instance"),
         "usage": usage,
         "cost": f"{cost / 1_000_000:.4f} {sandbox.tier.currency}",
-        "time_left": (sandbox.started_at + sandbox.max_duration - now) if sandbox.started_at and
-        sandbox.state == "running" else None,
+        "time_left": _whole_seconds(sandbox.started_at + sandbox.max_duration - now)
+        if sandbox.started_at and sandbox.state == "running"
+        else None,
     }
 
 

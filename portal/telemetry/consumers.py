@@ -15,7 +15,7 @@ from workers.telemetry import FLEET_GROUP, gpu_group, sandbox_group
 FORBIDDEN = 4403
 
 
-class _SampleConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
+class _SampleConsumer(AsyncJsonWebsocketConsumer):
     group: str = ""
 
     async def connect(self) -> None:
@@ -55,11 +55,14 @@ class GpuSamples(_SampleConsumer):
         if user.is_staff:
             return gpu_group(uuid)
         # A member sees a GPU while a sandbox of one of their projects holds it.
-        holds = Allocation.objects.filter(
-            active=True, device_uuid=uuid, sandbox__project__in=visible_projects(user)
-        ).exists() or Allocation.objects.filter(
-            active=True, gpu__uuid=uuid, sandbox__project__in=visible_projects(user)
-        ).exists()
+        holds = (
+            Allocation.objects.filter(
+                active=True, device_uuid=uuid, sandbox__project__in=visible_projects(user)
+            ).exists()
+            or Allocation.objects.filter(
+                active=True, gpu__uuid=uuid, sandbox__project__in=visible_projects(user)
+            ).exists()
+        )
         return gpu_group(uuid) if holds else None
 
 

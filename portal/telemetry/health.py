@@ -7,6 +7,7 @@ reported one by one (a lost GPU host does not make the portal unhealthy).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import redis
 from django.conf import settings
@@ -20,40 +21,54 @@ from workers.config import CONTROL_HEARTBEAT_KEY
 CONTROL_STALE_S = 15
 
 
-def healthz(request: HttpRequest) -> JsonResponse:
-    checks: dict[str, object] = {}
-    ok = True
+def _database() -> dict[str, Any]:
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
-        checks["database"] = {"ok": True, "vendor": connection.vendor}
     except Exception as exc:  # any database failure is reported, not raised
-        checks["database"] = {"ok": False, "error": str(exc)[:200]}
-        ok = False
-    control_age: float | None = None
+        return {"ok": False, "error": str(exc)[:200]}
+    return {"ok": True, "vendor": connection.vendor}
+
+
+def _redis_and_control() -> tuple[dict[str, Any], dict[str, Any]]:
+    age: float | None = None
     try:
         client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
         client.ping()
-        checks["redis"] = {"ok": True, "embedded": settings.EMBEDDED_REDIS_DIR is not None}
         beat = client.get(CONTROL_HEARTBEAT_KEY)
-        if beat is not None:
-            control_age = round(time.time() - int(beat) / 1000, 1)
     except redis.RedisError as exc:
-        checks["redis"] = {"ok": False, "error": str(exc)[:200]}
-        ok = False
-    control_ok = control_age is not None and control_age < CONTROL_STALE_S
-    checks["control_worker"] = {"ok": control_ok, "last_heartbeat_age_s": control_age}
-    ok = ok and control_ok
+        return {"ok": False, "error": str(exc)[:200]}, {"ok": False, "last_heartbeat_age_s": None}
+    if isinstance(beat, bytes):
+        age = round(time.time() - int(beat) / 1000, 1)
+    control = {"ok": age is not None and age < CONTROL_STALE_S, "last_heartbeat_age_s": age}
+    return {"ok": True, "embedded": settings.EMBEDDED_REDIS_DIR is not None}, control
+
+
+def _agents() -> dict[str, dict[str, Any]]:
+    now = timezone.now()
     agents = {}
-    if checks["database"].get("ok"):  # type: ignore[union-attr]
-        now = timezone.now()
-        for host in Host.objects.all():
-            age = (now - host.last_heartbeat_at).total_seconds() if host.last_heartbeat_at else None
-            agents[host.name] = {
-                "ok": host.state == Host.State.UP and age is not None
-                and age < settings.AGENT_HEARTBEAT_S * 3,
-                "state": host.state, "backend": host.backend, "simulated": host.simulated,
-                "driver": host.driver, "last_heartbeat_age_s": round(age, 1) if age is not None else None,
-            }
-    checks["agents"] = agents
+    for host in Host.objects.all():
+        age = (now - host.last_heartbeat_at).total_seconds() if host.last_heartbeat_at else None
+        fresh = age is not None and age < settings.AGENT_HEARTBEAT_S * 3
+        agents[host.name] = {
+            "ok": host.state == Host.State.UP and fresh,
+            "state": host.state,
+            "backend": host.backend,
+            "simulated": host.simulated,
+            "driver": host.driver,
+            "last_heartbeat_age_s": round(age, 1) if age is not None else None,
+        }
+    return agents
+
+
+def healthz(request: HttpRequest) -> JsonResponse:
+    database = _database()
+    redis_check, control = _redis_and_control()
+    checks = {
+        "database": database,
+        "redis": redis_check,
+        "control_worker": control,
+        "agents": _agents() if database["ok"] else {},
+    }
+    ok = database["ok"] and redis_check["ok"] and control["ok"]
     return JsonResponse({"ok": ok, "checks": checks}, status=200 if ok else 503)

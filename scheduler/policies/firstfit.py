@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from scheduler.cluster import (
-    DEDICATED, MIG, MPS, TIMESLICE, DeviceGrant, GpuState, Pending, Place, Request, Snapshot,
+    DEDICATED,
+    MIG,
+    MPS,
+    TIMESLICE,
+    DeviceGrant,
+    GpuState,
+    Pending,
+    Place,
+    Request,
+    Snapshot,
 )
 from scheduler.gpus import COMPUTE_SLICES, MODELS
 
@@ -44,8 +53,12 @@ def _fit(gpus: list[GpuState], request: Request) -> tuple[DeviceGrant, ...]:
             ):
                 return (
                     DeviceGrant(
-                        gpu.uuid, gpu.uuid, "mps", max(1, request.mps_thread_pct * 10),
-                        mps_memory_mib=request.mps_memory_mib, mps_thread_pct=request.mps_thread_pct,
+                        gpu.uuid,
+                        gpu.uuid,
+                        "mps",
+                        max(1, request.mps_thread_pct * 10),
+                        mps_memory_mib=request.mps_memory_mib,
+                        mps_thread_pct=request.mps_thread_pct,
                     ),
                 )
         elif request.mode == TIMESLICE:
@@ -64,14 +77,16 @@ def _why_not(snapshot: Snapshot, request: Request) -> str:
     if not any(g.available for g in gpus):
         return f"every {request.mode} GPU is drained or unavailable"
     if request.mode == DEDICATED:
-        most = max(sum(1 for g in h.gpus if g.available and g.mode == DEDICATED and g.idle)
-                   for h in snapshot.hosts if h.up)
+        most = max(
+            sum(1 for g in h.gpus if g.available and g.mode == DEDICATED and g.idle)
+            for h in snapshot.hosts
+            if h.up
+        )
         return f"waiting for {request.gpu_count} free GPUs on one host (at most {most} free now)"
     if request.mode == MIG:
         if not any(s.profile == request.mig_profile for g in gpus for s in g.mig):
             return f"no MIG instance of profile {request.mig_profile} exists in the fleet"
         return f"every {request.mig_profile} MIG slice is in use"
     if request.mode == MPS:
-        return (f"no MPS GPU has {request.mps_memory_mib} MiB and {request.mps_thread_pct}% "
-                "threads free")
+        return f"no MPS GPU has {request.mps_memory_mib} MiB and {request.mps_thread_pct}% threads free"
     return "every time-slice replica is in use"

@@ -12,12 +12,14 @@ export function validSample(msg) {
 }
 
 function makeChart(el, title, series, width) {
-  const opts = {
-    title, width, height: 240,
-    scales: { x: { time: true } },
-    series: [{}, ...series],
-    axes: [{}, { label: series[0].axis }, ...(series[1].scale !== series[0].scale ? [{ side: 1, scale: series[1].scale, label: series[1].axis, grid: { show: false } }] : [])],
-  };
+  const [left, right] = series;
+  const axes = [{}, { scale: left.scale, label: left.axis }];
+  if (right.scale !== left.scale) {
+    axes.push({ scale: right.scale, label: right.axis, side: 1, grid: { show: false } });
+  }
+  const scales = { x: { time: true } };
+  for (const s of series) if (s.range) scales[s.scale] = { range: s.range };
+  const opts = { title, width, height: 240, scales, series: [{}, ...series], axes };
   return new uPlot(opts, [[], ...series.map(() => [])], el);
 }
 
@@ -28,12 +30,12 @@ export function mountGpuCharts(root) {
   root.classList.add("chart-pair");
   root.append(left, right);
   const heat = makeChart(left, "Temperature and utilization", [
-    { label: "Temperature °C", scale: "pct", axis: "°C / %", stroke: "#d9480f", width: 2 },
-    { label: "Utilization %", scale: "pct", axis: "%", stroke: "#2457d6", width: 2 },
+    { label: "Temperature °C", scale: "pct", axis: "°C / %", range: [0, 100], stroke: "#d9480f", width: 2 },
+    { label: "Utilization %", scale: "pct", axis: "%", range: [0, 100], stroke: "#2457d6", width: 2 },
   ], width);
   const load = makeChart(right, "Memory and power", [
-    { label: "Memory GiB", scale: "gib", axis: "GiB", stroke: "#7c3aed", width: 2 },
-    { label: "Power W", scale: "w", axis: "W", stroke: "#15803d", width: 2 },
+    { label: "Memory GiB", scale: "gib", axis: "GiB", range: (u, min, max) => [0, Math.max(1, max * 1.2)], stroke: "#7c3aed", width: 2 },
+    { label: "Power W", scale: "w", axis: "W", range: (u, min, max) => [0, Math.max(100, max * 1.2)], stroke: "#15803d", width: 2 },
   ], width);
   const data = { t: [], temp: [], util: [], mem: [], power: [] };
   const status = document.getElementById("chart-status");

@@ -59,48 +59,107 @@ class Platform:
 
     def env(self, **extra: str) -> dict[str, str]:
         return {
-            **os.environ, "DATABASE_URL": database_url(), "REDIS_URL": settings.REDIS_URL,
-            "GPUSHARE_VAR_DIR": str(self.var_dir), "SECRET_KEY": settings.SECRET_KEY,
-            "AGENT_HEARTBEAT_S": "1", "CYCLE_INTERVAL_S": "1", "SANDBOX_STOP_GRACE_S": "2",
+            **os.environ,
+            "DATABASE_URL": database_url(),
+            "REDIS_URL": settings.REDIS_URL,
+            "GPUSHARE_VAR_DIR": str(self.var_dir),
+            "SECRET_KEY": settings.SECRET_KEY,
+            "AGENT_HEARTBEAT_S": "1",
+            "CYCLE_INTERVAL_S": "1",
+            "SANDBOX_STOP_GRACE_S": "2",
             **extra,
         }
 
     def start(self, name: str, argv: list[str], **extra: str) -> None:
         log = (self.log_dir / f"{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen(  # noqa: S603
-            argv, cwd=ROOT, env=self.env(**extra), stdout=log, stderr=subprocess.STDOUT,
+        self.procs[name] = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=self.env(**extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
     def start_workers(self, sim_gpus: str = "H100-80GB:2:mig=1", driver: str = "docker") -> None:
         celery = [sys.executable, "-m", "celery", "-A", "workers"]
-        self.start("control", [*celery, "worker", "-Q", "control", "-n", f"control-{self.host}@%h",
-                               "-P", "threads", "-c", "2", "--loglevel=INFO"], GPUSHARE_ROLE="control")
-        self.start("agent", [*celery, "worker", "-Q", f"host.{self.host}", "-n", f"agent-{self.host}@%h",
-                             "-P", "threads", "-c", "2", "--loglevel=INFO"],
-                   GPUSHARE_ROLE="agent", GPUSHARE_HOST=self.host, GPUSHARE_SIM_GPUS=sim_gpus,
-                   GPU_BACKEND="simulated", SANDBOX_DRIVER=driver, SAMPLE_INTERVAL_MS="500")
-        self.start("beat", [*celery, "beat", "-s", str(self.var_dir / "beat-schedule"), "--loglevel=INFO"],
-                   GPUSHARE_ROLE="beat")
+        self.start(
+            "control",
+            [
+                *celery,
+                "worker",
+                "-Q",
+                "control",
+                "-n",
+                f"control-{self.host}@%h",
+                "-P",
+                "threads",
+                "-c",
+                "2",
+                "--loglevel=INFO",
+            ],
+            GPUSHARE_ROLE="control",
+        )
+        self.start(
+            "agent",
+            [
+                *celery,
+                "worker",
+                "-Q",
+                f"host.{self.host}",
+                "-n",
+                f"agent-{self.host}@%h",
+                "-P",
+                "threads",
+                "-c",
+                "2",
+                "--loglevel=INFO",
+            ],
+            GPUSHARE_ROLE="agent",
+            GPUSHARE_HOST=self.host,
+            GPUSHARE_SIM_GPUS=sim_gpus,
+            GPU_BACKEND="simulated",
+            SANDBOX_DRIVER=driver,
+            SAMPLE_INTERVAL_MS="500",
+        )
+        self.start(
+            "beat",
+            [*celery, "beat", "-s", str(self.var_dir / "beat-schedule"), "--loglevel=INFO"],
+            GPUSHARE_ROLE="beat",
+        )
 
     def start_web(self) -> str:
         self.port = free_port()
-        self.start("web", [sys.executable, "-m", "uvicorn", "portal.asgi:application", "--host", "127.0.0.1",
-                           "--port", str(self.port)])
+        self.start(
+            "web",
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "portal.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+        )
         import urllib.request
 
         def up() -> bool:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:  # noqa: S310
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
                     return r.status in (200, 503)
             except OSError as exc:
                 return getattr(exc, "code", None) == 503
+
         wait_for(up, 30, "the web server")
         return f"http://127.0.0.1:{self.port}"
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}"
-                         for p in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}"
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
 
     def stop(self) -> None:
         """Stop the processes, then remove any container this run's agent left behind."""
@@ -118,7 +177,9 @@ class Platform:
             import docker
 
             client = docker.from_env()
-            for container in client.containers.list(all=True, filters={"label": f"io.gpushare.host={self.host}"}):
+            for container in client.containers.list(
+                all=True, filters={"label": f"io.gpushare.host={self.host}"}
+            ):
                 container.remove(force=True)
 
 
@@ -132,8 +193,11 @@ def running_platform(tmp_path: Path, web: bool = False, **workers: str) -> Itera
             platform.start_web()
         from portal.fleet.models import Host
 
-        wait_for(lambda: Host.objects.filter(name=platform.host, gpus__isnull=False).exists(), 60,
-                 "the agent's inventory")
+        wait_for(
+            lambda: Host.objects.filter(name=platform.host, gpus__isnull=False).exists(),
+            60,
+            "the agent's inventory",
+        )
         yield platform
     except BaseException:
         sys.stderr.write(platform.logs())

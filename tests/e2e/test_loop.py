@@ -52,8 +52,11 @@ def ask(client: Client, data: dict[str, str]) -> int:
 
 def receive_samples(session: str, sandbox_id: int, count: int) -> list[dict[str, Any]]:
     async def run() -> list[dict[str, Any]]:
-        comm = WebsocketCommunicator(application, f"/ws/sandboxes/{sandbox_id}/", headers=[
-            (b"origin", b"http://localhost"), (b"cookie", f"sessionid={session}".encode())])
+        comm = WebsocketCommunicator(
+            application,
+            f"/ws/sandboxes/{sandbox_id}/",
+            headers=[(b"origin", b"http://localhost"), (b"cookie", f"sessionid={session}".encode())],
+        )
         connected, _ = await comm.connect()
         assert connected
         samples = [json.loads(await comm.receive_from(timeout=10)) for _ in range(count)]
@@ -63,14 +66,19 @@ def receive_samples(session: str, sandbox_id: int, count: int) -> list[dict[str,
     return asyncio.run(run())
 
 
-def test_request_place_launch_stream_stop_bill(people: Any, catalog: Any, docker_client: Any,
-                                               tmp_path: Path) -> None:
+def test_request_place_launch_stream_stop_bill(
+    people: Any, catalog: Any, docker_client: Any, tmp_path: Path
+) -> None:
     owner, project = people["owner"], people["project"]
     with running_platform(tmp_path) as platform:
         web = Client()
         web.force_login(owner)
-        common = {"project": str(project.pk), "image": str(catalog["image"].pk), "isolation": "container",
-                  "duration_hours": "1"}
+        common = {
+            "project": str(project.pk),
+            "image": str(catalog["image"].pk),
+            "isolation": "container",
+            "duration_hours": "1",
+        }
         dedicated = ask(web, {**common, "tier": str(catalog["dedicated"].pk), "gpu_count": "1"})
         mig = ask(web, {**common, "tier": str(catalog["mig"].pk), "mig_profile": "1g.10gb"})
 
@@ -82,11 +90,17 @@ def test_request_place_launch_stream_stop_bill(people: Any, catalog: Any, docker
         [alloc] = sandbox.allocations.all()
         assert alloc.gpu.host.name == platform.host and alloc.device_uuid.startswith("GPU-")
         assert list(sandbox.events.values_list("to_state", flat=True)) == [
-            "requested", "queued", "placing", "starting", "running"]
+            "requested",
+            "queued",
+            "placing",
+            "starting",
+            "running",
+        ]
 
         # The container exists with our labels and the tier's limits.
         [container] = docker_client.containers.list(
-            filters={"label": f"io.gpushare.allocation={sandbox.allocation_key}"})
+            filters={"label": f"io.gpushare.allocation={sandbox.allocation_key}"}
+        )
         attrs = container.attrs
         labels, host_config = attrs["Config"]["Labels"], attrs["HostConfig"]
         assert labels["io.gpushare.sandbox"] == str(dedicated)
@@ -103,7 +117,9 @@ def test_request_place_launch_stream_stop_bill(people: Any, catalog: Any, docker
         assert attrs["Config"]["User"] == "1000:1000"
         mig_alloc = Sandbox.objects.get(pk=mig).allocations.get()
         mig_key = Sandbox.objects.get(pk=mig).allocation_key
-        [mig_container] = docker_client.containers.list(filters={"label": f"io.gpushare.allocation={mig_key}"})
+        [mig_container] = docker_client.containers.list(
+            filters={"label": f"io.gpushare.allocation={mig_key}"}
+        )
         assert mig_alloc.device_uuid.startswith("MIG-")
         assert mig_container.attrs["Config"]["Labels"]["io.gpushare.devices"] == mig_alloc.device_uuid
 
@@ -120,10 +136,16 @@ def test_request_place_launch_stream_stop_bill(people: Any, catalog: Any, docker
         web.post(f"/sandboxes/{mig}/stop/")
         wait_for(lambda: state_of(mig) == "stopped", 60, "the MIG sandbox to stop")
 
-        assert docker_client.containers.list(
-            all=True, filters={"label": f"io.gpushare.allocation={sandbox.allocation_key}"}) == []
+        assert (
+            docker_client.containers.list(
+                all=True, filters={"label": f"io.gpushare.allocation={sandbox.allocation_key}"}
+            )
+            == []
+        )
         assert list(Sandbox.objects.get(pk=dedicated).events.values_list("to_state", flat=True))[-2:] == [
-            "stopping", "stopped"]
+            "stopping",
+            "stopped",
+        ]
 
     [usage] = UsageRecord.objects.filter(sandbox_id=dedicated)
     assert usage.duration is not None and usage.cost_micros is not None

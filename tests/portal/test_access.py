@@ -36,9 +36,15 @@ def test_anonymous_is_sent_to_login(sandbox: Any) -> None:
     assert Client().get("/api/v1/usage/").status_code == 401
 
 
-@pytest.mark.parametrize(("persona", "page", "api"), [
-    ("owner", 200, 200), ("member", 200, 200), ("admin", 200, 200), ("outsider", 404, 404),
-])
+@pytest.mark.parametrize(
+    ("persona", "page", "api"),
+    [
+        ("owner", 200, 200),
+        ("member", 200, 200),
+        ("admin", 200, 200),
+        ("outsider", 404, 404),
+    ],
+)
 def test_sandbox_page_and_api_record(people: Any, sandbox: Any, persona: str, page: int, api: int) -> None:
     c = client_for(people[persona])
     assert c.get(f"/sandboxes/{sandbox.pk}/").status_code == page
@@ -58,8 +64,13 @@ def test_outsider_cannot_stop_and_member_may_not_stop_anothers(people: Any, sand
 
 def test_lists_show_only_own_projects(people: Any, sandbox: Any) -> None:
     assert client_for(people["outsider"]).get("/api/v1/sandboxes/").json()["results"] == []
-    assert f'href="/sandboxes/{sandbox.pk}/"' not in client_for(people["outsider"]).get("/sandboxes/").content.decode()
-    assert [s["id"] for s in client_for(people["member"]).get("/api/v1/sandboxes/").json()["results"]] == [sandbox.pk]
+    assert (
+        f'href="/sandboxes/{sandbox.pk}/"'
+        not in client_for(people["outsider"]).get("/sandboxes/").content.decode()
+    )
+    assert [s["id"] for s in client_for(people["member"]).get("/api/v1/sandboxes/").json()["results"]] == [
+        sandbox.pk
+    ]
 
 
 def test_fleet_console_is_for_admins(people: Any, fleet: Any) -> None:
@@ -81,8 +92,9 @@ def _ws_close_code(user: Any, path: str) -> tuple[bool, Any]:
     cookie = f"sessionid={c.cookies['sessionid'].value}".encode()
 
     async def run() -> tuple[bool, Any]:
-        comm = WebsocketCommunicator(application, path, headers=[(b"origin", b"http://localhost"),
-                                                                  (b"cookie", cookie)])
+        comm = WebsocketCommunicator(
+            application, path, headers=[(b"origin", b"http://localhost"), (b"cookie", cookie)]
+        )
         connected, _ = await comm.connect()
         output = await comm.receive_output(timeout=3) if connected else None
         await comm.disconnect()
@@ -104,8 +116,9 @@ def test_websocket_admits_members_and_admins(people: Any, sandbox: Any) -> None:
         cookie = f"sessionid={client_for(user).cookies['sessionid'].value}".encode()
 
         async def run() -> bool:
-            comm = WebsocketCommunicator(application, path, headers=[
-                (b"origin", b"http://localhost"), (b"cookie", cookie)])
+            comm = WebsocketCommunicator(
+                application, path, headers=[(b"origin", b"http://localhost"), (b"cookie", cookie)]
+            )
             connected, _ = await comm.connect()
             quiet = await comm.receive_nothing(timeout=0.3)  # not closed on us
             await comm.disconnect()
@@ -117,14 +130,15 @@ def test_websocket_admits_members_and_admins(people: Any, sandbox: Any) -> None:
     assert subscribed(people["member"], f"/ws/sandboxes/{sandbox.pk}/")
     assert subscribed(people["member"], f"/ws/gpus/{gpu_uuid}/")
     assert subscribed(people["admin"], "/ws/fleet/")
-    connected, output = _ws_close_code(people["member"], "/ws/fleet/")
+    _connected, output = _ws_close_code(people["member"], "/ws/fleet/")
     assert output == {"type": "websocket.close", "code": 4403}
 
 
 def test_websocket_from_a_foreign_origin_is_refused(people: Any, sandbox: Any) -> None:
     async def run() -> bool:
-        comm = WebsocketCommunicator(application, f"/ws/sandboxes/{sandbox.pk}/",
-                                     headers=[(b"origin", b"http://evil.example")])
+        comm = WebsocketCommunicator(
+            application, f"/ws/sandboxes/{sandbox.pk}/", headers=[(b"origin", b"http://evil.example")]
+        )
         connected, _ = await comm.connect()
         return connected
 

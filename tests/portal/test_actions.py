@@ -23,14 +23,16 @@ def states(sandbox: Sandbox) -> list[str]:
     return list(sandbox.events.values_list("to_state", flat=True))
 
 
-def test_request_place_run_stop_records_every_transition(people: Any, catalog: Any, fleet: Any,
-                                                         sent_tasks: list[Any]) -> None:
+def test_request_place_run_stop_records_every_transition(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: list[Any]
+) -> None:
     sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"], gpu_count=2)
     assert sandbox.state == "queued"
     place_all()
     sandbox.refresh_from_db()
+    assert sandbox.host is not None
     assert sandbox.state == "starting" and sandbox.host.name == "a100"  # first host by name
-    [(queue, task, (spec,))] = [t for t in sent_tasks if t[1] == "launch_sandbox"]
+    [(queue, _task, (spec,))] = [t for t in sent_tasks if t[1] == "launch_sandbox"]
     assert queue == "host.a100" and spec["allocation_id"] == sandbox.allocation_key
     assert len(spec["device_uuids"]) == 2 and spec["real_gpu"] is False
     started = timezone.now()
@@ -47,7 +49,9 @@ def test_request_place_run_stop_records_every_transition(people: Any, catalog: A
 
 
 def test_duplicate_reports_change_nothing(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
-    sandbox = request(people["owner"], people["project"], catalog["mig"], catalog["image"], mig_profile="1g.10gb")
+    sandbox = request(
+        people["owner"], people["project"], catalog["mig"], catalog["image"], mig_profile="1g.10gb"
+    )
     place_all()
     sandbox.refresh_from_db()
     now = timezone.now()
@@ -75,12 +79,14 @@ def test_database_refuses_to_book_a_gpu_twice(people: Any, catalog: Any, fleet: 
     third.refresh_from_db()
     assert third.state == "queued" and not third.allocations.exists()
     with pytest.raises(IntegrityError), transaction.atomic():
-        Allocation.objects.create(sandbox=third, gpu=taken.gpu, kind="exclusive",
-                                  device_uuid=taken.gpu.uuid, milli_gpu=1000)
+        Allocation.objects.create(
+            sandbox=third, gpu=taken.gpu, kind="exclusive", device_uuid=taken.gpu.uuid, milli_gpu=1000
+        )
 
 
-def test_every_sharing_mode_is_placed_on_its_kind_of_device(people: Any, catalog: Any, fleet: Any,
-                                                            sent_tasks: Any) -> None:
+def test_every_sharing_mode_is_placed_on_its_kind_of_device(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
     owner, project, image = people["owner"], people["project"], catalog["image"]
     mig = request(owner, project, catalog["mig"], image, mig_profile="3g.40gb")
     mps = request(owner, project, catalog["mps"], image, mps_memory_mib=10240, mps_thread_pct=25)
@@ -92,15 +98,21 @@ def test_every_sharing_mode_is_placed_on_its_kind_of_device(people: Any, catalog
     assert mps_spec["mps"] == {"pipe_dir": "", "thread_pct": 25, "memory_mib": 10240}
 
 
-def test_unplaceable_request_waits_with_a_reason(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
-    sandbox = request(people["owner"], people["project"], catalog["mig"], catalog["image"], mig_profile="7g.80gb")
+def test_unplaceable_request_waits_with_a_reason(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    sandbox = request(
+        people["owner"], people["project"], catalog["mig"], catalog["image"], mig_profile="7g.80gb"
+    )
     place_all()
     sandbox.refresh_from_db()
     assert sandbox.state == "queued" and "7g.80gb" in sandbox.pending_reason
 
 
 def test_stop_before_placement_ends_at_once(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
-    sandbox = request(people["owner"], people["project"], catalog["mig"], catalog["image"], mig_profile="7g.80gb")
+    sandbox = request(
+        people["owner"], people["project"], catalog["mig"], catalog["image"], mig_profile="7g.80gb"
+    )
     actions.do_request_stop(sandbox.pk, people["owner"])
     sandbox.refresh_from_db()
     assert sandbox.state == "stopped" and not any(t[1] == "stop_sandbox" for t in sent_tasks)
@@ -124,8 +136,9 @@ def test_launch_failure_releases_devices(people: Any, catalog: Any, fleet: Any, 
         ("dedicated", {"duration": timedelta(hours=9)}, "duration", "up to 8:00:00"),
     ],
 )
-def test_bad_requests_name_the_field(people: Any, catalog: Any, tier: str, kw: dict[str, Any], field: str,
-                                     text: str) -> None:
+def test_bad_requests_name_the_field(
+    people: Any, catalog: Any, tier: str, kw: dict[str, Any], field: str, text: str
+) -> None:
     with pytest.raises(actions.SandboxRequestError) as err:
         request(people["owner"], people["project"], catalog[tier], catalog["image"], **kw)
     assert err.value.field == field and text in err.value.message

@@ -57,17 +57,21 @@ def test_env_helpers_name_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path
         env_str("X_SECRET")
 
 
-@pytest.mark.parametrize(("variable", "value", "message"), [
-    ("GPU_BACKEND", "cuda", "GPU_BACKEND='cuda' is not one of: auto, nvml, simulated"),
-    ("SANDBOX_DRIVER", "kvm", "SANDBOX_DRIVER='kvm' is not one of: auto, docker, process"),
-    ("DEBUG", "perhaps", "DEBUG='perhaps' is not a boolean"),
-    ("REDIS_URL", "http://x", "REDIS_URL='http://x' must start with redis://"),
-    ("DATABASE_URL", "nosuch://x", "DATABASE_URL is not a database URL"),
-])
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("GPU_BACKEND", "cuda", "GPU_BACKEND='cuda' is not one of: auto, nvml, simulated"),
+        ("SANDBOX_DRIVER", "kvm", "SANDBOX_DRIVER='kvm' is not one of: auto, docker, process"),
+        ("DEBUG", "perhaps", "DEBUG='perhaps' is not a boolean"),
+        ("REDIS_URL", "http://x", "REDIS_URL='http://x' must start with redis://"),
+        ("DATABASE_URL", "nosuch://x", "DATABASE_URL is not a database URL"),
+    ],
+)
 def test_bad_value_stops_startup_with_its_name(variable: str, value: str, message: str) -> None:
     env = {**os.environ, variable: value, "SECRET_KEY": "x" * 50}
-    result = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2
     assert f"gpushare: configuration error: {message}" in result.stderr
 
@@ -75,6 +79,7 @@ def test_bad_value_stops_startup_with_its_name(variable: str, value: str, messag
 def test_production_needs_a_secret_key() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("SECRET_KEY", "SECRET_KEY_FILE")}
     env["DEBUG"] = "false"
-    result = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and "SECRET_KEY is required" in result.stderr

@@ -2,27 +2,49 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from scheduler.cluster import GpuState, HostState, MigSlot, Pending, Place, Request, Snapshot
 from scheduler.cycle import order_queue, run_cycle
 from scheduler.policies import get_policy
 
 
-def gpu(host: str, index: int, mode: str = "dedicated", **kw: object) -> GpuState:
-    return GpuState(uuid=f"GPU-{host}-{index}", host=host, index=index, model="H100-80GB",
-                    memory_mib=81559, mode=mode, **kw)  # type: ignore[arg-type]
+def gpu(host: str, index: int, mode: str = "dedicated", **kw: Any) -> GpuState:
+    return GpuState(
+        uuid=f"GPU-{host}-{index}",
+        host=host,
+        index=index,
+        model="H100-80GB",
+        memory_mib=81559,
+        mode=mode,
+        **kw,
+    )
 
 
-def req(id: int, mode: str = "dedicated", priority: int = 100, at: float = 0.0, **kw: object) -> Request:
-    return Request(id=id, project="p", priority=priority, submitted_at=at, mode=mode, **kw)  # type: ignore[arg-type]
+def req(id: int, mode: str = "dedicated", priority: int = 100, at: float = 0.0, **kw: Any) -> Request:
+    return Request(id=id, project="p", priority=priority, submitted_at=at, mode=mode, **kw)
 
 
 def fleet() -> Snapshot:
-    return Snapshot(hosts=[
-        HostState("a", True, [gpu("a", 0), gpu("a", 1),
-                              gpu("a", 2, "mig", mig=[MigSlot("MIG-1", "3g.40gb", 0, 4),
-                                                      MigSlot("MIG-2", "1g.10gb", 4, 1)])]),
-        HostState("b", True, [gpu("b", 0, "mps"), gpu("b", 1, "timeslice", replicas=2)]),
-    ])
+    return Snapshot(
+        hosts=[
+            HostState(
+                "a",
+                True,
+                [
+                    gpu("a", 0),
+                    gpu("a", 1),
+                    gpu(
+                        "a",
+                        2,
+                        "mig",
+                        mig=[MigSlot("MIG-1", "3g.40gb", 0, 4), MigSlot("MIG-2", "1g.10gb", 4, 1)],
+                    ),
+                ],
+            ),
+            HostState("b", True, [gpu("b", 0, "mps"), gpu("b", 1, "timeslice", replicas=2)]),
+        ]
+    )
 
 
 POLICY = get_policy("first-fit")

@@ -325,9 +325,7 @@ class DockerDriver:
             except docker.errors.NotFound as exc:
                 raise DriverError(f"sandbox {handle.allocation_id} has no container") from exc
             if container.status != "running":
-                raise DriverError(
-                    f"sandbox {handle.allocation_id} is {container.status}, not running"
-                )
+                raise DriverError(f"sandbox {handle.allocation_id} is {container.status}, not running")
             api = self.client.api
             exec_id = api.exec_create(
                 container.id,

@@ -154,9 +154,7 @@ def _gpu_device_nodes(uuids: tuple[str, ...], gpus_dir: Path) -> list[str]:
     minors: dict[str, int] = {}
     with contextlib.suppress(OSError):
         for info in gpus_dir.glob("*/information"):
-            fields = dict(
-                line.split(":", 1) for line in info.read_text().splitlines() if ":" in line
-            )
+            fields = dict(line.split(":", 1) for line in info.read_text().splitlines() if ":" in line)
             with contextlib.suppress(KeyError, ValueError):
                 minors[fields["GPU UUID"].strip()] = int(fields["Device Minor"])
     if uuids and all(uuid in minors for uuid in uuids):
@@ -420,14 +418,10 @@ class ProcessDriver:
         except OSError as exc:
             if self.limits == "cgroup":
                 raise DriverError(f"cannot create cgroups for {spec.allocation_id}: {exc}") from exc
-            log.warning(
-                "cgroups not usable (%s); sandbox %s falls back to rlimits", exc, spec.allocation_id
-            )
+            log.warning("cgroups not usable (%s); sandbox %s falls back to rlimits", exc, spec.allocation_id)
             return _rlimits(spec, private_uid)
 
-    def _bwrap_args(
-        self, spec: SandboxSpec, passwd_fd: int, group_fd: int, status_fd: int
-    ) -> list[str]:
+    def _bwrap_args(self, spec: SandboxSpec, passwd_fd: int, group_fd: int, status_fd: int) -> list[str]:
         args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
         if spec.network:
             args.append("--share-net")
@@ -528,9 +522,7 @@ class ProcessDriver:
             tail = log_path.read_text(errors="replace")[-2000:].strip() if log_path.exists() else ""
             for path in (log_path, status_path):
                 path.unlink(missing_ok=True)
-            raise DriverError(
-                f"sandbox {spec.allocation_id} failed to start: {tail or 'no output'}"
-            )
+            raise DriverError(f"sandbox {spec.allocation_id} failed to start: {tail or 'no output'}")
         self._children[spec.allocation_id] = proc
         state = {
             "allocation_id": spec.allocation_id,
@@ -539,6 +531,7 @@ class ProcessDriver:
             "start_ticks": stat[1],
             "started_at_ms": int(started * 1000),
             "child_pid": info["child-pid"],
+            "child_start_ticks": info["child-start-ticks"],
             "pidns": f"pid:[{info['pid-namespace']}]",
             "limits": limits.mode,
             "cgroups": list(limits.cgroups),
@@ -570,11 +563,13 @@ class ProcessDriver:
             if docs and "child-pid" in docs[0]:
                 info = docs[0]
                 members = _pids_in_namespace(f"pid:[{info['pid-namespace']}]")
-                if any(pid != info["child-pid"] for pid in members):
-                    return info
+                init = _proc_stat(info["child-pid"])
+                if init is not None and any(pid != info["child-pid"] for pid in members):
+                    return {**info, "child-start-ticks": init[1]}
                 if any("exit-code" in doc for doc in docs):
                     lines = log_path.read_text(errors="replace").splitlines()
-                    return None if any(x.startswith("bwrap: ") for x in lines) else info
+                    failed = any(x.startswith("bwrap: ") for x in lines)
+                    return None if failed else {**info, "child-start-ticks": -1}
             if wrapper_done:
                 return None
             time.sleep(_POLL_S)
@@ -598,12 +593,20 @@ class ProcessDriver:
             self._children.pop(handle.allocation_id, None)
             log.info("stopped sandbox %s", handle.allocation_id)
 
+    @staticmethod
+    def _sandbox_members(state: dict[str, Any]) -> list[int]:
+        # Namespace inodes are reused once a namespace dies: trust the recorded one only
+        # while the namespace's init, which holds it, is the process we recorded.
+        if not _alive(state["child_pid"], state["child_start_ticks"]):
+            return []
+        return _pids_in_namespace(state["pidns"])
+
     def _terminate(self, state: dict[str, Any], grace_s: float) -> None:
         # SIGTERM goes to the sandbox's own processes, not to the wrapper's group: the
         # outer bwrap would die at once and take the sandbox down with SIGKILL, giving the
         # command no chance to clean up. The namespace's init (bwrap) ignores it, then
         # exits with the command's status.
-        members = _pids_in_namespace(state["pidns"])
+        members = self._sandbox_members(state)
         _signal_all([p for p in members if p != state["child_pid"]], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and self._running(state):
@@ -611,7 +614,7 @@ class ProcessDriver:
         if self._running(state):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(state["pid"], signal.SIGKILL)
-            _signal_all(_pids_in_namespace(state["pidns"]), signal.SIGKILL)
+            _signal_all(self._sandbox_members(state), signal.SIGKILL)
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline and self._running(state):
                 time.sleep(_POLL_S)
@@ -648,7 +651,7 @@ class ProcessDriver:
 
     def exec_terminal(self, handle: SandboxHandle) -> ProcessTerminal:
         state = self._load(handle.allocation_id)
-        if state is None or not self._running(state):
+        if state is None or not self._running(state) or not self._sandbox_members(state):
             raise DriverError(f"sandbox {handle.allocation_id} is not running")
         spec = SandboxSpec.from_json(state["spec"])
         uid = str(SANDBOX_UID)

@@ -16,9 +16,7 @@ def make_backend(kind: str, host: str, sim_spec: str) -> GpuBackend:
     result is simulated.
     """
     if kind not in BACKEND_KINDS:
-        raise ValueError(
-            f"unknown GPU backend {kind!r}; expected one of {', '.join(BACKEND_KINDS)}"
-        )
+        raise ValueError(f"unknown GPU backend {kind!r}; expected one of {', '.join(BACKEND_KINDS)}")
     if kind == "nvml" or (kind == "auto" and nvml_available()):
         return NvmlBackend()
     return SimulatedBackend(host, parse_sim_spec(sim_spec))

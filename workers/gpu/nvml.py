@@ -291,9 +291,7 @@ class NvmlBackend:
             )
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             # NVML has no utilization for MIG devices, nor for a GPU in MIG mode: 0 there.
-            util = _unless_unsupported(
-                lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu), 0.0
-            )
+            util = _unless_unsupported(lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu), 0.0)
             power_mw = _unless_unsupported(lambda: int(pynvml.nvmlDeviceGetPowerUsage(parent)), 0)
             reasons = _unless_unsupported(lambda: _clock_reasons(parent), 0)
             return GpuSample(
@@ -358,9 +356,7 @@ class NvmlBackend:
             gpu_uuid = str(pynvml.nvmlDeviceGetUUID(data.device))
         gi_id = int(data.gpuInstanceId)
         # An error tied to one MIG instance names that device, so only its sandbox is hit.
-        uuid = (
-            self._mig_by_gi.get((gpu_uuid, gi_id), gpu_uuid) if gi_id != _NO_INSTANCE else gpu_uuid
-        )
+        uuid = self._mig_by_gi.get((gpu_uuid, gi_id), gpu_uuid) if gi_id != _NO_INSTANCE else gpu_uuid
         t_ms = int(time.time() * 1000)
         if int(data.eventType) == pynvml.nvmlEventTypeXidCriticalError:
             xid = int(data.eventData)

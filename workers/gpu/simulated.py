@@ -69,9 +69,7 @@ def default_mig_layout(model: str) -> tuple[tuple[str, int], ...]:
     layout = []
     for compute, memory, start in wanted:
         profile = next(
-            p
-            for p in gpu_model.mig_profiles
-            if p.compute_slices == compute and p.memory_slices == memory
+            p for p in gpu_model.mig_profiles if p.compute_slices == compute and p.memory_slices == memory
         )
         layout.append((profile.name, start))
     return tuple(layout)
@@ -312,9 +310,7 @@ class SimulatedBackend:
                 by_owner = self._mem_by_owner(lambda d: d == gpu.uuid or d in gpu.migs)
                 overhead, total = DRIVER_OVERHEAD_MIB, gpu.model.memory_mib
             else:
-                util = _pct(
-                    sum(ld.util_pct for ld in self._loads.values() if uuid in ld.device_uuids)
-                )
+                util = _pct(sum(ld.util_pct for ld in self._loads.values() if uuid in ld.device_uuids))
                 by_owner = self._mem_by_owner(lambda d: d == uuid)
                 overhead, total = MIG_OVERHEAD_MIB, mig.memory_mib
             if util > 0:
@@ -382,9 +378,7 @@ class SimulatedBackend:
 
     def _equilibrium(self, gpu: _Gpu) -> float:
         model = gpu.model
-        power_frac = (self._power(gpu, self._gpu_util(gpu)) - model.idle_w) / (
-            model.tdp_w - model.idle_w
-        )
+        power_frac = (self._power(gpu, self._gpu_util(gpu)) - model.idle_w) / (model.tdp_w - model.idle_w)
         return IDLE_TEMP_C + gpu.temp_offset_c + (FULL_LOAD_TEMP_C - IDLE_TEMP_C) * power_frac
 
     def _advance(self, gpu: _Gpu, now: float) -> None:
@@ -404,9 +398,7 @@ class SimulatedBackend:
     def _check_overheat(self, gpu: _Gpu, now: float) -> None:
         if not gpu.overheating and gpu.temp_c > OVERHEAT_TEMP_C:
             gpu.overheating = True
-            self._events.append(
-                HealthEvent(gpu.uuid, "overheat", f"{gpu.temp_c:.1f} °C", int(now * 1000))
-            )
+            self._events.append(HealthEvent(gpu.uuid, "overheat", f"{gpu.temp_c:.1f} °C", int(now * 1000)))
         elif gpu.overheating and gpu.temp_c < OVERHEAT_REARM_C:
             gpu.overheating = False
 
@@ -447,9 +439,7 @@ class SimulatedBackend:
             gpu, _ = self._device(uuid)
             if not gpu.lost:
                 gpu.lost = True
-                self._events.append(
-                    HealthEvent(gpu.uuid, "gpu_lost", "GPU is lost", self._now_ms())
-                )
+                self._events.append(HealthEvent(gpu.uuid, "gpu_lost", "GPU is lost", self._now_ms()))
 
     def close(self) -> None:
         """Nothing to release: all state lives in this object."""

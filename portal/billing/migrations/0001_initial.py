@@ -6,39 +6,85 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('accounts', '0001_initial'),
-        ('catalog', '0001_initial'),
-        ('sandboxes', '0001_initial'),
+        ("accounts", "0001_initial"),
+        ("catalog", "0001_initial"),
+        ("sandboxes", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='UsageRecord',
+            name="UsageRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('allocation_key', models.CharField(max_length=40)),
-                ('gpu_model', models.CharField(max_length=40)),
-                ('milli_gpu', models.PositiveIntegerField(help_text='GPUs held, in thousandths.')),
-                ('price_per_gpu_hour_micros', models.BigIntegerField()),
-                ('currency', models.CharField(max_length=3)),
-                ('started_at', models.DateTimeField()),
-                ('ended_at', models.DateTimeField(blank=True, null=True)),
-                ('duration', models.DurationField(blank=True, null=True)),
-                ('cost_micros', models.BigIntegerField(blank=True, null=True)),
-                ('project', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='usage', to='accounts.project')),
-                ('sandbox', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='usage', to='sandboxes.sandbox')),
-                ('tier', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='usage', to='catalog.tier')),
-                ('user', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='usage', to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("allocation_key", models.CharField(max_length=40)),
+                ("gpu_model", models.CharField(max_length=40)),
+                ("milli_gpu", models.PositiveIntegerField(help_text="GPUs held, in thousandths.")),
+                ("price_per_gpu_hour_micros", models.BigIntegerField()),
+                ("currency", models.CharField(max_length=3)),
+                ("started_at", models.DateTimeField()),
+                ("ended_at", models.DateTimeField(blank=True, null=True)),
+                ("duration", models.DurationField(blank=True, null=True)),
+                ("cost_micros", models.BigIntegerField(blank=True, null=True)),
+                (
+                    "project",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="usage",
+                        to="accounts.project",
+                    ),
+                ),
+                (
+                    "sandbox",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="usage",
+                        to="sandboxes.sandbox",
+                    ),
+                ),
+                (
+                    "tier",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT, related_name="usage", to="catalog.tier"
+                    ),
+                ),
+                (
+                    "user",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="usage",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-started_at', '-pk'],
-                'indexes': [models.Index(fields=['project', '-started_at'], name='usage_project_time_idx')],
-                'constraints': [models.UniqueConstraint(condition=models.Q(('ended_at__isnull', True)), fields=('allocation_key',), name='billing_usagerecord_one_open_per_allocation', violation_error_message='An allocation has at most one open usage interval.'), models.CheckConstraint(condition=models.Q(('ended_at__isnull', True), ('ended_at__gte', models.F('started_at')), _connector='OR'), name='billing_usagerecord_ends_after_start', violation_error_message='A usage interval cannot end before it starts.')],
+                "ordering": ["-started_at", "-pk"],
+                "indexes": [models.Index(fields=["project", "-started_at"], name="usage_project_time_idx")],
+                "constraints": [
+                    models.UniqueConstraint(
+                        condition=models.Q(("ended_at__isnull", True)),
+                        fields=("allocation_key",),
+                        name="billing_usagerecord_one_open_per_allocation",
+                        violation_error_message="An allocation has at most one open usage interval.",
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            ("ended_at__isnull", True),
+                            ("ended_at__gte", models.F("started_at")),
+                            _connector="OR",
+                        ),
+                        name="billing_usagerecord_ends_after_start",
+                        violation_error_message="A usage interval cannot end before it starts.",
+                    ),
+                ],
             },
         ),
     ]

@@ -6,76 +6,155 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Host',
+            name="Host",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=63, unique=True)),
-                ('backend', models.CharField(help_text='GPU backend the agent runs: nvml or simulated.', max_length=16)),
-                ('driver', models.CharField(blank=True, help_text='Sandbox driver: docker or process.', max_length=16)),
-                ('state', models.CharField(choices=[('up', 'Up'), ('lost', 'Lost'), ('draining', 'Draining')], default='up', max_length=16)),
-                ('cpu_cores', models.PositiveIntegerField(default=0)),
-                ('memory_mib', models.PositiveIntegerField(default=0)),
-                ('last_heartbeat_at', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.SlugField(max_length=63, unique=True)),
+                (
+                    "backend",
+                    models.CharField(
+                        help_text="GPU backend the agent runs: nvml or simulated.", max_length=16
+                    ),
+                ),
+                (
+                    "driver",
+                    models.CharField(
+                        blank=True, help_text="Sandbox driver: docker or process.", max_length=16
+                    ),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[("up", "Up"), ("lost", "Lost"), ("draining", "Draining")],
+                        default="up",
+                        max_length=16,
+                    ),
+                ),
+                ("cpu_cores", models.PositiveIntegerField(default=0)),
+                ("memory_mib", models.PositiveIntegerField(default=0)),
+                ("last_heartbeat_at", models.DateTimeField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Gpu',
+            name="Gpu",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('index', models.PositiveSmallIntegerField()),
-                ('uuid', models.CharField(max_length=64, unique=True)),
-                ('name', models.CharField(max_length=100)),
-                ('model', models.CharField(blank=True, max_length=40)),
-                ('memory_mib', models.PositiveIntegerField()),
-                ('mig_enabled', models.BooleanField(default=False)),
-                ('sharing_mode', models.CharField(choices=[('dedicated', 'Dedicated GPUs'), ('mig', 'MIG slice'), ('mps', 'MPS share'), ('timeslice', 'Time-slice replica')], default='dedicated', max_length=16)),
-                ('timeslice_replicas', models.PositiveSmallIntegerField(default=4)),
-                ('state', models.CharField(choices=[('available', 'Available'), ('drained', 'Drained'), ('unavailable', 'Unavailable')], default='available', max_length=16)),
-                ('host', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='gpus', to='fleet.host')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("index", models.PositiveSmallIntegerField()),
+                ("uuid", models.CharField(max_length=64, unique=True)),
+                ("name", models.CharField(max_length=100)),
+                ("model", models.CharField(blank=True, max_length=40)),
+                ("memory_mib", models.PositiveIntegerField()),
+                ("mig_enabled", models.BooleanField(default=False)),
+                (
+                    "sharing_mode",
+                    models.CharField(
+                        choices=[
+                            ("dedicated", "Dedicated GPUs"),
+                            ("mig", "MIG slice"),
+                            ("mps", "MPS share"),
+                            ("timeslice", "Time-slice replica"),
+                        ],
+                        default="dedicated",
+                        max_length=16,
+                    ),
+                ),
+                ("timeslice_replicas", models.PositiveSmallIntegerField(default=4)),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("available", "Available"),
+                            ("drained", "Drained"),
+                            ("unavailable", "Unavailable"),
+                        ],
+                        default="available",
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "host",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="gpus", to="fleet.host"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['host__name', 'index'],
+                "ordering": ["host__name", "index"],
             },
         ),
         migrations.CreateModel(
-            name='MigInstance',
+            name="MigInstance",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('uuid', models.CharField(max_length=64, unique=True)),
-                ('profile', models.CharField(max_length=16)),
-                ('start', models.PositiveSmallIntegerField()),
-                ('memory_slices', models.PositiveSmallIntegerField()),
-                ('memory_mib', models.PositiveIntegerField()),
-                ('gpu_instance_id', models.PositiveSmallIntegerField()),
-                ('compute_instance_id', models.PositiveSmallIntegerField()),
-                ('gpu', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='mig_instances', to='fleet.gpu')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("uuid", models.CharField(max_length=64, unique=True)),
+                ("profile", models.CharField(max_length=16)),
+                ("start", models.PositiveSmallIntegerField()),
+                ("memory_slices", models.PositiveSmallIntegerField()),
+                ("memory_mib", models.PositiveIntegerField()),
+                ("gpu_instance_id", models.PositiveSmallIntegerField()),
+                ("compute_instance_id", models.PositiveSmallIntegerField()),
+                (
+                    "gpu",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="mig_instances",
+                        to="fleet.gpu",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['gpu', 'start'],
+                "ordering": ["gpu", "start"],
             },
         ),
         migrations.AddConstraint(
-            model_name='gpu',
-            constraint=models.UniqueConstraint(fields=('host', 'index'), name='fleet_gpu_one_per_host_index', violation_error_message='A host has one GPU per index.'),
+            model_name="gpu",
+            constraint=models.UniqueConstraint(
+                fields=("host", "index"),
+                name="fleet_gpu_one_per_host_index",
+                violation_error_message="A host has one GPU per index.",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='gpu',
-            constraint=models.CheckConstraint(condition=models.Q(models.Q(('mig_enabled', True), _negated=True), ('sharing_mode', 'mig'), _connector='OR'), name='fleet_gpu_mig_gpus_share_by_mig', violation_error_message='A GPU in MIG mode is shared by MIG slices.'),
+            model_name="gpu",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    models.Q(("mig_enabled", True), _negated=True), ("sharing_mode", "mig"), _connector="OR"
+                ),
+                name="fleet_gpu_mig_gpus_share_by_mig",
+                violation_error_message="A GPU in MIG mode is shared by MIG slices.",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='miginstance',
-            constraint=models.UniqueConstraint(fields=('gpu', 'start'), name='fleet_miginstance_one_per_start', violation_error_message='Two MIG instances cannot start at the same slice.'),
+            model_name="miginstance",
+            constraint=models.UniqueConstraint(
+                fields=("gpu", "start"),
+                name="fleet_miginstance_one_per_start",
+                violation_error_message="Two MIG instances cannot start at the same slice.",
+            ),
         ),
     ]

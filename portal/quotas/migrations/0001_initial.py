@@ -5,24 +5,38 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('accounts', '0001_initial'),
+        ("accounts", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='QuotaPolicy',
+            name="QuotaPolicy",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('max_live_sandboxes', models.PositiveIntegerField(default=10)),
-                ('max_gpus', models.PositiveIntegerField(default=8, help_text='Whole-GPU equivalents held at once.')),
-                ('project', models.OneToOneField(on_delete=django.db.models.deletion.CASCADE, related_name='quota', to='accounts.project')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("max_live_sandboxes", models.PositiveIntegerField(default=10)),
+                (
+                    "max_gpus",
+                    models.PositiveIntegerField(default=8, help_text="Whole-GPU equivalents held at once."),
+                ),
+                (
+                    "project",
+                    models.OneToOneField(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="quota",
+                        to="accounts.project",
+                    ),
+                ),
             ],
             options={
-                'verbose_name_plural': 'quota policies',
+                "verbose_name_plural": "quota policies",
             },
         ),
     ]

@@ -7,116 +7,278 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('accounts', '0001_initial'),
-        ('catalog', '0001_initial'),
-        ('fleet', '0001_initial'),
+        ("accounts", "0001_initial"),
+        ("catalog", "0001_initial"),
+        ("fleet", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Sandbox',
+            name="Sandbox",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('isolation', models.CharField(choices=[('process', 'Process'), ('container', 'Container'), ('vm', 'Virtual machine')], max_length=16)),
-                ('name', models.CharField(blank=True, max_length=60)),
-                ('gpu_count', models.PositiveSmallIntegerField(default=1)),
-                ('mig_profile', models.CharField(blank=True, max_length=16)),
-                ('mps_memory_mib', models.PositiveIntegerField(default=0)),
-                ('mps_thread_pct', models.PositiveSmallIntegerField(default=0)),
-                ('max_duration', models.DurationField()),
-                ('state', models.CharField(choices=[('requested', 'Requested'), ('queued', 'Queued'), ('placing', 'Placing'), ('starting', 'Starting'), ('running', 'Running'), ('stopping', 'Stopping'), ('stopped', 'Stopped'), ('failed', 'Failed'), ('preempted', 'Preempted'), ('expired', 'Expired')], default='requested', max_length=16)),
-                ('pending_reason', models.CharField(blank=True, max_length=200)),
-                ('failure', models.TextField(blank=True)),
-                ('allocation_key', models.CharField(blank=True, max_length=40)),
-                ('handle', models.JSONField(blank=True, null=True)),
-                ('requested_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('placed_at', models.DateTimeField(blank=True, null=True)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('stop_requested_at', models.DateTimeField(blank=True, null=True)),
-                ('ended_at', models.DateTimeField(blank=True, null=True)),
-                ('host', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='sandboxes', to='fleet.host')),
-                ('image', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='sandboxes', to='catalog.sandboximage')),
-                ('owner', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='sandboxes', to=settings.AUTH_USER_MODEL)),
-                ('project', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='sandboxes', to='accounts.project')),
-                ('tier', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='sandboxes', to='catalog.tier')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "isolation",
+                    models.CharField(
+                        choices=[
+                            ("process", "Process"),
+                            ("container", "Container"),
+                            ("vm", "Virtual machine"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                ("name", models.CharField(blank=True, max_length=60)),
+                ("gpu_count", models.PositiveSmallIntegerField(default=1)),
+                ("mig_profile", models.CharField(blank=True, max_length=16)),
+                ("mps_memory_mib", models.PositiveIntegerField(default=0)),
+                ("mps_thread_pct", models.PositiveSmallIntegerField(default=0)),
+                ("max_duration", models.DurationField()),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("requested", "Requested"),
+                            ("queued", "Queued"),
+                            ("placing", "Placing"),
+                            ("starting", "Starting"),
+                            ("running", "Running"),
+                            ("stopping", "Stopping"),
+                            ("stopped", "Stopped"),
+                            ("failed", "Failed"),
+                            ("preempted", "Preempted"),
+                            ("expired", "Expired"),
+                        ],
+                        default="requested",
+                        max_length=16,
+                    ),
+                ),
+                ("pending_reason", models.CharField(blank=True, max_length=200)),
+                ("failure", models.TextField(blank=True)),
+                ("allocation_key", models.CharField(blank=True, max_length=40)),
+                ("handle", models.JSONField(blank=True, null=True)),
+                ("requested_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("placed_at", models.DateTimeField(blank=True, null=True)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("stop_requested_at", models.DateTimeField(blank=True, null=True)),
+                ("ended_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "host",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="sandboxes",
+                        to="fleet.host",
+                    ),
+                ),
+                (
+                    "image",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="sandboxes",
+                        to="catalog.sandboximage",
+                    ),
+                ),
+                (
+                    "owner",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="sandboxes",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "project",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="sandboxes",
+                        to="accounts.project",
+                    ),
+                ),
+                (
+                    "tier",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="sandboxes",
+                        to="catalog.tier",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-requested_at'],
+                "ordering": ["-requested_at"],
             },
         ),
         migrations.CreateModel(
-            name='Allocation',
+            name="Allocation",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(choices=[('exclusive', 'Whole GPU'), ('mig', 'MIG instance'), ('mps', 'MPS share'), ('timeslice', 'Time-slice replica')], max_length=16)),
-                ('device_uuid', models.CharField(max_length=64)),
-                ('milli_gpu', models.PositiveIntegerField(help_text='Share of the GPU in thousandths, for pricing.')),
-                ('mps_memory_mib', models.PositiveIntegerField(default=0)),
-                ('mps_thread_pct', models.PositiveSmallIntegerField(default=0)),
-                ('replica', models.PositiveSmallIntegerField(blank=True, null=True)),
-                ('active', models.BooleanField(default=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('released_at', models.DateTimeField(blank=True, null=True)),
-                ('gpu', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='allocations', to='fleet.gpu')),
-                ('mig_instance', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='allocations', to='fleet.miginstance')),
-                ('sandbox', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='allocations', to='sandboxes.sandbox')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("exclusive", "Whole GPU"),
+                            ("mig", "MIG instance"),
+                            ("mps", "MPS share"),
+                            ("timeslice", "Time-slice replica"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                ("device_uuid", models.CharField(max_length=64)),
+                (
+                    "milli_gpu",
+                    models.PositiveIntegerField(help_text="Share of the GPU in thousandths, for pricing."),
+                ),
+                ("mps_memory_mib", models.PositiveIntegerField(default=0)),
+                ("mps_thread_pct", models.PositiveSmallIntegerField(default=0)),
+                ("replica", models.PositiveSmallIntegerField(blank=True, null=True)),
+                ("active", models.BooleanField(default=True)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("released_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "gpu",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="allocations",
+                        to="fleet.gpu",
+                    ),
+                ),
+                (
+                    "mig_instance",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="allocations",
+                        to="fleet.miginstance",
+                    ),
+                ),
+                (
+                    "sandbox",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="allocations",
+                        to="sandboxes.sandbox",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='SandboxEvent',
+            name="SandboxEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('from_state', models.CharField(blank=True, max_length=16)),
-                ('to_state', models.CharField(max_length=16)),
-                ('message', models.CharField(blank=True, max_length=300)),
-                ('data', models.JSONField(blank=True, default=dict)),
-                ('actor', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
-                ('sandbox', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='events', to='sandboxes.sandbox')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("from_state", models.CharField(blank=True, max_length=16)),
+                ("to_state", models.CharField(max_length=16)),
+                ("message", models.CharField(blank=True, max_length=300)),
+                ("data", models.JSONField(blank=True, default=dict)),
+                (
+                    "actor",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "sandbox",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="events",
+                        to="sandboxes.sandbox",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['at', 'pk'],
+                "ordering": ["at", "pk"],
             },
         ),
         migrations.AddIndex(
-            model_name='sandbox',
-            index=models.Index(condition=models.Q(('state', 'queued')), fields=['requested_at'], name='sandbox_queue_idx'),
+            model_name="sandbox",
+            index=models.Index(
+                condition=models.Q(("state", "queued")), fields=["requested_at"], name="sandbox_queue_idx"
+            ),
         ),
         migrations.AddIndex(
-            model_name='sandbox',
-            index=models.Index(fields=['project', '-requested_at'], name='sandbox_project_idx'),
+            model_name="sandbox",
+            index=models.Index(fields=["project", "-requested_at"], name="sandbox_project_idx"),
         ),
         migrations.AddConstraint(
-            model_name='sandbox',
-            constraint=models.CheckConstraint(condition=models.Q(('gpu_count__gte', 1), ('gpu_count__lte', 8)), name='sandboxes_sandbox_gpu_count_1_to_8', violation_error_message='A sandbox takes 1 to 8 GPUs.'),
+            model_name="sandbox",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("gpu_count__gte", 1), ("gpu_count__lte", 8)),
+                name="sandboxes_sandbox_gpu_count_1_to_8",
+                violation_error_message="A sandbox takes 1 to 8 GPUs.",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='sandbox',
-            constraint=models.CheckConstraint(condition=models.Q(('mps_thread_pct__lte', 100)), name='sandboxes_sandbox_mps_threads_at_most_100', violation_error_message='An MPS share takes at most 100% of the threads.'),
+            model_name="sandbox",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("mps_thread_pct__lte", 100)),
+                name="sandboxes_sandbox_mps_threads_at_most_100",
+                violation_error_message="An MPS share takes at most 100% of the threads.",
+            ),
         ),
         migrations.AddIndex(
-            model_name='allocation',
-            index=models.Index(condition=models.Q(('active', True)), fields=['gpu'], name='allocation_live_idx'),
+            model_name="allocation",
+            index=models.Index(
+                condition=models.Q(("active", True)), fields=["gpu"], name="allocation_live_idx"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='allocation',
-            constraint=models.UniqueConstraint(condition=models.Q(('active', True), ('kind', 'exclusive')), fields=('gpu',), name='sandboxes_allocation_one_live_per_exclusive_gpu', violation_error_message='This GPU is already held by a sandbox.'),
+            model_name="allocation",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("active", True), ("kind", "exclusive")),
+                fields=("gpu",),
+                name="sandboxes_allocation_one_live_per_exclusive_gpu",
+                violation_error_message="This GPU is already held by a sandbox.",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='allocation',
-            constraint=models.UniqueConstraint(condition=models.Q(('active', True)), fields=('mig_instance',), name='sandboxes_allocation_one_live_per_mig_instance', violation_error_message='This MIG instance is already held by a sandbox.'),
+            model_name="allocation",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("active", True)),
+                fields=("mig_instance",),
+                name="sandboxes_allocation_one_live_per_mig_instance",
+                violation_error_message="This MIG instance is already held by a sandbox.",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='allocation',
-            constraint=models.UniqueConstraint(condition=models.Q(('active', True), ('kind', 'timeslice')), fields=('gpu', 'replica'), name='sandboxes_allocation_one_live_per_replica', violation_error_message='This time-slice replica is already held.'),
+            model_name="allocation",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("active", True), ("kind", "timeslice")),
+                fields=("gpu", "replica"),
+                name="sandboxes_allocation_one_live_per_replica",
+                violation_error_message="This time-slice replica is already held.",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='allocation',
-            constraint=models.CheckConstraint(condition=models.Q(('milli_gpu__gte', 1), ('milli_gpu__lte', 1000)), name='sandboxes_allocation_share_within_one_gpu', violation_error_message='An allocation holds between 0.001 and 1 GPU.'),
+            model_name="allocation",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("milli_gpu__gte", 1), ("milli_gpu__lte", 1000)),
+                name="sandboxes_allocation_share_within_one_gpu",
+                violation_error_message="An allocation holds between 0.001 and 1 GPU.",
+            ),
         ),
     ]

@@ -22,14 +22,46 @@ from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
 TIERS = [
     # slug, name, mode, isolation, price EUR/GPU-h, priority, max GPUs, description
-    ("dedicated", "Dedicated", SharingMode.DEDICATED, ["container", "process"], 2.50, "interactive", 4,
-     "Whole GPUs, up to 4 on one host."),
-    ("mig", "MIG slice", SharingMode.MIG, ["container", "process"], 0.60, "interactive", 1,
-     "A hardware-isolated MIG slice of an H100."),
-    ("mps", "MPS share", SharingMode.MPS, ["container", "process"], 0.40, "standard", 1,
-     "A share of an A100's memory and SMs through MPS."),
-    ("timeslice", "Time-slice", SharingMode.TIMESLICE, ["container", "process"], 0.20, "batch", 1,
-     "One of four time-sliced replicas of an A100: cheapest, no isolation beyond the process."),
+    (
+        "dedicated",
+        "Dedicated",
+        SharingMode.DEDICATED,
+        ["container", "process"],
+        2.50,
+        "interactive",
+        4,
+        "Whole GPUs, up to 4 on one host.",
+    ),
+    (
+        "mig",
+        "MIG slice",
+        SharingMode.MIG,
+        ["container", "process"],
+        0.60,
+        "interactive",
+        1,
+        "A hardware-isolated MIG slice of an H100.",
+    ),
+    (
+        "mps",
+        "MPS share",
+        SharingMode.MPS,
+        ["container", "process"],
+        0.40,
+        "standard",
+        1,
+        "A share of an A100's memory and SMs through MPS.",
+    ),
+    (
+        "timeslice",
+        "Time-slice",
+        SharingMode.TIMESLICE,
+        ["container", "process"],
+        0.20,
+        "batch",
+        1,
+        "One of four time-sliced replicas of an A100: cheapest, no isolation beyond the process.",
+    ),
 ]
 
 
@@ -41,32 +73,45 @@ class Command(BaseCommand):
         users = self._users()
         vision, _ = Project.objects.get_or_create(slug="vision-lab", defaults={"name": "Vision Lab"})
         nlp, _ = Project.objects.get_or_create(slug="nlp-lab", defaults={"name": "NLP Lab"})
-        Membership.objects.get_or_create(user=users["alice"], project=vision,
-                                         defaults={"role": Membership.Role.MANAGER})
-        Membership.objects.get_or_create(user=users["bob"], project=nlp,
-                                         defaults={"role": Membership.Role.MANAGER})
+        Membership.objects.get_or_create(
+            user=users["alice"], project=vision, defaults={"role": Membership.Role.MANAGER}
+        )
+        Membership.objects.get_or_create(
+            user=users["bob"], project=nlp, defaults={"role": Membership.Role.MANAGER}
+        )
         for project in (vision, nlp):
             QuotaPolicy.objects.get_or_create(project=project)
         classes = {
             name: PriorityClass.objects.update_or_create(
                 name=name, defaults={"value": value, "preemptible": preemptible}
             )[0]
-            for name, value, preemptible in (("interactive", 200, False), ("standard", 100, False),
-                                             ("batch", 50, True))
+            for name, value, preemptible in (
+                ("interactive", 200, False),
+                ("standard", 100, False),
+                ("batch", 50, True),
+            )
         }
         for slug, name, mode, isolation, price, priority, max_gpus, description in TIERS:
             Tier.objects.update_or_create(
                 slug=slug,
                 defaults={
-                    "name": name, "sharing_mode": mode, "isolation_levels": isolation,
-                    "price_per_gpu_hour_micros": int(price * 1_000_000), "currency": "EUR",
-                    "priority_class": classes[priority], "max_gpus": max_gpus,
-                    "max_duration": timedelta(hours=8), "description": description,
-                    "cpu_limit": 1.0, "memory_limit_mib": 1024, "pids_limit": 256,
+                    "name": name,
+                    "sharing_mode": mode,
+                    "isolation_levels": isolation,
+                    "price_per_gpu_hour_micros": int(price * 1_000_000),
+                    "currency": "EUR",
+                    "priority_class": classes[priority],
+                    "max_gpus": max_gpus,
+                    "max_duration": timedelta(hours=8),
+                    "description": description,
+                    "cpu_limit": 1.0,
+                    "memory_limit_mib": 1024,
+                    "pids_limit": 256,
                 },
             )
         SandboxImage.objects.update_or_create(
-            name="busybox", defaults={
+            name="busybox",
+            defaults={
                 "reference": "gpushare/sandbox-base:1",
                 "command": ["sh", "-c", "while true; do sleep 3600; done"],
             },
@@ -74,19 +119,24 @@ class Command(BaseCommand):
         for host, spec in DEMO_HOSTS.items():
             gpus = SimulatedBackend(host, parse_sim_spec(spec)).list_gpus()
             do_sync_inventory(host, "simulated", "", [g.to_json() for g in gpus])
-        for (host, index), mode in DEMO_SHARING.items():
-            Gpu.objects.filter(host__name=host, index=index).update(sharing_mode=mode)
-        self.stdout.write(self.style.SUCCESS("demo seeded: " + ", ".join(
-            f"{u}/{p}" for u, p in DEMO_USERS.items())))
+        for (host, index), sharing in DEMO_SHARING.items():
+            Gpu.objects.filter(host__name=host, index=index).update(sharing_mode=sharing)
+        self.stdout.write(
+            self.style.SUCCESS("demo seeded: " + ", ".join(f"{u}/{p}" for u, p in DEMO_USERS.items()))
+        )
 
     def _users(self) -> dict[str, Any]:
         User = get_user_model()
         users = {}
         for username, password in DEMO_USERS.items():
-            user, created = User.objects.get_or_create(username=username, defaults={
-                "email": f"{username}@example.org", "is_staff": username == "admin",
-                "is_superuser": username == "admin",
-            })
+            user, created = User.objects.get_or_create(
+                username=username,
+                defaults={
+                    "email": f"{username}@example.org",
+                    "is_staff": username == "admin",
+                    "is_superuser": username == "admin",
+                },
+            )
             if created:
                 user.set_password(password)
                 user.save()

@@ -1,0 +1,132 @@
+"""``make bench``: how fast one scheduling cycle is, on synthetic fleets.
+
+Prints a table and writes it to BENCHMARKS.md (between markers, so later benchmarks can
+add their own sections). The trace replay against the FGD paper adds its tables here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+from scheduler.cluster import GpuState, HostState, MigSlot, Request, Snapshot
+from scheduler.cycle import run_cycle
+from scheduler.gpus import MODELS
+from scheduler.policies import get_policy
+
+MODES = ("dedicated", "mig", "mps", "timeslice")
+BEGIN, END = "<!-- bench:cycle:begin -->", "<!-- bench:cycle:end -->"
+
+
+def synthetic_fleet(hosts: int, gpus_per_host: int, rng: random.Random) -> Snapshot:
+    h100 = MODELS["H100-80GB"]
+    layout = [("3g.40gb", 4), ("2g.20gb", 0), ("1g.10gb", 2), ("1g.10gb", 3)]
+    snapshot = Snapshot(hosts=[])
+    for h in range(hosts):
+        host = HostState(f"host{h:04d}", True)
+        for i in range(gpus_per_host):
+            mode = MODES[(h + i) % 4]
+            uuid = f"GPU-{h}-{i}"
+            mig = [MigSlot(f"MIG-{h}-{i}-{s}", p, s, h100.profile(p).memory_slices) for p, s in layout]
+            host.gpus.append(
+                GpuState(
+                    uuid,
+                    host.name,
+                    i,
+                    h100.name,
+                    h100.memory_mib,
+                    mode,
+                    mig=mig if mode == "mig" else [],
+                    replicas=4 if mode == "timeslice" else 0,
+                )
+            )
+        snapshot.hosts.append(host)
+    return snapshot
+
+
+def synthetic_queue(size: int, rng: random.Random) -> list[Request]:
+    queue = []
+    for i in range(size):
+        mode = rng.choice(MODES)
+        queue.append(
+            Request(
+                id=i,
+                project=f"p{rng.randrange(20)}",
+                priority=rng.choice((50, 100, 200)),
+                submitted_at=float(i),
+                mode=mode,
+                gpu_count=rng.choice((1, 1, 2, 4)),
+                mig_profile=rng.choice(("1g.10gb", "2g.20gb", "3g.40gb")),
+                mps_memory_mib=rng.choice((5120, 10240, 20480)),
+                mps_thread_pct=rng.choice((10, 25, 50)),
+            )
+        )
+    return queue
+
+
+def measure(hosts: int, gpus: int, queue_size: int, repeats: int) -> dict[str, float]:
+    rng = random.Random(42)
+    snapshot, queue = synthetic_fleet(hosts, gpus, rng), synthetic_queue(queue_size, rng)
+    policy = get_policy("first-fit")
+    times, placed = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        decisions = run_cycle(snapshot, queue, policy, now=0.0)
+        times.append(time.perf_counter() - start)
+        placed = sum(1 for d in decisions if hasattr(d, "grants"))
+    return {
+        "hosts": hosts,
+        "gpus": hosts * gpus,
+        "queue": queue_size,
+        "placed": placed,
+        "p50_ms": statistics.median(times) * 1000,
+        "max_ms": max(times) * 1000,
+    }
+
+
+def render(rows: list[dict[str, float]]) -> str:
+    lines = [
+        BEGIN,
+        "## Scheduling cycle (first-fit, synthetic fleet)",
+        "",
+        "One `run_cycle` over a queue of mixed requests (dedicated 1-4 GPUs, MIG, MPS, time-slice)",
+        "on H100 hosts with 8 GPUs, a quarter in each sharing mode. Measured by `make bench`",
+        "(`python -m scheduler.bench`) on the development machine (2 cores); 5 repeats.",
+        "",
+        "| hosts | GPUs | queued | placed | cycle p50 (ms) | cycle max (ms) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['hosts']} | {r['gpus']} | {r['queue']} | {r['placed']} | {r['p50_ms']:.1f} | "
+        f"{r['max_ms']:.1f} |"
+        for r in rows
+    ]
+    return "\n".join([*lines, END])
+
+
+def write_section(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nFigures measured by `make bench`.\n"
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, help="Markdown file to update")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rows = [measure(h, 8, q, args.repeats) for h, q in ((25, 200), (125, 1000), (500, 4000))]
+    section = render(rows)
+    print(section.replace(BEGIN, "").replace(END, "").strip())
+    if args.out:
+        write_section(args.out, section)
+
+
+if __name__ == "__main__":
+    main()

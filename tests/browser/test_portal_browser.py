@@ -1,0 +1,89 @@
+"""Chromium through Playwright against the real platform: sign in, request, watch, stop.
+
+Screenshots go to docs/screenshots/ (the README shows them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.platform import running_platform
+from tests.workers.engines import require_engine
+
+pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.docker, pytest.mark.slow,
+              pytest.mark.django_db(transaction=True)]
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+# Flags that keep headless Chromium from reaching for the network on a closed machine.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture
+def browser_page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    require_engine(os.path.exists(CHROMIUM), "Chromium at /usr/bin/chromium")
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API keeps an event loop in this thread; the test's own ORM calls
+    # are still plain synchronous ones.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("dialog", lambda dialog: dialog.accept())
+        yield page
+        browser.close()
+
+
+def shot(page: Any, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Path, browser_page: Any) -> None:
+    from workers.drivers.docker import docker_available
+
+    require_engine(docker_available(), "a Docker engine")
+    page = browser_page
+    with running_platform(tmp_path, web=True) as platform:
+        base = f"http://127.0.0.1:{platform.port}"
+        page.goto(f"{base}/login/")
+        shot(page, "login")
+        page.fill("input[name=username]", "olivia")
+        page.fill("input[name=password]", "correct-horse-battery")
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{base}/sandboxes/")
+
+        page.goto(f"{base}/sandboxes/new/")
+        page.select_option("select[name=project]", label="Vision")
+        page.select_option("select[name=tier]", label="Dedicated")
+        page.select_option("select[name=image]", label="busybox")
+        page.fill("input[name=gpu_count]", "1")
+        shot(page, "request-form")
+        page.click("form.request-form button[type=submit]")
+        page.wait_for_url("**/sandboxes/*/")
+
+        page.wait_for_selector("#sandbox-state:text('Running')", timeout=60_000)
+        chart = page.locator("#gpu-chart")
+        page.wait_for_function("Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3",
+                               timeout=30_000)
+        first = int(chart.get_attribute("data-samples") or 0)
+        page.wait_for_function(f"Number(document.getElementById('gpu-chart').dataset.samples) > {first + 1}",
+                               timeout=30_000)
+        assert page.locator("#gpu-chart canvas").count() == 2
+        assert "simulated" in page.locator("#chart-status").inner_text()
+        assert page.locator(".badge.sim").count() >= 1  # the page says the host is simulated
+        shot(page, "sandbox-running")
+
+        page.click("#stop-button")
+        page.wait_for_selector("#sandbox-state:text('Stopped')", timeout=60_000)
+        assert "EUR" in page.locator("#usage").inner_text()
+        shot(page, "sandbox-stopped")
+
+        page.goto(f"{base}/sandboxes/")
+        shot(page, "sandbox-list")
