@@ -35,6 +35,7 @@ test: install frontend
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	DEBUG=true $(VENV)/bin/mypy .
 
 bench: install

@@ -15,13 +15,25 @@ import pytest
 from tests.e2e.platform import running_platform
 from tests.workers.engines import require_engine
 
-pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.docker, pytest.mark.slow,
-              pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.e2e,
+    pytest.mark.docker,
+    pytest.mark.slow,
+    pytest.mark.django_db(transaction=True),
+]
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 # Flags that keep headless Chromium from reaching for the network on a closed machine.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture
@@ -70,11 +82,13 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
 
         page.wait_for_selector("#sandbox-state:text('Running')", timeout=60_000)
         chart = page.locator("#gpu-chart")
-        page.wait_for_function("Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3",
-                               timeout=30_000)
+        page.wait_for_function(
+            "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3", timeout=30_000
+        )
         first = int(chart.get_attribute("data-samples") or 0)
-        page.wait_for_function(f"Number(document.getElementById('gpu-chart').dataset.samples) > {first + 1}",
-                               timeout=30_000)
+        page.wait_for_function(
+            f"Number(document.getElementById('gpu-chart').dataset.samples) > {first + 1}", timeout=30_000
+        )
         assert page.locator("#gpu-chart canvas").count() == 2
         assert "simulated" in page.locator("#chart-status").inner_text()
         assert page.locator(".badge.sim").count() >= 1  # the page says the host is simulated

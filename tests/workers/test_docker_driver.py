@@ -146,9 +146,7 @@ def host(client: docker.DockerClient) -> Iterator[str]:
     """A host name no one else uses, so that list_owned and cleanup see only our sandboxes."""
     name = f"test-{uuid.uuid4().hex[:10]}"
     yield name
-    for container in client.containers.list(
-        all=True, filters={"label": f"io.gpushare.host={name}"}
-    ):
+    for container in client.containers.list(all=True, filters={"label": f"io.gpushare.host={name}"}):
         container.remove(force=True)
 
 
@@ -173,9 +171,7 @@ def read_until_eof(terminal: object, timeout_s: float = 10.0) -> None:
 
 
 @pytest.mark.docker
-def test_launch_applies_confinement(
-    driver: DockerDriver, client: docker.DockerClient, host: str
-) -> None:
+def test_launch_applies_confinement(driver: DockerDriver, client: docker.DockerClient, host: str) -> None:
     spec = make_spec(host)
     before_ms = int(time.time() * 1000) - 60_000  # the engine stamps it; allow clock skew
     handle = driver.launch(spec)
@@ -207,6 +203,7 @@ def test_launch_applies_confinement(
     code, out = container.exec_run(
         ["sh", "-c", "id -u; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; touch /x"]
     )
+    assert isinstance(out, bytes)  # exec_run without stream=True returns the whole output
     text = out.decode()
     assert code != 0  # the root filesystem is read-only
     assert text.splitlines()[0] == "1000"
@@ -214,7 +211,7 @@ def test_launch_applies_confinement(
     assert re.search(r"NoNewPrivs:\s+1", text)
     assert "Read-only file system" in text
     code, out = container.exec_run(["sh", "-c", "cd && touch ok && echo $HOME && ls /tmp"])
-    assert code == 0, out
+    assert code == 0 and isinstance(out, bytes), out
     assert out.decode().splitlines()[0] == "/home/sandbox"
 
 
@@ -272,6 +269,26 @@ def test_stop_removes_container_and_is_idempotent(
         client.containers.get(handle.ref)
     assert driver.status(handle).state == "missing"
     driver.stop(handle)  # already gone: no error
+
+
+@pytest.mark.docker
+def test_concurrent_stops_all_succeed(driver: DockerDriver, host: str) -> None:
+    handle = driver.launch(make_spec(host))
+    errors: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            DockerDriver(host=host).stop(handle, grace_s=0)
+        except BaseException as exc:  # collected: a thread's exception would be lost
+            errors.append(exc)
+
+    stoppers = [threading.Thread(target=stop) for _ in range(4)]
+    for thread in stoppers:
+        thread.start()
+    for thread in stoppers:
+        thread.join()
+    assert errors == []
+    assert driver.status(handle).state == "missing"
 
 
 @pytest.mark.docker

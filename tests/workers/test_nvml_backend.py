@@ -136,8 +136,7 @@ class FakeNvml:
             "NVIDIA H100 80GB HBM3",
             81559,
             used_mib=4_600,
-            reasons=pynvml.nvmlClocksEventReasonSwThermalSlowdown
-            | pynvml.nvmlClocksEventReasonSwPowerCap,
+            reasons=pynvml.nvmlClocksEventReasonSwThermalSlowdown | pynvml.nvmlClocksEventReasonSwPowerCap,
             events_supported=xid | dbe | pynvml.nvmlEventTypeSingleBitEccError,
             procs=[
                 SimpleNamespace(pid=101, usedGpuMemory=3_000 * MIB),
@@ -294,9 +293,7 @@ class FakeNvml:
 
     def nvmlGpuInstanceGetInfo(self, gi: GpuInstance) -> SimpleNamespace:
         placement = SimpleNamespace(start=gi.start, size=gi.size)
-        return SimpleNamespace(
-            device=gi.parent, id=gi.id, profileId=gi.profile_id, placement=placement
-        )
+        return SimpleNamespace(device=gi.parent, id=gi.id, profileId=gi.profile_id, placement=placement)
 
     def nvmlDeviceGetGpuInstanceProfileInfo(self, dev: Dev, enum: int) -> SimpleNamespace:
         self._live(dev)
@@ -359,9 +356,7 @@ class FakeNvml:
         assert engine == pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
         return SimpleNamespace(id=profile + 100)  # a distinct id, to see it passed on
 
-    def nvmlGpuInstanceCreateComputeInstance(
-        self, gi: GpuInstance, profile_id: int
-    ) -> ComputeInstance:
+    def nvmlGpuInstanceCreateComputeInstance(self, gi: GpuInstance, profile_id: int) -> ComputeInstance:
         return self._add_compute_instance(gi)
 
     def nvmlGpuInstanceDestroy(self, gi: GpuInstance) -> None:
@@ -415,9 +410,7 @@ def backend(fake: FakeNvml) -> Iterator[NvmlBackend]:
 
 
 def event(dev: Dev, kind: int, data: int = 0, gi: int = NO_INSTANCE) -> SimpleNamespace:
-    return SimpleNamespace(
-        device=dev, eventType=kind, eventData=data, gpuInstanceId=gi, computeInstanceId=gi
-    )
+    return SimpleNamespace(device=dev, eventType=kind, eventData=data, gpuInstanceId=gi, computeInstanceId=gi)
 
 
 # -- the fake itself -------------------------------------------------------------------------
@@ -636,9 +629,7 @@ def test_create_mig_on_a_gpu_without_mig(backend: NvmlBackend) -> None:
         backend.create_mig(H100_UUID, "1g.10gb", 0)
 
 
-def test_failed_compute_instance_rolls_back_the_gpu_instance(
-    fake: FakeNvml, backend: NvmlBackend
-) -> None:
+def test_failed_compute_instance_rolls_back_the_gpu_instance(fake: FakeNvml, backend: NvmlBackend) -> None:
     fake.fail["nvmlGpuInstanceCreateComputeInstance"] = pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES
     with pytest.raises(GpuBackendError, match=f"create MIG 1g.10gb@2 on {A100_UUID}"):
         backend.create_mig(A100_UUID, "1g.10gb", 2)

@@ -64,9 +64,7 @@ def test_samples(backend: NvmlBackend) -> None:
             assert 0 <= sample.mem_used_mib <= sample.mem_total_mib
             assert sample.power_w >= 0 and sample.sm_clock_mhz > 0
             assert set(sample.throttle) <= KNOWN_THROTTLE
-            assert all(
-                key.startswith("pid:") and mib >= 0 for key, mib in sample.mem_by_owner.items()
-            )
+            assert all(key.startswith("pid:") and mib >= 0 for key, mib in sample.mem_by_owner.items())
         assert backend.sample(gpu.uuid).mem_total_mib == gpu.memory_mib
 
 

@@ -9,6 +9,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -162,9 +163,7 @@ def command_pid(handle: SandboxHandle) -> int:
 
 
 @pytest.mark.bwrap
-def test_launch_confines_the_command(
-    driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_launch_confines_the_command(driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUSHARE_HOST_SECRET", "leak")
     script = (
         "id -u; echo host=$(hostname); env; "
@@ -216,6 +215,32 @@ def test_launch_is_idempotent(driver: ProcessDriver) -> None:
 
 
 @pytest.mark.bwrap
+def test_concurrent_launches_and_stops(driver: ProcessDriver) -> None:
+    spec = make_spec()
+
+    def twin() -> ProcessDriver:  # another agent process sharing the state directory
+        return ProcessDriver(driver.state_dir, host="h1", limits=driver.limits)
+
+    with ThreadPoolExecutor(4) as pool:
+        handles = set(pool.map(lambda _: twin().launch(spec), range(4)))
+    assert len(handles) == 1
+    (handle,) = handles
+    assert len(sandbox_pids(handle)) == 2
+    # A long grace period for one sandbox does not hold up launching another.
+    stubborn = driver.launch(make_spec(command=("sh", "-c", "trap '' TERM; sleep 300")))
+    with ThreadPoolExecutor(4) as pool:
+        stops = [pool.submit(twin().stop, stubborn, 3) for _ in range(3)]
+        time.sleep(0.5)
+        started = time.monotonic()
+        other = driver.launch(make_spec())
+        assert time.monotonic() - started < 2
+        for future in stops:
+            future.result()
+    assert driver.status(stubborn).state == "missing"
+    assert driver.status(other).state == "running"
+
+
+@pytest.mark.bwrap
 def test_limits_are_applied(driver: ProcessDriver) -> None:
     spec = make_spec(memory_limit_mib=96, cpu_limit=0.25, pids_limit=12)
     handle = driver.launch(spec)
@@ -234,10 +259,10 @@ def test_limits_are_applied(driver: ProcessDriver) -> None:
     else:
         v2, v1 = _cgroup_mounts()
         if v2 is not None:
-            leaf = Path(v2 + cgroups[""])
-            assert (leaf / "memory.max").read_text().strip() == str(96 * 2**20)
-            assert (leaf / "cpu.max").read_text().split() == ["25000", "100000"]
-            assert (leaf / "pids.max").read_text().strip() == "15"
+            unified = Path(v2 + cgroups[""])
+            assert (unified / "memory.max").read_text().strip() == str(96 * 2**20)
+            assert (unified / "cpu.max").read_text().split() == ["25000", "100000"]
+            assert (unified / "pids.max").read_text().strip() == "15"
         else:
 
             def leaf(controller: str) -> Path:

@@ -63,9 +63,7 @@ def test_h100_placements_follow_nvidia_table(profile: str, start: int) -> None:
         assert (mig.profile, mig.start, mig.parent_uuid) == (profile, start, gpu)
         assert backend.mig_layout(gpu) == [mig]
     else:
-        with pytest.raises(
-            GpuBackendError, match=rf"{profile} cannot start at memory slice {start}"
-        ):
+        with pytest.raises(GpuBackendError, match=rf"{profile} cannot start at memory slice {start}"):
             backend.create_mig(gpu, profile, start)
         assert backend.mig_layout(gpu) == []
 
@@ -410,20 +408,14 @@ def test_concurrent_sampling_loading_and_mig_changes() -> None:
         backend.forget_load(name)
 
     def reshaper() -> None:
-        mig = (
-            backend.create_mig(mig_gpu, "1g.20gb", 6)
-            if len(backend.mig_layout(mig_gpu)) < 5
-            else None
-        )
+        mig = backend.create_mig(mig_gpu, "1g.20gb", 6) if len(backend.mig_layout(mig_gpu)) < 5 else None
         if mig is not None:
             backend.destroy_mig(mig_gpu, mig.uuid)
 
     backend.destroy_mig(mig_gpu, backend.mig_layout(mig_gpu)[-1].uuid)  # frees slices 4-7
     steady = [plain, mig_gpu] + [m.uuid for m in backend.mig_layout(mig_gpu)]
     threads = [threading.Thread(target=guarded, args=(sampler,)) for _ in range(3)]
-    threads += [
-        threading.Thread(target=guarded, args=(partial(loader, f"alloc-{i}"),)) for i in range(3)
-    ]
+    threads += [threading.Thread(target=guarded, args=(partial(loader, f"alloc-{i}"),)) for i in range(3)]
     threads.append(threading.Thread(target=guarded, args=(reshaper,)))
     for thread in threads:
         thread.start()

@@ -289,6 +289,9 @@ class DockerDriver:
                 container.remove(force=True)
             except docker.errors.NotFound:
                 return  # removed concurrently: stopping is idempotent
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # 409: a concurrent removal is in progress
+                    raise
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         with _engine_errors(f"inspect sandbox {handle.allocation_id}"):

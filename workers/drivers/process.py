@@ -445,6 +445,9 @@ class ProcessDriver:
         if spec.real_gpu:
             for node in _gpu_device_nodes(spec.device_uuids, self.gpus_dir):
                 args += ["--dev-bind-try", node, node]
+            # CUDA and NVML read PCI topology and NUMA nodes from sysfs; containers get a
+            # read-only sysfs as well.
+            args += ["--ro-bind", "/sys", "/sys"]
         if spec.mps is not None:
             # Read-write: the client creates and connects to sockets in the pipe directory.
             args += ["--bind", spec.mps.pipe_dir, spec.mps.pipe_dir]
@@ -583,11 +586,16 @@ class ProcessDriver:
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
         with self._locked():
             state = self._load(handle.allocation_id)
-            if state is None:
-                return
-            if self._running(state):
-                self._terminate(state, grace_s)
-            _remove_cgroups(tuple(state.get("cgroups", ())))
+        if state is None:
+            return
+        # Outside the lock: one sandbox's grace period must not hold up every launch.
+        if self._running(state):
+            self._terminate(state, grace_s)
+        with self._locked():
+            current = self._load(handle.allocation_id)
+            if current is None or current["pid"] != state["pid"]:
+                return  # a concurrent stop got there first
+            _remove_cgroups(tuple(state["cgroups"]))
             for suffix in ("json", "status", "log"):
                 self._path(handle.allocation_id, suffix).unlink(missing_ok=True)
             self._children.pop(handle.allocation_id, None)
