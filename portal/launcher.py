@@ -26,7 +26,31 @@ def _celery(*args: str) -> list[str]:
     return [PY, "-m", "celery", "-A", "workers", *args, "--loglevel=INFO"]
 
 
-def commands(port: int, host: str) -> list[tuple[str, list[str], dict[str, str]]]:
+SANDBOX_IMAGE = "gpushare/sandbox-base:1"
+
+
+def choose_driver() -> tuple[str, str]:
+    """The agents' sandbox driver, and a line for the operator when it is not Docker."""
+    kind = config.sandbox_driver_kind()
+    if kind != "auto":
+        return kind, ""
+    from workers.drivers.docker import docker_available
+
+    if not docker_available():
+        return "process", "no Docker engine reachable: sandboxes run as bubblewrap processes"
+    import docker
+
+    try:
+        docker.from_env().images.get(SANDBOX_IMAGE)
+    except docker.errors.ImageNotFound:
+        print(f"gpushare: building the sandbox image {SANDBOX_IMAGE} (once)…", flush=True)
+        built = subprocess.run(["bash", str(ROOT / "scripts" / "build-sandbox-image.sh")], check=False)  # noqa: S603, S607
+        if built.returncode != 0:
+            return "process", f"could not build {SANDBOX_IMAGE}: sandboxes run as bubblewrap processes"
+    return "docker", ""
+
+
+def commands(port: int, host: str, driver: str) -> list[tuple[str, list[str], dict[str, str]]]:
     var = config.var_dir()
     procs: list[tuple[str, list[str], dict[str, str]]] = [
         (
@@ -61,6 +85,7 @@ def commands(port: int, host: str) -> list[tuple[str, list[str], dict[str, str]]
                     "GPUSHARE_HOST": name,
                     "GPUSHARE_SIM_GPUS": spec,
                     "GPU_BACKEND": "simulated",
+                    "SANDBOX_DRIVER": driver,
                 },
             )
         )
@@ -83,7 +108,10 @@ def main() -> int:
     subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], check=True)  # noqa: S603
     subprocess.run([*manage, "seed_demo"], check=True)  # noqa: S603
     running: list[tuple[str, subprocess.Popen[str]]] = []
-    for name, argv, extra in commands(port, bind):
+    driver, why = choose_driver()
+    if why:
+        print(f"gpushare: {why}", flush=True)
+    for name, argv, extra in commands(port, bind, driver):
         proc = subprocess.Popen(  # noqa: S603
             argv,
             env={**os.environ, **extra},
@@ -97,7 +125,7 @@ def main() -> int:
     logins = ", ".join(f"{u} / {p}" for u, p in DEMO_USERS.items())
     print(
         f"\n  gpushare is starting on http://{bind}:{port}/  (health: /healthz)\n"
-        f"  demo logins: {logins}\n  simulated hosts: {', '.join(DEMO_HOSTS)}\n"
+        f"  demo logins: {logins}\n  simulated hosts: {', '.join(DEMO_HOSTS)} (sandbox driver: {driver})\n"
         "  Ctrl-C stops everything.\n",
         flush=True,
     )

@@ -85,7 +85,9 @@ def _database() -> dict[str, object]:
     url = env_str("DATABASE_URL", "")
     if url:
         try:
-            db: dict[str, object] = dict(dj_database_url.parse(url, conn_max_age=60))
+            db: dict[str, object] = dict(
+                dj_database_url.parse(url, conn_max_age=env_int("DB_CONN_MAX_AGE", 60, minimum=0))
+            )
         except ValueError as exc:
             raise ConfigError(f"DATABASE_URL is not a database URL: {exc}") from exc
         if db.get("ENGINE") == "django.db.backends.sqlite3":

@@ -12,3 +12,5 @@ os.environ.setdefault("SESSION_COOKIE_SECURE", "false")
 os.environ.setdefault("CSRF_COOKIE_SECURE", "false")
 os.environ.setdefault("ALLOWED_HOSTS", "localhost,127.0.0.1,testserver")
 os.environ.setdefault("STATIC_MANIFEST", "false")
+# Connections opened by consumer threads must close, or the test database cannot be dropped.
+os.environ.setdefault("DB_CONN_MAX_AGE", "0")

@@ -19,6 +19,7 @@ from typing import Any
 
 from celery import signals
 
+from portal.billing.pricing import cost_micros
 from portal.env import env_int, env_str
 from workers import config, dispatch
 from workers.celery import app
@@ -89,8 +90,13 @@ class Agent:
             return
         started = self.driver.status(handle).started_at_ms or _now_ms()
         with self.lock:
-            self.running[spec.allocation_id] = spec
-            self.started_ms[spec.allocation_id] = started
+            stopped_meanwhile = spec.allocation_id in self.stopped
+            if not stopped_meanwhile:
+                self.running[spec.allocation_id] = spec
+                self.started_ms[spec.allocation_id] = started
+        if stopped_meanwhile:  # the stop overtook this launch: undo it, report nothing
+            self.driver.stop(handle, grace_s=0)
+            return
         mem, util = self._simulated_load(spec)
         self.backend.note_load(spec.allocation_id, list(spec.device_uuids), mem, util)
         dispatch.to_control("sandbox_launched", spec.allocation_id, handle.to_json(), started)
@@ -125,7 +131,7 @@ class Agent:
         self, allocation_id: str, spec: SandboxSpec, now_ms: int, mem_mib: int, util_pct: float
     ) -> SandboxFigures:
         elapsed_us = max(0, now_ms - self.started_ms.get(allocation_id, now_ms)) * 1000
-        cost = (spec.price_per_gpu_hour_micros * spec.milli_gpu * elapsed_us) // (1000 * 3600 * 10**6)
+        cost = cost_micros(spec.price_per_gpu_hour_micros, spec.milli_gpu, elapsed_us)
         return SandboxFigures(mem_mib=mem_mib, util_pct=util_pct, cost_micros=cost)
 
     async def sample_forever(self, interval_s: float, heartbeat_s: float) -> None:

@@ -81,7 +81,7 @@ def resend_stuck_placements(now: datetime) -> None:
     """A sandbox left in ``placing`` (the broker was down after commit) is sent again."""
     stuck = Sandbox.objects.filter(state=SandboxState.PLACING, placed_at__lt=now - timedelta(seconds=10))
     for sandbox_id in stuck.values_list("pk", flat=True):
-        actions._send_launch(sandbox_id)
+        actions.do_send_launch(sandbox_id)
 
 
 @app.task(name="workers.control.agent_heartbeat", ignore_result=True)

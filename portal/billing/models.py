@@ -6,16 +6,10 @@ from django.conf import settings
 from django.db import models
 
 from portal.accounts.models import Project
+from portal.billing.pricing import MICROS_PER_UNIT, cost_micros
 from portal.catalog.models import Tier
 
-MICROS_PER_UNIT = 1_000_000
-
-
-def cost_micros(price_per_gpu_hour_micros: int, milli_gpu: int, duration_us: int) -> int:
-    """price/GPU-h x share x duration, in integer micro-units (rounded half up)."""
-    numerator = price_per_gpu_hour_micros * milli_gpu * duration_us
-    denominator = 1000 * 3600 * MICROS_PER_UNIT
-    return (numerator + denominator // 2) // denominator
+__all__ = ["MICROS_PER_UNIT", "UsageRecord", "cost_micros"]
 
 
 class UsageRecord(models.Model):

@@ -215,14 +215,17 @@ def do_place(sandbox_id: int, host_name: str, grants: tuple[DeviceGrant, ...]) -
                 message=f"placed on {host.name}: {devices}",
                 data={"host": host.name, "devices": [g.device_uuid for g in grants]},
             )
-            transaction.on_commit(lambda: _send_launch(sandbox_id))
+            transaction.on_commit(lambda: do_send_launch(sandbox_id))
     except IntegrityError as exc:
         log.warning("placement of sandbox %s on %s refused by the database: %s", sandbox_id, host_name, exc)
         return False
     return True
 
 
-def _send_launch(sandbox_id: int) -> None:
+def do_send_launch(sandbox_id: int) -> None:
+    """Hand a placed sandbox to its agent. The message is sent inside the transaction: if
+    the broker refuses it, nothing is written and the sandbox stays ``placing`` for the
+    control tick to resend (a duplicate launch is harmless: launch is idempotent)."""
     from portal.sandboxes.specs import launch_spec
 
     with transaction.atomic():
@@ -231,8 +234,7 @@ def _send_launch(sandbox_id: int) -> None:
             return
         spec = launch_spec(sandbox)
         _transition(sandbox, S.STARTING, message=f"launch sent to {sandbox.host.name}")
-        host_name = sandbox.host.name
-    dispatch.to_host(host_name, "launch_sandbox", spec.to_json())
+        dispatch.to_host(sandbox.host.name, "launch_sandbox", spec.to_json())
 
 
 def do_set_pending_reason(sandbox_id: int, reason: str) -> None:

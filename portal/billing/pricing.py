@@ -1,0 +1,12 @@
+"""Pricing arithmetic, pure Python: the ledger and the host agents' running cost share it."""
+
+from __future__ import annotations
+
+MICROS_PER_UNIT = 1_000_000
+
+
+def cost_micros(price_per_gpu_hour_micros: int, milli_gpu: int, duration_us: int) -> int:
+    """price/GPU-h x share x duration, in integer micro-units (rounded half up)."""
+    numerator = price_per_gpu_hour_micros * milli_gpu * duration_us
+    denominator = 1000 * 3600 * MICROS_PER_UNIT
+    return (numerator + denominator // 2) // denominator
