@@ -52,6 +52,20 @@ class UsageRecord(models.Model):
         return f"usage of sandbox {self.sandbox_id} from {self.started_at:%Y-%m-%d %H:%M}"
 
     @property
+    def duration_display(self) -> str:
+        """Readable length: "3.4 s", "12 min 5 s", "2 h 03 min"."""
+        if self.duration is None:
+            return "running"
+        seconds = self.duration.total_seconds()
+        if seconds < 60:
+            return f"{seconds:.1f} s"
+        minutes, secs = divmod(int(seconds), 60)
+        if minutes < 60:
+            return f"{minutes} min {secs} s"
+        hours, minutes = divmod(minutes, 60)
+        return f"{hours} h {minutes:02d} min"
+
+    @property
     def cost_display(self) -> str:
         if self.cost_micros is None:
             return "—"

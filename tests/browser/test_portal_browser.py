@@ -101,3 +101,14 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
 
         page.goto(f"{base}/sandboxes/")
         shot(page, "sandbox-list")
+
+        # An admin sees the fleet, and that this host's GPUs are simulated.
+        page.click("text=Sign out")
+        page.goto(f"{base}/login/?next=/console/fleet/")
+        page.fill("input[name=username]", "ada")
+        page.fill("input[name=password]", "correct-horse-battery")
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{base}/console/fleet/")
+        assert page.locator(f"text={platform.host}").count() >= 1
+        assert page.locator(".badge.sim").count() >= 1
+        shot(page, "fleet")
