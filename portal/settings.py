@@ -142,6 +142,9 @@ STORAGES = {
     },
 }
 WHITENOISE_USE_FINDERS = not STATIC_MANIFEST
+if not STATIC_MANIFEST:
+    # WhiteNoise also serves STATIC_ROOT and warns on every start while it is missing.
+    STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 
 CHANNEL_LAYERS = {
     "default": {

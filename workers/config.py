@@ -18,7 +18,8 @@ SANDBOX_DRIVERS = ("auto", "docker", "process")
 
 def var_dir() -> Path:
     """Where run-time state lives (SQLite, embedded Redis, process-driver state)."""
-    return Path(os.environ.get("GPUSHARE_VAR_DIR") or BASE_DIR / "var")
+    # Absolute: the embedded Redis daemon changes directory, and subprocesses inherit it.
+    return Path(os.environ.get("GPUSHARE_VAR_DIR") or BASE_DIR / "var").resolve()
 
 
 def embedded_redis_dir() -> Path | None:
