@@ -162,3 +162,59 @@ def test_request_place_launch_stream_stop_bill(
     record = next(r for r in body["results"] if r["sandbox"] == dedicated)
     assert record["cost_micros"] == usage.cost_micros and record["currency"] == "EUR"
     assert record["duration_seconds"] == usage.duration.total_seconds()
+
+
+def descendants(pid: int) -> list[int]:
+    """Processes below ``pid`` (the driver's handle is the wrapper around bubblewrap)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+@pytest.mark.bwrap
+def test_loop_with_the_process_driver(people: Any, catalog: Any, tmp_path: Path) -> None:
+    """Without Docker the agent confines sandboxes with bubblewrap: same loop, same ledger."""
+    from workers.drivers.process import bwrap_available
+
+    require_engine(bwrap_available(), "bubblewrap")
+    owner, project = people["owner"], people["project"]
+    with running_platform(tmp_path, driver="process"):
+        web = Client()
+        web.force_login(owner)
+        sandbox_id = ask(
+            web,
+            {
+                "project": str(project.pk),
+                "image": str(catalog["image"].pk),
+                "isolation": "process",
+                "duration_hours": "1",
+                "tier": str(catalog["mig"].pk),
+                "mig_profile": "1g.10gb",
+            },
+        )
+        wait_for(lambda: state_of(sandbox_id) == "running", 60, "the process sandbox to run")
+        sandbox = Sandbox.objects.get(pk=sandbox_id)
+        assert sandbox.handle is not None and sandbox.handle["driver"] == "process"
+        pid = int(sandbox.handle["ref"])
+        device = sandbox.allocations.get().device_uuid
+        environs = [Path(f"/proc/{p}/environ").read_bytes().split(b"\0") for p in descendants(pid)]
+        assert any(f"NVIDIA_VISIBLE_DEVICES={device}".encode() in env for env in environs)
+        samples = receive_samples(web.cookies["sessionid"].value, sandbox_id, 3)
+        assert {s["gpu"] for s in samples} == {device}
+        web.post(f"/sandboxes/{sandbox_id}/stop/")
+        wait_for(lambda: state_of(sandbox_id) == "stopped", 60, "the process sandbox to stop")
+        assert (
+            not Path(f"/proc/{pid}").exists() or b"zombie" in Path(f"/proc/{pid}/status").read_bytes().lower()
+        )
+    [usage] = UsageRecord.objects.filter(sandbox_id=sandbox_id)
+    assert usage.cost_micros is not None and usage.milli_gpu == 142
