@@ -46,8 +46,10 @@ class SandboxRequestForm(forms.Form):
         projects = (
             Project.objects.all()
             if user.is_staff
-            else Project.objects.filter(memberships__user=user).exclude(
-                memberships__role=Membership.Role.BILLING
+            # One filter() call: both conditions must hold for the *same* membership row.
+            else Project.objects.filter(
+                memberships__user=user,
+                memberships__role__in=[Membership.Role.MANAGER, Membership.Role.MEMBER],
             )
         )
         self.fields["project"].queryset = projects.distinct()  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.db.models import Q
 
 from portal.accounts.access import visible_projects
 from portal.sandboxes.models import Allocation, Sandbox
@@ -55,14 +56,11 @@ class GpuSamples(_SampleConsumer):
         if user.is_staff:
             return gpu_group(uuid)
         # A member sees a GPU while a sandbox of one of their projects holds it.
-        holds = (
-            Allocation.objects.filter(
-                active=True, device_uuid=uuid, sandbox__project__in=visible_projects(user)
-            ).exists()
-            or Allocation.objects.filter(
-                active=True, gpu__uuid=uuid, sandbox__project__in=visible_projects(user)
-            ).exists()
-        )
+        holds = Allocation.objects.filter(
+            Q(device_uuid=uuid) | Q(gpu__uuid=uuid),
+            active=True,
+            sandbox__project__in=visible_projects(user),
+        ).exists()
         return gpu_group(uuid) if holds else None
 
 

@@ -143,3 +143,14 @@ def test_websocket_from_a_foreign_origin_is_refused(people: Any, sandbox: Any) -
         return connected
 
     assert asyncio.run(run()) is False
+
+
+def test_request_form_offers_projects_where_the_user_may_request(people: Any, catalog: Any) -> None:
+    from tests.factories import MembershipFactory, UserFactory
+
+    # A billing viewer elsewhere in the project must not hide it from its members.
+    MembershipFactory(user=UserFactory(username="bill"), project=people["project"], role="billing")
+    page = client_for(people["member"]).get("/sandboxes/new/").content.decode()
+    assert ">Vision</option>" in page and ">NLP</option>" not in page
+    bill_page = client_for(people["project"].memberships.get(role="billing").user).get("/sandboxes/new/")
+    assert ">Vision</option>" not in bill_page.content.decode()
