@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 
+from django.db import transaction
 from django.db.models import Prefetch
 
 from portal.fleet.models import Gpu, Host
@@ -78,19 +79,25 @@ def build_queue() -> list[Request]:
 
 
 def schedule_once(now: float, policy_name: str = "first-fit") -> tuple[int, int]:
-    """One cycle; returns (placed, pending). The caller holds the cycle lock."""
-    queue = build_queue()
-    if not queue:
-        return 0, 0
-    decisions = run_cycle(build_snapshot(), queue, get_policy(policy_name), now)
+    """One cycle in one transaction; returns (placed, pending). The caller holds the lock.
+
+    Each placement runs in its own savepoint (inside ``do_place``): one refused by a
+    database constraint rolls back alone and its sandbox stays queued for the next cycle.
+    Launch messages go out only after the whole cycle has committed.
+    """
     placed = pending = 0
-    for decision in decisions:
-        if isinstance(decision, Place):
-            if actions.do_place(decision.request_id, decision.host, decision.grants):
-                placed += 1
-        elif isinstance(decision, Pending):
-            actions.do_set_pending_reason(decision.request_id, decision.reason)
-            pending += 1
+    with transaction.atomic():
+        queue = build_queue()
+        if not queue:
+            return 0, 0
+        decisions = run_cycle(build_snapshot(), queue, get_policy(policy_name), now)
+        for decision in decisions:
+            if isinstance(decision, Place):
+                if actions.do_place(decision.request_id, decision.host, decision.grants):
+                    placed += 1
+            elif isinstance(decision, Pending):
+                actions.do_set_pending_reason(decision.request_id, decision.reason)
+                pending += 1
     if placed:
         log.info("scheduling cycle placed %d, %d pending", placed, pending)
     return placed, pending

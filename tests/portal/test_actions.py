@@ -161,3 +161,21 @@ def test_cost_is_integer_micro_units() -> None:
     assert cost_micros(2_500_000, 1000, 3_600_000_000) == 2_500_000
     assert cost_micros(700_000, 142, 1_000_000) == 28  # 0.7 x 0.142 / 3600 s, rounded
     assert cost_micros(1, 1, 1) == 0
+
+
+def test_a_cycle_is_one_transaction(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure after the first placement undoes it: no half-committed cycle, no launch."""
+    placed = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+    request(people["owner"], people["project"], catalog["mig"], catalog["image"], mig_profile="7g.80gb")
+
+    def broken(sandbox_id: int, reason: str) -> None:
+        raise RuntimeError("database went away")
+
+    monkeypatch.setattr(actions, "do_set_pending_reason", broken)
+    with pytest.raises(RuntimeError):
+        place_all()
+    placed.refresh_from_db()
+    assert placed.state == "queued" and not placed.allocations.exists()
+    assert not [t for t in sent_tasks if t[1] == "launch_sandbox"]
