@@ -613,7 +613,7 @@ def test_create_mig(
         ("1g.10gb", 5, r"1g\.10gb@5 overlaps 3g\.40gb@4"),
         ("7g.80gb", 0, r"overlaps 2g\.20gb@0, 3g\.40gb@4"),
         ("5g.50gb", 0, r"no MIG profile '5g\.50gb' \(known: 1g\.10gb, 1g\.10gb\+me"),
-        ("1g.10gb+me", 0, "no MIG geometry known"),
+        ("1g.10gb+me", 0, r"1g\.10gb\+me@0 overlaps 2g\.20gb@0"),
     ],
 )
 def test_create_mig_refused_before_nvml_changes_anything(

@@ -35,6 +35,7 @@ _MARKETING_NAMES = {
     "H100-80GB": "NVIDIA H100 80GB HBM3",
     "A100-80GB": "NVIDIA A100-SXM4-80GB",
     "A100-40GB": "NVIDIA A100-SXM4-40GB",
+    "H200": "NVIDIA H200",
 }
 
 DRIVER_OVERHEAD_MIB = 512  # what the driver holds on an idle whole GPU
