@@ -55,9 +55,13 @@ class HostState:
 @dataclass
 class Snapshot:
     hosts: list[HostState]
+    # What holds the busy devices above. Optional: without it the cycle can neither preempt,
+    # count quota use, nor tell when capacity frees up for a reservation.
+    running: list[Running] = field(default_factory=list)
 
     def copy(self) -> Snapshot:
-        return copy.deepcopy(self)
+        # Running entries are frozen, so sharing them between copies is safe (and cheap).
+        return Snapshot(hosts=copy.deepcopy(self.hosts), running=list(self.running))
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,9 @@ class Request:
     mig_profile: str = ""
     mps_memory_mib: int = 0
     mps_thread_pct: int = 0
+    # The longest it may run (the tier's max duration); 0 when unknown. Backfill only lets
+    # a request of known length run on devices reserved for the queue head.
+    max_duration_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,10 +93,56 @@ class DeviceGrant:
 
 
 @dataclass(frozen=True)
+class Running:
+    """A placed sandbox still holding its devices (placing, starting or running)."""
+
+    sandbox_id: int
+    project: str
+    host: str
+    grants: tuple[DeviceGrant, ...]
+    priority: int = 0
+    started_at: float = 0.0
+    ends_at: float | None = None  # start + max duration; None when unbounded
+    preemptible: bool = False
+    borrowed: bool = False  # placed over its project's guarantee: reclaimable
+
+    @property
+    def milli_gpu(self) -> int:
+        return sum(g.milli_gpu for g in self.grants)
+
+
+@dataclass(frozen=True)
+class ProjectShare:
+    """One project's say in the fair share and its quota, in milli-GPU (1000 = one GPU)."""
+
+    weight: float = 1.0
+    guaranteed_milli: int | None = None  # None: no guarantee, nothing it runs is borrowed
+    limit_milli: int | None = None  # None: no ceiling
+    usage_gpu_s: float = 0.0  # decayed GPU-seconds, as of FairShareState.usage_at
+
+
+@dataclass(frozen=True)
+class FairShareState:
+    projects: dict[str, ProjectShare] = field(default_factory=dict)
+    half_life_s: float = 7 * 86400.0
+    usage_at: float | None = None  # when usage_gpu_s was last decayed; None: at ``now``
+    # Allocations count against their project as the usage they will add over this horizon,
+    # so one cycle does not hand every free GPU to whoever was furthest behind.
+    horizon_s: float = 3600.0
+
+    def share(self, project: str) -> ProjectShare:
+        return self.projects.get(project, _DEFAULT_SHARE)
+
+
+_DEFAULT_SHARE = ProjectShare()
+
+
+@dataclass(frozen=True)
 class Place:
     request_id: int
     host: str
     grants: tuple[DeviceGrant, ...]
+    borrowed: bool = False  # over the project's guarantee: record it, it may be reclaimed
 
 
 @dataclass(frozen=True)
@@ -98,4 +151,50 @@ class Pending:
     reason: str
 
 
-Decision = Place | Pending
+@dataclass(frozen=True)
+class Preempt:
+    """Stop this sandbox now; a Place later in the same list reuses its devices."""
+
+    sandbox_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """The queue head starts on these devices at ``at`` at the latest; backfill keeps off them."""
+
+    request_id: int
+    host: str
+    at: float
+    grants: tuple[DeviceGrant, ...] = ()
+
+
+Decision = Place | Pending | Preempt | Reserve
+
+
+def book(gpu: GpuState, grant: DeviceGrant) -> None:
+    """Mark ``grant`` as taken on ``gpu``."""
+    _set(gpu, grant, taken=True)
+
+
+def release(gpu: GpuState, grant: DeviceGrant) -> None:
+    """Give ``grant`` back on ``gpu``; the exact inverse of ``book``."""
+    _set(gpu, grant, taken=False)
+
+
+def _set(gpu: GpuState, grant: DeviceGrant, taken: bool) -> None:
+    if grant.kind == "exclusive":
+        gpu.exclusive_busy = taken
+    elif grant.kind == "mig":
+        for slot in gpu.mig:
+            if slot.uuid == grant.mig_uuid:
+                slot.busy = taken
+    elif grant.kind == "mps":
+        sign = 1 if taken else -1
+        gpu.mps_used_mib += sign * grant.mps_memory_mib
+        gpu.mps_used_threads += sign * grant.mps_thread_pct
+    elif grant.kind == "timeslice" and grant.replica is not None:
+        if taken:
+            gpu.replicas_used.add(grant.replica)
+        else:
+            gpu.replicas_used.discard(grant.replica)

@@ -1,9 +1,63 @@
-"""One scheduling cycle: order the queue, place what fits, say why the rest waits."""
+"""One scheduling cycle: order, admit, place, preempt, reserve and backfill -> decisions.
+
+Requests are taken in fair-share order (``FairOrder``). For each one, in turn:
+
+1. quota: a request that would take its project over its limit waits;
+2. placement by the policy, with the devices reserved for the queue head hidden unless the
+   request is known to finish before the reservation starts (backfill);
+3. failing that, a preemption plan: lower-priority preemptible sandboxes, or borrowed ones
+   when the request is within its project's guarantee; the ``Preempt`` decisions come
+   just before the ``Place`` that reuses their devices, so committing the list in order
+   frees them first;
+4. failing that, the first request blocked by capacity becomes the queue head: the cycle
+   replays the known end times of what runs (start + max duration) until the head fits,
+   and ``Reserve``s those devices from then on (when nothing that blocks it has an end
+   time, the next blocked request of another shape is tried, a few at most);
+5. a ``Pending`` with the reason, for every request that does not start.
+
+Every request in the queue gets exactly one ``Place`` or ``Pending``.
+"""
 
 from __future__ import annotations
 
-from scheduler.cluster import Decision, DeviceGrant, GpuState, Place, Request, Snapshot
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import UTC, datetime
+
+from scheduler.cluster import (
+    DEDICATED,
+    MIG,
+    MODES,
+    MPS,
+    TIMESLICE,
+    Decision,
+    DeviceGrant,
+    FairShareState,
+    GpuState,
+    MigSlot,
+    Pending,
+    Place,
+    Preempt,
+    Request,
+    Reserve,
+    Running,
+    Snapshot,
+    book,
+    release,
+)
+from scheduler.fairshare import FairOrder, Quotas, demand_milli
 from scheduler.policies import Policy
+from scheduler.preemption import Plan, plan_preemption, victim_order
+
+# Blocked requests tried in turn for the head's reservation when the ones before them could
+# not get one (nothing that blocks them has an end time): bounds the replays per cycle.
+MAX_RESERVE_TRIES = 8
+
+# What a placement policy sees of a request, and what a preemption plan also depends on.
+FitShape = tuple[str, int, str, int, int]
+Shape = tuple[FitShape, int, bool, bool, bool]
 
 
 def order_queue(queue: list[Request]) -> list[Request]:
@@ -11,34 +65,325 @@ def order_queue(queue: list[Request]) -> list[Request]:
     return sorted(queue, key=lambda r: (-r.priority, r.submitted_at, r.id))
 
 
-def run_cycle(snapshot: Snapshot, queue: list[Request], policy: Policy, now: float) -> list[Decision]:
-    """Decisions for every request in ``queue``; the snapshot given is not modified."""
-    working = snapshot.copy()
-    decisions: list[Decision] = []
-    for request in order_queue(queue):
-        decision = policy.place(working, request)
+def run_cycle(
+    snapshot: Snapshot,
+    queue: list[Request],
+    policy: Policy,
+    now: float,
+    *,
+    fairshare: FairShareState | None = None,
+) -> list[Decision]:
+    """Decisions for every request in ``queue``; the snapshot given is not modified.
+
+    Without ``fairshare`` the queue is ordered by priority and age and no quota applies;
+    without ``snapshot.running`` nothing can be preempted or reserved.
+    """
+    return _Cycle(snapshot, policy, now, fairshare).run(queue)
+
+
+class _Cycle:
+    def __init__(self, snapshot: Snapshot, policy: Policy, now: float, fairshare: FairShareState | None):
+        self.working = snapshot.copy()
+        self.policy = policy
+        self.now = now
+        self.fairshare = fairshare
+        self.hosts = {h.name: h for h in self.working.hosts}
+        self.gpus = {g.uuid: g for h in self.working.hosts for g in h.gpus}
+        # What holds devices, by sandbox id: running before the cycle, then placed in it.
+        self.running = {r.sandbox_id: r for r in self.working.running}
+        self.quotas = Quotas(fairshare, self.working.running)
+        self.decisions: list[Decision] = []
+        self.head: Request | None = None
+        self.reservation: Reserve | None = None
+        self.head_holders: set[int] = set()  # sandboxes on the head's reserved devices
+        # Shapes no preemption plan could serve. Free capacity plus what the candidates hold
+        # only shrinks as the cycle places requests, so a failed plan stays failed; the one
+        # exception (a project going over its guarantee) empties it.
+        self.hopeless: set[Shape] = set()
+        # Possible victims by the sharing mode of the devices they hold, in victim order:
+        # only sandboxes that ran before this cycle, and only a request's own mode helps it.
+        self.victims: dict[str, list[Running]] = {mode: [] for mode in MODES}
+        for alloc in sorted(self.working.running, key=victim_order):
+            modes = {self.gpus[g.gpu_uuid].mode for g in alloc.grants if g.gpu_uuid in self.gpus}
+            for mode in sorted(modes):
+                self.victims[mode].append(alloc)
+        # Request shapes the end-time replay found no start for. Once everything with an end
+        # has ended the fleet is no freer for a later request of the same shape (short of a
+        # preemption ending an unbounded sandbox), so it is not replayed again.
+        self.unreservable: set[FitShape] = set()
+        self.waiting_by_mode: Counter[tuple[str, int]] = Counter()
+        replicas = [g.replicas for g in self.gpus.values() if g.mode == TIMESLICE and g.replicas]
+        self.timeslice_milli = 1000 // max(replicas) if replicas else 1000
+
+    def run(self, queue: list[Request]) -> list[Decision]:
+        order = FairOrder(queue, self.fairshare, self.working.running, self.now)
+        while (request := order.next()) is not None:
+            place = self._decide(request)
+            if place is None:
+                order.settle(request)
+            else:
+                order.settle(request, sum(g.milli_gpu for g in place.grants), self._ends_at(request))
+        return self.decisions
+
+    def _decide(self, request: Request) -> Place | None:
+        demand = demand_milli(request, self.timeslice_milli)
+        refusal = self.quotas.refusal(request.project, demand)
+        if refusal:
+            self.decisions.append(Pending(request.id, refusal))
+            return None
+        plan: Plan | None = None
+        with self._hide_reserved(request):
+            decision = self.policy.place(self.working, request)
+            if not isinstance(decision, Place):
+                plan = self._preemption(request, demand)
+        if plan is not None:
+            decision = plan.place
         if isinstance(decision, Place):
-            _apply(working, decision)
-        decisions.append(decision)
-    return decisions
+            # The estimate above can differ from the grants (a time-slice replica's share).
+            refusal = self.quotas.refusal(request.project, sum(g.milli_gpu for g in decision.grants))
+            if not refusal:
+                return self._commit(request, decision, plan.victims if plan else ())
+            self.decisions.append(Pending(request.id, refusal))
+            return None
+        self.decisions.append(Pending(request.id, self._reason(request, decision.reason)))
+        self.waiting_by_mode[(request.mode, request.priority)] += 1
+        return None
+
+    def _commit(self, request: Request, place: Place, victims: tuple[Running, ...]) -> Place:
+        for victim in victims:
+            self.decisions.append(Preempt(victim.sandbox_id, self._preempt_reason(request, victim)))
+            for grant in victim.grants:
+                release(self.gpus[grant.gpu_uuid], grant)
+            self.quotas.remove(victim.project, victim.milli_gpu)
+        if victims:
+            gone = {v.sandbox_id for v in victims}
+            for sandbox_id in gone:
+                del self.running[sandbox_id]
+            self.victims[request.mode] = [v for v in self.victims[request.mode] if v.sandbox_id not in gone]
+        milli = sum(g.milli_gpu for g in place.grants)
+        borrowed = self.quotas.borrows(request.project, milli)
+        was_over = self.quotas.over_guarantee(request.project) > 0
+        for grant in place.grants:
+            book(self.gpus[grant.gpu_uuid], grant)
+        self.quotas.add(request.project, milli)
+        if borrowed and not was_over:
+            # Its project's older borrowed sandboxes just became reclaimable.
+            self.hopeless.clear()
+        self.running[request.id] = Running(
+            request.id,
+            request.project,
+            place.host,
+            place.grants,
+            priority=request.priority,
+            started_at=self.now,
+            ends_at=self._ends_at(request),
+            borrowed=borrowed,
+        )
+        if borrowed:
+            place = replace(place, borrowed=True)
+        self.decisions.append(place)
+        return place
+
+    def _ends_at(self, request: Request) -> float | None:
+        return self.now + request.max_duration_s if request.max_duration_s > 0 else None
+
+    # --- preemption ------------------------------------------------------------------------
+
+    def _preemption(self, request: Request, demand: int) -> Plan | None:
+        reclaim = self.quotas.within_guarantee(request.project, demand)
+        borrowing = self.quotas.borrows(request.project, demand)
+        shape: Shape = (
+            _fit_shape(request),
+            request.priority,
+            reclaim,
+            borrowing,
+            self._hides(request),
+        )
+        if shape in self.hopeless:
+            return None
+        candidates: list[Running] = []
+        reclaim_only: set[int] = set()
+        # Preempting what holds the head's devices would hand them to a request behind it.
+        spared = self.head_holders if self._hides(request) else set()
+        for alloc in self.victims[request.mode]:
+            if alloc.sandbox_id in spared:
+                continue
+            # A borrowing request may not push out what another project runs within its guarantee,
+            # or the two would take the same devices from each other cycle after cycle.
+            by_priority = (
+                alloc.preemptible and alloc.priority < request.priority and (alloc.borrowed or not borrowing)
+            )
+            by_reclaim = (
+                reclaim
+                and alloc.borrowed
+                and alloc.project != request.project
+                and self.quotas.over_guarantee(alloc.project) > 0
+            )
+            if by_priority or by_reclaim:
+                candidates.append(alloc)
+                if not by_priority:
+                    reclaim_only.add(alloc.sandbox_id)
+
+        def allowed(victims: Sequence[Running]) -> bool:
+            """A reclaim takes a project down towards its guarantee, never below it."""
+            taken: dict[str, list[int]] = {}
+            for v in victims:
+                if v.sandbox_id in reclaim_only:
+                    taken.setdefault(v.project, []).append(v.milli_gpu)
+            return all(sum(m) - max(m) < self.quotas.over_guarantee(p) for p, m in taken.items())
+
+        plan = (
+            plan_preemption(self.working, request, self.policy, candidates, allowed, gpus=self.gpus)
+            if candidates
+            else None
+        )
+        if plan is None:
+            self.hopeless.add(shape)
+        return plan
+
+    def _preempt_reason(self, request: Request, victim: Running) -> str:
+        if victim.preemptible and victim.priority < request.priority:
+            return (
+                f"preempted for request #{request.id} of higher priority "
+                f"({request.priority} > {victim.priority})"
+            )
+        return (
+            f"reclaimed: project {victim.project} borrowed this capacity over its guarantee and "
+            f"project {request.project} (request #{request.id}) is within its own"
+        )
+
+    # --- reservation and backfill ----------------------------------------------------------
+
+    def _hides(self, request: Request) -> bool:
+        """Whether the reserved devices are off limits: unless it ends before the head starts."""
+        res = self.reservation
+        if res is None:
+            return False
+        return not (request.max_duration_s > 0 and self.now + request.max_duration_s <= res.at)
+
+    @contextmanager
+    def _hide_reserved(self, request: Request) -> Iterator[None]:
+        if self.reservation is None or not self._hides(request):
+            yield
+            return
+        gpus: list[tuple[GpuState, bool]] = []
+        slots: list[tuple[MigSlot, bool]] = []
+        for grant in self.reservation.grants:
+            gpu = self.gpus[grant.gpu_uuid]
+            if grant.kind == MIG:
+                # MIG instances are separate devices: only the reserved one is held back.
+                for slot in gpu.mig:
+                    if slot.uuid == grant.mig_uuid:
+                        slots.append((slot, slot.busy))
+                        slot.busy = True
+            else:
+                gpus.append((gpu, gpu.available))
+                gpu.available = False
+        try:
+            yield
+        finally:
+            for slot, busy in reversed(slots):
+                slot.busy = busy
+            for gpu, available in reversed(gpus):
+                gpu.available = available
+
+    def _hold_for(self, head: Request, reservation: Reserve) -> None:
+        """Make ``head`` the queue head: requests after it keep off its devices from now on."""
+        self.head, self.reservation = head, reservation
+        held = {_device(g) for g in reservation.grants}
+        self.head_holders = {
+            r.sandbox_id for r in self.running.values() if any(_device(g) in held for g in r.grants)
+        }
+        self.decisions.append(reservation)
+
+    def _reserve(self, request: Request) -> Reserve | None:
+        """When and where the head could start if everything running ends on time.
+
+        Replays the end times on the working snapshot itself, giving every device back
+        afterwards: cheaper than copying the fleet, and ``release`` and ``book`` are exact
+        inverses.
+        """
+        ending = sorted(
+            (max(r.ends_at, self.now), r.sandbox_id, r)
+            for r in self.running.values()
+            if r.ends_at is not None
+        )
+        released: list[Running] = []
+        try:
+            for at, _, alloc in ending:
+                host = self.hosts.get(alloc.host)
+                if host is None or not host.up:
+                    continue
+                released.append(alloc)
+                for grant in alloc.grants:
+                    release(self.gpus[grant.gpu_uuid], grant)
+                decision = self.policy.place(Snapshot(hosts=[host]), request)
+                if isinstance(decision, Place):
+                    return Reserve(request.id, host.name, at, decision.grants)
+            return None
+        finally:
+            for alloc in released:
+                for grant in alloc.grants:
+                    book(self.gpus[grant.gpu_uuid], grant)
+
+    def _reason(self, request: Request, why: str) -> str:
+        """Say why it waits: capacity, the head's reservation, priority, borrowing.
+
+        ``why`` is the policy's answer, given with the reserved devices hidden when they were.
+        """
+        notes = [why]
+        if self.reservation is None:
+            shape = _fit_shape(request)
+            if len(self.unreservable) < MAX_RESERVE_TRIES and shape not in self.unreservable:
+                reservation = self._reserve(request)
+                if reservation is None:
+                    self.unreservable.add(shape)
+                else:
+                    self._hold_for(request, reservation)
+                    notes = [f"{why}; {reservation.host} is reserved for it from {_when(reservation.at)}"]
+        elif self.head is not None and self._hides(request):
+            # Hidden devices read as drained to the policy: ask again with them in view.
+            unhidden = self.policy.place(self.working, request)
+            if isinstance(unhidden, Place):
+                head = self.head
+                rank = "higher-priority" if head.priority > request.priority else "older"
+                if head.priority == request.priority and head.submitted_at > request.submitted_at:
+                    rank = "fair-share-ahead"
+                notes = [
+                    f"reserved: the capacity that fits it is held for the {rank} request #{head.id} "
+                    f"from {_when(self.reservation.at)}; it could backfill only if known to end by then"
+                ]
+            else:
+                notes = [unhidden.reason]
+        ahead = sum(
+            n
+            for (mode, prio), n in self.waiting_by_mode.items()
+            if mode == request.mode and prio > request.priority
+        )
+        if ahead:
+            notes.append(f"priority: {ahead} higher-priority {request.mode} requests wait ahead of it")
+        if self.quotas.borrows(request.project, demand_milli(request, self.timeslice_milli)):
+            notes.append(
+                f"project {request.project} is over its guarantee, so it may only borrow idle capacity"
+            )
+        return "; ".join(notes)
 
 
-def _apply(snapshot: Snapshot, place: Place) -> None:
-    """Book the grants in the working snapshot so later requests see them."""
-    by_uuid = {g.uuid: g for h in snapshot.hosts for g in h.gpus}
-    for grant in place.grants:
-        _book(by_uuid[grant.gpu_uuid], grant)
+def _fit_shape(request: Request) -> FitShape:
+    """Only the fields of its sharing mode: a dedicated request's MIG profile means nothing."""
+    if request.mode == DEDICATED:
+        return (DEDICATED, request.gpu_count, "", 0, 0)
+    if request.mode == MIG:
+        return (MIG, 1, request.mig_profile, 0, 0)
+    if request.mode == MPS:
+        return (MPS, 1, "", request.mps_memory_mib, request.mps_thread_pct)
+    return (request.mode, 1, "", 0, 0)
 
 
-def _book(gpu: GpuState, grant: DeviceGrant) -> None:
-    if grant.kind == "exclusive":
-        gpu.exclusive_busy = True
-    elif grant.kind == "mig":
-        for slot in gpu.mig:
-            if slot.uuid == grant.mig_uuid:
-                slot.busy = True
-    elif grant.kind == "mps":
-        gpu.mps_used_mib += grant.mps_memory_mib
-        gpu.mps_used_threads += grant.mps_thread_pct
-    elif grant.kind == "timeslice" and grant.replica is not None:
-        gpu.replicas_used.add(grant.replica)
+def _device(grant: DeviceGrant) -> str:
+    """The device a grant takes: its MIG instance, else its GPU."""
+    return grant.mig_uuid or grant.gpu_uuid
+
+
+def _when(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M UTC")
