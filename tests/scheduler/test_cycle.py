@@ -73,6 +73,7 @@ def test_the_head_gets_a_reservation_at_the_first_time_it_fits() -> None:
     assert isinstance(reserve, Reserve)
     assert (reserve.request_id, reserve.host, reserve.at) == (1, "a", 1000.0)
     assert {g.gpu_uuid for g in reserve.grants} == {"GPU-a-0", "GPU-a-3"}
+    assert isinstance(decisions[1], Pending)
     assert "a is reserved for it from 1970-01-01 00:16 UTC" in decisions[1].reason
 
 

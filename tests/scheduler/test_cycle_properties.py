@@ -6,6 +6,7 @@ Each example is drawn from one seed, so a failure names the seed that reproduces
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 
 from hypothesis import given, settings
@@ -152,7 +153,7 @@ def no_mig_overlap(gpu: GpuState) -> bool:
 
 
 def replay(
-    snapshot: Snapshot, queue: list[Request], decisions: list[object]
+    snapshot: Snapshot, queue: list[Request], decisions: Sequence[object]
 ) -> tuple[Snapshot, list[Running]]:
     """Commit the decisions in order, checking each placement against what is free then."""
     state = snapshot.copy()
