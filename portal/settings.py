@@ -178,6 +178,8 @@ SPECTACULAR_SETTINGS = {
 # Seconds without an agent heartbeat before /healthz calls it stale (3 missed beats).
 AGENT_HEARTBEAT_S = env_int("AGENT_HEARTBEAT_S", 5, minimum=1)
 CYCLE_INTERVAL_S = env_int("CYCLE_INTERVAL_S", 2, minimum=1)
+# Half-life of past usage in the fair-share order (hours).
+FAIRSHARE_HALF_LIFE_H = env_int("FAIRSHARE_HALF_LIFE_H", 168, minimum=1)
 
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SESSION_COOKIE_HTTPONLY = True

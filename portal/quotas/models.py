@@ -10,10 +10,31 @@ from portal.accounts.models import Project
 class QuotaPolicy(models.Model):
     project = models.OneToOneField(Project, on_delete=models.CASCADE, related_name="quota")
     max_live_sandboxes = models.PositiveIntegerField(default=10)
-    max_gpus = models.PositiveIntegerField(default=8, help_text="Whole-GPU equivalents held at once.")
+    max_gpus = models.PositiveIntegerField(
+        default=8, help_text="Limit: whole-GPU equivalents held at once, borrowed capacity included."
+    )
+    guaranteed_gpus = models.DecimalField(
+        max_digits=7,
+        decimal_places=3,
+        default=0,
+        help_text="Guaranteed GPUs; anything above is borrowed and may be reclaimed.",
+    )
+    weight = models.FloatField(default=1.0, help_text="Fair-share weight against other projects.")
 
     class Meta:
         verbose_name_plural = "quota policies"
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(weight__gt=0),
+                name="%(app_label)s_%(class)s_weight_positive",
+                violation_error_message="A fair-share weight must be above zero.",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(guaranteed_gpus__gte=0, guaranteed_gpus__lte=models.F("max_gpus")),
+                name="%(app_label)s_%(class)s_guarantee_within_limit",
+                violation_error_message="The guarantee must be between 0 and the limit.",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"quota of {self.project}"

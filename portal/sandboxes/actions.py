@@ -38,7 +38,7 @@ TRANSITIONS: dict[str, set[str]] = {
     S.PLACING: {S.STARTING, S.QUEUED, S.STOPPING, S.FAILED},
     S.STARTING: {S.RUNNING, S.STOPPING, S.FAILED, S.QUEUED},
     S.RUNNING: {S.STOPPING, S.FAILED, S.PREEMPTED, S.EXPIRED},
-    S.STOPPING: {S.STOPPED, S.FAILED},
+    S.STOPPING: {S.STOPPED, S.FAILED, S.PREEMPTED},
 }
 PHASE_TIMESTAMPS: dict[str, str] = {S.PLACING: "placed_at", S.STOPPING: "stop_requested_at"}
 
@@ -177,7 +177,9 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
 # --- placement (control worker) -----------------------------------------------------------
 
 
-def do_place(sandbox_id: int, host_name: str, grants: tuple[DeviceGrant, ...]) -> bool:
+def do_place(
+    sandbox_id: int, host_name: str, grants: tuple[DeviceGrant, ...], borrowed: bool = False
+) -> bool:
     """Book the devices for a queued sandbox and hand it to its host's agent.
 
     Runs inside the scheduling cycle's lock. The database constraints are the last guard
@@ -193,7 +195,8 @@ def do_place(sandbox_id: int, host_name: str, grants: tuple[DeviceGrant, ...]) -
             migs = {m.uuid: m for m in MigInstance.objects.filter(uuid__in=[g.mig_uuid for g in grants])}
             sandbox.host = host
             sandbox.allocation_key = uuid.uuid4().hex
-            sandbox.save(update_fields=["host", "allocation_key"])
+            sandbox.borrowed = borrowed
+            sandbox.save(update_fields=["host", "allocation_key", "borrowed"])
             Allocation.objects.bulk_create(
                 Allocation(
                     sandbox=sandbox,
@@ -271,7 +274,10 @@ def do_mark_stopped(allocation_key: str, ended_at: datetime, message: str = "sto
             return
         if sandbox.state != S.STOPPING:
             _transition(sandbox, S.STOPPING, message="the sandbox exited by itself")
-        _end(sandbox, S.STOPPED, ended_at, message)
+        if sandbox.preempted_for_id is not None:
+            _end(sandbox, S.PREEMPTED, ended_at, f"preempted for sandbox {sandbox.preempted_for_id}")
+        else:
+            _end(sandbox, S.STOPPED, ended_at, message)
 
 
 def do_fail(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> None:
@@ -297,6 +303,32 @@ def _end(sandbox: Sandbox, to: str, ended_at: datetime, message: str) -> None:
 # --- stop -------------------------------------------------------------------------------------
 
 
+def do_preempt(victim_id: int, beneficiary_id: int, reason: str) -> bool:
+    """Stop ``victim_id`` to make room for ``beneficiary_id``.
+
+    The victim keeps its devices until its agent confirms the stop (then it ends
+    ``preempted``), so two sandboxes never share a GPU; the beneficiary sits out of the
+    queue meanwhile, which keeps later cycles from choosing more victims for it.
+    """
+    with transaction.atomic():
+        victim = _locked(victim_id)
+        if victim is None or victim.state not in (S.PLACING, S.STARTING, S.RUNNING):
+            return False
+        victim.preempted_for_id = beneficiary_id
+        victim.save(update_fields=["preempted_for"])
+        _transition(
+            victim, S.STOPPING, message=f"preempted: {reason}", data={"preempted_for": beneficiary_id}
+        )
+        _send_stop_after_commit(victim)
+    return True
+
+
+def _send_stop_after_commit(sandbox: Sandbox) -> None:
+    host_name = sandbox.host.name if sandbox.host else ""
+    key, handle, sandbox_id = sandbox.allocation_key, sandbox.handle, sandbox.pk
+    transaction.on_commit(lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle))
+
+
 def do_request_stop(sandbox_id: int, actor: Any, reason: str = "stop requested") -> None:
     """Stop a sandbox: a queued one ends at once, a placed one is stopped by its agent."""
     with transaction.atomic():
@@ -309,6 +341,4 @@ def do_request_stop(sandbox_id: int, actor: Any, reason: str = "stop requested")
             sandbox.save(update_fields=["ended_at"])
             return
         _transition(sandbox, S.STOPPING, actor=actor, message=reason)
-        host_name = sandbox.host.name if sandbox.host else ""
-        key, handle = sandbox.allocation_key, sandbox.handle
-        transaction.on_commit(lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle))
+        _send_stop_after_commit(sandbox)

@@ -62,6 +62,12 @@ class Sandbox(models.Model):
     host = models.ForeignKey(Host, on_delete=models.PROTECT, null=True, blank=True, related_name="sandboxes")
     # Idempotency key of the current placement: drivers label what they launch with it.
     allocation_key = models.CharField(max_length=40, blank=True)
+    # Placed above its project's guarantee: another project's guaranteed work may reclaim it.
+    borrowed = models.BooleanField(default=False)
+    # Set on a victim of preemption: the request it makes room for (which waits meanwhile).
+    preempted_for = models.ForeignKey(
+        "self", on_delete=models.SET_NULL, null=True, blank=True, related_name="preempted"
+    )
     handle = models.JSONField(null=True, blank=True)
 
     requested_at = models.DateTimeField(default=timezone.now)

@@ -1,22 +1,87 @@
 """The control worker's scheduling cycle: snapshot the database, ask the pure scheduler,
-commit its decisions. One cycle at a time, under a Redis lock."""
+commit its decisions. One cycle at a time (a Redis lock held by the caller), one
+transaction per cycle."""
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from datetime import timedelta
 
+from django.conf import settings
 from django.db import transaction
-from django.db.models import Prefetch
+from django.db.models import Prefetch, Q
+from django.utils import timezone
 
+from portal.billing.models import UsageRecord
 from portal.fleet.models import Gpu, Host
+from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
-from scheduler.cluster import GpuState, HostState, MigSlot, Pending, Place, Request, Snapshot
+from scheduler.cluster import (
+    DeviceGrant,
+    FairShareState,
+    GpuState,
+    HostState,
+    MigSlot,
+    Pending,
+    Place,
+    Preempt,
+    ProjectShare,
+    Request,
+    Running,
+    Snapshot,
+)
 from scheduler.cycle import run_cycle
+from scheduler.fairshare import decayed_usage
 from scheduler.policies import get_policy
 
 log = logging.getLogger(__name__)
+S = SandboxState
+HOLDING = (S.PLACING, S.STARTING, S.RUNNING, S.STOPPING)  # states whose devices are booked
+PREEMPTIBLE_STATES = (S.PLACING, S.STARTING, S.RUNNING)
+
+
+def _grant(a: Allocation) -> DeviceGrant:
+    return DeviceGrant(
+        gpu_uuid=a.gpu.uuid,
+        device_uuid=a.device_uuid,
+        kind=a.kind,
+        milli_gpu=a.milli_gpu,
+        mig_uuid=a.mig_instance.uuid if a.mig_instance else "",
+        mps_memory_mib=a.mps_memory_mib,
+        mps_thread_pct=a.mps_thread_pct,
+        replica=a.replica,
+    )
+
+
+def _running() -> list[Running]:
+    """Every placed sandbox still holding devices, with what preemption needs to know."""
+    live = Allocation.objects.filter(active=True, sandbox__state__in=HOLDING).select_related(
+        "gpu", "mig_instance", "sandbox__project", "sandbox__host", "sandbox__tier__priority_class"
+    )
+    by_sandbox: dict[int, list[Allocation]] = defaultdict(list)
+    for alloc in live:
+        by_sandbox[alloc.sandbox_id].append(alloc)
+    running = []
+    for allocs in by_sandbox.values():
+        sandbox = allocs[0].sandbox
+        started = sandbox.started_at or sandbox.placed_at or sandbox.requested_at
+        priority_class = sandbox.tier.priority_class
+        running.append(
+            Running(
+                sandbox_id=sandbox.pk,
+                project=sandbox.project.slug,
+                host=sandbox.host.name if sandbox.host else "",
+                grants=tuple(_grant(a) for a in allocs),
+                priority=priority_class.value,
+                started_at=started.timestamp(),
+                ends_at=(started + sandbox.max_duration).timestamp(),
+                preemptible=priority_class.preemptible and sandbox.state in PREEMPTIBLE_STATES,
+                borrowed=sandbox.borrowed,
+            )
+        )
+    return running
 
 
 def build_snapshot() -> Snapshot:
@@ -55,12 +120,16 @@ def build_snapshot() -> Snapshot:
                 )
             )
         hosts.append(HostState(name=host.name, up=host.state == Host.State.UP, gpus=gpus))
-    return Snapshot(hosts=hosts)
+    return Snapshot(hosts=hosts, running=_running())
 
 
 def build_queue() -> list[Request]:
-    queued = Sandbox.objects.filter(state=SandboxState.QUEUED).select_related(
-        "tier__priority_class", "project"
+    """Queued requests, less those waiting for the victims they preempted to stop."""
+    waiting = Sandbox.objects.filter(state=S.STOPPING, preempted_for__isnull=False).values("preempted_for")
+    queued = (
+        Sandbox.objects.filter(state=S.QUEUED)
+        .exclude(pk__in=waiting)
+        .select_related("tier__priority_class", "project")
     )
     return [
         Request(
@@ -73,9 +142,33 @@ def build_queue() -> list[Request]:
             mig_profile=s.mig_profile,
             mps_memory_mib=s.mps_memory_mib,
             mps_thread_pct=s.mps_thread_pct,
+            max_duration_s=s.max_duration.total_seconds(),
         )
         for s in queued
     ]
+
+
+def build_fairshare(now: float) -> FairShareState:
+    """Weights and quotas from QuotaPolicy; usage decayed from the ledger's intervals."""
+    half_life_s = settings.FAIRSHARE_HALF_LIFE_H * 3600.0
+    since = timezone.now() - timedelta(seconds=half_life_s * 6)  # older usage weighs < 2%
+    intervals: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    for slug, start, end, milli in UsageRecord.objects.filter(
+        Q(ended_at__isnull=True) | Q(ended_at__gte=since)
+    ).values_list("project__slug", "started_at", "ended_at", "milli_gpu"):
+        intervals[slug].append((start.timestamp(), end.timestamp() if end else now, milli))
+    projects = {}
+    for quota in QuotaPolicy.objects.select_related("project"):
+        slug = quota.project.slug
+        projects[slug] = ProjectShare(
+            weight=quota.weight,
+            guaranteed_milli=int(quota.guaranteed_gpus * 1000) or None,
+            limit_milli=quota.max_gpus * 1000,
+            usage_gpu_s=decayed_usage(intervals.pop(slug, []), now, half_life_s),
+        )
+    for slug, spans in intervals.items():  # projects without a policy: default weight, no limits
+        projects[slug] = ProjectShare(usage_gpu_s=decayed_usage(spans, now, half_life_s))
+    return FairShareState(projects=projects, half_life_s=half_life_s)
 
 
 def schedule_once(now: float, policy_name: str = "first-fit") -> tuple[int, int]:
@@ -83,17 +176,37 @@ def schedule_once(now: float, policy_name: str = "first-fit") -> tuple[int, int]
 
     Each placement runs in its own savepoint (inside ``do_place``): one refused by a
     database constraint rolls back alone and its sandbox stays queued for the next cycle.
-    Launch messages go out only after the whole cycle has committed.
+    A Place that needs preempted victims is not applied now: the victims stop first and
+    the request is placed by a later cycle. Messages leave only after commit.
     """
     placed = pending = 0
     with transaction.atomic():
         queue = build_queue()
         if not queue:
             return 0, 0
-        decisions = run_cycle(build_snapshot(), queue, get_policy(policy_name), now)
+        decisions = run_cycle(
+            build_snapshot(), queue, get_policy(policy_name), now, fairshare=build_fairshare(now)
+        )
+        victims: list[Preempt] = []
         for decision in decisions:
-            if isinstance(decision, Place):
-                if actions.do_place(decision.request_id, decision.host, decision.grants):
+            if isinstance(decision, Preempt):
+                victims.append(decision)
+            elif isinstance(decision, Place) and victims:
+                stopped = [
+                    v.sandbox_id
+                    for v in victims
+                    if actions.do_preempt(v.sandbox_id, decision.request_id, v.reason)
+                ]
+                reason = (
+                    f"starting once preempted sandbox {', '.join(map(str, stopped))} has stopped"
+                    if stopped
+                    else "waiting for capacity to free up"
+                )
+                actions.do_set_pending_reason(decision.request_id, reason)
+                victims = []
+                pending += 1
+            elif isinstance(decision, Place):
+                if actions.do_place(decision.request_id, decision.host, decision.grants, decision.borrowed):
                     placed += 1
             elif isinstance(decision, Pending):
                 actions.do_set_pending_reason(decision.request_id, decision.reason)
