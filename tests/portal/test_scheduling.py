@@ -56,7 +56,8 @@ def test_preemption_waits_for_the_victim_to_stop(
 
     actions.do_mark_stopped(victims[0].allocation_key, timezone.now())
     victims[0].refresh_from_db()
-    assert victims[0].state == "preempted" and victims[0].events.last().to_state == "preempted"
+    last_event = victims[0].events.last()
+    assert victims[0].state == "preempted" and last_event is not None and last_event.to_state == "preempted"
     place_all()
     urgent.refresh_from_db()
     assert urgent.state == "starting"
