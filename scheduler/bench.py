@@ -1,7 +1,8 @@
-"""``make bench``: how fast one scheduling cycle is, on synthetic fleets.
+"""``make bench``: every scheduler benchmark, printed and written to BENCHMARKS.md.
 
-Prints a table and writes it to BENCHMARKS.md (between markers, so later benchmarks can
-add their own sections). The trace replay against the FGD paper adds its tables here.
+Each benchmark renders a Markdown section framed by its own ``<!-- bench:NAME:begin -->``
+/ ``<!-- bench:NAME:end -->`` markers; ``write_section`` replaces just that section, so
+benchmarks can be re-run one at a time (``--only``) without losing the others.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def measure(hosts: int, gpus: int, queue_size: int, repeats: int) -> dict[str, f
 def render(rows: list[dict[str, float]]) -> str:
     lines = [
         BEGIN,
-        "## Scheduling cycle (first-fit, synthetic fleet)",
+        "## First-fit cycle scaling (no fair share, synthetic fleet)",
         "",
         "One `run_cycle` over a queue of mixed requests (dedicated 1-4 GPUs, MIG, MPS, time-slice)",
         "on H100 hosts with 8 GPUs, a quarter in each sharing mode. Measured by `make bench`",
@@ -108,24 +109,75 @@ def render(rows: list[dict[str, float]]) -> str:
 
 
 def write_section(path: Path, section: str) -> None:
+    """Replace the section framed by ``section``'s first and last lines (its markers)."""
+    lines = section.strip().splitlines()
+    begin, end = lines[0], lines[-1]
     text = path.read_text() if path.exists() else "# Benchmarks\n\nFigures measured by `make bench`.\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section.strip() + text[text.index(end) + len(end) :]
     else:
-        text = text.rstrip() + "\n\n" + section + "\n"
+        text = text.rstrip() + "\n\n" + section.strip() + "\n"
     path.write_text(text)
+
+
+def live_cycle_section() -> str:
+    from scheduler.bench_cycle import measure_live
+
+    rows = [measure_live(fill=fill) for fill in (0.5, 3.0)]
+    lines = [
+        "<!-- bench:live:begin -->",
+        "## Live scheduling cycle (fair share, quotas, backfill, preemption)",
+        "",
+        "One `run_cycle` with a `FairShareState` of 20 projects (weights, guarantees, limits,",
+        "decayed usage) over 1,000 queued requests on 63 hosts x 8 GPUs, half full and",
+        "oversubscribed. *cycle* is wall time (p50 of 5); the goal is <= 1 s.",
+        "",
+        "| GPUs | running | queued | placed | preempted | reserved | cycle p50 (ms) | cycle max (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['gpus']} | {r['running']} | {r['queue']} | {r['placed']} | {r['preempted']} | "
+        f"{r['reserved']} | {r['p50_ms']:.0f} | {r['max_ms']:.0f} |"
+        for r in rows
+    ]
+    return "\n".join([*lines, "<!-- bench:live:end -->"])
+
+
+def mig_relayout_section() -> str:
+    from scheduler.bench_defrag import mig_replay_table, run_mig_replay
+
+    return "\n".join(
+        [
+            "<!-- bench:mig:begin -->",
+            "## MIG re-layout (defragmentation planner)",
+            "",
+            "64 H100-80GB in MIG mode, a seeded stream of 8,000 requests for 1g-7g profiles",
+            "arriving and leaving at 95% offered load, replayed with and without re-layout",
+            "(`python -m scheduler.bench_defrag`).",
+            "",
+            mig_replay_table(run_mig_replay()).strip(),
+            "<!-- bench:mig:end -->",
+        ]
+    )
+
+
+SECTIONS = {
+    "cycle": lambda: render([measure(h, 8, q, 5) for h, q in ((25, 200), (125, 1000), (500, 4000))]),
+    "live": live_cycle_section,
+    "mig": mig_relayout_section,
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, help="Markdown file to update")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run only these")
     args = parser.parse_args()
-    rows = [measure(h, 8, q, args.repeats) for h, q in ((25, 200), (125, 1000), (500, 4000))]
-    section = render(rows)
-    print(section.replace(BEGIN, "").replace(END, "").strip())
-    if args.out:
-        write_section(args.out, section)
+    for name in args.only or list(SECTIONS):
+        section = SECTIONS[name]()
+        print("\n".join(section.strip().splitlines()[1:-1]).strip(), end="\n\n")  # without markers
+        if args.out:
+            write_section(args.out, section)
 
 
 if __name__ == "__main__":
