@@ -415,6 +415,10 @@ class Share:
     milli: int  # thousandths of the GPU: gpu_milli in the trace, MPS thread % x 10 here
     memory_mib: int = 0
     models: tuple[str, ...] = ()  # GPU models it may run on; () for any
+    # What the sandbox takes from its host besides the GPU: moving it to another host
+    # needs this much room there (checked only when host capacities are given).
+    cpu_milli: int = 0
+    host_memory_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -425,6 +429,15 @@ class SharedGpu:
     shares: tuple[Share, ...] = ()
     capacity_milli: int = 1000
     available: bool = True  # False when drained: it takes no new share, and should empty
+    host: str = ""
+
+
+@dataclass
+class HostRoom:
+    """CPU and memory still free on a host, for migrations that cross hosts."""
+
+    cpu_milli: int
+    memory_mib: int
 
 
 @dataclass(frozen=True)
@@ -449,21 +462,46 @@ class _Bin:
     memory: int
     received: bool = False  # a destination is never emptied: its shares would move twice
 
-    def takes(self, share: Share) -> bool:
-        return (
+    def takes(self, share: Share, source_host: str, rooms: dict[str, HostRoom] | None) -> bool:
+        if not (
             self.gpu.available
             and self.milli + share.milli <= self.gpu.capacity_milli
             and self.memory + share.memory_mib <= self.gpu.memory_mib
             and (not share.models or self.gpu.model in share.models)
+        ):
+            return False
+        if rooms is None or self.gpu.host == source_host:
+            return True
+        room = rooms.get(self.gpu.host)
+        return (
+            room is not None
+            and room.cpu_milli >= share.cpu_milli
+            and (room.memory_mib >= share.host_memory_mib)
         )
 
 
-def plan_consolidation(gpus: Sequence[SharedGpu], max_migrations: int | None = None) -> SharePlan:
+def _book_host(rooms: dict[str, HostRoom] | None, source: str, dest: str, share: Share, sign: int) -> None:
+    """Move (sign=1) or give back (sign=-1) a share's CPU and memory between two hosts."""
+    if rooms is None or source == dest:
+        return
+    for host, direction in ((dest, -sign), (source, sign)):
+        if host in rooms:
+            rooms[host].cpu_milli += direction * share.cpu_milli
+            rooms[host].memory_mib += direction * share.host_memory_mib
+
+
+def plan_consolidation(
+    gpus: Sequence[SharedGpu],
+    max_migrations: int | None = None,
+    hosts: dict[str, HostRoom] | None = None,
+) -> SharePlan:
     """Free whole GPUs by moving shares off the emptiest ones; see the module docstring.
 
     Drained GPUs go first, whatever their load. ``max_migrations`` caps the plan; a GPU is
-    only emptied if all its shares fit within the cap.
+    only emptied if all its shares fit within the cap. With ``hosts`` (CPU and memory left
+    per host; not modified), a share may also move to another host that has room for it.
     """
+    rooms = {h: HostRoom(r.cpu_milli, r.memory_mib) for h, r in hosts.items()} if hosts else None
     bins = [
         _Bin(g, i, sum(s.milli for s in g.shares), sum(s.memory_mib for s in g.shares))
         for i, g in enumerate(gpus)
@@ -482,7 +520,12 @@ def plan_consolidation(gpus: Sequence[SharedGpu], max_migrations: int | None = N
         moved: list[tuple[Share, _Bin]] = []
         for share in sorted(source.gpu.shares, key=lambda s: (-s.milli, -s.memory_mib, s.sandbox)):
             fitting = [
-                b for b in bins if b is not source and b.index not in freed and b.milli > 0 and b.takes(share)
+                b
+                for b in bins
+                if b is not source
+                and b.index not in freed
+                and b.milli > 0
+                and b.takes(share, source.gpu.host, rooms)
             ]
             if not fitting:
                 break
@@ -490,11 +533,13 @@ def plan_consolidation(gpus: Sequence[SharedGpu], max_migrations: int | None = N
             dest = min(fitting, key=lambda b: (b.gpu.capacity_milli - b.milli - share.milli, b.index))
             dest.milli += share.milli
             dest.memory += share.memory_mib
+            _book_host(rooms, source.gpu.host, dest.gpu.host, share, 1)
             moved.append((share, dest))
         if len(moved) < len(source.gpu.shares):
             for share, dest in moved:
                 dest.milli -= share.milli
                 dest.memory -= share.memory_mib
+                _book_host(rooms, source.gpu.host, dest.gpu.host, share, -1)
             continue
         for share, dest in moved:
             dest.received = True

@@ -249,9 +249,9 @@ def test_lone_gpu_plans_are_optimal(fleet: list[MigGpu], data: st.DataObject) ->
 # -- shared GPUs -----------------------------------------------------------------------------
 
 
-def shared(uuid: str, *millis: int, model: str = "T4", available: bool = True, **kw: int) -> SharedGpu:
+def shared(uuid: str, *millis: int, model: str = "T4", available: bool = True) -> SharedGpu:
     shares = tuple(Share(f"{uuid}-{i}", m, 1000) for i, m in enumerate(millis))
-    return SharedGpu(uuid, model, 15109, shares, available=available, **kw)
+    return SharedGpu(uuid, model, 15109, shares, available=available)
 
 
 def test_consolidation_frees_the_emptiest() -> None:
@@ -332,3 +332,19 @@ def test_consolidation_never_overfills_and_frees_what_it_claims(
     assert Counter(s.sandbox for g in after for s in g.shares) == Counter(
         s.sandbox for g in gpus for s in g.shares
     )
+
+
+def test_consolidation_across_hosts_needs_cpu_and_memory_there() -> None:
+    from scheduler.defrag import HostRoom, Share, SharedGpu, plan_consolidation
+
+    gpus = [
+        SharedGpu("a/0", "T4", 0, (Share("s1", 300, 0, (), cpu_milli=4000, host_memory_mib=8192),), host="a"),
+        SharedGpu("b/0", "T4", 0, (Share("s2", 500, 0, (), cpu_milli=1000),), host="b"),
+    ]
+    tight = {"a": HostRoom(0, 0), "b": HostRoom(2000, 65536)}
+    assert plan_consolidation(gpus, hosts=tight).frees == ()
+    roomy = {"a": HostRoom(0, 0), "b": HostRoom(4000, 8192)}
+    plan = plan_consolidation(gpus, hosts=roomy)
+    assert plan.frees == ("a/0",) and [m.to_gpu for m in plan.migrations] == ["b/0"]
+    assert roomy["b"].cpu_milli == 4000  # the caller's capacities are not modified
+    assert plan_consolidation(gpus).frees == ("a/0",)  # without hosts, only the GPU counts
