@@ -161,10 +161,38 @@ def mig_relayout_section() -> str:
     )
 
 
+def trace_section() -> str:
+    """The six FGD-paper policies on the default trace, seeds 42-51, against the paper."""
+    from scheduler.bench_trace import PAPER_LABELS, SEEDS, TRACES, render, run_matrix
+
+    pods = TRACES / "openb_pod_list_default.csv"
+    curves, walls = run_matrix(
+        TRACES / "openb_node_list_gpu_node.csv", pods, list(PAPER_LABELS), SEEDS, workers=2
+    )
+    return render(pods.stem, curves, walls, 2)
+
+
+def consolidation_section() -> str:
+    from scheduler.bench_consolidation import measure as consolidate
+    from scheduler.bench_consolidation import render as render_consolidation
+    from scheduler.bench_trace import TRACES
+
+    nodes, pods = TRACES / "openb_node_list_gpu_node.csv", TRACES / "openb_pod_list_default.csv"
+    rows = [
+        consolidate(nodes, pods, policy, 42, cross_node, at)
+        for policy in ("bestfit", "fgd")
+        for at in (100, 130)
+        for cross_node in (False, True)
+    ]
+    return render_consolidation(rows)
+
+
 SECTIONS = {
     "cycle": lambda: render([measure(h, 8, q, 5) for h, q in ((25, 200), (125, 1000), (500, 4000))]),
     "live": live_cycle_section,
     "mig": mig_relayout_section,
+    "trace": trace_section,
+    "consolidation": consolidation_section,
 }
 
 
