@@ -10,7 +10,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from portal.env import ConfigError, env_bool, env_int, env_list, env_str
+from portal.env import ConfigError, env_bool, env_choice, env_int, env_list, env_str
 from workers import config as worker_config
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -178,6 +178,8 @@ SPECTACULAR_SETTINGS = {
 # Seconds without an agent heartbeat before /healthz calls it stale (3 missed beats).
 AGENT_HEARTBEAT_S = env_int("AGENT_HEARTBEAT_S", 5, minimum=1)
 CYCLE_INTERVAL_S = env_int("CYCLE_INTERVAL_S", 2, minimum=1)
+# Placement policy of the live scheduling cycle: gpushare (packing) or first-fit.
+SCHEDULER_POLICY = env_choice("SCHEDULER_POLICY", ("gpushare", "first-fit"), "gpushare")
 # Half-life of past usage in the fair-share order (hours).
 FAIRSHARE_HALF_LIFE_H = env_int("FAIRSHARE_HALF_LIFE_H", 168, minimum=1)
 

@@ -171,7 +171,7 @@ def build_fairshare(now: float) -> FairShareState:
     return FairShareState(projects=projects, half_life_s=half_life_s)
 
 
-def schedule_once(now: float, policy_name: str = "first-fit") -> tuple[int, int]:
+def schedule_once(now: float, policy_name: str | None = None) -> tuple[int, int]:
     """One cycle in one transaction; returns (placed, pending). The caller holds the lock.
 
     Each placement runs in its own savepoint (inside ``do_place``): one refused by a
@@ -184,9 +184,8 @@ def schedule_once(now: float, policy_name: str = "first-fit") -> tuple[int, int]
         queue = build_queue()
         if not queue:
             return 0, 0
-        decisions = run_cycle(
-            build_snapshot(), queue, get_policy(policy_name), now, fairshare=build_fairshare(now)
-        )
+        policy = get_policy(policy_name or settings.SCHEDULER_POLICY)
+        decisions = run_cycle(build_snapshot(), queue, policy, now, fairshare=build_fairshare(now))
         victims: list[Preempt] = []
         for decision in decisions:
             if isinstance(decision, Preempt):

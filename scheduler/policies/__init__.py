@@ -14,9 +14,11 @@ class Policy(Protocol):
 
 
 def get_policy(name: str) -> Policy:
+    """A live-cycle policy by name: ``gpushare`` (the default, packing) or ``first-fit``."""
     from scheduler.policies.firstfit import FirstFit
+    from scheduler.policies.packing import PackingPolicy
 
-    policies: dict[str, Policy] = {"first-fit": FirstFit()}
+    policies: dict[str, Policy] = {"first-fit": FirstFit(), "gpushare": PackingPolicy()}
     try:
         return policies[name]
     except KeyError:

@@ -29,7 +29,7 @@ class FirstFit:
             grants = _fit(gpus, request)
             if grants:
                 return Place(request.id, host.name, grants)
-        return Pending(request.id, _why_not(snapshot, request))
+        return Pending(request.id, why_not(snapshot, request))
 
 
 def _fit(gpus: list[GpuState], request: Request) -> tuple[DeviceGrant, ...]:
@@ -37,39 +37,49 @@ def _fit(gpus: list[GpuState], request: Request) -> tuple[DeviceGrant, ...]:
         free = [g for g in gpus if g.idle]
         if len(free) < request.gpu_count:
             return ()
-        return tuple(DeviceGrant(g.uuid, g.uuid, "exclusive", 1000) for g in free[: request.gpu_count])
+        return exclusive_grants(free[: request.gpu_count])
     for gpu in gpus:
-        if request.mode == MIG:
-            for slot in gpu.mig:
-                if not slot.busy and slot.profile == request.mig_profile:
-                    model = MODELS.get(gpu.model)
-                    compute = model.profile(slot.profile).compute_slices if model else 1
-                    milli = compute * 1000 // COMPUTE_SLICES
-                    return (DeviceGrant(gpu.uuid, slot.uuid, "mig", milli, mig_uuid=slot.uuid),)
-        elif request.mode == MPS:
-            if (
-                gpu.mps_used_mib + request.mps_memory_mib <= gpu.memory_mib
-                and gpu.mps_used_threads + request.mps_thread_pct <= 100
-            ):
-                return (
-                    DeviceGrant(
-                        gpu.uuid,
-                        gpu.uuid,
-                        "mps",
-                        max(1, request.mps_thread_pct * 10),
-                        mps_memory_mib=request.mps_memory_mib,
-                        mps_thread_pct=request.mps_thread_pct,
-                    ),
-                )
-        elif request.mode == TIMESLICE:
-            free_replicas = [r for r in range(gpu.replicas) if r not in gpu.replicas_used]
-            if free_replicas:
-                milli = 1000 // max(1, gpu.replicas)
-                return (DeviceGrant(gpu.uuid, gpu.uuid, "timeslice", milli, replica=free_replicas[0]),)
+        grant = grant_on(gpu, request)
+        if grant is not None:
+            return (grant,)
     return ()
 
 
-def _why_not(snapshot: Snapshot, request: Request) -> str:
+def exclusive_grants(gpus: list[GpuState]) -> tuple[DeviceGrant, ...]:
+    return tuple(DeviceGrant(g.uuid, g.uuid, "exclusive", 1000) for g in gpus)
+
+
+def grant_on(gpu: GpuState, request: Request) -> DeviceGrant | None:
+    """The share of ``gpu`` a MIG, MPS or time-slice request would get, if it fits."""
+    if request.mode == MIG:
+        for slot in gpu.mig:
+            if not slot.busy and slot.profile == request.mig_profile:
+                model = MODELS.get(gpu.model)
+                compute = model.profile(slot.profile).compute_slices if model else 1
+                milli = compute * 1000 // COMPUTE_SLICES
+                return DeviceGrant(gpu.uuid, slot.uuid, "mig", milli, mig_uuid=slot.uuid)
+    elif request.mode == MPS:
+        if (
+            gpu.mps_used_mib + request.mps_memory_mib <= gpu.memory_mib
+            and gpu.mps_used_threads + request.mps_thread_pct <= 100
+        ):
+            return DeviceGrant(
+                gpu.uuid,
+                gpu.uuid,
+                "mps",
+                max(1, request.mps_thread_pct * 10),
+                mps_memory_mib=request.mps_memory_mib,
+                mps_thread_pct=request.mps_thread_pct,
+            )
+    elif request.mode == TIMESLICE:
+        free_replicas = [r for r in range(gpu.replicas) if r not in gpu.replicas_used]
+        if free_replicas:
+            milli = 1000 // max(1, gpu.replicas)
+            return DeviceGrant(gpu.uuid, gpu.uuid, "timeslice", milli, replica=free_replicas[0])
+    return None
+
+
+def why_not(snapshot: Snapshot, request: Request) -> str:
     """A reason a person can act on: what kind of capacity is missing."""
     gpus = [g for h in snapshot.hosts if h.up for g in h.gpus if g.mode == request.mode]
     if not gpus:

@@ -9,6 +9,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +34,8 @@ from scheduler.cycle import run_cycle
 from scheduler.gpus import MODELS
 from scheduler.policies import get_policy
 
-POLICY = get_policy("first-fit")
+POLICY = get_policy("first-fit")  # fills the fleet before each property is checked
+LIVE_POLICIES = ("first-fit", "gpushare")
 H100 = MODELS["H100-80GB"]
 MODES = ("dedicated", "mig", "mps", "timeslice")
 LAYOUTS = (
@@ -182,11 +184,12 @@ def replay(
     return state, list(running.values())
 
 
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 2**32 - 1))
-def test_placements_respect_capacity_and_every_request_is_answered(seed: int) -> None:
+@given(seed=st.integers(0, 2**32 - 1))
+def test_placements_respect_capacity_and_every_request_is_answered(seed: int, policy: str) -> None:
     snapshot, queue, fairshare = random_cluster(seed)
-    decisions = run_cycle(snapshot, queue, POLICY, NOW, fairshare=fairshare)
+    decisions = run_cycle(snapshot, queue, get_policy(policy), NOW, fairshare=fairshare)
     replay(snapshot, queue, decisions)
     answered = sorted(d.request_id for d in decisions if isinstance(d, Place | Pending))
     assert answered == sorted(r.id for r in queue)
@@ -204,11 +207,12 @@ def test_placements_respect_capacity_and_every_request_is_answered(seed: int) ->
                 assert use <= share.limit_milli, (project, use, share)
 
 
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 2**32 - 1))
-def test_a_reserved_head_is_never_delayed_by_backfill(seed: int) -> None:
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_reserved_head_is_never_delayed_by_backfill(seed: int, policy: str) -> None:
     snapshot, queue, fairshare = random_cluster(seed)
-    decisions = run_cycle(snapshot, queue, POLICY, NOW, fairshare=fairshare)
+    decisions = run_cycle(snapshot, queue, get_policy(policy), NOW, fairshare=fairshare)
     reserves = [d for d in decisions if isinstance(d, Reserve)]
     assert len(reserves) <= 1
     if not reserves:
@@ -229,14 +233,17 @@ def test_a_reserved_head_is_never_delayed_by_backfill(seed: int) -> None:
         book(gpus[g.gpu_uuid], g)
 
 
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
 @settings(max_examples=150, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.randoms(use_true_random=False))
-def test_decisions_are_deterministic_whatever_the_input_order(seed: int, shuffler: random.Random) -> None:
+@given(seed=st.integers(0, 2**32 - 1), shuffler=st.randoms(use_true_random=False))
+def test_decisions_are_deterministic_whatever_the_input_order(
+    seed: int, shuffler: random.Random, policy: str
+) -> None:
     snapshot, queue, fairshare = random_cluster(seed)
-    first = run_cycle(snapshot, queue, POLICY, NOW, fairshare=fairshare)
-    assert run_cycle(snapshot, queue, POLICY, NOW, fairshare=fairshare) == first
+    first = run_cycle(snapshot, queue, get_policy(policy), NOW, fairshare=fairshare)
+    assert run_cycle(snapshot, queue, get_policy(policy), NOW, fairshare=fairshare) == first
     shuffled_queue = list(queue)
     shuffler.shuffle(shuffled_queue)
     shuffled = replace(snapshot, running=list(snapshot.running))
     shuffler.shuffle(shuffled.running)
-    assert run_cycle(shuffled, shuffled_queue, POLICY, NOW, fairshare=fairshare) == first
+    assert run_cycle(shuffled, shuffled_queue, get_policy(policy), NOW, fairshare=fairshare) == first
