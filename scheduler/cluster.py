@@ -50,6 +50,22 @@ class HostState:
     name: str
     up: bool
     gpus: list[GpuState] = field(default_factory=list)
+    # CPU and memory the host offers sandboxes, and what placed sandboxes take of it.
+    # A capacity of 0 means "not tracked": the host never refuses for lack of it.
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    cpu_used_milli: int = 0
+    memory_used_mib: int = 0
+
+    def has_room(self, cpu_milli: int, memory_mib: int) -> bool:
+        return (not self.cpu_milli or self.cpu_used_milli + cpu_milli <= self.cpu_milli) and (
+            not self.memory_mib or self.memory_used_mib + memory_mib <= self.memory_mib
+        )
+
+    def take(self, cpu_milli: int, memory_mib: int, sign: int = 1) -> None:
+        """Book (sign 1) or give back (sign -1) a sandbox's CPU and memory."""
+        self.cpu_used_milli += sign * cpu_milli
+        self.memory_used_mib += sign * memory_mib
 
 
 @dataclass
@@ -78,6 +94,8 @@ class Request:
     # The longest it may run (the tier's max duration); 0 when unknown. Backfill only lets
     # a request of known length run on devices reserved for the queue head.
     max_duration_s: float = 0.0
+    cpu_milli: int = 0  # host CPU the sandbox is limited to (its tier's), in thousandths of a core
+    memory_mib: int = 0  # host memory it is limited to
 
 
 @dataclass(frozen=True)
@@ -105,6 +123,8 @@ class Running:
     ends_at: float | None = None  # start + max duration; None when unbounded
     preemptible: bool = False
     borrowed: bool = False  # placed over its project's guarantee: reclaimable
+    cpu_milli: int = 0
+    memory_mib: int = 0
 
     @property
     def milli_gpu(self) -> int:

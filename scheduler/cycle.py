@@ -154,6 +154,8 @@ class _Cycle:
             self.decisions.append(Preempt(victim.sandbox_id, self._preempt_reason(request, victim)))
             for grant in victim.grants:
                 release(self.gpus[grant.gpu_uuid], grant)
+            if victim.host in self.hosts:
+                self.hosts[victim.host].take(victim.cpu_milli, victim.memory_mib, -1)
             self.quotas.remove(victim.project, victim.milli_gpu)
         if victims:
             gone = {v.sandbox_id for v in victims}
@@ -165,6 +167,7 @@ class _Cycle:
         was_over = self.quotas.over_guarantee(request.project) > 0
         for grant in place.grants:
             book(self.gpus[grant.gpu_uuid], grant)
+        self.hosts[place.host].take(request.cpu_milli, request.memory_mib)
         self.quotas.add(request.project, milli)
         if borrowed and not was_over:
             # Its project's older borrowed sandboxes just became reclaimable.
@@ -178,6 +181,8 @@ class _Cycle:
             started_at=self.now,
             ends_at=self._ends_at(request),
             borrowed=borrowed,
+            cpu_milli=request.cpu_milli,
+            memory_mib=request.memory_mib,
         )
         if borrowed:
             place = replace(place, borrowed=True)
@@ -317,6 +322,7 @@ class _Cycle:
                 released.append(alloc)
                 for grant in alloc.grants:
                     release(self.gpus[grant.gpu_uuid], grant)
+                host.take(alloc.cpu_milli, alloc.memory_mib, -1)
                 decision = self.policy.place(Snapshot(hosts=[host]), request)
                 if isinstance(decision, Place):
                     return Reserve(request.id, host.name, at, decision.grants)
@@ -325,6 +331,7 @@ class _Cycle:
             for alloc in released:
                 for grant in alloc.grants:
                     book(self.gpus[grant.gpu_uuid], grant)
+                self.hosts[alloc.host].take(alloc.cpu_milli, alloc.memory_mib)
 
     def _reason(self, request: Request, why: str) -> str:
         """Say why it waits: capacity, the head's reservation, priority, borrowing.

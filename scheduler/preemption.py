@@ -94,13 +94,18 @@ def _fewest_on_host(
 
     def fits(subset: Sequence[Running]) -> Place | None:
         grants = [g for v in subset for g in v.grants if g.gpu_uuid in gpus]
+        here = [v for v in subset if v.host == host.name]
         for grant in grants:
             release(gpus[grant.gpu_uuid], grant)
+        for victim in here:
+            host.take(victim.cpu_milli, victim.memory_mib, -1)
         try:
             decision = policy.place(Snapshot(hosts=[host]), request)
         finally:
             for grant in grants:
                 book(gpus[grant.gpu_uuid], grant)
+            for victim in here:
+                host.take(victim.cpu_milli, victim.memory_mib)
         return decision if isinstance(decision, Place) else None
 
     if fits(victims) is None:

@@ -64,9 +64,26 @@ class Agent:
         self._gpus = self.backend.list_gpus()
         return [g.to_json() for g in self._gpus]
 
+    def host_facts(self) -> dict[str, int]:
+        """CPU and memory this host offers sandboxes. A simulated host reports the size
+        GPUSHARE_SIM_HOST gives it (default 64 cores, 512 GiB), not the machine's own."""
+        if self.backend.simulated:
+            spec = dict(
+                item.split("=", 1)
+                for item in env_str("GPUSHARE_SIM_HOST", "cpus=64,memory_gib=512").split(",")
+            )
+            return {"cpu_cores": int(spec["cpus"]), "memory_mib": int(spec["memory_gib"]) * 1024}
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return {"cpu_cores": os.cpu_count() or 1, "memory_mib": pages // 2**20}
+
     def report_inventory(self) -> None:
         dispatch.to_control(
-            "agent_inventory", self.host, self.backend.name, self.driver.name, self.inventory()
+            "agent_inventory",
+            self.host,
+            self.backend.name,
+            self.driver.name,
+            self.inventory(),
+            self.host_facts(),
         )
 
     def heartbeat(self) -> None:

@@ -91,8 +91,10 @@ def agent_heartbeat(host: str, t_ms: int, backend: str, driver: str) -> None:
 
 
 @app.task(name="workers.control.agent_inventory", ignore_result=True)
-def agent_inventory(host: str, backend: str, driver: str, gpus: list[dict[str, Any]]) -> None:
-    do_sync_inventory(host, backend, driver, gpus)
+def agent_inventory(
+    host: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: dict[str, int] | None = None
+) -> None:
+    do_sync_inventory(host, backend, driver, gpus, facts)
     do_heartbeat(host, timezone.now(), backend, driver)
 
 

@@ -19,7 +19,9 @@ def do_heartbeat(host_name: str, at: datetime, backend: str, driver: str) -> boo
 
 
 @transaction.atomic
-def do_sync_inventory(host_name: str, backend: str, driver: str, gpus: list[dict[str, Any]]) -> Host:
+def do_sync_inventory(
+    host_name: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: dict[str, int] | None = None
+) -> Host:
     """Make the database's GPUs and MIG instances match what the agent sees.
 
     GPUs are matched by UUID; a GPU's sharing mode is an admin decision and is kept,
@@ -29,7 +31,9 @@ def do_sync_inventory(host_name: str, backend: str, driver: str, gpus: list[dict
         name=host_name, defaults={"backend": backend, "driver": driver}
     )
     host.backend, host.driver = backend, driver
-    host.save(update_fields=["backend", "driver"])
+    if facts:
+        host.cpu_cores, host.memory_mib = facts["cpu_cores"], facts["memory_mib"]
+    host.save(update_fields=["backend", "driver", "cpu_cores", "memory_mib"])
     seen = set()
     for info in gpus:
         seen.add(info["uuid"])

@@ -79,9 +79,15 @@ def _running() -> list[Running]:
                 ends_at=(started + sandbox.max_duration).timestamp(),
                 preemptible=priority_class.preemptible and sandbox.state in PREEMPTIBLE_STATES,
                 borrowed=sandbox.borrowed,
+                cpu_milli=_cpu_milli(sandbox.tier.cpu_limit),
+                memory_mib=sandbox.tier.memory_limit_mib,
             )
         )
     return running
+
+
+def _cpu_milli(cores: float) -> int:
+    return round(cores * 1000)
 
 
 def build_snapshot() -> Snapshot:
@@ -119,8 +125,21 @@ def build_snapshot() -> Snapshot:
                     replicas_used={a.replica for a in allocs if a.replica is not None},
                 )
             )
-        hosts.append(HostState(name=host.name, up=host.state == Host.State.UP, gpus=gpus))
-    return Snapshot(hosts=hosts, running=_running())
+        hosts.append(
+            HostState(
+                name=host.name,
+                up=host.state == Host.State.UP,
+                gpus=gpus,
+                cpu_milli=host.cpu_cores * 1000,  # 0 until its agent reports: not tracked
+                memory_mib=host.memory_mib,
+            )
+        )
+    running = _running()
+    by_name = {h.name: h for h in hosts}
+    for holder in running:  # what placed sandboxes already take of each host
+        if holder.host in by_name:
+            by_name[holder.host].take(holder.cpu_milli, holder.memory_mib)
+    return Snapshot(hosts=hosts, running=running)
 
 
 def build_queue() -> list[Request]:
@@ -143,6 +162,8 @@ def build_queue() -> list[Request]:
             mps_memory_mib=s.mps_memory_mib,
             mps_thread_pct=s.mps_thread_pct,
             max_duration_s=s.max_duration.total_seconds(),
+            cpu_milli=_cpu_milli(s.tier.cpu_limit),
+            memory_mib=s.tier.memory_limit_mib,
         )
         for s in queued
     ]

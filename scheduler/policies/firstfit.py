@@ -9,6 +9,7 @@ from scheduler.cluster import (
     TIMESLICE,
     DeviceGrant,
     GpuState,
+    HostState,
     Pending,
     Place,
     Request,
@@ -21,9 +22,9 @@ class FirstFit:
     name = "first-fit"
 
     def place(self, snapshot: Snapshot, request: Request) -> Place | Pending:
-        hosts = [h for h in snapshot.hosts if h.up]
-        if not hosts:
-            return Pending(request.id, "no GPU host is up")
+        hosts = hosts_with_room(snapshot, request)
+        if isinstance(hosts, Pending):
+            return hosts
         for host in hosts:
             gpus = [g for g in host.gpus if g.available and g.mode == request.mode]
             grants = _fit(gpus, request)
@@ -43,6 +44,21 @@ def _fit(gpus: list[GpuState], request: Request) -> tuple[DeviceGrant, ...]:
         if grant is not None:
             return (grant,)
     return ()
+
+
+def hosts_with_room(snapshot: Snapshot, request: Request) -> list[HostState] | Pending:
+    """Up hosts with the CPU and memory the sandbox needs, or why there are none."""
+    up = [h for h in snapshot.hosts if h.up]
+    if not up:
+        return Pending(request.id, "no GPU host is up")
+    roomy = [h for h in up if h.has_room(request.cpu_milli, request.memory_mib)]
+    if not roomy:
+        return Pending(
+            request.id,
+            f"no GPU host has {request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB "
+            "of memory free",
+        )
+    return roomy
 
 
 def exclusive_grants(gpus: list[GpuState]) -> tuple[DeviceGrant, ...]:
@@ -81,6 +97,18 @@ def grant_on(gpu: GpuState, request: Request) -> DeviceGrant | None:
 
 def why_not(snapshot: Snapshot, request: Request) -> str:
     """A reason a person can act on: what kind of capacity is missing."""
+    short = [
+        h.name
+        for h in snapshot.hosts
+        if h.up
+        and not h.has_room(request.cpu_milli, request.memory_mib)
+        and _fit([g for g in h.gpus if g.available and g.mode == request.mode], request)
+    ]
+    if short:
+        return (
+            f"the GPUs it needs are free on {', '.join(short)}, but without "
+            f"{request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of memory to spare"
+        )
     gpus = [g for h in snapshot.hosts if h.up for g in h.gpus if g.mode == request.mode]
     if not gpus:
         return f"no GPU in the fleet offers {request.mode} sharing"

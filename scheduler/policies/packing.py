@@ -15,16 +15,16 @@ Ties go to host name and GPU index, so decisions are deterministic.
 from __future__ import annotations
 
 from scheduler.cluster import DEDICATED, MIG, MPS, DeviceGrant, GpuState, Pending, Place, Request, Snapshot
-from scheduler.policies.firstfit import exclusive_grants, grant_on, why_not
+from scheduler.policies.firstfit import exclusive_grants, grant_on, hosts_with_room, why_not
 
 
 class PackingPolicy:
     name = "gpushare"
 
     def place(self, snapshot: Snapshot, request: Request) -> Place | Pending:
-        hosts = [h for h in snapshot.hosts if h.up]
-        if not hosts:
-            return Pending(request.id, "no GPU host is up")
+        hosts = hosts_with_room(snapshot, request)
+        if isinstance(hosts, Pending):
+            return hosts
         best: tuple[tuple[int, int, str, int], str, tuple[DeviceGrant, ...]] | None = None
         for host in hosts:
             gpus = [g for g in host.gpus if g.available and g.mode == request.mode]

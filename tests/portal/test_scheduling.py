@@ -102,3 +102,22 @@ def test_requests_carry_their_duration(people: Any, catalog: Any, sent_tasks: An
         duration=timedelta(hours=2),
     )
     assert [r.max_duration_s for r in build_queue()] == [7200.0]
+
+
+def test_a_host_is_never_promised_more_cpu_or_memory_than_it_has(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    from portal.fleet.models import Host
+
+    Host.objects.update(cpu_cores=1, memory_mib=512)  # each tier sandbox takes 0.5 core, 256 MiB
+    sandboxes = [
+        request(people["owner"], people["project"], catalog["timeslice"], catalog["image"]) for _ in range(4)
+    ]
+    place_all()
+    states = sorted(Sandbox.objects.filter(pk__in=[s.pk for s in sandboxes]).values_list("state", flat=True))
+    assert states == ["queued", "queued", "starting", "starting"]  # the time-slice host holds two
+    waiting = Sandbox.objects.filter(state="queued").first()
+    assert waiting is not None and "free on a100, but without 0.5 CPU cores" in waiting.pending_reason
+    snapshot = build_snapshot()
+    a100 = next(h for h in snapshot.hosts if h.name == "a100")
+    assert (a100.cpu_used_milli, a100.memory_used_mib) == (1000, 512)

@@ -49,7 +49,12 @@ NOW = 10_000.0
 def random_fleet(rng: random.Random) -> Snapshot:
     snapshot = Snapshot(hosts=[])
     for h in range(rng.randint(1, 3)):
-        host = HostState(f"h{h}", rng.random() > 0.1)
+        host = HostState(
+            f"h{h}",
+            rng.random() > 0.1,
+            cpu_milli=rng.choice((0, 4000, 8000, 32000)),  # 0: not tracked
+            memory_mib=rng.choice((0, 8192, 65536)),
+        )
         for i in range(rng.randint(1, 4)):
             mode = rng.choice(MODES)
             uuid = f"GPU-{h}-{i}"
@@ -85,6 +90,8 @@ def random_request(rng: random.Random, id: int, at: float) -> Request:
         mps_memory_mib=rng.choice((10000, 30000, 50000)),
         mps_thread_pct=rng.choice((10, 30, 60)),
         max_duration_s=rng.choice((0.0, 600.0, 3600.0, 7200.0)),
+        cpu_milli=rng.choice((0, 1000, 2000, 4000)),
+        memory_mib=rng.choice((0, 1024, 4096)),
     )
 
 
@@ -99,6 +106,7 @@ def random_cluster(seed: int) -> tuple[Snapshot, list[Request], FairShareState |
             r = next(f for f in fill if f.id == d.request_id)
             for g in d.grants:
                 book(gpus[g.gpu_uuid], g)
+            next(h for h in snapshot.hosts if h.name == d.host).take(r.cpu_milli, r.memory_mib)
             ends = rng.choice((None, NOW + rng.uniform(0, 7200)))
             snapshot.running.append(
                 Running(
@@ -111,6 +119,8 @@ def random_cluster(seed: int) -> tuple[Snapshot, list[Request], FairShareState |
                     ends_at=ends,
                     preemptible=rng.random() < 0.5,
                     borrowed=rng.random() < 0.3,
+                    cpu_milli=r.cpu_milli,
+                    memory_mib=r.memory_mib,
                 )
             )
     queue = [random_request(rng, i, rng.uniform(0, NOW)) for i in range(rng.randint(1, 15))]
@@ -169,6 +179,7 @@ def replay(
             assert victim.preemptible or victim.borrowed, d
             for g in victim.grants:
                 release(gpus[g.gpu_uuid], g)
+            hosts[victim.host].take(victim.cpu_milli, victim.memory_mib, -1)
         elif isinstance(d, Place):
             assert hosts[d.host].up
             for g in d.grants:
@@ -179,8 +190,20 @@ def replay(
                 assert no_mig_overlap(gpu)
                 assert gpu.mps_used_mib <= gpu.memory_mib and gpu.mps_used_threads <= 100
             r = by_id[d.request_id]
+            host = hosts[d.host]
+            host.take(r.cpu_milli, r.memory_mib)
+            assert not host.cpu_milli or host.cpu_used_milli <= host.cpu_milli, (d, host)
+            assert not host.memory_mib or host.memory_used_mib <= host.memory_mib, (d, host)
             ends = NOW + r.max_duration_s if r.max_duration_s else None
-            running[r.id] = Running(r.id, r.project, d.host, d.grants, ends_at=ends)
+            running[r.id] = Running(
+                r.id,
+                r.project,
+                d.host,
+                d.grants,
+                ends_at=ends,
+                cpu_milli=r.cpu_milli,
+                memory_mib=r.memory_mib,
+            )
     return state, list(running.values())
 
 
