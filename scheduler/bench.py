@@ -173,18 +173,11 @@ def trace_section() -> str:
 
 
 def consolidation_section() -> str:
-    from scheduler.bench_consolidation import measure as consolidate
-    from scheduler.bench_consolidation import render as render_consolidation
+    from scheduler.bench_consolidation import matrix, render
     from scheduler.bench_trace import TRACES
 
     nodes, pods = TRACES / "openb_node_list_gpu_node.csv", TRACES / "openb_pod_list_default.csv"
-    rows = [
-        consolidate(nodes, pods, policy, 42, cross_node, at)
-        for policy in ("bestfit", "fgd")
-        for at in (100, 130)
-        for cross_node in (False, True)
-    ]
-    return render_consolidation(rows)
+    return render(matrix(nodes, pods, ["bestfit", "fgd"], 42))
 
 
 SECTIONS = {

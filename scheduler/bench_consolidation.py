@@ -104,6 +104,16 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join([*lines, END])
 
 
+def matrix(nodes_csv: Path, pods_csv: Path, policies: list[str], seed: int) -> list[dict[str, Any]]:
+    """Every policy at arrived 100% and 130%, within nodes and across them."""
+    return [
+        measure(nodes_csv, pods_csv, policy, seed, cross_node, at)
+        for policy in policies
+        for at in (100, 130)
+        for cross_node in (False, True)
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nodes", type=Path, default=TRACES / "openb_node_list_gpu_node.csv")
@@ -112,12 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    rows = [
-        measure(args.nodes, args.pods, p, args.seed, cross, at)
-        for p in args.policies.split(",")
-        for at in (100, 130)
-        for cross in (False, True)
-    ]
+    rows = matrix(args.nodes, args.pods, args.policies.split(","), args.seed)
     section = render(rows)
     print(section.replace(BEGIN, "").replace(END, "").strip())
     if args.out:
