@@ -204,3 +204,8 @@ def running_platform(tmp_path: Path, web: bool = False, **workers: str) -> Itera
         raise
     finally:
         platform.stop()
+        # Under Playwright's event loop Django keeps this context's connections apart from
+        # the ones pytest-django closes; left open, they block dropping the test database.
+        from django.db import connections
+
+        connections.close_all()
