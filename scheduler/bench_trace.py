@@ -1,10 +1,12 @@
 """Reproduce the FGD paper's openb results: every policy x seeds 42-51 on one trace.
 
     python -m scheduler.bench_trace [--pods CSV] [--policies fgd,bestfit] [--out BENCHMARKS.md]
+    python -m scheduler.bench_trace --all-traces --policies fgd,gpushare [--out BENCHMARKS.md]
 
 Each run's curve is bucketed as the paper's ``merge_alloc_discrete.py`` does, and the
 unallocated GPU % (100 - median over seeds of allocated %) at arrived 90/100/130 % is
-compared with the published per-seed results in shared/anchors.
+compared with the published per-seed results in shared/anchors. ``--all-traces`` runs
+the policies on the 17 traces that have published anchors and renders one row per trace.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
+import sys
+from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
 
 from scheduler.bench import write_section
-from scheduler.simulate import replay
+from scheduler.simulate import percentile, replay
 from scheduler.trace import build_workload, load_nodes, load_pods
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -26,6 +30,7 @@ SEEDS = tuple(range(42, 52))
 POINTS = (90, 100, 130)  # arrived % at which the table compares
 MAX_ARRIVED = 130
 BEGIN, END = "<!-- bench:trace:begin -->", "<!-- bench:trace:end -->"
+ALL_BEGIN, ALL_END = "<!-- bench:traces17:begin -->", "<!-- bench:traces17:end -->"
 # Our names and the paper's ``sc_policy`` labels, in the paper's order.
 PAPER_LABELS = {
     "random": "01-Random",
@@ -81,6 +86,107 @@ def run_matrix(
             curves[policy][seed] = curve
             walls[policy].append(wall)
     return curves, walls
+
+
+@dataclass(frozen=True)
+class TraceRuns:
+    """One policy's replays of one trace over the seeds."""
+
+    curves: dict[int, Curve]
+    walls: list[float]  # replay seconds per seed
+    p50_ms: list[float]  # per seed: median per-pod decision time
+    p99_ms: list[float]
+
+
+def run_timed(job: tuple[Path, Path, str, int, float]) -> tuple[str, str, int, Curve, float, float, float]:
+    """Like ``run_one``, also returning the trace name and the per-pod decision p50/p99 in ms."""
+    nodes, pods, policy, seed, tune = job
+    result = replay(build_workload(load_nodes(nodes), load_pods(pods), seed, tune), policy)
+    arrived = [result.pct(m) for m in result.arrived_milli]
+    allocated = [result.pct(m) for m in result.used_milli]
+    p50 = percentile(result.decision_s, 0.5) * 1e3
+    p99 = percentile(result.decision_s, 0.99) * 1e3
+    return pods.stem, policy, seed, bucket_curve(arrived, allocated), result.wall_s, p50, p99
+
+
+def anchored_traces(path: Path = ANCHORS / "fgd_unallocated_at_100.csv") -> list[str]:
+    """The workloads the paper published results for (17 of the 25 openb traces)."""
+    with path.open(newline="") as f:
+        return [row["workload"] for row in csv.DictReader(f)]
+
+
+def run_traces(
+    nodes: Path,
+    workloads: list[str],
+    policies: list[str],
+    seeds: tuple[int, ...] = SEEDS,
+    tune: float = 1.3,
+    workers: int = 2,
+) -> dict[str, dict[str, TraceRuns]]:
+    """Every (trace, policy, seed) in one pool, so that slow traces do not leave a worker idle."""
+    jobs = [(nodes, TRACES / f"{w}.csv", p, s, tune) for w in workloads for p in policies for s in seeds]
+    runs = {w: {p: TraceRuns({}, [], [], []) for p in policies} for w in workloads}
+    with Pool(workers) as pool:
+        for workload, policy, seed, curve, wall, p50, p99 in pool.imap_unordered(run_timed, jobs):
+            run = runs[workload][policy]
+            run.curves[seed] = curve
+            run.walls.append(wall)
+            run.p50_ms.append(p50)
+            run.p99_ms.append(p99)
+    return runs
+
+
+def render_traces(runs: dict[str, dict[str, TraceRuns]], command: str, cpus: int) -> str:
+    """One row per trace: each policy's unallocated % at 90/100/130, the paper's FGD at 100."""
+    policies = list(next(iter(runs.values())))
+    first, rest = policies[0], policies[1:]
+    seeds = sorted({s for r in runs.values() for p in policies for s in r[p].curves})
+    head = ["trace", *(f"{p} @{x}" for x in POINTS for p in policies), "paper fgd @100"]
+    head += [f"Δ @100 {p} - {first}" for p in rest]
+    lines = [
+        ALL_BEGIN,
+        f"## Trace replay on the {len(runs)} anchored openb traces ({', '.join(policies)}; tune 1.3)",
+        "",
+        f"Unallocated GPU % = 100 - median over seeds {seeds[0]}-{seeds[-1]} of allocated % at arrived x %,",
+        "bucketed as the paper's `merge_alloc_discrete.py` (lower is better); 'paper fgd' is the",
+        f"published median. Made by `{command}` on {cpus} worker processes.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---|" + "---:|" * (len(head) - 1),
+    ]
+    wins = dict.fromkeys(rest, 0)
+    for workload, by_policy in runs.items():
+        values = {(p, x): unallocated(by_policy[p].curves, x) for p in policies for x in POINTS}
+        paper = published_at_100(workload).get("fgd")
+        cells = [workload.removeprefix("openb_pod_list_")]
+        cells += [_fmt(values[p, x]) for x in POINTS for p in policies]
+        cells.append(_fmt(paper))
+        for p in rest:
+            ours, base = values[p, 100], values[first, 100]
+            if ours is None or base is None:
+                cells.append("-")
+                continue
+            cells.append(f"{ours - base:+.2f}")
+            wins[p] += ours < base
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| policy | below " + first + " @100 | replay s p50 (max) | decision p50 ms | decision p99 ms |",
+    ]
+    lines.append("|---|---:|---:|---:|---:|")
+    for p in policies:
+        walls = [w for r in runs.values() for w in r[p].walls]
+        p50 = statistics.median(v for r in runs.values() for v in r[p].p50_ms)
+        p99 = statistics.median(v for r in runs.values() for v in r[p].p99_ms)
+        below = f"{wins[p]} of {len(runs)}" if p in wins else "-"
+        lines.append(
+            f"| {p} | {below} | {statistics.median(walls):.2f} ({max(walls):.2f}) | {p50:.3f} | {p99:.3f} |"
+        )
+    lines += [
+        "",
+        "Decision times are the medians over all runs of each run's per-pod p50 / p99 (ms).",
+    ]
+    return "\n".join([*lines, ALL_END])
 
 
 def unallocated(curves: dict[int, Curve], x: int) -> float | None:
@@ -168,8 +274,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=len(SEEDS), help="how many seeds from 42")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, help="Markdown file to update (e.g. BENCHMARKS.md)")
+    parser.add_argument(
+        "--all-traces", action="store_true", help="run the 17 anchored traces instead of --pods"
+    )
     args = parser.parse_args(argv)
     seeds = tuple(range(42, 42 + args.seeds))
+    if args.all_traces:
+        command = "python -m scheduler.bench_trace " + " ".join(argv if argv is not None else sys.argv[1:])
+        runs = run_traces(
+            args.nodes, anchored_traces(), args.policies.split(","), seeds, workers=args.workers
+        )
+        section = render_traces(runs, command.strip(), args.workers)
+        print(section.replace(ALL_BEGIN, "").replace(ALL_END, "").strip())
+        if args.out:
+            write_section(args.out, section)
+        return
     curves, walls = run_matrix(args.nodes, args.pods, args.policies.split(","), seeds, workers=args.workers)
     section = render(args.pods.stem, curves, walls, args.workers)
     print(section.replace(BEGIN, "").replace(END, "").strip())

@@ -32,10 +32,11 @@ from scheduler.policies.fgd_paper import PAPER_POLICIES
 from scheduler.policies.fgd_paper.base import ReplayContext, TracePolicy
 from scheduler.policies.fgd_paper.cluster import Cluster
 from scheduler.policies.fgd_paper.frag import Fragmentation
+from scheduler.policies.gpushare import GpusharePolicy
 from scheduler.trace import PodSpec, Workload, build_workload, load_nodes, load_pods
 
 PolicyFactory = Callable[[ReplayContext], TracePolicy]
-POLICIES: dict[str, PolicyFactory] = dict(PAPER_POLICIES)
+POLICIES: dict[str, PolicyFactory] = {**PAPER_POLICIES, "gpushare": GpusharePolicy}
 
 # Scores are shifted into positive ints so -1 can mean "infeasible" in the per-shape keys.
 _SCORE_OFFSET = 1 << 20

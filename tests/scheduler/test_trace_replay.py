@@ -8,7 +8,19 @@ from pathlib import Path
 import pytest
 
 from scheduler.bench import write_section
-from scheduler.bench_trace import ANCHORS, BEGIN, END, bucket_curve, render, unallocated
+from scheduler.bench_trace import (
+    ALL_BEGIN,
+    ALL_END,
+    ANCHORS,
+    BEGIN,
+    END,
+    TraceRuns,
+    anchored_traces,
+    bucket_curve,
+    render,
+    render_traces,
+    unallocated,
+)
 from scheduler.policies.fgd_paper import PAPER_POLICIES
 from scheduler.policies.fgd_paper.base import BestGpu, ReplayContext
 from scheduler.policies.fgd_paper.cluster import Cluster
@@ -168,3 +180,22 @@ def test_bench_section_compares_with_the_paper_and_replaces_itself(tmp_path: Pat
     write_section(path, section)
     text = path.read_text()
     assert text.count(BEGIN) == 1 and "cycle\n" in text
+
+
+def test_all_traces_section_has_a_row_per_trace_and_counts_wins() -> None:
+    if not (ANCHORS / "fgd_unallocated_at_100.csv").exists():
+        pytest.skip("the anchors are not checked out beside the repository")
+    assert len(anchored_traces()) == 17
+    worse: list[float | None] = [95.0] * 131
+    better: list[float | None] = [96.0] * 131
+    runs = {
+        w: {
+            "fgd": TraceRuns({42: worse}, [1.0], [0.1], [0.5]),
+            "ours": TraceRuns({42: better}, [2.0], [0.2], [0.9]),
+        }
+        for w in ("openb_pod_list_default", "openb_pod_list_cpu050")
+    }
+    section = render_traces(runs, "python -m scheduler.bench_trace --all-traces", 2)
+    assert section.startswith(ALL_BEGIN) and section.endswith(ALL_END)
+    assert "| default | 5.00 | 4.00 | 5.00 | 4.00 | 5.00 | 4.00 | 4.77 | -1.00 |" in section
+    assert "| ours | 2 of 2 | 2.00 (2.00) | 0.200 | 0.900 |" in section
