@@ -162,14 +162,21 @@ def mig_relayout_section() -> str:
 
 
 def trace_section() -> str:
-    """The six FGD-paper policies on the default trace, seeds 42-51, against the paper."""
+    """The six FGD-paper policies and ours on the default trace, seeds 42-51, against the paper."""
     from scheduler.bench_trace import PAPER_LABELS, SEEDS, TRACES, render, run_matrix
 
     pods = TRACES / "openb_pod_list_default.csv"
-    curves, walls = run_matrix(
-        TRACES / "openb_node_list_gpu_node.csv", pods, list(PAPER_LABELS), SEEDS, workers=2
-    )
+    policies = [*PAPER_LABELS, "gpushare"]
+    curves, walls = run_matrix(TRACES / "openb_node_list_gpu_node.csv", pods, policies, SEEDS, workers=2)
     return render(pods.stem, curves, walls, 2)
+
+
+def traces17_section() -> str:
+    """Ours against FGD on every trace the paper published results for."""
+    from scheduler.bench_trace import TRACES, anchored_traces, render_traces, run_traces
+
+    runs = run_traces(TRACES / "openb_node_list_gpu_node.csv", anchored_traces(), ["fgd", "gpushare"])
+    return render_traces(runs, "python -m scheduler.bench --only traces17", 2)
 
 
 def consolidation_section() -> str:
@@ -185,6 +192,7 @@ SECTIONS = {
     "live": live_cycle_section,
     "mig": mig_relayout_section,
     "trace": trace_section,
+    "traces17": traces17_section,
     "consolidation": consolidation_section,
 }
 
