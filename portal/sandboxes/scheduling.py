@@ -55,11 +55,17 @@ def _grant(a: Allocation) -> DeviceGrant:
     )
 
 
-def _running() -> list[Running]:
-    """Every placed sandbox still holding devices, with what preemption needs to know."""
-    live = Allocation.objects.filter(active=True, sandbox__state__in=HOLDING).select_related(
-        "gpu", "mig_instance", "sandbox__project", "sandbox__host", "sandbox__tier__priority_class"
+def _live_allocations() -> list[Allocation]:
+    """Every device held now: only sandboxes in HOLDING states have active allocations."""
+    return list(
+        Allocation.objects.filter(active=True).select_related(
+            "gpu", "mig_instance", "sandbox__project", "sandbox__host", "sandbox__tier__priority_class"
+        )
     )
+
+
+def _running(live: list[Allocation]) -> list[Running]:
+    """Every placed sandbox still holding devices, with what preemption needs to know."""
     by_sandbox: dict[int, list[Allocation]] = defaultdict(list)
     for alloc in live:
         by_sandbox[alloc.sandbox_id].append(alloc)
@@ -91,11 +97,9 @@ def _cpu_milli(cores: float) -> int:
 
 
 def build_snapshot() -> Snapshot:
-    live = Allocation.objects.filter(active=True)
+    live = _live_allocations()
     held: dict[int, list[Allocation]] = defaultdict(list)
-    for alloc in live.only(
-        "gpu_id", "kind", "mig_instance_id", "mps_memory_mib", "mps_thread_pct", "replica"
-    ):
+    for alloc in live:
         held[alloc.gpu_id].append(alloc)
     busy_mig = {a.mig_instance_id for allocs in held.values() for a in allocs if a.mig_instance_id}
     hosts = []
@@ -134,7 +138,7 @@ def build_snapshot() -> Snapshot:
                 memory_mib=host.memory_mib,
             )
         )
-    running = _running()
+    running = _running(live)
     by_name = {h.name: h for h in hosts}
     for holder in running:  # what placed sandboxes already take of each host
         if holder.host in by_name:
