@@ -175,8 +175,9 @@ class Agent:
         for key, spec in running.items():
             for device in spec.device_uuids:
                 by_device.setdefault(device, []).append((key, spec))
+        samples = {}  # a dedicated sandbox's device is its GPU: sample each device once a tick
         for gpu in self._gpus:
-            sample = self.backend.sample(gpu.uuid)
+            sample = samples[gpu.uuid] = self.backend.sample(gpu.uuid)
             on_gpu = {
                 key: spec
                 for key, spec in running.items()
@@ -193,7 +194,7 @@ class Agent:
             if tick % FLEET_EVERY == 0:
                 await publish(layer, FLEET_GROUP, message)
         for device, holders in by_device.items():
-            device_sample = self.backend.sample(device)
+            device_sample = samples.get(device) or self.backend.sample(device)
             for key, spec in holders:
                 own = {
                     str(spec.sandbox_id): self.figures(
