@@ -41,7 +41,12 @@ from bisect import bisect_left
 from collections.abc import Collection
 
 from scheduler.policies.fgd_paper.base import ReplayContext
-from scheduler.policies.fgd_paper.cluster import accessible, exclusive_gpus
+from scheduler.policies.fgd_paper.cluster import (
+    accessible,
+    exclusive_gpus,
+    exclusive_outcome,
+    sharing_outcomes,
+)
 from scheduler.policies.fgd_paper.fgd import sigmoid_score
 from scheduler.policies.fgd_paper.frag import Fragmentation
 from scheduler.trace import MILLI, NodeSpec, PodSpec, TypicalPod
@@ -170,24 +175,13 @@ class GpusharePolicy:
             return cached
         cpu_after = cpu_left - pod.cpu_milli
         if pod.sharing:
-            choice, seen = (-1, -1), -1
-            for g, f in enumerate(free_sorted):
-                # Equal free values give equal outcomes; the first (tightest) is kept on ties.
-                if f < pod.gpu_milli or f == seen:
-                    continue
-                seen = f
-                after = list(free_sorted)
-                after[g] -= pod.gpu_milli
+            choice = (-1, -1)
+            for g, after in sharing_outcomes(free_sorted, pod):
                 rank = self._rank(model, cpu_left, free_sorted, after, cpu_after)
-                if rank > choice[0]:
+                if rank > choice[0]:  # strict: the first (tightest) GPU is kept on ties
                     choice = (rank, g)
         else:
-            after = list(free_sorted)
-            if pod.gpu_milli > 0:
-                # Whole GPUs: any fully free ones give the same multiset, as in FGD.
-                taken = [g for g, f in enumerate(after) if f >= pod.gpu_milli][: pod.num_gpu]
-                for g in taken:
-                    after[g] -= pod.gpu_milli
+            after = exclusive_outcome(free_sorted, pod)
             choice = (self._rank(model, cpu_left, free_sorted, after, cpu_after), -1)
         self._memo[key] = choice
         return choice

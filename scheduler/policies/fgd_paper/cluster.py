@@ -92,3 +92,29 @@ def random_gpu(free: list[int], milli: int, rng: random.Random) -> int:
     """A uniformly random GPU among those that fit (the paper uses reservoir sampling)."""
     fitting = [g for g, f in enumerate(free) if f >= milli]
     return fitting[rng.randrange(len(fitting))]
+
+
+def sharing_outcomes(free_sorted: tuple[int, ...], pod: PodSpec) -> list[tuple[int, list[int]]]:
+    """For a sharing pod: (position, free milli after) for each GPU it could take.
+
+    Equal free values give equal hypothetical nodes, so each value is tried once, at its
+    first (lowest) position.
+    """
+    outcomes, seen = [], -1
+    for g, f in enumerate(free_sorted):
+        if f >= pod.gpu_milli and f != seen:
+            after = list(free_sorted)
+            after[g] -= pod.gpu_milli
+            outcomes.append((g, after))
+            seen = f
+    return outcomes
+
+
+def exclusive_outcome(free_sorted: tuple[int, ...], pod: PodSpec) -> list[int]:
+    """Free milli after a whole-GPU (or CPU-only) pod, as FGD's NodeResource.Sub takes GPUs:
+    the first ``num_gpu`` that fit, in ascending order of free milli."""
+    after = list(free_sorted)
+    if pod.gpu_milli > 0:
+        for g in [g for g, f in enumerate(after) if f >= pod.gpu_milli][: pod.num_gpu]:
+            after[g] -= pod.gpu_milli
+    return after

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from scheduler.policies.fgd_paper.base import ReplayContext
-from scheduler.policies.fgd_paper.cluster import exclusive_gpus
+from scheduler.policies.fgd_paper.cluster import exclusive_gpus, exclusive_outcome, sharing_outcomes
 from scheduler.trace import PodSpec
 
 _ScoreKey = tuple[str, int, tuple[int, ...], tuple[int, int, int, str]]
@@ -30,14 +30,16 @@ class FgdPolicy:
         self.frag = ctx.frag
         self._memo: dict[_ScoreKey, int] = {}
 
-    def _gpu_score(
-        self, model: str, cpu_after: int, free_sorted: tuple[int, ...], g: int, pod: PodSpec
-    ) -> int:
-        """Score of putting a sharing pod on the GPU at position ``g`` of the sorted list."""
-        after = list(free_sorted)
-        after[g] -= pod.gpu_milli
-        before = self.frag.amount(model, cpu_after + pod.cpu_milli, free_sorted)
-        return sigmoid_score(before - self.frag.amount(model, cpu_after, tuple(sorted(after))))
+    def _sharing_scores(
+        self, model: str, cpu_left: int, free_sorted: tuple[int, ...], pod: PodSpec
+    ) -> dict[int, int]:
+        """Score of a sharing pod on a GPU, by that GPU's free milli (equal values score alike)."""
+        before = self.frag.amount(model, cpu_left, free_sorted)
+        cpu_after = cpu_left - pod.cpu_milli
+        return {
+            free_sorted[g]: sigmoid_score(before - self.frag.amount(model, cpu_after, tuple(sorted(after))))
+            for g, after in sharing_outcomes(free_sorted, pod)
+        }
 
     def score(self, n: int, pod: PodSpec) -> int:
         model = self.cluster.nodes[n].model
@@ -48,22 +50,15 @@ class FgdPolicy:
         if cached is not None:
             return cached
         cpu_after = cpu_left - pod.cpu_milli
+        before = self.frag.amount(model, cpu_left, free_sorted)
+
+        def gain(after: list[int]) -> int:
+            return sigmoid_score(before - self.frag.amount(model, cpu_after, tuple(sorted(after))))
+
         if pod.sharing:
-            best, seen = 0, -1
-            for g, f in enumerate(free_sorted):
-                # Equal free values give equal hypothetical nodes: score each value once.
-                if f >= pod.gpu_milli and f != seen:
-                    best = max(best, self._gpu_score(model, cpu_after, free_sorted, g, pod))
-                    seen = f
+            best = max(self._sharing_scores(model, cpu_left, free_sorted, pod).values(), default=0)
         else:
-            after = list(free_sorted)
-            if pod.gpu_milli > 0:
-                # NodeResource.Sub takes the GPUs in ascending order of free milli.
-                taken = [g for g, f in enumerate(after) if f >= pod.gpu_milli][: pod.num_gpu]
-                for g in taken:
-                    after[g] -= pod.gpu_milli
-            before = self.frag.amount(model, cpu_left, free_sorted)
-            best = sigmoid_score(before - self.frag.amount(model, cpu_after, tuple(sorted(after))))
+            best = gain(exclusive_outcome(free_sorted, pod))
         self._memo[key] = best
         return best
 
@@ -75,15 +70,11 @@ class FgdPolicy:
             return exclusive_gpus(free, pod)
         # The first GPU index reaching the best truncated score, as the plugin's strict '>'.
         model = self.cluster.nodes[n].model
-        cpu_after = self.cluster.cpu_left[n] - pod.cpu_milli
-        free_sorted = tuple(sorted(free))
-        by_value: dict[int, int] = {}
+        by_value = self._sharing_scores(model, self.cluster.cpu_left[n], tuple(sorted(free)), pod)
         best_g, best = -1, -1
         for g, f in enumerate(free):
             if f < pod.gpu_milli:
                 continue
-            if f not in by_value:
-                by_value[f] = self._gpu_score(model, cpu_after, free_sorted, free_sorted.index(f), pod)
             if by_value[f] > best:
                 best_g, best = g, by_value[f]
         return (best_g,)
