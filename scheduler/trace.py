@@ -63,6 +63,10 @@ class TypicalPod:
     models: tuple[str, ...]
     probability: float
 
+    @property
+    def sharing(self) -> bool:
+        return self.num_gpu == 1 and 0 < self.gpu_milli < MILLI
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:

@@ -14,6 +14,8 @@ from scheduler.policies.fgd_paper.cluster import Cluster
 from scheduler.policies.fgd_paper.fgd import FgdPolicy
 from scheduler.policies.fgd_paper.frag import Fragmentation
 from scheduler.policies.gpushare import (
+    FILLER_MIN_SHARE,
+    EventualWaste,
     GpusharePolicy,
     StrandedCapacity,
     scarcity_weights,
@@ -108,6 +110,43 @@ def test_a_share_takes_the_gpu_that_strands_least() -> None:
     assert ours.pick_gpus(0, pod(1000, 500)) == (1,)  # completes the half-used GPU
     assert ours.pick_gpus(0, pod(1000, 1000)) == (0,)  # whole GPUs: the lowest free index
     assert ours.pick_gpus(0, pod(1000, num=0)) == ()
+
+
+SHARES = [
+    TypicalPod(8000, 470, 1, (), 0.4),
+    TypicalPod(4000, 320, 1, (), 0.2),
+    TypicalPod(8000, 650, 1, (), 0.2),
+    TypicalPod(12000, 1000, 1, (), 0.2),
+]
+
+
+def test_eventual_waste_fills_gaps_with_common_shares_that_fit_the_cpu() -> None:
+    waste = EventualWaste(SHARES)
+    assert waste.gpu("G2", 530, 96000) == 60  # one more 470
+    assert waste.gpu("G2", 350, 96000) == 30  # a 320
+    assert waste.gpu("G2", 210, 96000) == 210  # nothing common fits
+    assert waste.gpu("G2", 1000, 96000) == 30  # 650 + 320 beats 470 + 470
+    assert waste.gpu("G2", 530, 6000) == 210  # CPU for a 320 only
+    assert waste.gpu("G2", 530, 3000) == 530  # CPU for nothing
+    assert waste.amount("G2", 96000, (210, 530)) == 270
+
+
+def test_rare_shares_are_not_fillers() -> None:
+    rare = FILLER_MIN_SHARE / 2
+    waste = EventualWaste([TypicalPod(4000, 810, 1, (), 1.0), TypicalPod(4000, 160, 1, (), rare)])
+    assert waste.gpu("G2", 190, 96000) == 190  # a 190 gap does not count on the rare 160
+    models = EventualWaste([TypicalPod(4000, 500, 1, ("T4",), 1.0)])
+    assert models.gpu("G2", 1000, 96000) == 1000 and models.gpu("T4", 1000, 96000) == 0
+
+
+def test_a_share_pairs_where_its_partner_can_follow() -> None:
+    nodes = [NodeSpec(name, 96000, 393216, 1, "G2") for name in ("lone470", "lone650", "fresh")]
+    cluster, ours, fgd = policies(nodes, SHARES)
+    cluster.allocate(0, pod(8000, 470), (0,))  # 530 left: a 320 would leave 210, unfillable
+    cluster.allocate(1, pod(8000, 650), (0,))  # 350 left: a 320 leaves 30
+    share = pod(4000, 320)
+    assert fgd.score(0, share) > fgd.score(2, share)  # FGD fills the lone 470
+    assert ours.score(1, share) > ours.score(0, share) and ours.score(2, share) > ours.score(0, share)
 
 
 @pytest.fixture
