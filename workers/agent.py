@@ -87,7 +87,40 @@ class Agent:
         )
 
     def heartbeat(self) -> None:
-        dispatch.to_control("agent_heartbeat", self.host, _now_ms(), self.backend.name, self.driver.name)
+        """Beat, carrying what this host runs: the control worker reconciles against it."""
+        taken_ms = _now_ms()
+        try:
+            owned: list[dict[str, Any]] | None = self.owned_report()
+        except DriverError as exc:  # the engine is down: beat anyway, reconcile next time
+            log.warning("cannot list sandboxes for the report: %s", exc)
+            owned = None
+        dispatch.to_control(
+            "agent_heartbeat", self.host, taken_ms, self.backend.name, self.driver.name, owned
+        )
+
+    def owned_report(self) -> list[dict[str, Any]]:
+        """Every sandbox the driver owns on this host, found by labels or names (so it
+        survives a restart of this agent), with its state and whether this agent tracks it."""
+        with self.lock:
+            tracked = set(self.running)
+        report = []
+        for handle in self.driver.list_owned():
+            status = self.driver.status(handle)
+            if status.state == "missing":
+                continue
+            report.append(
+                {
+                    "allocation_id": handle.allocation_id,
+                    "sandbox_id": handle.sandbox_id,
+                    "state": status.state,
+                    "exit_code": status.exit_code,
+                    "reason": status.reason,
+                    "started_at_ms": status.started_at_ms,
+                    "handle": handle.to_json(),
+                    "tracked": handle.allocation_id in tracked,
+                }
+            )
+        return report
 
     # --- sandboxes ---------------------------------------------------------------------------
 
@@ -243,6 +276,11 @@ def get_agent() -> Agent:
 @app.task(name="workers.agent.launch_sandbox", ignore_result=True)
 def launch_sandbox(spec: dict[str, Any]) -> None:
     get_agent().launch(SandboxSpec.from_json(spec))
+
+
+@app.task(name="workers.agent.report_inventory", ignore_result=True)
+def report_inventory() -> None:
+    get_agent().report_inventory()
 
 
 @app.task(name="workers.agent.stop_sandbox", ignore_result=True)

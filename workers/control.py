@@ -24,9 +24,11 @@ from django.utils import timezone  # noqa: E402
 
 from portal.fleet.inventory import do_heartbeat, do_sync_inventory  # noqa: E402
 from portal.fleet.models import Gpu, Host  # noqa: E402
+from portal.fleet.reconcile import do_reconcile_host  # noqa: E402
 from portal.sandboxes import actions  # noqa: E402
 from portal.sandboxes.models import Sandbox, SandboxState  # noqa: E402
 from portal.sandboxes.scheduling import schedule_once  # noqa: E402
+from workers import dispatch  # noqa: E402
 from workers.celery import app  # noqa: E402
 from workers.config import CONTROL_HEARTBEAT_KEY  # noqa: E402
 
@@ -64,6 +66,9 @@ def tick() -> None:
 
 
 def mark_lost_hosts(now: datetime) -> int:
+    """A host silent for MISSED_BEATS_LOST heartbeats is lost: its GPUs become unavailable
+    and its sandboxes are lost with it (failed, or requeued when their tier says so). If
+    it comes back, reconciliation stops the copies it still runs."""
     cutoff = now - timedelta(seconds=settings.AGENT_HEARTBEAT_S * MISSED_BEATS_LOST)
     with transaction.atomic():
         lost = list(
@@ -74,6 +79,11 @@ def mark_lost_hosts(now: datetime) -> int:
             host.state = Host.State.LOST
             host.save(update_fields=["state"])
             Gpu.objects.filter(host=host, state=Gpu.State.AVAILABLE).update(state=Gpu.State.UNAVAILABLE)
+    for host in lost:
+        placed = (SandboxState.PLACING, SandboxState.STARTING, SandboxState.RUNNING, SandboxState.STOPPING)
+        on_host = Sandbox.objects.filter(host=host, state__in=placed).values_list("pk", flat=True)
+        for sandbox_id in list(on_host):
+            actions.do_lose(sandbox_id, f"host {host.name} lost (missed {MISSED_BEATS_LOST} heartbeats)", now)
     return len(lost)
 
 
@@ -85,9 +95,21 @@ def resend_stuck_placements(now: datetime) -> None:
 
 
 @app.task(name="workers.control.agent_heartbeat", ignore_result=True)
-def agent_heartbeat(host: str, t_ms: int, backend: str, driver: str) -> None:
+def agent_heartbeat(
+    host: str, t_ms: int, backend: str, driver: str, owned: list[dict[str, Any]] | None = None
+) -> None:
+    """A beat, with the agent's report of what it runs: the database is repaired to match."""
+    was = Host.objects.filter(name=host).values_list("state", flat=True).first()
     if not do_heartbeat(host, _from_ms(t_ms), backend, driver):
         log.warning("heartbeat from unknown host %s ignored (no inventory yet)", host)
+        return
+    if was == Host.State.LOST:
+        # Back from lost: its GPUs were made unavailable; the agent's inventory says which
+        # are really there.
+        log.warning("host %s is back: asking for its inventory", host)
+        dispatch.to_host(host, "report_inventory")
+    if owned is not None:
+        do_reconcile_host(host, _from_ms(t_ms), owned)
 
 
 @app.task(name="workers.control.agent_inventory", ignore_result=True)

@@ -49,6 +49,11 @@ class Tier(models.Model):
     memory_limit_mib = models.PositiveIntegerField(default=4096)
     pids_limit = models.PositiveIntegerField(default=512)
     network = models.BooleanField(default=False, help_text="Sandboxes get a network.")
+    requeue_on_failure = models.BooleanField(
+        default=False,
+        help_text="A sandbox lost to a host or engine fault (host lost, sandbox vanished) is "
+        "queued again instead of ending failed.",
+    )
     active = models.BooleanField(default=True)
 
     class Meta:

@@ -37,7 +37,7 @@ TRANSITIONS: dict[str, set[str]] = {
     S.QUEUED: {S.PLACING, S.STOPPED, S.FAILED, S.EXPIRED},
     S.PLACING: {S.STARTING, S.QUEUED, S.STOPPING, S.FAILED},
     S.STARTING: {S.RUNNING, S.STOPPING, S.FAILED, S.QUEUED},
-    S.RUNNING: {S.STOPPING, S.FAILED, S.PREEMPTED, S.EXPIRED},
+    S.RUNNING: {S.STOPPING, S.FAILED, S.PREEMPTED, S.EXPIRED, S.QUEUED},
     S.STOPPING: {S.STOPPED, S.FAILED, S.PREEMPTED},
 }
 PHASE_TIMESTAMPS: dict[str, str] = {S.PLACING: "placed_at", S.STOPPING: "stop_requested_at"}
@@ -240,6 +240,21 @@ def do_send_launch(sandbox_id: int) -> None:
         dispatch.to_host(sandbox.host.name, "launch_sandbox", spec.to_json())
 
 
+def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:
+    """Send a starting sandbox's launch again (the first was lost with its agent), or with
+    ``adopt`` a running one's, so a restarted agent tracks it again. Launch is idempotent:
+    the agent finds the sandbox its driver already made."""
+    from portal.sandboxes.specs import launch_spec
+
+    with transaction.atomic():
+        sandbox = _locked(sandbox_id)
+        wanted = S.RUNNING if adopt else S.STARTING
+        if sandbox is None or sandbox.state != wanted or sandbox.host is None:
+            return
+        host_name, spec = sandbox.host.name, launch_spec(sandbox).to_json()
+        transaction.on_commit(lambda: dispatch.to_host(host_name, "launch_sandbox", spec))
+
+
 def do_set_pending_reason(sandbox_id: int, reason: str) -> None:
     Sandbox.objects.filter(pk=sandbox_id, state=S.QUEUED).exclude(pending_reason=reason).update(
         pending_reason=reason[:200]
@@ -288,6 +303,45 @@ def do_fail(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> N
         sandbox.failure = reason
         sandbox.save(update_fields=["failure"])
         _end(sandbox, S.FAILED, ended_at or timezone.now(), reason)
+
+
+def do_lose(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> str | None:
+    """A placed sandbox was lost to a fault (its host, its engine): end it, or queue it again
+    when its tier says so. A sandbox that was being stopped simply ends. Returns the new
+    state, or None when there was nothing to do (already ended: idempotent)."""
+    ended_at = ended_at or timezone.now()
+    with transaction.atomic():
+        sandbox = _locked(sandbox_id)
+        if sandbox is None or sandbox.state not in (S.PLACING, S.STARTING, S.RUNNING, S.STOPPING):
+            return None
+        if sandbox.state == S.STOPPING:
+            if sandbox.preempted_for_id is not None:
+                _end(
+                    sandbox,
+                    S.PREEMPTED,
+                    ended_at,
+                    f"preempted for sandbox {sandbox.preempted_for_id}; {reason}",
+                )
+                return S.PREEMPTED
+            _end(sandbox, S.STOPPED, ended_at, f"stopped: {reason}")
+            return S.STOPPED
+        if not sandbox.tier.requeue_on_failure:
+            sandbox.failure = reason
+            sandbox.save(update_fields=["failure"])
+            _end(sandbox, S.FAILED, ended_at, reason)
+            return S.FAILED
+        # Requeued: the run so far is billed and its devices released; the request keeps
+        # its age. The old allocation key matches nothing any more, so if the lost copy
+        # turns up again (its host comes back) reconciliation stops it as an orphan.
+        ledger.close_interval(sandbox, ended_at)
+        Allocation.objects.filter(sandbox=sandbox, active=True).update(active=False, released_at=ended_at)
+        old_key = sandbox.allocation_key
+        sandbox.host, sandbox.allocation_key, sandbox.handle = None, "", None
+        sandbox.started_at = sandbox.placed_at = None
+        sandbox.save(update_fields=["host", "allocation_key", "handle", "started_at", "placed_at"])
+        _transition(sandbox, S.QUEUED, message=f"requeued: {reason}", data={"lost_allocation": old_key})
+        transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
+        return S.QUEUED
 
 
 def _end(sandbox: Sandbox, to: str, ended_at: datetime, message: str) -> None:

@@ -49,12 +49,14 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, every: flo
 
 
 class Platform:
-    def __init__(self, var_dir: Path, log_dir: Path) -> None:
+    def __init__(self, var_dir: Path, log_dir: Path, heartbeat_s: int = 1) -> None:
+        self.heartbeat_s = heartbeat_s
         self.host = f"e2e-{uuid.uuid4().hex[:6]}"
         self.var_dir = var_dir
         self.log_dir = log_dir
         var_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
         self.port = 0
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -64,14 +66,15 @@ class Platform:
             "REDIS_URL": settings.REDIS_URL,
             "GPUSHARE_VAR_DIR": str(self.var_dir),
             "SECRET_KEY": settings.SECRET_KEY,
-            "AGENT_HEARTBEAT_S": "1",
+            "AGENT_HEARTBEAT_S": str(self.heartbeat_s),
             "CYCLE_INTERVAL_S": "1",
             "SANDBOX_STOP_GRACE_S": "2",
             **extra,
         }
 
     def start(self, name: str, argv: list[str], **extra: str) -> None:
-        log = (self.log_dir / f"{name}.log").open("wb")
+        self.commands[name] = (argv, extra)
+        log = (self.log_dir / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
             argv,
             cwd=ROOT,
@@ -155,6 +158,16 @@ class Platform:
         wait_for(up, 30, "the web server")
         return f"http://127.0.0.1:{self.port}"
 
+    def kill(self, name: str) -> None:
+        """SIGKILL a process and its children, as a crash or the OOM killer would."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+
+    def restart(self, name: str) -> None:
+        argv, extra = self.commands[name]
+        self.start(name, argv, **extra)
+
     def logs(self) -> str:
         return "\n".join(
             f"--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}"
@@ -184,9 +197,11 @@ class Platform:
 
 
 @contextmanager
-def running_platform(tmp_path: Path, web: bool = False, **workers: str) -> Iterator[Platform]:
+def running_platform(
+    tmp_path: Path, web: bool = False, heartbeat_s: int = 1, **workers: str
+) -> Iterator[Platform]:
     (tmp_path / "logs").mkdir(exist_ok=True)
-    platform = Platform(tmp_path / "var", tmp_path / "logs")
+    platform = Platform(tmp_path / "var", tmp_path / "logs", heartbeat_s)
     try:
         platform.start_workers(**workers)
         if web:

@@ -22,22 +22,6 @@ from tests.e2e.platform import running_platform, wait_for
 from tests.workers.engines import require_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-IMAGE = "gpushare/sandbox-base:1"
-
-
-@pytest.fixture
-def docker_client() -> Any:
-    from workers.drivers.docker import docker_available
-
-    require_engine(docker_available(), "a Docker engine")
-    import docker
-
-    client = docker.from_env()
-    try:
-        client.images.get(IMAGE)
-    except docker.errors.ImageNotFound:
-        require_engine(False, f"the image {IMAGE} (scripts/build-sandbox-image.sh)")
-    return client
 
 
 def state_of(pk: int) -> str:

@@ -374,3 +374,19 @@ def test_terminal_runs_a_shell_inside(driver: ProcessDriver) -> None:
                 terminal.read(0.2)
     finally:
         terminal.close()
+
+
+@pytest.mark.bwrap
+def test_exceeding_the_memory_limit_kills_the_sandbox_and_says_why(driver: ProcessDriver) -> None:
+    # The shell holds 300 MB of output in a variable: far over the 64 MiB limit.
+    hog = "a=$(head -c 300000000 /dev/zero | tr '\\0' x); echo survived ${#a}"
+    handle = driver.launch(make_spec(memory_limit_mib=64, command=("sh", "-c", hog)))
+    deadline = time.monotonic() + 60
+    while driver.status(handle).state == "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status = driver.status(handle)
+    assert status.state == "exited" and status.exit_code != 0, status
+    assert "survived" not in log_of(driver, handle)
+    if driver.limits != "rlimit":  # the kernel's OOM killer acted: the cgroup counted it
+        assert status.reason == "out of memory: killed at the memory limit", status
+    driver.stop(handle, grace_s=0)

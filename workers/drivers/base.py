@@ -99,6 +99,7 @@ class SandboxStatus:
     state: str  # "running" | "exited" | "missing"
     exit_code: int | None = None
     started_at_ms: int | None = None
+    reason: str | None = None  # why it exited when the driver knows, e.g. "out of memory"
 
 
 class DriverError(RuntimeError):

@@ -305,7 +305,8 @@ class DockerDriver:
                 return SandboxStatus(state="running", started_at_ms=started)
             # "created" (never started) has no exit code worth reporting.
             code = state.get("ExitCode") if container.status != "created" else None
-            return SandboxStatus(state="exited", exit_code=code, started_at_ms=started)
+            reason = "out of memory: killed at the memory limit" if state.get("OOMKilled") else None
+            return SandboxStatus(state="exited", exit_code=code, started_at_ms=started, reason=reason)
 
     def list_owned(self) -> list[SandboxHandle]:
         labels = [ALLOCATION_LABEL]

@@ -250,6 +250,20 @@ def _rlimits(spec: SandboxSpec, private_uid: bool) -> _Limits:
     return _Limits("rlimit", (), (), tuple(prlimit))
 
 
+def _oom_kills(dirs: tuple[str, ...]) -> int:
+    """Processes the kernel killed at the memory limit: ``oom_kill`` in cgroup v2's
+    memory.events or v1's memory.oom_control (kernels from 4.13 count it there)."""
+    kills = 0
+    for d in dirs:
+        for name in ("memory.events", "memory.oom_control"):
+            with contextlib.suppress(OSError):
+                for line in Path(d, name).read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        kills += int(value)
+    return kills
+
+
 def _remove_cgroups(dirs: tuple[str, ...]) -> None:
     for d in dirs:
         procs = Path(d, "cgroup.procs")
@@ -639,7 +653,10 @@ class ProcessDriver:
              if "exit-code" in d),
             None,
         )  # fmt: skip
-        return SandboxStatus(state="exited", exit_code=code, started_at_ms=started)
+        reason = None
+        if _oom_kills(tuple(state.get("cgroups") or ())):
+            reason = "out of memory: killed at the memory limit"
+        return SandboxStatus(state="exited", exit_code=code, started_at_ms=started, reason=reason)
 
     def list_owned(self) -> list[SandboxHandle]:
         """Every sandbox with a state file, exited ones included (status says which)."""

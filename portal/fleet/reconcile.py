@@ -1,0 +1,151 @@
+"""Keeping the database's picture of a host true to what its agent actually runs.
+
+Every heartbeat carries the agent's report: each sandbox its driver owns (found by labels
+or names, so the report survives an agent restart) with its state. ``do_reconcile_host``
+compares that with the sandboxes the database places on the host and repairs the drift:
+
+- owned but unknown, ended, or of an old allocation: an **orphan**, stopped;
+- owned and running while the database still says ``placing``/``starting``: the launch
+  report was lost (the agent died after launching), so it is marked running now;
+- owned and exited while the database says running: it ended by itself; recorded with the
+  driver's reason (exit code, out of memory);
+- running in the database but absent from a report taken after it started: it
+  **vanished** (removed behind the platform's back), so it is lost: failed, or requeued
+  when its tier says so;
+- ``starting`` for longer than ``LAUNCH_RESEND_S`` and absent: the launch message was
+  lost with a killed agent, so it is sent again (launch is idempotent);
+- owned but not tracked by the agent (it restarted): the agent is told to adopt it.
+
+Decisions are computed under row locks and each repair goes through ``actions``; messages
+to agents leave after commit. A report is a snapshot: anything that changed state after
+it was taken is left for the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+
+from portal.fleet.models import Host
+from portal.sandboxes import actions
+from portal.sandboxes.models import Sandbox, SandboxState
+from workers import dispatch
+
+log = logging.getLogger(__name__)
+S = SandboxState
+LAUNCH_RESEND_S = 15
+STOP_RESEND_S = 30  # beyond any stop grace period
+ENDED = (S.STOPPED, S.FAILED, S.PREEMPTED, S.EXPIRED)
+
+
+@dataclass
+class Repairs:
+    """What one reconciliation did, for logs and tests."""
+
+    orphans_stopped: list[str] = field(default_factory=list)
+    marked_running: list[int] = field(default_factory=list)
+    exited: list[int] = field(default_factory=list)
+    vanished: list[int] = field(default_factory=list)
+    launches_resent: list[int] = field(default_factory=list)
+    adopted: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return any(vars(self).values())
+
+
+def exit_message(entry: dict[str, Any]) -> str:
+    reason = entry.get("reason")
+    code = entry.get("exit_code")
+    if reason:
+        return f"exited: {reason}" + (f" (exit code {code})" if code is not None else "")
+    return f"exited with code {code}" if code is not None else "exited"
+
+
+def do_reconcile_host(host_name: str, taken_at: datetime, owned: list[dict[str, Any]]) -> Repairs:
+    """Repair the drift between ``owned`` (the agent's report at ``taken_at``) and the database."""
+    repairs = Repairs()
+    host = Host.objects.filter(name=host_name).first()
+    if host is None:
+        return repairs
+    by_key = {entry["allocation_id"]: entry for entry in owned}
+    sandboxes = {
+        s.allocation_key: s
+        for s in Sandbox.objects.filter(allocation_key__in=list(by_key)).select_related("host")
+    }
+    for key, entry in by_key.items():
+        sandbox = sandboxes.get(key)
+        _reconcile_owned(host, key, entry, sandbox, taken_at, repairs)
+    placed = Sandbox.objects.filter(
+        host=host, state__in=(S.RUNNING, S.STARTING, S.STOPPING), placed_at__lt=taken_at
+    ).exclude(allocation_key__in=list(by_key))
+    for sandbox in placed:
+        if sandbox.state == S.STOPPING:
+            if sandbox.stop_requested_at and sandbox.stop_requested_at < taken_at:
+                # Gone from the host while being stopped (the agent died before reporting).
+                actions.do_mark_stopped(sandbox.allocation_key, taken_at, "stopped (gone from the host)")
+                repairs.exited.append(sandbox.pk)
+        elif sandbox.state == S.RUNNING and sandbox.started_at and sandbox.started_at < taken_at:
+            reason = f"vanished: the sandbox is no longer on host {host.name}"
+            log.warning("sandbox %s (%s) %s", sandbox.pk, sandbox.allocation_key, reason)
+            actions.do_lose(sandbox.pk, reason, taken_at)
+            repairs.vanished.append(sandbox.pk)
+        elif (
+            sandbox.state == S.STARTING
+            and sandbox.placed_at is not None
+            and sandbox.placed_at < taken_at - timedelta(seconds=LAUNCH_RESEND_S)
+        ):
+            log.warning("sandbox %s: no sandbox on %s yet, launch sent again", sandbox.pk, host.name)
+            actions.do_resend_launch(sandbox.pk)
+            repairs.launches_resent.append(sandbox.pk)
+    if repairs:
+        log.info("reconciled host %s: %s", host.name, repairs)
+    return repairs
+
+
+def _reconcile_owned(
+    host: Host,
+    key: str,
+    entry: dict[str, Any],
+    sandbox: Sandbox | None,
+    taken_at: datetime,
+    repairs: Repairs,
+) -> None:
+    running = entry.get("state") == "running"
+    if sandbox is None or sandbox.state in (*ENDED, S.QUEUED) or sandbox.host_id != host.pk:
+        # Nothing in the database owns it (any more): stop it and free the GPU.
+        log.warning("orphan sandbox %s on %s: stopping it", key, host.name)
+        _stop_after_commit(host.name, key, int(entry.get("sandbox_id") or 0), entry.get("handle"))
+        repairs.orphans_stopped.append(key)
+        return
+    if running and sandbox.state in (S.PLACING, S.STARTING):
+        started_ms = entry.get("started_at_ms") or int(taken_at.timestamp() * 1000)
+        if sandbox.state == S.PLACING:
+            actions.do_send_launch(sandbox.pk)  # PLACING -> STARTING, the launch is a no-op
+        actions.do_mark_running(key, entry.get("handle") or {}, _from_ms(started_ms))
+        repairs.marked_running.append(sandbox.pk)
+    elif not running and sandbox.state in (S.RUNNING, S.STARTING):
+        actions.do_mark_stopped(key, taken_at, exit_message(entry))
+        # The agent keeps an exited sandbox until told to stop it: clean it up now.
+        _stop_after_commit(host.name, key, sandbox.pk, entry.get("handle"))
+        repairs.exited.append(sandbox.pk)
+    elif sandbox.state == S.STOPPING:
+        asked = sandbox.stop_requested_at
+        if asked is not None and asked < taken_at - timedelta(seconds=STOP_RESEND_S):
+            log.warning("sandbox %s still on %s after its stop: stop sent again", sandbox.pk, host.name)
+            _stop_after_commit(host.name, key, sandbox.pk, entry.get("handle"))
+            repairs.orphans_stopped.append(key)
+    elif running and sandbox.state == S.RUNNING and not entry.get("tracked", True):
+        actions.do_resend_launch(sandbox.pk, adopt=True)
+        repairs.adopted.append(sandbox.pk)
+
+
+def _stop_after_commit(host_name: str, key: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:
+    transaction.on_commit(lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle))
+
+
+def _from_ms(t_ms: int) -> datetime:
+    return datetime.fromtimestamp(t_ms / 1000, tz=UTC)

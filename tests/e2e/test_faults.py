@@ -1,0 +1,120 @@
+"""Faults with the real processes: killed agents, sandboxes removed behind the platform's
+back, duplicated messages. Heartbeats (and so reconcile reports) come every second here."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from portal.fleet.models import Host
+from portal.sandboxes.models import Sandbox
+from portal.sandboxes.specs import launch_spec
+from tests.e2e.platform import Platform, running_platform, wait_for
+from tests.portal.helpers import request
+from workers import dispatch
+
+pytestmark = [pytest.mark.e2e, pytest.mark.docker, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+RECONCILE_PERIOD_S = 1  # the platform's AGENT_HEARTBEAT_S: each beat carries a report
+
+
+def state_of(pk: int) -> str:
+    return Sandbox.objects.values_list("state", flat=True).get(pk=pk)
+
+
+def containers(client: Any, sandbox: Sandbox, key: str = "") -> list[Any]:
+    label = f"io.gpushare.allocation={key or sandbox.allocation_key}"
+    return client.containers.list(all=True, filters={"label": label})
+
+
+def ask(people: Any, catalog: Any) -> Sandbox:
+    return request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+
+
+def running(people: Any, catalog: Any, platform: Platform) -> Sandbox:
+    sandbox = ask(people, catalog)
+    wait_for(lambda: state_of(sandbox.pk) == "running", 60, "the sandbox to run\n" + platform.logs())
+    return Sandbox.objects.get(pk=sandbox.pk)
+
+
+def test_a_container_removed_behind_our_back_is_noticed(
+    people: Any, catalog: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    with running_platform(tmp_path) as platform:
+        sandbox = running(people, catalog, platform)
+        [container] = containers(docker_client, sandbox)
+        removed_at = datetime.now(tz=UTC)
+        container.remove(force=True)
+        wait_for(lambda: state_of(sandbox.pk) == "failed", 30, "the platform to notice\n" + platform.logs())
+        sandbox.refresh_from_db()
+        assert "vanished" in sandbox.failure
+        # ended_at is when the report that noticed it was taken: the first or second after.
+        assert sandbox.ended_at is not None
+        noticed_after = (sandbox.ended_at - removed_at).total_seconds()
+        print(f"removal noticed by the report taken {noticed_after:.2f} s after it")
+        assert noticed_after <= 2 * RECONCILE_PERIOD_S
+        assert not sandbox.allocations.filter(active=True).exists()
+
+
+def test_a_duplicated_launch_message_makes_no_second_container(
+    people: Any, catalog: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    with running_platform(tmp_path) as platform:
+        sandbox = running(people, catalog, platform)
+        spec = launch_spec(sandbox).to_json()
+        for _ in range(3):
+            dispatch.to_host(platform.host, "launch_sandbox", spec)
+        time.sleep(3 * RECONCILE_PERIOD_S)  # the duplicates and a few reports have been handled
+        assert len(containers(docker_client, sandbox)) == 1
+        assert state_of(sandbox.pk) == "running"
+        events = list(Sandbox.objects.get(pk=sandbox.pk).events.values_list("to_state", flat=True))
+        assert events.count("running") == 1
+
+
+def test_an_agent_killed_during_a_launch_leaves_exactly_one_sandbox(
+    people: Any, catalog: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    # Beats every 4 s: a restarted Celery worker is back well before 3 missed beats mark
+    # the host lost (the test below covers that path).
+    with running_platform(tmp_path, heartbeat_s=4) as platform:
+        sandbox = ask(people, catalog)
+        wait_for(lambda: state_of(sandbox.pk) == "starting", 60, "the launch to be sent", every=0.01)
+        platform.kill("agent")
+        key = Sandbox.objects.get(pk=sandbox.pk).allocation_key
+        made_before_restart = len(containers(docker_client, sandbox, key))
+        platform.restart("agent")
+        wait_for(lambda: state_of(sandbox.pk) == "running", 90, "the sandbox to run")
+        time.sleep(3 * 4)  # a late resend or redelivery would show up by now
+        print(f"containers when the agent died: {made_before_restart}")
+        assert len(containers(docker_client, sandbox, key)) == 1
+        assert state_of(sandbox.pk) == "running"
+
+
+def test_a_host_whose_agent_stops_is_lost_with_its_sandboxes(
+    people: Any, catalog: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    with running_platform(tmp_path) as platform:
+        sandbox = running(people, catalog, platform)
+        platform.kill("agent")
+        wait_for(
+            lambda: Host.objects.get(name=platform.host).state == "lost",
+            30,
+            "the host to be marked lost\n" + platform.logs(),
+        )
+        wait_for(lambda: state_of(sandbox.pk) == "failed", 15, "its sandbox to be handled")
+        sandbox.refresh_from_db()
+        assert "lost" in sandbox.failure
+        host = Host.objects.get(name=platform.host)
+        assert not host.gpus.filter(state="available").exists()
+        # The agent comes back: the copy still running there is an orphan and is stopped,
+        # and the host's GPUs are available again.
+        platform.restart("agent")
+        wait_for(lambda: not containers(docker_client, sandbox), 60, "the orphan to be stopped")
+        wait_for(
+            lambda: Host.objects.get(name=platform.host).gpus.filter(state="available").exists(),
+            30,
+            "the GPUs to come back",
+        )

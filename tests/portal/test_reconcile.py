@@ -1,0 +1,167 @@
+"""Reconciliation: the database repaired to match what an agent reports it runs."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from portal.billing.models import UsageRecord
+from portal.fleet.models import Gpu, Host
+from portal.fleet.reconcile import LAUNCH_RESEND_S, do_reconcile_host
+from portal.sandboxes import actions
+from portal.sandboxes.models import Allocation, Sandbox
+from tests.portal.helpers import place_all, request
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def entry(sandbox: Sandbox | None = None, key: str = "", state: str = "running", **kw: Any) -> dict[str, Any]:
+    key = key or (sandbox.allocation_key if sandbox else "")
+    return {
+        "allocation_id": key,
+        "sandbox_id": sandbox.pk if sandbox else 0,
+        "state": state,
+        "exit_code": kw.get("exit_code"),
+        "reason": kw.get("reason"),
+        "started_at_ms": kw.get("started_at_ms"),
+        "handle": {"driver": "docker", "allocation_id": key, "sandbox_id": 0, "ref": "c1"},
+        "tracked": kw.get("tracked", True),
+    }
+
+
+def placed(people: Any, catalog: Any, running: bool = True, tier: str = "dedicated") -> Sandbox:
+    sandbox = request(people["owner"], people["project"], catalog[tier], catalog["image"])
+    place_all()
+    sandbox.refresh_from_db()
+    if running:
+        actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "c1"}, timezone.now())
+        sandbox.refresh_from_db()
+    return sandbox
+
+
+def host_of(sandbox: Sandbox) -> str:
+    assert sandbox.host is not None
+    return sandbox.host.name
+
+
+def later(seconds: float = 1) -> Any:
+    return timezone.now() + timedelta(seconds=seconds)
+
+
+def stops(sent: list[Any]) -> list[str]:
+    return [args[0] for _, task, args in sent if task == "stop_sandbox"]
+
+
+def test_a_matching_report_changes_nothing(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
+    sandbox = placed(people, catalog)
+    repairs = do_reconcile_host(host_of(sandbox), later(), [entry(sandbox)])
+    assert not repairs
+    sandbox.refresh_from_db()
+    assert sandbox.state == "running"
+
+
+def test_orphans_are_stopped(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
+    sandbox = placed(people, catalog)
+    actions.do_request_stop(sandbox.pk, people["owner"])
+    actions.do_mark_stopped(sandbox.allocation_key, timezone.now())
+    sent_tasks.clear()
+    report = [entry(sandbox), entry(key="never-heard-of")]
+    repairs = do_reconcile_host(host_of(sandbox), later(), report)
+    assert sorted(repairs.orphans_stopped) == sorted([sandbox.allocation_key, "never-heard-of"])
+    assert sorted(stops(sent_tasks)) == sorted(repairs.orphans_stopped)
+
+
+def test_a_vanished_sandbox_fails_and_frees_its_gpu(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    sandbox = placed(people, catalog)
+    repairs = do_reconcile_host(host_of(sandbox), later(), [])
+    assert repairs.vanished == [sandbox.pk]
+    sandbox.refresh_from_db()
+    assert sandbox.state == "failed" and "vanished" in sandbox.failure
+    assert not Allocation.objects.filter(sandbox=sandbox, active=True).exists()
+    assert UsageRecord.objects.get(sandbox=sandbox).ended_at is not None
+    # The next report is the same: nothing more happens (idempotent).
+    assert not do_reconcile_host(host_of(sandbox), later(2), [])
+
+
+def test_a_vanished_sandbox_of_a_requeue_tier_queues_again(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    catalog["dedicated"].requeue_on_failure = True
+    catalog["dedicated"].save()
+    sandbox = placed(people, catalog)
+    old_key, host = sandbox.allocation_key, host_of(sandbox)
+    do_reconcile_host(host, later(), [])
+    sandbox.refresh_from_db()
+    assert sandbox.state == "queued" and sandbox.host is None and sandbox.allocation_key == ""
+    assert "requeued: vanished" in str(sandbox.events.values_list("message", flat=True).last())
+    # If the lost copy turns up again, it is an orphan.
+    assert do_reconcile_host(host, later(2), [entry(key=old_key)]).orphans_stopped == [old_key]
+
+
+def test_a_report_taken_before_the_start_does_not_count_as_vanished(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    sandbox = placed(people, catalog)
+    assert not do_reconcile_host(host_of(sandbox), timezone.now() - timedelta(seconds=5), [])
+    sandbox.refresh_from_db()
+    assert sandbox.state == "running"
+
+
+def test_a_lost_launch_report_is_recovered(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
+    sandbox = placed(people, catalog, running=False)
+    assert sandbox.state == "starting"
+    started_ms = int(timezone.now().timestamp() * 1000)
+    repairs = do_reconcile_host(host_of(sandbox), later(), [entry(sandbox, started_at_ms=started_ms)])
+    assert repairs.marked_running == [sandbox.pk]
+    sandbox.refresh_from_db()
+    assert sandbox.state == "running" and (sandbox.handle or {}).get("ref") == "c1"
+
+
+def test_a_lost_launch_message_is_sent_again(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
+    sandbox = placed(people, catalog, running=False)
+    sent_tasks.clear()
+    assert not do_reconcile_host(host_of(sandbox), later(), [])  # still within the launch's time
+    repairs = do_reconcile_host(host_of(sandbox), later(LAUNCH_RESEND_S + 1), [])
+    assert repairs.launches_resent == [sandbox.pk]
+    [(_, _, (spec,))] = [t for t in sent_tasks if t[1] == "launch_sandbox"]
+    assert spec["allocation_id"] == sandbox.allocation_key
+
+
+def test_an_exit_is_recorded_with_its_reason(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
+    sandbox = placed(people, catalog)
+    oom = "out of memory: killed at the memory limit"
+    report = [entry(sandbox, state="exited", exit_code=137, reason=oom)]
+    repairs = do_reconcile_host(host_of(sandbox), later(), report)
+    assert repairs.exited == [sandbox.pk]
+    sandbox.refresh_from_db()
+    assert sandbox.state == "stopped"
+    last = str(sandbox.events.values_list("message", flat=True).last())
+    assert "out of memory" in last and "137" in last
+    assert stops(sent_tasks)[-1] == sandbox.allocation_key  # the agent cleans it up
+
+
+def test_a_restarted_agent_is_told_to_adopt(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
+    sandbox = placed(people, catalog)
+    sent_tasks.clear()
+    repairs = do_reconcile_host(host_of(sandbox), later(), [entry(sandbox, tracked=False)])
+    assert repairs.adopted == [sandbox.pk]
+    assert [t[1] for t in sent_tasks] == ["launch_sandbox"]
+
+
+def test_a_lost_host_loses_its_sandboxes(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
+    from workers.control import mark_lost_hosts
+
+    sandbox = placed(people, catalog)
+    host = Host.objects.get(name=host_of(sandbox))
+    Host.objects.filter(pk=host.pk).update(last_heartbeat_at=timezone.now() - timedelta(minutes=5))
+    assert mark_lost_hosts(timezone.now()) >= 1
+    host.refresh_from_db()
+    sandbox.refresh_from_db()
+    assert host.state == "lost"
+    assert not Gpu.objects.filter(host=host, state="available").exists()
+    assert sandbox.state == "failed" and f"host {host.name} lost" in sandbox.failure
