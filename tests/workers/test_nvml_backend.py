@@ -1,398 +1,26 @@
-"""NvmlBackend against a fake of exactly the pynvml functions it calls.
+"""NvmlBackend against the pynvml fake in nvml_fake.py.
 
 The fake holds two GPUs: an H100 with MIG disabled and an A100-80GB in MIG mode with a
-2g.20gb@0 and a 3g.40gb@4 instance. Every other ``pynvml.nvml*`` function is replaced by a
-trap, so a call the fake does not model fails the test instead of reaching a real driver.
+2g.20gb@0 and a 3g.40gb@4 instance. The ``h100_mig`` fixture turns the H100 into what a busy
+H100 80GB HBM3 in MIG mode reports (instances, ids, clocks, throttle reasons, ECC counts).
 """
 
 from __future__ import annotations
 
 import re
 import types
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pynvml
 import pytest
 
+from tests.workers.nvml_fake import A100_UUID, H100_UUID, MIB, FakeNvml, event
 from workers.gpu import make_backend
 from workers.gpu import nvml as nvml_module
 from workers.gpu.base import GpuBackendError
 from workers.gpu.nvml import NvmlBackend, decode_clock_reasons, nvml_available
-
-MIB = 1024 * 1024
-NO_INSTANCE = 0xFFFFFFFF
-H100_UUID = "GPU-11111111-1111-1111-1111-111111111111"
-A100_UUID = "GPU-22222222-2222-2222-2222-222222222222"
-
-# What an A100-80GB answers for each GPU instance profile enum: (id, name, slices, size).
-A100_PROFILES = {
-    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE: (19, "MIG 1g.10gb", 1, 1, 9728),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE: (14, "MIG 2g.20gb", 2, 2, 19968),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE: (9, "MIG 3g.40gb", 3, 4, 40192),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE: (5, "MIG 4g.40gb", 4, 4, 40192),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_7_SLICE: (0, "MIG 7g.80gb", 7, 8, 80896),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1: (20, "MIG 1g.10gb+me", 1, 1, 9728),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2: (15, "MIG 1g.20gb", 1, 2, 19968),
-}
-A100_BY_ID = {p[0]: p for p in A100_PROFILES.values()}
-
-
-def nvml_error(code: int) -> pynvml.NVMLError:
-    return pynvml.NVMLError(code)  # pynvml turns the code into its NVMLError_* subclass
-
-
-@dataclass(eq=False)
-class Dev:
-    uuid: str
-    name: str = ""
-    memory_mib: int = 0
-    used_mib: int = 0
-    mig_mode: int | None = pynvml.NVML_DEVICE_MIG_DISABLE  # None: MIG not supported
-    temp: int = 41
-    util: int = 55
-    power_mw: int = 312_500
-    sm_clock: int = 1755
-    reasons: int = 0
-    events_supported: int = 0
-    procs: list[SimpleNamespace] = field(default_factory=list)
-    parent: Dev | None = None  # set on MIG device handles
-    gi_id: int = 0
-    ci_id: int = 0
-
-
-@dataclass(eq=False)
-class ComputeInstance:
-    id: int
-    mig: Dev
-
-
-@dataclass(eq=False)
-class GpuInstance:
-    parent: Dev
-    id: int
-    profile_id: int
-    start: int
-    size: int
-    cis: dict[int, ComputeInstance] = field(default_factory=dict)
-
-
-class FakeNvml:
-    FUNCTIONS = frozenset(
-        {
-            "nvmlInit",
-            "nvmlShutdown",
-            "nvmlDeviceGetCount",
-            "nvmlDeviceGetHandleByIndex",
-            "nvmlDeviceGetHandleByUUID",
-            "nvmlDeviceGetUUID",
-            "nvmlDeviceGetName",
-            "nvmlDeviceGetMemoryInfo",
-            "nvmlDeviceGetMigMode",
-            "nvmlDeviceGetMaxMigDeviceCount",
-            "nvmlDeviceGetMigDeviceHandleByIndex",
-            "nvmlDeviceGetGpuInstanceId",
-            "nvmlDeviceGetComputeInstanceId",
-            "nvmlDeviceGetGpuInstanceById",
-            "nvmlGpuInstanceGetInfo",
-            "nvmlDeviceGetGpuInstanceProfileInfo",
-            "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
-            "nvmlDeviceGetTemperature",
-            "nvmlDeviceGetUtilizationRates",
-            "nvmlDeviceGetPowerUsage",
-            "nvmlDeviceGetClockInfo",
-            "nvmlDeviceGetCurrentClocksEventReasons",
-            "nvmlDeviceGetCurrentClocksThrottleReasons",
-            "nvmlDeviceGetComputeRunningProcesses",
-            "nvmlDeviceCreateGpuInstanceWithPlacement",
-            "nvmlGpuInstanceGetComputeInstanceProfileInfo",
-            "nvmlGpuInstanceCreateComputeInstance",
-            "nvmlGpuInstanceDestroy",
-            "nvmlGpuInstanceGetComputeInstanceById",
-            "nvmlComputeInstanceDestroy",
-            "nvmlEventSetCreate",
-            "nvmlDeviceGetSupportedEventTypes",
-            "nvmlDeviceRegisterEvents",
-            "nvmlEventSetWait_v2",
-            "nvmlEventSetFree",
-        }
-    )
-
-    def __init__(self) -> None:
-        self.initialised = 0
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-        self.fail: dict[str, int] = {}  # function name -> NVML error code, raised once
-        self.lost: set[str] = set()
-        self.pending: list[SimpleNamespace] = []
-        self.wait_lost = False
-        self.registered: dict[str, int] = {}
-        self.freed = False
-        xid, dbe = pynvml.nvmlEventTypeXidCriticalError, pynvml.nvmlEventTypeDoubleBitEccError
-        self.h100 = Dev(
-            H100_UUID,
-            "NVIDIA H100 80GB HBM3",
-            81559,
-            used_mib=4_600,
-            reasons=pynvml.nvmlClocksEventReasonSwThermalSlowdown | pynvml.nvmlClocksEventReasonSwPowerCap,
-            events_supported=xid | dbe | pynvml.nvmlEventTypeSingleBitEccError,
-            procs=[
-                SimpleNamespace(pid=101, usedGpuMemory=3_000 * MIB),
-                SimpleNamespace(pid=101, usedGpuMemory=100 * MIB),
-                SimpleNamespace(pid=202, usedGpuMemory=1_000 * MIB),
-                SimpleNamespace(pid=303, usedGpuMemory=None),
-            ],
-        )
-        self.a100 = Dev(
-            A100_UUID,
-            "NVIDIA A100-SXM4-80GB",
-            81920,
-            mig_mode=pynvml.NVML_DEVICE_MIG_ENABLE,
-            temp=63,
-            power_mw=287_000,
-            sm_clock=1410,
-            events_supported=xid,
-        )
-        self.gpus = [self.h100, self.a100]
-        self.instances: dict[tuple[str, int], GpuInstance] = {}
-        self._make_instance(self.a100, 14, start=0, gi_id=3)
-        self._make_instance(self.a100, 9, start=4, gi_id=2)
-        self.mig(2).procs = [SimpleNamespace(pid=404, usedGpuMemory=2_048 * MIB)]
-        self.mig(2).used_mib = 2_100
-
-    # -- helpers for tests -------------------------------------------------------------------
-
-    def mig(self, gi_id: int) -> Dev:
-        return self.instances[(A100_UUID, gi_id)].cis[0].mig
-
-    def called(self, name: str) -> list[tuple[Any, ...]]:
-        return [args for called, args in self.calls if called == name]
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        for name, value in vars(pynvml).items():
-            if name.startswith("nvml") and isinstance(value, types.FunctionType):
-                if name in self.FUNCTIONS:
-                    monkeypatch.setattr(pynvml, name, self._recorded(name, getattr(self, name)))
-                elif name != "nvmlErrorString":  # NVMLError.__str__ uses it
-                    monkeypatch.setattr(pynvml, name, self._trap(name))
-
-    def _recorded(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any) -> Any:
-            self.calls.append((name, args))
-            code = self.fail.pop(name, None)
-            if code is not None:
-                raise nvml_error(code)
-            return method(*args)
-
-        return call
-
-    @staticmethod
-    def _trap(name: str) -> Callable[..., Any]:
-        def trap(*args: Any, **kwargs: Any) -> Any:
-            raise AssertionError(f"NvmlBackend called pynvml.{name}, which the fake lacks")
-
-        return trap
-
-    def _live(self, dev: Dev) -> Dev:
-        board = dev.parent or dev
-        if board.uuid in self.lost:
-            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
-        return dev
-
-    @staticmethod
-    def _board_only(dev: Dev) -> Dev:
-        if dev.parent is not None:  # NVML answers these for whole GPUs only
-            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return dev
-
-    def _migs(self, parent: Dev) -> list[Dev]:
-        instances = sorted(
-            (gi for (uuid, _), gi in self.instances.items() if uuid == parent.uuid),
-            key=lambda gi: gi.id,
-        )
-        return [ci.mig for gi in instances for ci in gi.cis.values()]
-
-    def _make_instance(self, parent: Dev, profile_id: int, start: int, gi_id: int) -> GpuInstance:
-        gi = GpuInstance(parent, gi_id, profile_id, start, A100_BY_ID[profile_id][3])
-        self.instances[(parent.uuid, gi_id)] = gi
-        self._add_compute_instance(gi)
-        return gi
-
-    def _add_compute_instance(self, gi: GpuInstance) -> ComputeInstance:
-        mig = Dev(
-            f"MIG-{gi.parent.uuid[4:12]}-gi{gi.id}",
-            memory_mib=A100_BY_ID[gi.profile_id][4],
-            used_mib=13,
-            mig_mode=None,
-            parent=gi.parent,
-            gi_id=gi.id,
-        )
-        ci = ComputeInstance(0, mig)
-        gi.cis[0] = ci
-        return ci
-
-    # -- the pynvml surface ------------------------------------------------------------------
-
-    def nvmlInit(self) -> None:
-        self.initialised += 1
-
-    def nvmlShutdown(self) -> None:
-        self.initialised -= 1
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> Dev:
-        return self.gpus[index]
-
-    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> Dev:
-        for dev in self.gpus + [m for g in self.gpus for m in self._migs(g)]:
-            if dev.uuid == uuid:
-                return dev
-        raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
-
-    def nvmlDeviceGetUUID(self, dev: Dev) -> str:
-        return self._live(dev).uuid
-
-    def nvmlDeviceGetName(self, dev: Dev) -> str:
-        return self._live(dev).name
-
-    def nvmlDeviceGetMemoryInfo(self, dev: Dev) -> SimpleNamespace:
-        self._live(dev)
-        total, used = dev.memory_mib * MIB, dev.used_mib * MIB
-        return SimpleNamespace(total=total, used=used, free=total - used)
-
-    def nvmlDeviceGetMigMode(self, dev: Dev) -> list[int]:
-        mode = self._live(dev).mig_mode
-        if mode is None:
-            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return [mode, mode]
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, dev: Dev) -> int:
-        return 7 if self._live(dev).mig_mode is not None else 0
-
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, dev: Dev, index: int) -> Dev:
-        migs = self._migs(self._live(dev))
-        if index >= len(migs):
-            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
-        return migs[index]
-
-    def nvmlDeviceGetGpuInstanceId(self, mig: Dev) -> int:
-        return self._live(mig).gi_id
-
-    def nvmlDeviceGetComputeInstanceId(self, mig: Dev) -> int:
-        return self._live(mig).ci_id
-
-    def nvmlDeviceGetGpuInstanceById(self, dev: Dev, gi_id: int) -> GpuInstance:
-        try:
-            return self.instances[(self._live(dev).uuid, gi_id)]
-        except KeyError:
-            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND) from None
-
-    def nvmlGpuInstanceGetInfo(self, gi: GpuInstance) -> SimpleNamespace:
-        placement = SimpleNamespace(start=gi.start, size=gi.size)
-        return SimpleNamespace(device=gi.parent, id=gi.id, profileId=gi.profile_id, placement=placement)
-
-    def nvmlDeviceGetGpuInstanceProfileInfo(self, dev: Dev, enum: int) -> SimpleNamespace:
-        self._live(dev)
-        if enum > pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME:
-            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if enum not in A100_PROFILES:
-            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        profile_id, name, slices, _size, memory = A100_PROFILES[enum]
-        return SimpleNamespace(id=profile_id, name=name, sliceCount=slices, memorySizeMB=memory)
-
-    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, mig: Dev) -> Dev:
-        assert mig.parent is not None
-        return mig.parent
-
-    def nvmlDeviceGetTemperature(self, dev: Dev, sensor: int) -> int:
-        assert sensor == pynvml.NVML_TEMPERATURE_GPU
-        return self._board_only(self._live(dev)).temp
-
-    def nvmlDeviceGetUtilizationRates(self, dev: Dev) -> SimpleNamespace:
-        self._board_only(self._live(dev))
-        if dev.mig_mode == pynvml.NVML_DEVICE_MIG_ENABLE:
-            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return SimpleNamespace(gpu=dev.util, memory=20)
-
-    def nvmlDeviceGetPowerUsage(self, dev: Dev) -> int:
-        return self._board_only(self._live(dev)).power_mw
-
-    def nvmlDeviceGetClockInfo(self, dev: Dev, clock: int) -> int:
-        assert clock == pynvml.NVML_CLOCK_SM
-        return self._board_only(self._live(dev)).sm_clock
-
-    def nvmlDeviceGetCurrentClocksEventReasons(self, dev: Dev) -> int:
-        return self._board_only(self._live(dev)).reasons
-
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, dev: Dev) -> int:
-        return self._board_only(self._live(dev)).reasons
-
-    def nvmlDeviceGetComputeRunningProcesses(self, dev: Dev) -> list[SimpleNamespace]:
-        return self._live(dev).procs
-
-    def nvmlDeviceCreateGpuInstanceWithPlacement(
-        self, dev: Dev, profile_id: int, placement_ref: Any
-    ) -> GpuInstance:
-        placement = placement_ref._obj  # ctypes.byref(c_nvmlGpuInstancePlacement_t)
-        assert isinstance(placement, pynvml.c_nvmlGpuInstancePlacement_t)
-        if A100_BY_ID[profile_id][3] != placement.size:
-            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        wanted = set(range(placement.start, placement.start + placement.size))
-        for (uuid, _), gi in self.instances.items():
-            if uuid == dev.uuid and wanted & set(range(gi.start, gi.start + gi.size)):
-                raise nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
-        gi_id = max((i for (u, i) in self.instances if u == dev.uuid), default=0) + 1
-        gi = GpuInstance(dev, gi_id, profile_id, placement.start, placement.size)
-        self.instances[(dev.uuid, gi_id)] = gi
-        return gi
-
-    def nvmlGpuInstanceGetComputeInstanceProfileInfo(
-        self, gi: GpuInstance, profile: int, engine: int
-    ) -> SimpleNamespace:
-        assert engine == pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
-        return SimpleNamespace(id=profile + 100)  # a distinct id, to see it passed on
-
-    def nvmlGpuInstanceCreateComputeInstance(self, gi: GpuInstance, profile_id: int) -> ComputeInstance:
-        return self._add_compute_instance(gi)
-
-    def nvmlGpuInstanceDestroy(self, gi: GpuInstance) -> None:
-        if gi.cis:
-            raise nvml_error(pynvml.NVML_ERROR_IN_USE)
-        del self.instances[(gi.parent.uuid, gi.id)]
-
-    def nvmlGpuInstanceGetComputeInstanceById(self, gi: GpuInstance, ci_id: int) -> ComputeInstance:
-        return gi.cis[ci_id]
-
-    def nvmlComputeInstanceDestroy(self, ci: ComputeInstance) -> None:
-        if ci.mig.procs:
-            raise nvml_error(pynvml.NVML_ERROR_IN_USE)
-        gi = self.instances[(A100_UUID, ci.mig.gi_id)]
-        del gi.cis[ci.id]
-
-    def nvmlEventSetCreate(self) -> str:
-        return "event-set"
-
-    def nvmlDeviceGetSupportedEventTypes(self, dev: Dev) -> int:
-        return self._live(dev).events_supported
-
-    def nvmlDeviceRegisterEvents(self, dev: Dev, types_: int, event_set: str) -> None:
-        assert event_set == "event-set"
-        self.registered[dev.uuid] = types_
-
-    def nvmlEventSetWait_v2(self, event_set: str, timeout_ms: int) -> SimpleNamespace:
-        assert (event_set, timeout_ms) == ("event-set", 0)
-        if self.wait_lost:
-            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
-        if not self.pending:
-            raise nvml_error(pynvml.NVML_ERROR_TIMEOUT)
-        return self.pending.pop(0)
-
-    def nvmlEventSetFree(self, event_set: str) -> None:
-        self.freed = True
 
 
 @pytest.fixture
@@ -407,10 +35,6 @@ def backend(fake: FakeNvml) -> Iterator[NvmlBackend]:
     instance = NvmlBackend()
     yield instance
     instance.close()
-
-
-def event(dev: Dev, kind: int, data: int = 0, gi: int = NO_INSTANCE) -> SimpleNamespace:
-    return SimpleNamespace(device=dev, eventType=kind, eventData=data, gpuInstanceId=gi, computeInstanceId=gi)
 
 
 # -- the fake itself -------------------------------------------------------------------------
@@ -663,14 +287,14 @@ def test_destroy_mig(fake: FakeNvml, backend: NvmlBackend) -> None:
 def test_health_events_from_the_event_set(fake: FakeNvml, backend: NvmlBackend) -> None:
     backend.list_gpus()  # learns which MIG device each GPU instance is
     xid, dbe = pynvml.nvmlEventTypeXidCriticalError, pynvml.nvmlEventTypeDoubleBitEccError
-    fake.pending = [event(fake.h100, xid, 79), event(fake.h100, dbe), event(fake.a100, xid, 31, 2)]
+    fake.pending = [event(fake.h100, xid, 13), event(fake.h100, dbe), event(fake.a100, xid, 31, 2)]
     events = backend.health_events()
     assert [(e.uuid, e.kind, e.xid) for e in events] == [
-        (H100_UUID, "xid", 79),
+        (H100_UUID, "xid", 13),
         (H100_UUID, "ecc_dbe", None),
         (fake.mig(2).uuid, "xid", 31),
     ]
-    assert events[0].detail == "XID 79"
+    assert events[0].detail == "XID 13"
     assert backend.health_events() == []
 
 
@@ -723,3 +347,105 @@ def test_gpu_lost_before_the_backend_starts(fake: FakeNvml) -> None:
     assert list(fake.registered) == [A100_UUID]
     assert [g.uuid for g in backend.list_gpus()] == [A100_UUID]
     backend.close()
+
+
+# -- an H100 80GB HBM3 in MIG mode, busy ----------------------------------------------------
+
+# (profile id, start, GPU instance id) as NVML numbers them on an H100 for this layout:
+# ids by placement, full GPU 0, halves 1-2, quarters 3-6, eighths 7-13.
+H100_LAYOUT = ((9, 4, 2), (14, 0, 3), (19, 2, 9), (19, 3, 10))
+CORRECTED, UNCORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+GPU_UNAVAILABLE = pynvml.nvmlEventTypeGpuUnavailableError
+
+
+@pytest.fixture
+def h100_mig(fake: FakeNvml) -> Iterator[NvmlBackend]:
+    h100 = fake.h100
+    h100.mig_mode = pynvml.NVML_DEVICE_MIG_ENABLE
+    h100.procs = []
+    h100.used_mib = 26_412
+    h100.temp, h100.power_mw, h100.sm_clock = 71, 689_450, 1_590
+    h100.reasons = pynvml.nvmlClocksEventReasonSwPowerCap | pynvml.nvmlClocksEventReasonHwSlowdown
+    h100.ecc = {CORRECTED: 12, UNCORRECTED: 1}
+    h100.events_supported |= GPU_UNAVAILABLE
+    for profile_id, start, gi_id in H100_LAYOUT:
+        fake._make_instance(h100, profile_id, start, gi_id)
+    fake.mig(2, H100_UUID).procs = [SimpleNamespace(pid=5150, usedGpuMemory=24_576 * MIB)]
+    fake.mig(2, H100_UUID).used_mib = 24_600
+    backend = NvmlBackend()
+    yield backend
+    backend.close()
+
+
+def test_h100_mig_inventory(fake: FakeNvml, h100_mig: NvmlBackend) -> None:
+    h100 = h100_mig.list_gpus()[0]
+    assert (h100.model, h100.mig_enabled) == ("H100-80GB", True)
+    got = [
+        (m.profile, m.start, m.memory_slices, m.memory_mib, m.gpu_instance_id, m.compute_instance_id)
+        for m in h100.mig_devices
+    ]
+    assert got == [
+        ("2g.20gb", 0, 2, 19968, 3, 0),
+        ("1g.10gb", 2, 1, 9856, 9, 0),
+        ("1g.10gb", 3, 1, 9856, 10, 0),
+        ("3g.40gb", 4, 4, 40192, 2, 0),
+    ]
+    assert [m.uuid for m in h100.mig_devices] == [fake.mig(g, H100_UUID).uuid for g in (3, 9, 10, 2)]
+    assert fake.registered[H100_UUID] & GPU_UNAVAILABLE
+
+
+def test_h100_sample_throttle_ecc_and_processes(fake: FakeNvml, h100_mig: NvmlBackend) -> None:
+    board = h100_mig.sample(H100_UUID)
+    assert (board.temp_c, board.power_w, board.sm_clock_mhz, board.util_pct) == (71.0, 689.45, 1590, 0.0)
+    assert board.throttle == ("sw_power_cap", "hw_slowdown")
+    assert (board.ecc_corrected, board.ecc_uncorrected) == (12, 1)
+    assert (board.mem_used_mib, board.mem_total_mib) == (26_412, 81559)
+    big = h100_mig.sample(fake.mig(2, H100_UUID).uuid)
+    assert (big.ecc_corrected, big.ecc_uncorrected) == (12, 1)  # the board's counts
+    assert big.mem_by_owner == {"pid:5150": 24_576}
+    assert (big.mem_used_mib, big.mem_total_mib) == (24_600, 40192)
+    counters = {args[1:] for args in fake.called("nvmlDeviceGetTotalEccErrors")}
+    assert counters == {(CORRECTED, pynvml.NVML_VOLATILE_ECC), (UNCORRECTED, pynvml.NVML_VOLATILE_ECC)}
+
+
+def test_ecc_counts_default_to_zero_when_unavailable(fake: FakeNvml, backend: NvmlBackend) -> None:
+    sample = backend.sample(A100_UUID)  # the fake's A100 reports no ECC: NOT_SUPPORTED
+    assert (sample.ecc_corrected, sample.ecc_uncorrected) == (0, 0)
+    fake.h100.ecc = {CORRECTED: 3, UNCORRECTED: 0}
+    fake.fail["nvmlDeviceGetTotalEccErrors"] = pynvml.NVML_ERROR_NO_PERMISSION
+    assert backend.sample(H100_UUID).ecc_corrected == 0
+    assert backend.sample(H100_UUID).ecc_corrected == 3
+
+
+def test_h100_create_and_destroy(fake: FakeNvml, h100_mig: NvmlBackend) -> None:
+    small = fake.mig(9, H100_UUID).uuid
+    h100_mig.destroy_mig(H100_UUID, small)
+    h100_mig.destroy_mig(H100_UUID, fake.mig(10, H100_UUID).uuid)
+    made = h100_mig.create_mig(H100_UUID, "1g.20gb", 2)
+    ((dev, profile_id, placement),) = fake.called("nvmlDeviceCreateGpuInstanceWithPlacement")
+    assert (dev, profile_id, placement._obj.start, placement._obj.size) == (fake.h100, 15, 2, 2)
+    assert (made.profile, made.start, made.memory_mib, made.parent_uuid) == ("1g.20gb", 2, 19968, H100_UUID)
+    with pytest.raises(GpuBackendError, match=r"1g\.10gb@4 overlaps 3g\.40gb@4"):
+        h100_mig.create_mig(H100_UUID, "1g.10gb", 4)
+
+
+def test_xid_79_means_the_gpu_fell_off_the_bus(fake: FakeNvml, h100_mig: NvmlBackend) -> None:
+    h100_mig.list_gpus()
+    xid = pynvml.nvmlEventTypeXidCriticalError
+    fake.pending = [event(fake.h100, xid, 79), event(fake.h100, xid, 79), event(fake.h100, xid, 43, 9)]
+    events = h100_mig.health_events()
+    assert [(e.uuid, e.kind, e.xid) for e in events] == [
+        (H100_UUID, "xid", 79),
+        (H100_UUID, "gpu_lost", None),  # once, however many XIDs say so
+        (H100_UUID, "xid", 79),
+        (fake.mig(9, H100_UUID).uuid, "xid", 43),  # an error inside one instance names it
+    ]
+
+
+def test_gpu_unavailable_event_reports_the_loss_once(fake: FakeNvml, h100_mig: NvmlBackend) -> None:
+    fake.pending = [event(fake.h100, GPU_UNAVAILABLE), event(fake.h100, GPU_UNAVAILABLE)]
+    assert [(e.uuid, e.kind) for e in h100_mig.health_events()] == [(H100_UUID, "gpu_lost")]
+    fake.lost.add(H100_UUID)
+    with pytest.raises(GpuBackendError, match="is lost"):
+        h100_mig.sample(H100_UUID)
+    assert h100_mig.health_events() == []  # already reported

@@ -65,6 +65,7 @@ def test_samples(backend: NvmlBackend) -> None:
             assert sample.power_w >= 0 and sample.sm_clock_mhz > 0
             assert set(sample.throttle) <= KNOWN_THROTTLE
             assert all(key.startswith("pid:") and mib >= 0 for key, mib in sample.mem_by_owner.items())
+            assert sample.ecc_corrected >= 0 and sample.ecc_uncorrected >= 0
         assert backend.sample(gpu.uuid).mem_total_mib == gpu.memory_mib
 
 

@@ -112,6 +112,16 @@ def test_destroy_refuses_an_instance_in_use() -> None:
     assert backend.mig_layout(gpu) == []
 
 
+def test_one_media_extension_instance_per_gpu() -> None:
+    # Memory slices alone would allow it; NVML refuses a second +me (one set of JPEG/OFA).
+    backend, gpu = empty_mig_gpu()
+    backend.create_mig(gpu, "1g.10gb+me", 0)
+    with pytest.raises(GpuBackendError, match=r"1g\.10gb\+me@1 on .*2 instances with media extensions"):
+        backend.create_mig(gpu, "1g.10gb+me", 1)
+    assert [m.profile for m in backend.mig_layout(gpu)] == ["1g.10gb+me"]
+    assert backend.create_mig(gpu, "1g.10gb", 1).start == 1
+
+
 @pytest.mark.parametrize("model", [m.name for m in MODELS.values() if m.mig_capable])
 def test_default_layout_is_legal_and_uses_every_slice(model: str) -> None:
     layout = default_mig_layout(model)
@@ -426,3 +436,17 @@ def test_concurrent_sampling_loading_and_mig_changes() -> None:
     assert errors == []
     assert backend.sample(plain).mem_by_owner == {}
     assert len(backend.mig_layout(mig_gpu)) == 3
+
+
+def test_ecc_counts_follow_injection() -> None:
+    backend = SimulatedBackend("host-a", [SimulatedGpuConfig("H100-80GB", mig=True)], clock=FakeClock())
+    gpu = backend.list_gpus()[0]
+    mig = gpu.mig_devices[0]
+    idle = backend.sample(gpu.uuid)
+    assert (idle.ecc_corrected, idle.ecc_uncorrected) == (0, 0)
+    backend.inject_ecc(mig.uuid, corrected=5)
+    backend.inject_ecc(mig.uuid, corrected=2, uncorrected=1)
+    for uuid in (gpu.uuid, mig.uuid):  # counted per board, as NVML does
+        sample = backend.sample(uuid)
+        assert (sample.ecc_corrected, sample.ecc_uncorrected) == (7, 1)
+    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(mig.uuid, "ecc_dbe")]

@@ -50,8 +50,13 @@ class GpuSample:
     power_w: float
     sm_clock_mhz: int
     throttle: tuple[str, ...] = ()  # e.g. ("sw_thermal", "hw_slowdown")
-    # memory held by each process / sandbox key on this GPU, when the backend knows it
+    # memory held by each process / sandbox key on this GPU, when the backend knows it;
+    # NVML keys are "pid:<pid>", so the agent can map a pid to the sandbox that owns it
     mem_by_owner: dict[str, int] = field(default_factory=dict)
+    # Volatile ECC error counts of the board (since the last driver load); 0 when the GPU
+    # has no ECC or does not report it. A MIG device reports its parent's counts.
+    ecc_corrected: int = 0
+    ecc_uncorrected: int = 0
 
 
 @dataclass(frozen=True)

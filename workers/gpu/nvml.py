@@ -61,7 +61,14 @@ _CLOCK_REASONS = (
     (pynvml.nvmlClocksEventReasonDisplayClockSetting, "display_clock_setting"),
 )
 
-_HEALTH_EVENT_TYPES = pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError
+# "GPU unavailable" (R570+ drivers; 0 with an older nvidia-ml-py) reports a lost GPU through
+# the event set, so a GPU that falls off the bus is seen even when nothing else calls it.
+_GPU_UNAVAILABLE = int(getattr(pynvml, "nvmlEventTypeGpuUnavailableError", 0))
+_HEALTH_EVENT_TYPES = (
+    pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError | _GPU_UNAVAILABLE
+)
+# XID 79: "GPU has fallen off the bus". The board is gone until a reset, whatever else works.
+XID_FELL_OFF_BUS = 79
 
 T = TypeVar("T")
 
@@ -294,6 +301,8 @@ class NvmlBackend:
             util = _unless_unsupported(lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu), 0.0)
             power_mw = _unless_unsupported(lambda: int(pynvml.nvmlDeviceGetPowerUsage(parent)), 0)
             reasons = _unless_unsupported(lambda: _clock_reasons(parent), 0)
+            # ECC is counted per board: a MIG device reports its parent's counts.
+            corrected, uncorrected = _unless_unsupported(lambda: _ecc_counts(parent), (0, 0))
             return GpuSample(
                 uuid=uuid,
                 t_ms=int(time.time() * 1000),
@@ -305,12 +314,15 @@ class NvmlBackend:
                 sm_clock_mhz=int(pynvml.nvmlDeviceGetClockInfo(parent, pynvml.NVML_CLOCK_SM)),
                 throttle=decode_clock_reasons(reasons),
                 mem_by_owner=_unless_unsupported(lambda: _memory_by_pid(handle), {}),
+                ecc_corrected=corrected,
+                ecc_uncorrected=uncorrected,
             )
 
     # -- health ----------------------------------------------------------------------------
 
     def _register_events(self) -> Any:
-        """An event set for XID and double-bit ECC errors on every GPU that supports them."""
+        """An event set for XID, double-bit ECC and GPU-unavailable events on every GPU,
+        each registered for the types it supports."""
         with self._guard("create NVML event set"):
             try:
                 event_set = pynvml.nvmlEventSetCreate()
@@ -344,24 +356,30 @@ class NvmlBackend:
                 except pynvml.NVMLError as err:
                     raise GpuBackendError(f"read NVML events: {err}") from err
                 try:
-                    self._events.append(self._event_from(data))
+                    self._events.extend(self._events_from(data))
                 except GpuBackendError:
                     # No device to name it by (if lost, _find_lost has queued that instead).
                     log.warning("dropped an NVML event", exc_info=True)
             events, self._events = self._events, []
             return events
 
-    def _event_from(self, data: Any) -> HealthEvent:
+    def _events_from(self, data: Any) -> list[HealthEvent]:
+        """The health events one NVML event means (a lost GPU is reported once)."""
         with self._guard("read NVML event"):
             gpu_uuid = str(pynvml.nvmlDeviceGetUUID(data.device))
         gi_id = int(data.gpuInstanceId)
         # An error tied to one MIG instance names that device, so only its sandbox is hit.
         uuid = self._mig_by_gi.get((gpu_uuid, gi_id), gpu_uuid) if gi_id != _NO_INSTANCE else gpu_uuid
         t_ms = int(time.time() * 1000)
-        if int(data.eventType) == pynvml.nvmlEventTypeXidCriticalError:
+        kind = int(data.eventType)
+        if kind == pynvml.nvmlEventTypeXidCriticalError:
             xid = int(data.eventData)
-            return HealthEvent(uuid, "xid", f"XID {xid}", t_ms, xid=xid)
-        return HealthEvent(uuid, "ecc_dbe", "double-bit ECC error", t_ms)
+            event = HealthEvent(uuid, "xid", f"XID {xid}", t_ms, xid=xid)
+            # The XID first, then the loss it means: it says why the GPU went.
+            return [event, *self._mark_lost(gpu_uuid)] if xid == XID_FELL_OFF_BUS else [event]
+        if _GPU_UNAVAILABLE and kind == _GPU_UNAVAILABLE:
+            return self._mark_lost(gpu_uuid)
+        return [HealthEvent(uuid, "ecc_dbe", "double-bit ECC error", t_ms)]
 
     def _find_lost(self) -> None:
         """The event set only says *a* GPU is lost: ask each known one."""
@@ -372,10 +390,15 @@ class NvmlBackend:
 
     def _note_lost(self, uuid: str) -> None:
         with self._lock:
-            if uuid not in self._lost:
-                self._lost.add(uuid)
-                t_ms = int(time.time() * 1000)
-                self._events.append(HealthEvent(uuid, "gpu_lost", "GPU is lost", t_ms))
+            self._events.extend(self._mark_lost(uuid))
+
+    def _mark_lost(self, uuid: str) -> list[HealthEvent]:
+        """The one ``gpu_lost`` event for ``uuid``, or none when it was reported already."""
+        with self._lock:
+            if uuid in self._lost:
+                return []
+            self._lost.add(uuid)
+            return [HealthEvent(uuid, "gpu_lost", "GPU is lost", int(time.time() * 1000))]
 
     @contextmanager
     def _guard(self, what: str, uuid: str | None = None) -> Iterator[None]:
@@ -432,7 +455,20 @@ def _clock_reasons(handle: Any) -> int:
     return int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
 
 
+def _ecc_counts(handle: Any) -> tuple[int, int]:
+    """Volatile (since driver load) corrected and uncorrected ECC errors of the board."""
+    corrected = pynvml.nvmlDeviceGetTotalEccErrors(
+        handle, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC
+    )
+    uncorrected = pynvml.nvmlDeviceGetTotalEccErrors(
+        handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+    )
+    return int(corrected), int(uncorrected)
+
+
 def _memory_by_pid(handle: Any) -> dict[str, int]:
+    """GPU memory per process, keyed "pid:<pid>" (host pids: the agent maps them to sandboxes
+    through their cgroups). On a MIG device handle NVML lists that instance's processes."""
     held: dict[str, int] = {}
     for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
         if process.usedGpuMemory is None:

@@ -24,7 +24,7 @@ import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler.gpus import COMPUTE_SLICES, MODELS, GpuModel
+from scheduler.gpus import COMPUTE_SLICES, MODELS, GpuModel, check_layout
 from workers.gpu.base import GpuBackendError, GpuInfo, GpuSample, HealthEvent, MigDevice
 
 # Fixed namespace so UUIDs are stable across processes and releases.
@@ -160,6 +160,8 @@ class _Gpu:
     migs: dict[str, MigDevice] = field(default_factory=dict)  # by MIG uuid
     lost: bool = False
     overheating: bool = False
+    ecc_corrected: int = 0
+    ecc_uncorrected: int = 0
 
 
 class SimulatedBackend:
@@ -260,6 +262,13 @@ class SimulatedBackend:
                 raise GpuBackendError(
                     f"{profile_name}@{start} overlaps {mig.profile}@{mig.start} ({mig.uuid})"
                 )
+        # Beyond memory slices: at most 7 compute slices and one +me instance, as NVML
+        # refuses (INSUFFICIENT_RESOURCES) a GPU instance the hardware cannot back.
+        problems = check_layout(
+            gpu.model, [*((m.profile, m.start) for m in gpu.migs.values()), (profile_name, start)]
+        )
+        if problems:
+            raise GpuBackendError(f"{profile_name}@{start} on {gpu.uuid}: {'; '.join(problems)}")
         gi_id = gpu_instance_id(profile.memory_slices, start)
         mig = MigDevice(
             uuid=mig_uuid(gpu.uuid, gi_id),
@@ -327,6 +336,8 @@ class SimulatedBackend:
                 sm_clock_mhz=clock_mhz,
                 throttle=throttle,
                 mem_by_owner=by_owner,
+                ecc_corrected=gpu.ecc_corrected,
+                ecc_uncorrected=gpu.ecc_uncorrected,
             )
 
     def _gpu_util(self, gpu: _Gpu) -> float:
@@ -424,6 +435,17 @@ class SimulatedBackend:
         with self._lock:
             self._device(uuid)
             self._events.append(HealthEvent(uuid, "xid", f"XID {xid}", self._now_ms(), xid=xid))
+
+    def inject_ecc(self, uuid: str, corrected: int = 0, uncorrected: int = 0) -> None:
+        """Count ECC errors on the board behind ``uuid``; uncorrected ones also raise an
+        ``ecc_dbe`` event for that device, as NVML's double-bit ECC event does."""
+        with self._lock:
+            gpu, _ = self._device(uuid)
+            gpu.ecc_corrected += corrected
+            gpu.ecc_uncorrected += uncorrected
+            if uncorrected:
+                detail = f"{uncorrected} double-bit ECC error(s)"
+                self._events.append(HealthEvent(uuid, "ecc_dbe", detail, self._now_ms()))
 
     def inject_overheat(self, uuid: str, temp_c: float) -> None:
         """Set the GPU's temperature now; it relaxes back toward equilibrium from there."""

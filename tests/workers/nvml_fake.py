@@ -1,0 +1,420 @@
+"""A fake of exactly the pynvml functions NvmlBackend calls, holding plausible GPUs.
+
+Two GPUs: an H100 80GB HBM3 with MIG disabled and an A100-80GB in MIG mode with a
+2g.20gb@0 and a 3g.40gb@4 instance. ``install`` replaces every other ``pynvml.nvml*``
+function by a trap, so a call the fake does not model fails the test instead of reaching a
+real driver. Used by test_nvml_backend.py; kept apart so neither file grows past a read.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pynvml
+import pytest
+
+MIB = 1024 * 1024
+NO_INSTANCE = 0xFFFFFFFF
+H100_UUID = "GPU-11111111-1111-1111-1111-111111111111"
+A100_UUID = "GPU-22222222-2222-2222-2222-222222222222"
+
+# What an A100-80GB answers for each GPU instance profile enum: (id, name, slices, size).
+A100_PROFILES = {
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE: (19, "MIG 1g.10gb", 1, 1, 9728),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE: (14, "MIG 2g.20gb", 2, 2, 19968),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE: (9, "MIG 3g.40gb", 3, 4, 40192),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE: (5, "MIG 4g.40gb", 4, 4, 40192),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_7_SLICE: (0, "MIG 7g.80gb", 7, 8, 80896),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1: (20, "MIG 1g.10gb+me", 1, 1, 9728),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2: (15, "MIG 1g.20gb", 1, 2, 19968),
+}
+# The same for an H100 80GB HBM3 (R535): same profile ids, a little more memory per slice.
+H100_PROFILES = {
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE: (19, "MIG 1g.10gb", 1, 1, 9856),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE: (14, "MIG 2g.20gb", 2, 2, 19968),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE: (9, "MIG 3g.40gb", 3, 4, 40192),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE: (5, "MIG 4g.40gb", 4, 4, 40192),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_7_SLICE: (0, "MIG 7g.80gb", 7, 8, 80896),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1: (20, "MIG 1g.10gb+me", 1, 1, 9856),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2: (15, "MIG 1g.20gb", 1, 2, 19968),
+}
+Profiles = dict[int, tuple[int, str, int, int, int]]
+
+
+def nvml_error(code: int) -> pynvml.NVMLError:
+    return pynvml.NVMLError(code)  # pynvml turns the code into its NVMLError_* subclass
+
+
+@dataclass(eq=False)
+class Dev:
+    uuid: str
+    name: str = ""
+    memory_mib: int = 0
+    used_mib: int = 0
+    mig_mode: int | None = pynvml.NVML_DEVICE_MIG_DISABLE  # None: MIG not supported
+    temp: int = 41
+    util: int = 55
+    power_mw: int = 312_500
+    sm_clock: int = 1755
+    reasons: int = 0
+    events_supported: int = 0
+    procs: list[SimpleNamespace] = field(default_factory=list)
+    parent: Dev | None = None  # set on MIG device handles
+    gi_id: int = 0
+    ci_id: int = 0
+    # Volatile ECC counts by pynvml.NVML_MEMORY_ERROR_TYPE_*; None: ECC not supported.
+    ecc: dict[int, int] | None = None
+    profiles: Profiles = field(default_factory=lambda: A100_PROFILES)
+
+    def profile(self, profile_id: int) -> tuple[int, str, int, int, int]:
+        return next(p for p in self.profiles.values() if p[0] == profile_id)
+
+
+@dataclass(eq=False)
+class ComputeInstance:
+    id: int
+    mig: Dev
+
+
+@dataclass(eq=False)
+class GpuInstance:
+    parent: Dev
+    id: int
+    profile_id: int
+    start: int
+    size: int
+    cis: dict[int, ComputeInstance] = field(default_factory=dict)
+
+
+class FakeNvml:
+    FUNCTIONS = frozenset(
+        {
+            "nvmlInit",
+            "nvmlShutdown",
+            "nvmlDeviceGetCount",
+            "nvmlDeviceGetHandleByIndex",
+            "nvmlDeviceGetHandleByUUID",
+            "nvmlDeviceGetUUID",
+            "nvmlDeviceGetName",
+            "nvmlDeviceGetMemoryInfo",
+            "nvmlDeviceGetMigMode",
+            "nvmlDeviceGetMaxMigDeviceCount",
+            "nvmlDeviceGetMigDeviceHandleByIndex",
+            "nvmlDeviceGetGpuInstanceId",
+            "nvmlDeviceGetComputeInstanceId",
+            "nvmlDeviceGetGpuInstanceById",
+            "nvmlGpuInstanceGetInfo",
+            "nvmlDeviceGetGpuInstanceProfileInfo",
+            "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+            "nvmlDeviceGetTemperature",
+            "nvmlDeviceGetUtilizationRates",
+            "nvmlDeviceGetPowerUsage",
+            "nvmlDeviceGetClockInfo",
+            "nvmlDeviceGetCurrentClocksEventReasons",
+            "nvmlDeviceGetCurrentClocksThrottleReasons",
+            "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetTotalEccErrors",
+            "nvmlDeviceCreateGpuInstanceWithPlacement",
+            "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+            "nvmlGpuInstanceCreateComputeInstance",
+            "nvmlGpuInstanceDestroy",
+            "nvmlGpuInstanceGetComputeInstanceById",
+            "nvmlComputeInstanceDestroy",
+            "nvmlEventSetCreate",
+            "nvmlDeviceGetSupportedEventTypes",
+            "nvmlDeviceRegisterEvents",
+            "nvmlEventSetWait_v2",
+            "nvmlEventSetFree",
+        }
+    )
+
+    def __init__(self) -> None:
+        self.initialised = 0
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.fail: dict[str, int] = {}  # function name -> NVML error code, raised once
+        self.lost: set[str] = set()
+        self.pending: list[SimpleNamespace] = []
+        self.wait_lost = False
+        self.registered: dict[str, int] = {}
+        self.freed = False
+        xid, dbe = pynvml.nvmlEventTypeXidCriticalError, pynvml.nvmlEventTypeDoubleBitEccError
+        self.h100 = Dev(
+            H100_UUID,
+            "NVIDIA H100 80GB HBM3",
+            81559,
+            used_mib=4_600,
+            reasons=pynvml.nvmlClocksEventReasonSwThermalSlowdown | pynvml.nvmlClocksEventReasonSwPowerCap,
+            events_supported=xid | dbe | pynvml.nvmlEventTypeSingleBitEccError,
+            ecc={pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: 0, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: 0},
+            profiles=H100_PROFILES,
+            procs=[
+                SimpleNamespace(pid=101, usedGpuMemory=3_000 * MIB),
+                SimpleNamespace(pid=101, usedGpuMemory=100 * MIB),
+                SimpleNamespace(pid=202, usedGpuMemory=1_000 * MIB),
+                SimpleNamespace(pid=303, usedGpuMemory=None),
+            ],
+        )
+        self.a100 = Dev(
+            A100_UUID,
+            "NVIDIA A100-SXM4-80GB",
+            81920,
+            mig_mode=pynvml.NVML_DEVICE_MIG_ENABLE,
+            temp=63,
+            power_mw=287_000,
+            sm_clock=1410,
+            events_supported=xid,
+        )
+        self.gpus = [self.h100, self.a100]
+        self.instances: dict[tuple[str, int], GpuInstance] = {}
+        self._make_instance(self.a100, 14, start=0, gi_id=3)
+        self._make_instance(self.a100, 9, start=4, gi_id=2)
+        self.mig(2).procs = [SimpleNamespace(pid=404, usedGpuMemory=2_048 * MIB)]
+        self.mig(2).used_mib = 2_100
+
+    # -- helpers for tests -------------------------------------------------------------------
+
+    def mig(self, gi_id: int, gpu: str = A100_UUID) -> Dev:
+        return self.instances[(gpu, gi_id)].cis[0].mig
+
+    def called(self, name: str) -> list[tuple[Any, ...]]:
+        return [args for called, args in self.calls if called == name]
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for name, value in vars(pynvml).items():
+            if name.startswith("nvml") and isinstance(value, types.FunctionType):
+                if name in self.FUNCTIONS:
+                    monkeypatch.setattr(pynvml, name, self._recorded(name, getattr(self, name)))
+                elif name != "nvmlErrorString":  # NVMLError.__str__ uses it
+                    monkeypatch.setattr(pynvml, name, self._trap(name))
+
+    def _recorded(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            self.calls.append((name, args))
+            code = self.fail.pop(name, None)
+            if code is not None:
+                raise nvml_error(code)
+            return method(*args)
+
+        return call
+
+    @staticmethod
+    def _trap(name: str) -> Callable[..., Any]:
+        def trap(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"NvmlBackend called pynvml.{name}, which the fake lacks")
+
+        return trap
+
+    def _live(self, dev: Dev) -> Dev:
+        board = dev.parent or dev
+        if board.uuid in self.lost:
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return dev
+
+    @staticmethod
+    def _board_only(dev: Dev) -> Dev:
+        if dev.parent is not None:  # NVML answers these for whole GPUs only
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return dev
+
+    def _migs(self, parent: Dev) -> list[Dev]:
+        instances = sorted(
+            (gi for (uuid, _), gi in self.instances.items() if uuid == parent.uuid),
+            key=lambda gi: gi.id,
+        )
+        return [ci.mig for gi in instances for ci in gi.cis.values()]
+
+    def _make_instance(self, parent: Dev, profile_id: int, start: int, gi_id: int) -> GpuInstance:
+        gi = GpuInstance(parent, gi_id, profile_id, start, parent.profile(profile_id)[3])
+        self.instances[(parent.uuid, gi_id)] = gi
+        self._add_compute_instance(gi)
+        return gi
+
+    def _add_compute_instance(self, gi: GpuInstance) -> ComputeInstance:
+        mig = Dev(
+            f"MIG-{gi.parent.uuid[4:12]}-gi{gi.id}",
+            memory_mib=gi.parent.profile(gi.profile_id)[4],
+            used_mib=13,
+            mig_mode=None,
+            parent=gi.parent,
+            gi_id=gi.id,
+        )
+        ci = ComputeInstance(0, mig)
+        gi.cis[0] = ci
+        return ci
+
+    # -- the pynvml surface ------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self.initialised += 1
+
+    def nvmlShutdown(self) -> None:
+        self.initialised -= 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Dev:
+        return self.gpus[index]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> Dev:
+        for dev in self.gpus + [m for g in self.gpus for m in self._migs(g)]:
+            if dev.uuid == uuid:
+                return dev
+        raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetUUID(self, dev: Dev) -> str:
+        return self._live(dev).uuid
+
+    def nvmlDeviceGetName(self, dev: Dev) -> str:
+        return self._live(dev).name
+
+    def nvmlDeviceGetMemoryInfo(self, dev: Dev) -> SimpleNamespace:
+        self._live(dev)
+        total, used = dev.memory_mib * MIB, dev.used_mib * MIB
+        return SimpleNamespace(total=total, used=used, free=total - used)
+
+    def nvmlDeviceGetMigMode(self, dev: Dev) -> list[int]:
+        mode = self._live(dev).mig_mode
+        if mode is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, dev: Dev) -> int:
+        return 7 if self._live(dev).mig_mode is not None else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, dev: Dev, index: int) -> Dev:
+        migs = self._migs(self._live(dev))
+        if index >= len(migs):
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        return migs[index]
+
+    def nvmlDeviceGetGpuInstanceId(self, mig: Dev) -> int:
+        return self._live(mig).gi_id
+
+    def nvmlDeviceGetComputeInstanceId(self, mig: Dev) -> int:
+        return self._live(mig).ci_id
+
+    def nvmlDeviceGetGpuInstanceById(self, dev: Dev, gi_id: int) -> GpuInstance:
+        try:
+            return self.instances[(self._live(dev).uuid, gi_id)]
+        except KeyError:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND) from None
+
+    def nvmlGpuInstanceGetInfo(self, gi: GpuInstance) -> SimpleNamespace:
+        placement = SimpleNamespace(start=gi.start, size=gi.size)
+        return SimpleNamespace(device=gi.parent, id=gi.id, profileId=gi.profile_id, placement=placement)
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, dev: Dev, enum: int) -> SimpleNamespace:
+        self._live(dev)
+        if enum > pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if enum not in dev.profiles:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        profile_id, name, slices, _size, memory = dev.profiles[enum]
+        return SimpleNamespace(id=profile_id, name=name, sliceCount=slices, memorySizeMB=memory)
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, mig: Dev) -> Dev:
+        assert mig.parent is not None
+        return mig.parent
+
+    def nvmlDeviceGetTemperature(self, dev: Dev, sensor: int) -> int:
+        assert sensor == pynvml.NVML_TEMPERATURE_GPU
+        return self._board_only(self._live(dev)).temp
+
+    def nvmlDeviceGetUtilizationRates(self, dev: Dev) -> SimpleNamespace:
+        self._board_only(self._live(dev))
+        if dev.mig_mode == pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return SimpleNamespace(gpu=dev.util, memory=20)
+
+    def nvmlDeviceGetPowerUsage(self, dev: Dev) -> int:
+        return self._board_only(self._live(dev)).power_mw
+
+    def nvmlDeviceGetClockInfo(self, dev: Dev, clock: int) -> int:
+        assert clock == pynvml.NVML_CLOCK_SM
+        return self._board_only(self._live(dev)).sm_clock
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, dev: Dev) -> int:
+        return self._board_only(self._live(dev)).reasons
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, dev: Dev) -> int:
+        return self._board_only(self._live(dev)).reasons
+
+    def nvmlDeviceGetComputeRunningProcesses(self, dev: Dev) -> list[SimpleNamespace]:
+        return self._live(dev).procs
+
+    def nvmlDeviceGetTotalEccErrors(self, dev: Dev, error_type: int, counter_type: int) -> int:
+        assert counter_type == pynvml.NVML_VOLATILE_ECC
+        ecc = self._board_only(self._live(dev)).ecc
+        if ecc is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return ecc[error_type]
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(
+        self, dev: Dev, profile_id: int, placement_ref: Any
+    ) -> GpuInstance:
+        placement = placement_ref._obj  # ctypes.byref(c_nvmlGpuInstancePlacement_t)
+        assert isinstance(placement, pynvml.c_nvmlGpuInstancePlacement_t)
+        if dev.profile(profile_id)[3] != placement.size:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        wanted = set(range(placement.start, placement.start + placement.size))
+        for (uuid, _), gi in self.instances.items():
+            if uuid == dev.uuid and wanted & set(range(gi.start, gi.start + gi.size)):
+                raise nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        gi_id = max((i for (u, i) in self.instances if u == dev.uuid), default=0) + 1
+        gi = GpuInstance(dev, gi_id, profile_id, placement.start, placement.size)
+        self.instances[(dev.uuid, gi_id)] = gi
+        return gi
+
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        self, gi: GpuInstance, profile: int, engine: int
+    ) -> SimpleNamespace:
+        assert engine == pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+        return SimpleNamespace(id=profile + 100)  # a distinct id, to see it passed on
+
+    def nvmlGpuInstanceCreateComputeInstance(self, gi: GpuInstance, profile_id: int) -> ComputeInstance:
+        return self._add_compute_instance(gi)
+
+    def nvmlGpuInstanceDestroy(self, gi: GpuInstance) -> None:
+        if gi.cis:
+            raise nvml_error(pynvml.NVML_ERROR_IN_USE)
+        del self.instances[(gi.parent.uuid, gi.id)]
+
+    def nvmlGpuInstanceGetComputeInstanceById(self, gi: GpuInstance, ci_id: int) -> ComputeInstance:
+        return gi.cis[ci_id]
+
+    def nvmlComputeInstanceDestroy(self, ci: ComputeInstance) -> None:
+        if ci.mig.procs:
+            raise nvml_error(pynvml.NVML_ERROR_IN_USE)
+        assert ci.mig.parent is not None
+        gi = self.instances[(ci.mig.parent.uuid, ci.mig.gi_id)]
+        del gi.cis[ci.id]
+
+    def nvmlEventSetCreate(self) -> str:
+        return "event-set"
+
+    def nvmlDeviceGetSupportedEventTypes(self, dev: Dev) -> int:
+        return self._live(dev).events_supported
+
+    def nvmlDeviceRegisterEvents(self, dev: Dev, types_: int, event_set: str) -> None:
+        assert event_set == "event-set"
+        self.registered[dev.uuid] = types_
+
+    def nvmlEventSetWait_v2(self, event_set: str, timeout_ms: int) -> SimpleNamespace:
+        assert (event_set, timeout_ms) == ("event-set", 0)
+        if self.wait_lost:
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if not self.pending:
+            raise nvml_error(pynvml.NVML_ERROR_TIMEOUT)
+        return self.pending.pop(0)
+
+    def nvmlEventSetFree(self, event_set: str) -> None:
+        self.freed = True
+
+
+def event(dev: Dev, kind: int, data: int = 0, gi: int = NO_INSTANCE) -> SimpleNamespace:
+    return SimpleNamespace(device=dev, eventType=kind, eventData=data, gpuInstanceId=gi, computeInstanceId=gi)

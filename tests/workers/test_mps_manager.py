@@ -1,0 +1,280 @@
+"""MpsManager against a stand-in ``nvidia-cuda-mps-control``.
+
+There is no GPU here, so the tests write an executable that behaves like NVIDIA's control
+binary where MpsManager relies on it: ``-d`` forks a background daemon that writes
+``nvidia-cuda-mps-control.pid`` and listens on the ``control`` socket in
+``CUDA_MPS_PIPE_DIRECTORY``; without arguments the binary forwards its stdin to that daemon
+and prints the answers; ``quit`` ends the daemon. The daemon writes every command it
+received to ``control.log`` in ``CUDA_MPS_LOG_DIRECTORY`` (as the real one logs ``Cmd:``
+lines there), which is what the tests read. tests/workers/test_mps_real.py runs the same
+calls against the real binary on a GPU host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from workers.drivers.base import MpsShare, SandboxSpec
+from workers.gpu.mps import PID_FILE, MpsError, MpsManager, _alive
+
+GPU_A = "GPU-0d6bde6e-8b1e-4a4a-9a64-6a3c2c2f5a10"
+GPU_B = "GPU-5b3f0b83-2f5e-4b63-a3a8-9a0b5f1c7e22"
+MIG = "MIG-4f6b8a3e-1c2d-5e6f-8a9b-0c1d2e3f4a5b"
+
+FAKE_CONTROL = r"""
+import json, os, socket, subprocess, sys, time
+
+pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+logdir = os.environ["CUDA_MPS_LOG_DIRECTORY"]
+sock_path = os.path.join(pipe, "control")
+pid_path = os.path.join(pipe, "nvidia-cuda-mps-control.pid")
+
+
+def record(line):
+    with open(os.path.join(logdir, "control.log"), "a") as f:
+        f.write(line + "\n")
+
+
+def daemon():
+    servers = json.loads(os.environ.get("FAKE_MPS_SERVERS", "{}"))
+    defaults = {"thread": "100", "mem": {}}
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(sock_path)
+    server.listen(4)
+    record("START visible=%s pipe=%s log=%s" % (os.environ.get("CUDA_VISIBLE_DEVICES"), pipe, logdir))
+    with open(pid_path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(pid_path + ".tmp", pid_path)
+    while True:
+        conn, _ = server.accept()
+        data = b""
+        while True:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        out, quit_ = [], False
+        for line in data.decode().splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            record("Cmd:" + line)
+            words = line.split()
+            if words == ["quit"]:
+                quit_ = True
+            elif words[0] == "set_default_active_thread_percentage" and len(words) == 2:
+                defaults["thread"] = words[1]
+            elif words == ["get_default_active_thread_percentage"]:
+                out.append(defaults["thread"] + ".0")
+            elif words[0] == "set_default_device_pinned_mem_limit" and len(words) == 3:
+                defaults["mem"][words[1]] = words[2]
+            elif words[0] == "get_default_device_pinned_mem_limit" and len(words) == 2:
+                out.append(defaults["mem"].get(words[1], "0M"))
+            elif words == ["get_server_list"]:
+                out.extend(servers)
+            elif words[0] == "get_client_list" and len(words) == 2:
+                if words[1] in servers:
+                    out.extend(str(p) for p in servers[words[1]])
+                else:
+                    out.append("Server %s not found" % words[1])
+            else:
+                out.append("Unrecognized command: " + line)
+        conn.sendall(("\n".join(out) + ("\n" if out else "")).encode())
+        conn.close()
+        if quit_:
+            os.unlink(sock_path)
+            os.unlink(pid_path)
+            record("EXIT")
+            return
+
+
+if sys.argv[1:] == ["-d"]:
+    if os.path.exists(pid_path):
+        print("An instance of this daemon is already running", file=sys.stderr)
+        sys.exit(1)
+    if os.environ.get("FAKE_MPS_FAIL"):
+        print("Failed to start MPS control daemon: " + os.environ["FAKE_MPS_FAIL"], file=sys.stderr)
+        sys.exit(1)
+    subprocess.Popen([sys.executable, __file__, "--serve"], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sys.exit(0)
+elif sys.argv[1:] == ["--serve"]:
+    daemon()
+elif not sys.argv[1:]:
+    client = socket.socket(socket.AF_UNIX)
+    try:
+        client.connect(sock_path)
+    except OSError:
+        print("Cannot find MPS control daemon process", file=sys.stderr)
+        sys.exit(1)
+    client.sendall(sys.stdin.read().encode())
+    client.shutdown(socket.SHUT_WR)
+    reply = b""
+    while True:
+        chunk = client.recv(4096)
+        if not chunk:
+            break
+        reply += chunk
+    sys.stdout.write(reply.decode())
+else:
+    print("usage: nvidia-cuda-mps-control [-d | -f]", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+@pytest.fixture
+def control_binary(tmp_path: Path) -> Path:
+    binary = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    binary.parent.mkdir()
+    binary.write_text(f"#!{sys.executable}\n{FAKE_CONTROL}")
+    binary.chmod(0o755)
+    return binary
+
+
+@pytest.fixture
+def var_dir() -> Iterator[Path]:
+    # Short on purpose: the daemon's socket path must fit in a sockaddr_un (108 bytes).
+    path = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
+    yield path
+    for pid_file in path.glob(f"mps/*/pipe/{PID_FILE}"):  # a test that failed midway
+        with contextlib.suppress(ValueError, ProcessLookupError):
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def manager(var_dir: Path, control_binary: Path) -> MpsManager:
+    return MpsManager(var_dir, control_binary=str(control_binary))
+
+
+def control_log(manager: MpsManager, uuid: str) -> list[str]:
+    path = manager.log_dir(uuid) / "control.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_start_makes_private_dirs_and_binds_the_daemon_to_its_device(
+    manager: MpsManager, var_dir: Path
+) -> None:
+    assert not manager.running(GPU_A)
+    assert manager.start(GPU_A) is True
+    assert manager.running(GPU_A)
+    pipe, logs = var_dir / "mps" / GPU_A / "pipe", var_dir / "mps" / GPU_A / "log"
+    assert (manager.pipe_dir(GPU_A), manager.log_dir(GPU_A)) == (pipe, logs)
+    for directory in (var_dir / "mps", var_dir / "mps" / GPU_A, pipe, logs):
+        assert mode(directory) == 0o700, directory
+    assert control_log(manager, GPU_A) == [f"START visible={GPU_A} pipe={pipe} log={logs}"]
+    assert (pipe / "control").is_socket()
+    manager.stop(GPU_A)
+
+
+def test_start_is_idempotent_also_for_a_new_manager(manager: MpsManager, control_binary: Path) -> None:
+    manager.start(GPU_A)
+    assert manager.start(GPU_A) is False
+    # An agent restart: a fresh manager finds the daemon through its pid file.
+    again = MpsManager(manager.root.parent, control_binary=str(control_binary))
+    assert again.running(GPU_A) and again.start(GPU_A) is False
+    assert [line for line in control_log(manager, GPU_A) if line.startswith("START")] != []
+    assert len([line for line in control_log(manager, GPU_A) if line.startswith("START")]) == 1
+    again.stop(GPU_A)
+
+
+def test_defaults_are_sent_as_nvidia_documents_them(manager: MpsManager) -> None:
+    manager.start(GPU_A)
+    manager.set_default_active_thread_percentage(GPU_A, 25)
+    manager.set_default_pinned_mem_limit(GPU_A, 8192)
+    assert manager.command(GPU_A, "get_default_active_thread_percentage") == "25.0"
+    # The one visible device is device 0 to the daemon, whatever its index on the host.
+    assert manager.command(GPU_A, "get_default_device_pinned_mem_limit 0") == "8192M"
+    assert control_log(manager, GPU_A)[1:] == [
+        "Cmd:set_default_active_thread_percentage 25",
+        "Cmd:set_default_device_pinned_mem_limit 0 8192M",
+        "Cmd:get_default_active_thread_percentage",
+        "Cmd:get_default_device_pinned_mem_limit 0",
+    ]
+    with pytest.raises(MpsError, match=r"1\.\.100, not 0"):
+        manager.set_default_active_thread_percentage(GPU_A, 0)
+    with pytest.raises(MpsError, match="at least 1 MiB"):
+        manager.set_default_pinned_mem_limit(GPU_A, 0)
+    with pytest.raises(MpsError, match="one command per call"):
+        manager.command(GPU_A, "get_server_list\nquit")
+    assert manager.running(GPU_A)
+    manager.stop(GPU_A)
+
+
+def test_server_and_client_lists(manager: MpsManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_MPS_SERVERS", json.dumps({"4100": [4242, 4243], "4200": []}))
+    manager.start(MIG)  # MIG devices get their own daemon the same way
+    assert manager.server_pids(MIG) == [4100, 4200]
+    assert manager.client_pids(MIG, 4100) == [4242, 4243]
+    assert manager.client_pids(MIG, 999) == []  # "Server 999 not found" is no pid
+    assert manager.clients(MIG) == {4100: [4242, 4243], 4200: []}
+    assert "Cmd:get_client_list 4100" in control_log(manager, MIG)
+    manager.stop(MIG)
+
+
+def test_stop_quits_through_stdin_and_leaves_other_devices_alone(manager: MpsManager) -> None:
+    manager.start(GPU_A)
+    manager.start(GPU_B)
+    pid = int((manager.pipe_dir(GPU_A) / PID_FILE).read_text())
+    assert manager.stop(GPU_A) is True
+    assert control_log(manager, GPU_A)[-2:] == ["Cmd:quit", "EXIT"]
+    assert not manager.running(GPU_A) and not (manager.pipe_dir(GPU_A) / PID_FILE).exists()
+    assert not _alive(pid)  # gone, or a zombie its reaper has yet to collect
+    assert manager.stop(GPU_A) is False
+    assert manager.running(GPU_B) and manager.server_pids(GPU_B) == []
+    manager.stop(GPU_B)
+
+
+def test_a_stale_pid_file_does_not_count_as_a_daemon(manager: MpsManager) -> None:
+    manager.start(GPU_A)
+    manager.stop(GPU_A)
+    pipe = manager.pipe_dir(GPU_A)
+    (pipe / PID_FILE).write_text("999999999")  # a daemon killed -9 leaves this behind
+    assert not manager.running(GPU_A)
+    assert manager.start(GPU_A) is True
+    manager.stop(GPU_A)
+
+
+def test_errors_are_mps_errors(manager: MpsManager, var_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(MpsError, match=f"no MPS daemon runs for {GPU_A}"):
+        manager.command(GPU_A, "get_server_list")
+    with pytest.raises(MpsError, match="not a device UUID"):
+        manager.start("../etc")
+    monkeypatch.setenv("FAKE_MPS_FAIL", "no CUDA-capable device is detected")
+    with pytest.raises(MpsError, match=r"-d for GPU-0d6b.* exited 1: Failed to start .* no CUDA-capable"):
+        manager.start(GPU_A)
+    missing = MpsManager(var_dir, control_binary=str(var_dir / "nope"))
+    with pytest.raises(MpsError, match="not found: is the NVIDIA driver installed"):
+        missing.start(GPU_B)
+    deep = MpsManager(var_dir / ("x" * 80), control_binary=str(var_dir / "nope"))
+    with pytest.raises(MpsError, match="too long for a UNIX socket"):
+        deep.start(GPU_A)
+
+
+def test_share_feeds_the_sandbox_environment(manager: MpsManager) -> None:
+    share = manager.share(GPU_A, thread_pct=30, memory_mib=20_000)
+    assert share == MpsShare(str(manager.pipe_dir(GPU_A)), 30, 20_000)
+    spec = SandboxSpec("alloc-1", 1, "host-a", "proj", "ann", "img", (), (GPU_A,), real_gpu=True, mps=share)
+    env = spec.gpu_env()
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(manager.pipe_dir(GPU_A))
+    assert (env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == (
+        "30",
+        "0=20000M",
+    )
+    with pytest.raises(MpsError, match=r"1\.\.100"):
+        manager.share(GPU_A, 101, 1)

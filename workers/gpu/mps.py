@@ -1,0 +1,258 @@
+"""MPS control daemons, one per GPU (or MIG device), for sandboxes that share it by MPS.
+
+Each device gets its own ``nvidia-cuda-mps-control`` daemon, started with
+``CUDA_VISIBLE_DEVICES`` set to that device's UUID and its own pipe and log directories
+(``<var_dir>/mps/<uuid>/{pipe,log}``), so a client can only reach the daemon of the device it
+was given, and stopping one device's daemon leaves the others alone. Sandboxes get the pipe
+directory (``MpsShare.pipe_dir``); the drivers mount it and set ``CUDA_MPS_*`` from the share.
+
+Everything goes through the control binary as NVIDIA documents it (``man
+nvidia-cuda-mps-control``): ``-d`` starts the daemon in the background; commands are lines
+written to the binary's stdin (``echo quit | nvidia-cuda-mps-control``), which forwards them
+to the daemon found through ``CUDA_MPS_PIPE_DIRECTORY`` and prints its answers. The daemon
+writes ``nvidia-cuda-mps-control.pid`` into that directory, which is how a running one is
+recognised, so ``start`` is idempotent across agent restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from workers.drivers.base import MpsShare
+
+log = logging.getLogger(__name__)
+
+CONTROL_BINARY = "nvidia-cuda-mps-control"
+PID_FILE = "nvidia-cuda-mps-control.pid"  # written by the daemon into its pipe directory
+CONTROL_SOCKET = "control"  # the daemon's UNIX socket in the pipe directory
+SOCKET_PATH_MAX = 108  # sun_path of struct sockaddr_un on Linux, NUL included
+# With CUDA_VISIBLE_DEVICES naming one device, the daemon sees it as device 0: the <dev>
+# argument of the memory-limit commands counts visible devices, not host indices.
+DEVICE_INDEX = 0
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0
+COMMAND_TIMEOUT_S = 15.0
+
+
+class MpsError(RuntimeError):
+    """An MPS daemon did not start, stop or answer as asked."""
+
+
+class MpsManager:
+    """Start, configure, query and stop per-device MPS control daemons.
+
+    Methods take the device UUID as the sandbox specs carry it (``GPU-...`` or ``MIG-...``).
+    One lock per manager: a start racing a stop on the same device would leave a daemon
+    nobody tracks.
+    """
+
+    def __init__(
+        self,
+        var_dir: Path | str,
+        control_binary: str = CONTROL_BINARY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = Path(var_dir) / "mps"
+        self.control_binary = control_binary
+        self._clock = clock
+        self._lock = threading.RLock()
+
+    # -- paths and environment ----------------------------------------------------------------
+
+    def pipe_dir(self, device_uuid: str) -> Path:
+        return self._device_dir(device_uuid) / "pipe"
+
+    def log_dir(self, device_uuid: str) -> Path:
+        return self._device_dir(device_uuid) / "log"
+
+    def _device_dir(self, device_uuid: str) -> Path:
+        # A UUID goes into a path: refuse anything that could climb out of var_dir/mps.
+        if not device_uuid or "/" in device_uuid or device_uuid in (".", "..") or "\0" in device_uuid:
+            raise MpsError(f"not a device UUID: {device_uuid!r}")
+        return self.root / device_uuid
+
+    def env(self, device_uuid: str) -> dict[str, str]:
+        """The environment every call for this device runs in: daemon and commands alike."""
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = device_uuid
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe_dir(device_uuid))
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(self.log_dir(device_uuid))
+        return env
+
+    def share(self, device_uuid: str, thread_pct: int, memory_mib: int) -> MpsShare:
+        """What a sandbox on this device's daemon needs (see ``SandboxSpec.gpu_env``)."""
+        if not 1 <= thread_pct <= 100:
+            raise MpsError(f"active thread percentage must be 1..100, not {thread_pct}")
+        if memory_mib < 1:
+            raise MpsError(f"pinned memory limit must be at least 1 MiB, not {memory_mib}")
+        return MpsShare(str(self.pipe_dir(device_uuid)), thread_pct, memory_mib)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def running(self, device_uuid: str) -> bool:
+        """A daemon answers for this device: its pid file names a live process."""
+        return self._daemon_pid(device_uuid) is not None
+
+    def start(self, device_uuid: str) -> bool:
+        """Start the device's daemon unless one runs; True when this call started it.
+
+        MpsError when the binary fails or the daemon does not come up in ``START_TIMEOUT_S``.
+        """
+        with self._lock:
+            if self.running(device_uuid):
+                return False
+            socket_path = self.pipe_dir(device_uuid) / CONTROL_SOCKET
+            if len(os.fsencode(socket_path)) >= SOCKET_PATH_MAX:
+                # The daemon would fail to bind with a vague message; say why up front.
+                raise MpsError(
+                    f"{socket_path} is too long for a UNIX socket ({SOCKET_PATH_MAX - 1} bytes at "
+                    "most): choose a shorter var dir"
+                )
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            for directory in (self.root, self._device_dir(device_uuid), *self._dirs(device_uuid)):
+                _private_dir(directory)
+            # A pid file left by a daemon that died (host crash, kill -9) would hide the new one.
+            (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
+            result = self._run(device_uuid, ["-d"], "")
+            if result.returncode != 0:
+                raise MpsError(
+                    f"{self.control_binary} -d for {device_uuid} exited {result.returncode}: "
+                    f"{(result.stderr or result.stdout).strip()}"
+                )
+            deadline = self._clock() + START_TIMEOUT_S
+            while not self.running(device_uuid):
+                if self._clock() > deadline:
+                    raise MpsError(f"MPS daemon for {device_uuid} did not come up in {START_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+            log.info("started MPS control daemon for %s", device_uuid)
+            return True
+
+    def stop(self, device_uuid: str) -> bool:
+        """Quit the device's daemon; False when none ran. Its clients should be gone first:
+        quitting under running clients ends their MPS server with them."""
+        with self._lock:
+            pid = self._daemon_pid(device_uuid)
+            if pid is None:
+                return False
+            self.command(device_uuid, "quit")
+            deadline = self._clock() + STOP_TIMEOUT_S
+            while _alive(pid):
+                if self._clock() > deadline:
+                    raise MpsError(
+                        f"MPS daemon {pid} for {device_uuid} did not quit in {STOP_TIMEOUT_S:.0f} s"
+                    )
+                time.sleep(0.05)
+            (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
+            log.info("stopped MPS control daemon for %s", device_uuid)
+            return True
+
+    # -- commands ----------------------------------------------------------------------------------
+
+    def command(self, device_uuid: str, line: str) -> str:
+        """Send one command line to the device's daemon through the control binary's stdin;
+        its answer, stripped. MpsError when no daemon runs or the binary fails."""
+        if "\n" in line or "\r" in line:
+            raise MpsError(f"one command per call, not {line!r}")
+        if not self.running(device_uuid):
+            raise MpsError(f"no MPS daemon runs for {device_uuid}")
+        result = self._run(device_uuid, [], line + "\n")
+        if result.returncode != 0:
+            raise MpsError(
+                f"MPS command {line!r} for {device_uuid} exited {result.returncode}: "
+                f"{(result.stderr or result.stdout).strip()}"
+            )
+        return result.stdout.strip()
+
+    def set_default_active_thread_percentage(self, device_uuid: str, pct: int) -> None:
+        """Default share of SMs for clients of servers started from now on (running servers
+        keep theirs: MPS applies defaults when it spawns a server)."""
+        if not 1 <= pct <= 100:
+            raise MpsError(f"active thread percentage must be 1..100, not {pct}")
+        self.command(device_uuid, f"set_default_active_thread_percentage {int(pct)}")
+
+    def set_default_pinned_mem_limit(self, device_uuid: str, memory_mib: int) -> None:
+        """Default device memory each client may pin, in MiB, for servers started from now on."""
+        if memory_mib < 1:
+            raise MpsError(f"pinned memory limit must be at least 1 MiB, not {memory_mib}")
+        self.command(device_uuid, f"set_default_device_pinned_mem_limit {DEVICE_INDEX} {int(memory_mib)}M")
+
+    def server_pids(self, device_uuid: str) -> list[int]:
+        """PIDs of the MPS servers this daemon runs (``get_server_list``)."""
+        return _pids(self.command(device_uuid, "get_server_list"))
+
+    def client_pids(self, device_uuid: str, server_pid: int) -> list[int]:
+        """PIDs of the clients of one server (``get_client_list <pid>``): CUDA processes of the
+        sandboxes on this device, which the agent maps to sandboxes by their cgroups."""
+        return _pids(self.command(device_uuid, f"get_client_list {int(server_pid)}"))
+
+    def clients(self, device_uuid: str) -> dict[int, list[int]]:
+        """Every server of the device's daemon with its clients."""
+        return {server: self.client_pids(device_uuid, server) for server in self.server_pids(device_uuid)}
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _dirs(self, device_uuid: str) -> tuple[Path, Path]:
+        return self.pipe_dir(device_uuid), self.log_dir(device_uuid)
+
+    def _daemon_pid(self, device_uuid: str) -> int | None:
+        try:
+            text = (self.pipe_dir(device_uuid) / PID_FILE).read_text().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            pid = int(text)
+        except ValueError:
+            return None  # being written, or garbage: not a daemon we can talk to
+        return pid if _alive(pid) else None
+
+    def _run(self, device_uuid: str, args: list[str], stdin: str) -> subprocess.CompletedProcess[str]:
+        try:
+            return subprocess.run(  # noqa: S603 - a fixed binary, no shell, arguments we build
+                [self.control_binary, *args],
+                input=stdin,
+                env=self.env(device_uuid),
+                capture_output=True,
+                text=True,
+                timeout=COMMAND_TIMEOUT_S,
+                check=False,
+            )
+        except FileNotFoundError as err:
+            raise MpsError(f"{self.control_binary} not found: is the NVIDIA driver installed?") from err
+        except subprocess.TimeoutExpired as err:
+            raise MpsError(f"{self.control_binary} {' '.join(args)} for {device_uuid} timed out") from err
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` as 0700 (the umask cannot widen or narrow it) or tighten it."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process, but alive (a root daemon seen by a non-root agent)
+    return _not_zombie(pid)
+
+
+def _not_zombie(pid: int) -> bool:
+    """A daemon that exited but was not reaped yet still answers kill(0): read its state."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: trust kill(0)
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _pids(text: str) -> list[int]:
+    """PIDs from a daemon's answer, one per line; other lines (messages) are skipped."""
+    return [int(line) for line in (raw.strip() for raw in text.splitlines()) if line.isdigit()]
