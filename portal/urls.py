@@ -25,6 +25,8 @@ urlpatterns = [
     path("sandboxes/<int:pk>/status/", sandboxes.sandbox_status, name="sandbox-status"),
     path("sandboxes/<int:pk>/stop/", sandboxes.sandbox_stop, name="sandbox-stop"),
     path("console/fleet/", console.fleet, name="console-fleet"),
+    path("console/gpus/<str:uuid>/drain/", console.drain_gpu, name="console-drain-gpu"),
+    path("console/gpus/<str:uuid>/undrain/", console.undrain_gpu, name="console-undrain-gpu"),
     path("admin/", admin.site.urls),
     path("api/v1/", include((router.urls, "api"), namespace="api")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

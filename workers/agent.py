@@ -26,7 +26,7 @@ from workers.celery import app
 from workers.drivers import make_driver
 from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
 from workers.gpu import make_backend
-from workers.gpu.base import GpuBackend, GpuInfo
+from workers.gpu.base import GpuBackend, GpuInfo, GpuSample
 from workers.telemetry import (
     FLEET_GROUP,
     SandboxFigures,
@@ -57,6 +57,8 @@ class Agent:
         self.stopped: set[str] = set()  # allocation ids stopped: a late launch must not revive them
         self._stop = threading.Event()
         self._gpus: list[GpuInfo] = []
+        self.temp_limit_c = float(env_int("GPU_TEMP_LIMIT_C", 90, minimum=40))
+        self._overheating: set[str] = set()
 
     # --- inventory and liveness ------------------------------------------------------------
 
@@ -175,6 +177,29 @@ class Agent:
         device_mib = sizes.get(spec.device_uuids[0], 8192) if spec.device_uuids else 8192
         return int(device_mib * 0.4), 85.0
 
+    # --- health ------------------------------------------------------------------------------
+
+    def health_events(self, samples: dict[str, GpuSample]) -> list[dict[str, Any]]:
+        """The backend's fault events, plus an ``overheat`` when a GPU first crosses the
+        temperature limit (again only after it cooled 5 °C below it)."""
+        events = [dataclasses.asdict(e) for e in self.backend.health_events()]
+        reported = {(e["uuid"], e["kind"]) for e in events}
+        for uuid, sample in samples.items():
+            if uuid not in self._overheating and sample.temp_c > self.temp_limit_c:
+                self._overheating.add(uuid)
+                if (uuid, "overheat") not in reported:
+                    detail = f"{sample.temp_c:.1f} °C over the {self.temp_limit_c:.0f} °C limit"
+                    events.append({"uuid": uuid, "kind": "overheat", "detail": detail, "t_ms": sample.t_ms})
+            elif uuid in self._overheating and sample.temp_c < self.temp_limit_c - 5:
+                self._overheating.discard(uuid)
+        return events
+
+    def report_health(self, samples: dict[str, GpuSample]) -> None:
+        events = self.health_events(samples)
+        if events:
+            log.error("GPU faults on %s: %s", self.host, events)
+            dispatch.to_control("gpu_health", self.host, events)
+
     # --- telemetry ---------------------------------------------------------------------------
 
     def figures(
@@ -226,6 +251,7 @@ class Agent:
             await publish(layer, gpu_group(gpu.uuid), message)
             if tick % FLEET_EVERY == 0:
                 await publish(layer, FLEET_GROUP, message)
+        await asyncio.to_thread(self.report_health, samples)
         for device, holders in by_device.items():
             device_sample = samples.get(device) or self.backend.sample(device)
             for key, spec in holders:

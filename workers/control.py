@@ -22,6 +22,7 @@ from django.conf import settings  # noqa: E402
 from django.db import transaction  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
+from portal.fleet.health import do_health_event  # noqa: E402
 from portal.fleet.inventory import do_heartbeat, do_sync_inventory  # noqa: E402
 from portal.fleet.models import Gpu, Host  # noqa: E402
 from portal.fleet.reconcile import do_reconcile_host  # noqa: E402
@@ -118,6 +119,13 @@ def agent_inventory(
 ) -> None:
     do_sync_inventory(host, backend, driver, gpus, facts)
     do_heartbeat(host, timezone.now(), backend, driver)
+
+
+@app.task(name="workers.control.gpu_health", ignore_result=True)
+def gpu_health(host: str, events: list[dict[str, Any]]) -> None:
+    """Faults an agent saw (XID, double-bit ECC, GPU lost, overheat): the GPU is drained."""
+    for event in events:
+        do_health_event(host, event)
 
 
 @app.task(name="workers.control.sandbox_launched", ignore_result=True)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.db.models import Count, Prefetch, Q
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
 
-from portal.fleet.models import Gpu, Host
+from portal.fleet.health import do_drain_gpu, do_undrain_gpu
+from portal.fleet.models import FleetEvent, Gpu, Host
 from portal.sandboxes.models import Allocation
 
 
@@ -18,4 +21,32 @@ def fleet(request: HttpRequest) -> HttpResponse:
     )
     hosts = Host.objects.prefetch_related(Prefetch("gpus", queryset=gpus))
     live = Allocation.objects.filter(active=True).select_related("sandbox", "gpu")
-    return render(request, "console/fleet.html", {"hosts": hosts, "live": live})
+    alerts = FleetEvent.objects.filter(
+        severity=FleetEvent.Severity.ALERT, acknowledged_at=None
+    ).select_related("host", "gpu")[:50]
+    return render(request, "console/fleet.html", {"hosts": hosts, "live": live, "alerts": alerts})
+
+
+@staff_member_required
+@require_POST
+def drain_gpu(request: HttpRequest, uuid: str) -> HttpResponse:
+    gpu = get_object_or_404(Gpu, uuid=uuid)
+    reason = request.POST.get("reason", "").strip()
+    if not reason:
+        messages.error(request, f"Say why {gpu} is drained: the reason is shown to every admin.")
+    elif do_drain_gpu(gpu.uuid, reason, request.user):
+        messages.success(request, f"{gpu} drained: it takes no new sandboxes; running ones keep running.")
+    else:
+        messages.info(request, f"{gpu} is {gpu.get_state_display().lower()}: nothing to drain.")
+    return redirect("console-fleet")
+
+
+@staff_member_required
+@require_POST
+def undrain_gpu(request: HttpRequest, uuid: str) -> HttpResponse:
+    gpu = get_object_or_404(Gpu, uuid=uuid)
+    if do_undrain_gpu(gpu.uuid, request.user):
+        messages.success(request, f"{gpu} is back in service.")
+    else:
+        messages.info(request, f"{gpu} is not drained.")
+    return redirect("console-fleet")

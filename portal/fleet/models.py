@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
@@ -55,6 +56,7 @@ class Gpu(models.Model):
     sharing_mode = models.CharField(max_length=16, choices=SharingMode.choices, default=SharingMode.DEDICATED)
     timeslice_replicas = models.PositiveSmallIntegerField(default=4)
     state = models.CharField(max_length=16, choices=State.choices, default=State.AVAILABLE)
+    drain_reason = models.CharField(max_length=200, blank=True)
 
     class Meta:
         ordering = ["host__name", "index"]
@@ -97,3 +99,33 @@ class MigInstance(models.Model):
 
     def __str__(self) -> str:
         return f"{self.profile}@{self.start} on {self.gpu}"
+
+
+class FleetEvent(models.Model):
+    """Something that happened to a host or GPU: a drain, an undrain, a health event.
+
+    ``alert`` events are the ones an operator must look at (a GPU drained by a fault);
+    the fleet console lists them until an admin acknowledges them.
+    """
+
+    class Severity(models.TextChoices):
+        INFO = "info", "Info"
+        ALERT = "alert", "Alert"
+
+    at = models.DateTimeField(default=timezone.now)
+    host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="events")
+    gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, null=True, blank=True, related_name="events")
+    kind = models.CharField(max_length=32)  # drained, undrained, xid, ecc_dbe, gpu_lost, overheat
+    severity = models.CharField(max_length=8, choices=Severity.choices, default=Severity.INFO)
+    message = models.CharField(max_length=300)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    acknowledged_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["severity", "acknowledged_at"], name="fleetevent_open_alerts_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.kind}: {self.message}"

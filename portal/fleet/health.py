@@ -1,0 +1,107 @@
+"""Draining GPUs: by hand (an admin), or automatically when a GPU reports a fault.
+
+A drained GPU takes no new sandboxes; what already runs on it keeps running (an admin
+stops or migrates it). An XID error, a double-bit ECC error, a GPU that fell off the bus
+or a temperature over the limit drains the GPU automatically, writes an ``alert`` fleet
+event and logs an error; only an admin undrains it. Every call is one transaction and
+idempotent: a second report of the same fault changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from portal.fleet.models import FleetEvent, Gpu
+
+log = logging.getLogger(__name__)
+# Health event kinds from the agents (workers.gpu.base.HealthEvent.kind) that drain a GPU.
+DRAINING_FAULTS = {
+    "xid": "XID error",
+    "ecc_dbe": "double-bit ECC error",
+    "gpu_lost": "GPU lost (fell off the bus or stopped answering)",
+    "overheat": "temperature over the limit",
+}
+
+
+def do_drain_gpu(uuid: str, reason: str, actor: Any = None) -> bool:
+    """Drain an available GPU by hand. False when there was nothing to drain."""
+    with transaction.atomic():
+        gpu = Gpu.objects.select_for_update().select_related("host").filter(uuid=uuid).first()
+        if gpu is None or gpu.state != Gpu.State.AVAILABLE:
+            return False
+        gpu.state, gpu.drain_reason = Gpu.State.DRAINED, reason[:200]
+        gpu.save(update_fields=["state", "drain_reason"])
+        FleetEvent.objects.create(
+            host=gpu.host, gpu=gpu, kind="drained", message=f"drained: {reason}"[:300], actor=_user(actor)
+        )
+    log.info("GPU %s drained: %s", uuid, reason)
+    return True
+
+
+def do_undrain_gpu(uuid: str, actor: Any) -> bool:
+    """Return a drained GPU to service; its open alerts count as acknowledged."""
+    with transaction.atomic():
+        gpu = Gpu.objects.select_for_update().select_related("host").filter(uuid=uuid).first()
+        if gpu is None or gpu.state != Gpu.State.DRAINED:
+            return False
+        gpu.state, gpu.drain_reason = Gpu.State.AVAILABLE, ""
+        gpu.save(update_fields=["state", "drain_reason"])
+        now = timezone.now()
+        FleetEvent.objects.filter(gpu=gpu, severity=FleetEvent.Severity.ALERT, acknowledged_at=None).update(
+            acknowledged_at=now
+        )
+        FleetEvent.objects.create(
+            host=gpu.host, gpu=gpu, kind="undrained", message="undrained", actor=_user(actor)
+        )
+    log.info("GPU %s undrained by %s", uuid, actor)
+    return True
+
+
+def do_health_event(host_name: str, event: dict[str, Any]) -> bool:
+    """Apply one health event from an agent: drain the GPU (or the MIG device's parent)
+    with an alert. Returns True when it drained a GPU."""
+    kind = event.get("kind", "")
+    if kind not in DRAINING_FAULTS:
+        log.warning("unknown health event from %s ignored: %s", host_name, event)
+        return False
+    uuid = event.get("uuid", "")
+    detail = str(event.get("detail") or "")
+    what = DRAINING_FAULTS[kind] + (f" {event['xid']}" if event.get("xid") is not None else "")
+    reason = f"{what}: {detail}" if detail else what
+    with transaction.atomic():
+        gpu = (
+            Gpu.objects.select_for_update()
+            .select_related("host")
+            .filter(host__name=host_name)
+            .filter(uuid=uuid)
+            .first()
+        ) or (
+            Gpu.objects.select_for_update()
+            .select_related("host")
+            .filter(host__name=host_name, mig_instances__uuid=uuid)
+            .first()
+        )
+        if gpu is None:
+            log.warning("health event for unknown device %s on %s: %s", uuid, host_name, reason)
+            return False
+        if gpu.state == Gpu.State.DRAINED:
+            return False  # the same fault again, or a second one: the GPU is out already
+        gpu.state, gpu.drain_reason = Gpu.State.DRAINED, reason[:200]
+        gpu.save(update_fields=["state", "drain_reason"])
+        FleetEvent.objects.create(
+            host=gpu.host,
+            gpu=gpu,
+            kind=kind,
+            severity=FleetEvent.Severity.ALERT,
+            message=f"drained automatically: {reason}"[:300],
+        )
+    log.error("ALERT: %s GPU %s (%s) drained automatically: %s", host_name, gpu.index, gpu.uuid, reason)
+    return True
+
+
+def _user(actor: Any) -> Any:
+    return actor if getattr(actor, "is_authenticated", False) else None

@@ -1,0 +1,116 @@
+"""GPU health: faults drain a GPU with an alert, admins drain and undrain, and drained GPUs
+take no new sandboxes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from portal.fleet.health import do_drain_gpu, do_health_event, do_undrain_gpu
+from portal.fleet.models import FleetEvent, Gpu
+from tests.portal.helpers import place_all, request
+from workers.agent import Agent
+from workers.drivers.process import ProcessDriver
+from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def first_gpu(fleet: Any) -> Gpu:
+    return Gpu.objects.filter(mig_enabled=False).order_by("host__name", "index").first()  # type: ignore[return-value]
+
+
+def test_an_xid_drains_the_gpu_once_with_an_alert(fleet: Any) -> None:
+    gpu = first_gpu(fleet)
+    event = {"uuid": gpu.uuid, "kind": "xid", "xid": 79, "detail": "fell off the bus", "t_ms": 0}
+    assert do_health_event(gpu.host.name, event) is True
+    assert do_health_event(gpu.host.name, event) is False  # the same fault again: nothing new
+    gpu.refresh_from_db()
+    assert gpu.state == "drained" and gpu.drain_reason == "XID error 79: fell off the bus"
+    [alert] = FleetEvent.objects.filter(severity="alert")
+    assert alert.gpu == gpu and alert.kind == "xid" and alert.acknowledged_at is None
+
+
+def test_a_fault_on_a_mig_device_drains_its_gpu(fleet: Any) -> None:
+    mig_gpu = Gpu.objects.filter(mig_instances__isnull=False).distinct().first()
+    assert mig_gpu is not None
+    instance = mig_gpu.mig_instances.first()
+    assert instance is not None
+    assert do_health_event(mig_gpu.host.name, {"uuid": instance.uuid, "kind": "ecc_dbe", "detail": "1"})
+    mig_gpu.refresh_from_db()
+    assert mig_gpu.state == "drained" and "double-bit ECC" in mig_gpu.drain_reason
+
+
+def test_unknown_kinds_and_devices_are_ignored(fleet: Any) -> None:
+    gpu = first_gpu(fleet)
+    assert not do_health_event(gpu.host.name, {"uuid": gpu.uuid, "kind": "cosmic-ray"})
+    assert not do_health_event(gpu.host.name, {"uuid": "GPU-nope", "kind": "xid"})
+    assert not do_health_event("other-host", {"uuid": gpu.uuid, "kind": "xid"})
+    assert not Gpu.objects.filter(state="drained").exists()
+
+
+def test_drained_gpus_take_no_new_sandboxes(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
+    dedicated = Gpu.objects.filter(sharing_mode="dedicated", state="available")
+    for gpu in dedicated:
+        assert do_drain_gpu(gpu.uuid, "maintenance")
+    sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+    place_all()
+    sandbox.refresh_from_db()
+    assert sandbox.state == "queued" and sandbox.pending_reason
+    for gpu in dedicated:
+        assert do_undrain_gpu(gpu.uuid, people["admin"])
+    place_all()
+    sandbox.refresh_from_db()
+    assert sandbox.state == "starting"
+
+
+def test_undrain_acknowledges_the_alerts(people: Any, fleet: Any) -> None:
+    gpu = first_gpu(fleet)
+    do_health_event(gpu.host.name, {"uuid": gpu.uuid, "kind": "overheat", "detail": "93.0 °C"})
+    assert do_undrain_gpu(gpu.uuid, people["admin"])
+    assert not FleetEvent.objects.filter(severity="alert", acknowledged_at=None).exists()
+    assert FleetEvent.objects.filter(kind="undrained", actor=people["admin"]).exists()
+    assert not do_undrain_gpu(gpu.uuid, people["admin"])  # idempotent
+
+
+def test_console_drain_needs_staff_and_a_reason(people: Any, fleet: Any) -> None:
+    gpu = first_gpu(fleet)
+    url = f"/console/gpus/{gpu.uuid}/drain/"
+    user = Client()
+    user.force_login(people["owner"])
+    assert user.post(url, {"reason": "x"}).status_code == 302  # to the admin login
+    gpu.refresh_from_db()
+    assert gpu.state == "available"
+    admin = Client()
+    admin.force_login(people["admin"])
+    assert admin.get(url).status_code == 405
+    page = admin.post(url, {"reason": ""}, follow=True).content.decode()
+    assert "Say why" in page
+    admin.post(url, {"reason": "fan replacement"})
+    gpu.refresh_from_db()
+    assert gpu.state == "drained" and gpu.drain_reason == "fan replacement"
+    page = admin.get("/console/fleet/").content.decode()
+    assert "fan replacement" in page and "Undrain" in page
+    admin.post(f"/console/gpus/{gpu.uuid}/undrain/")
+    gpu.refresh_from_db()
+    assert gpu.state == "available"
+
+
+def test_agent_reports_injected_faults_and_overheat(tmp_path: Path, sent_tasks: Any) -> None:
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:2"))
+    agent = Agent("h", backend, ProcessDriver(tmp_path / "sandboxes", host="h"), tmp_path)
+    agent.inventory()
+    first, second = (g.uuid for g in backend.list_gpus())
+    backend.inject_xid(first, 48)
+    samples = {uuid: backend.sample(uuid) for uuid in (first, second)}
+    hot = samples[second].__class__(**{**vars(samples[second]), "temp_c": agent.temp_limit_c + 3})
+    agent.report_health({first: samples[first], second: hot})
+    [(queue, _task, (host, events))] = [t for t in sent_tasks if t[1] == "gpu_health"]
+    assert queue == "control" and host == "h"
+    assert {(e["uuid"], e["kind"]) for e in events} == {(first, "xid"), (second, "overheat")}
+    sent_tasks.clear()
+    agent.report_health({second: hot})  # still hot: reported once until it cools down
+    assert not [t for t in sent_tasks if t[1] == "gpu_health"]
