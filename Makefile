@@ -40,6 +40,7 @@ lint: install
 
 bench: install
 	$(PY) -m scheduler.bench --out BENCHMARKS.md
+	GPUSHARE_VAR_DIR=var/test BENCH_OUT=BENCHMARKS.md $(PY) -m pytest -q -s -p no:cacheprovider -m bench tests/bench
 
 clean:
 	rm -rf var/test static/dist .pytest_cache .mypy_cache .ruff_cache
