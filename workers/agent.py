@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,9 @@ class Agent:
         self._stop = threading.Event()
         self._gpus: list[GpuInfo] = []
         self.temp_limit_c = float(env_int("GPU_TEMP_LIMIT_C", 90, minimum=40))
+        self.util_window_s = env_int("UTIL_WINDOW_S", 600, minimum=10)
+        # allocation id -> (t_ms, utilization %) samples of its devices, oldest first
+        self._util: dict[str, deque[tuple[int, float]]] = {}
         self._overheating: set[str] = set()
 
     # --- inventory and liveness ------------------------------------------------------------
@@ -105,6 +109,8 @@ class Agent:
         survives a restart of this agent), with its state and whether this agent tracks it."""
         with self.lock:
             tracked = set(self.running)
+        for gone in set(self._util) - tracked:
+            self._util.pop(gone, None)
         report = []
         for handle in self.driver.list_owned():
             status = self.driver.status(handle)
@@ -120,6 +126,7 @@ class Agent:
                     "started_at_ms": status.started_at_ms,
                     "handle": handle.to_json(),
                     "tracked": handle.allocation_id in tracked,
+                    "util": self.util_over_window(handle.allocation_id),
                 }
             )
         return report
@@ -255,6 +262,7 @@ class Agent:
         for device, holders in by_device.items():
             device_sample = samples.get(device) or self.backend.sample(device)
             for key, spec in holders:
+                self.note_util(key, now, device_sample.util_pct)
                 own = {
                     str(spec.sandbox_id): self.figures(
                         key, spec, now, device_sample.mem_by_owner.get(key, 0), device_sample.util_pct
@@ -265,6 +273,22 @@ class Agent:
                     sandbox_group(spec.sandbox_id),
                     sample_message(device_sample, self.host, self.backend.simulated, own),
                 )
+
+    def note_util(self, allocation_id: str, t_ms: int, util_pct: float) -> None:
+        window = self._util.setdefault(allocation_id, deque())
+        window.append((t_ms, util_pct))
+        while window and window[0][0] < t_ms - self.util_window_s * 1000:
+            window.popleft()
+
+    def util_over_window(self, allocation_id: str) -> tuple[float, float] | None:
+        """(mean GPU utilization %, seconds covered) over the last UTIL_WINDOW_S, from the
+        samples of the sandbox's devices; None before the first sample. On a shared GPU
+        (MPS, time-slice) it is the whole GPU's utilization: idle means idle for everyone."""
+        window = self._util.get(allocation_id)
+        if not window:
+            return None
+        mean = sum(u for _, u in window) / len(window)
+        return round(mean, 1), (window[-1][0] - window[0][0]) / 1000
 
     def start(self) -> None:
         interval = env_int("SAMPLE_INTERVAL_MS", 1000, minimum=50) / 1000

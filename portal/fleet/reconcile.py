@@ -141,6 +141,12 @@ def _reconcile_owned(
     elif running and sandbox.state == S.RUNNING and not entry.get("tracked", True):
         actions.do_resend_launch(sandbox.pk, adopt=True)
         repairs.adopted.append(sandbox.pk)
+    elif running and sandbox.state == S.RUNNING and entry.get("util"):
+        # Not a repair: the utilization window the agent keeps, for idle culling.
+        util_pct, window_s = entry["util"]
+        Sandbox.objects.filter(pk=sandbox.pk).update(
+            gpu_util_pct=util_pct, gpu_util_window_s=window_s, gpu_util_at=taken_at
+        )
 
 
 def _stop_after_commit(host_name: str, key: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:

@@ -69,6 +69,10 @@ class Sandbox(models.Model):
         "self", on_delete=models.SET_NULL, null=True, blank=True, related_name="preempted"
     )
     handle = models.JSONField(null=True, blank=True)
+    # Mean GPU utilization over the agent's window (UTIL_WINDOW_S), for idle culling.
+    gpu_util_pct = models.FloatField(null=True, blank=True)
+    gpu_util_window_s = models.FloatField(null=True, blank=True)
+    gpu_util_at = models.DateTimeField(null=True, blank=True)
 
     requested_at = models.DateTimeField(default=timezone.now)
     placed_at = models.DateTimeField(null=True, blank=True)

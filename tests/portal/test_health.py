@@ -114,3 +114,16 @@ def test_agent_reports_injected_faults_and_overheat(tmp_path: Path, sent_tasks: 
     sent_tasks.clear()
     agent.report_health({second: hot})  # still hot: reported once until it cools down
     assert not [t for t in sent_tasks if t[1] == "gpu_health"]
+
+
+def test_agent_keeps_a_utilization_window_per_sandbox(tmp_path: Path) -> None:
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
+    agent = Agent("h", backend, ProcessDriver(tmp_path / "sandboxes", host="h"), tmp_path)
+    agent.util_window_s = 60
+    assert agent.util_over_window("a1") is None
+    for second, util in enumerate([90.0] * 30 + [0.0] * 90):
+        agent.note_util("a1", second * 1000, util)
+    # Only the last 60 s count: the busy start has left the window.
+    assert agent.util_over_window("a1") == (0.0, 60.0)
+    agent.note_util("a1", 121_000, 60.0)
+    assert agent.util_over_window("a1") == (1.0, 60.0)

@@ -165,3 +165,14 @@ def test_a_lost_host_loses_its_sandboxes(people: Any, catalog: Any, fleet: Any, 
     assert host.state == "lost"
     assert not Gpu.objects.filter(host=host, state="available").exists()
     assert sandbox.state == "failed" and f"host {host.name} lost" in sandbox.failure
+
+
+def test_the_utilization_window_is_stored_for_idle_culling(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    sandbox = placed(people, catalog)
+    at = later()
+    report = [{**entry(sandbox), "util": [3.5, 590.0]}]
+    assert not do_reconcile_host(host_of(sandbox), at, report)  # not a repair
+    sandbox.refresh_from_db()
+    assert (sandbox.gpu_util_pct, sandbox.gpu_util_window_s, sandbox.gpu_util_at) == (3.5, 590.0, at)
