@@ -25,9 +25,10 @@ from portal.env import env_int, env_str
 from workers import config, dispatch
 from workers.celery import app
 from workers.drivers import make_driver
-from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
+from workers.drivers.base import DriverError, MpsShare, SandboxDriver, SandboxHandle, SandboxSpec
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend, GpuInfo, GpuSample
+from workers.gpu.mps import MpsError, MpsManager
 from workers.telemetry import (
     FLEET_GROUP,
     SandboxFigures,
@@ -58,6 +59,7 @@ class Agent:
         self.stopped: set[str] = set()  # allocation ids stopped: a late launch must not revive them
         self._stop = threading.Event()
         self._gpus: list[GpuInfo] = []
+        self.mps = MpsManager(var_dir)
         self.temp_limit_c = float(env_int("GPU_TEMP_LIMIT_C", 90, minimum=40))
         self.util_window_s = env_int("UTIL_WINDOW_S", 600, minimum=10)
         # allocation id -> (t_ms, utilization %) samples of its devices, oldest first
@@ -139,9 +141,10 @@ class Agent:
                 log.info("launch of %s ignored: it was stopped already", spec.allocation_id)
                 return
         if spec.mps is not None and not spec.mps.pipe_dir:
-            pipe = self.var_dir / "mps" / spec.device_uuids[0] / "pipe"
-            pipe.mkdir(parents=True, exist_ok=True)
-            spec = dataclasses.replace(spec, mps=dataclasses.replace(spec.mps, pipe_dir=str(pipe)))
+            with_pipe = self._with_mps_daemon(spec, spec.mps)
+            if with_pipe is None:
+                return
+            spec = with_pipe
         try:
             handle = self.driver.launch(spec)
         except DriverError as exc:
@@ -171,6 +174,22 @@ class Agent:
             self.running.pop(allocation_id, None)
             self.started_ms.pop(allocation_id, None)
         dispatch.to_control("sandbox_stopped", allocation_id, _now_ms())
+
+    def _with_mps_daemon(self, spec: SandboxSpec, share: MpsShare) -> SandboxSpec | None:
+        """The spec with its GPU's MPS pipe directory; on a real GPU the control daemon is
+        started first (idempotent). None when it cannot be: the launch is reported failed."""
+        device = spec.device_uuids[0]
+        try:
+            pipe = self.mps.pipe_dir(device)
+            if self.backend.simulated:
+                pipe.mkdir(parents=True, exist_ok=True)  # no daemon without a GPU; the mount is real
+            else:
+                self.mps.start(device)
+        except (MpsError, OSError) as exc:
+            message = f"MPS daemon for {device}: {exc}"
+            dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, message)
+            return None
+        return dataclasses.replace(spec, mps=dataclasses.replace(share, pipe_dir=str(pipe)))
 
     def _find(self, allocation_id: str) -> SandboxHandle | None:
         return next((h for h in self.driver.list_owned() if h.allocation_id == allocation_id), None)

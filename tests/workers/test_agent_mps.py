@@ -1,0 +1,79 @@
+"""The agent gives an MPS sandbox its GPU's pipe directory, starting the daemon on real GPUs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from workers.agent import Agent
+from workers.drivers.base import MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
+from workers.gpu.mps import MpsError
+from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+
+
+class RecordingDriver:
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.launched: list[SandboxSpec] = []
+
+    def launch(self, spec: SandboxSpec) -> SandboxHandle:
+        self.launched.append(spec)
+        return SandboxHandle(self.name, spec.allocation_id, spec.sandbox_id, "ref")
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        return SandboxStatus(state="running", started_at_ms=1)
+
+
+class FakeMps:
+    def __init__(self, root: Path, fail: bool = False) -> None:
+        self.root, self.fail = root, fail
+        self.started: list[str] = []
+
+    def pipe_dir(self, device: str) -> Path:
+        return self.root / device / "pipe"
+
+    def start(self, device: str) -> bool:
+        if self.fail:
+            raise MpsError("nvidia-cuda-mps-control not found")
+        self.started.append(device)
+        return True
+
+
+def spec(device: str) -> SandboxSpec:
+    return SandboxSpec(
+        allocation_id="a1", sandbox_id=7, host="h", project="p", owner="o", image="", command=("sleep",),
+        device_uuids=(device,), real_gpu=False, mps=MpsShare(pipe_dir="", thread_pct=30, memory_mib=4096),
+    )  # fmt: skip
+
+
+def agent(tmp_path: Path) -> tuple[Agent, RecordingDriver, str]:
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
+    driver = RecordingDriver()
+    a = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
+    a.inventory()
+    return a, driver, backend.list_gpus()[0].uuid
+
+
+def test_simulated_gpu_gets_a_pipe_dir_without_a_daemon(tmp_path: Path, sent_tasks: Any) -> None:
+    a, driver, device = agent(tmp_path)
+    a.launch(spec(device))
+    [launched] = driver.launched
+    assert launched.mps is not None and Path(launched.mps.pipe_dir) == tmp_path / "mps" / device / "pipe"
+    assert Path(launched.mps.pipe_dir).is_dir() and launched.mps.thread_pct == 30
+
+
+def test_real_gpu_starts_the_daemon_or_fails_the_launch(
+    tmp_path: Path, sent_tasks: Any, monkeypatch: Any
+) -> None:
+    a, driver, device = agent(tmp_path)
+    monkeypatch.setattr(a.backend, "simulated", False)
+    a.mps = FakeMps(tmp_path / "mps")  # type: ignore[assignment]
+    a.launch(spec(device))
+    assert a.mps.started == [device] and len(driver.launched) == 1  # type: ignore[attr-defined]
+    a.mps = FakeMps(tmp_path / "mps", fail=True)  # type: ignore[assignment]
+    a.launch(replace(spec(device), allocation_id="a2"))
+    assert len(driver.launched) == 1
+    [(_, _task, (sandbox_id, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
+    assert (sandbox_id, key) == (7, "a2") and "nvidia-cuda-mps-control not found" in message
