@@ -9,6 +9,7 @@ channel layer and reports everything else to the control queue. Run it with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -60,6 +61,7 @@ class Agent:
         self._stop = threading.Event()
         self._gpus: list[GpuInfo] = []
         self.mps = MpsManager(var_dir)
+        self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
         self.temp_limit_c = float(env_int("GPU_TEMP_LIMIT_C", 90, minimum=40))
         self.util_window_s = env_int("UTIL_WINDOW_S", 600, minimum=10)
         # allocation id -> (t_ms, utilization %) samples of its devices, oldest first
@@ -98,6 +100,7 @@ class Agent:
         """Beat, carrying what this host runs: the control worker reconciles against it."""
         taken_ms = _now_ms()
         try:
+            self.refresh_pid_owners()
             owned: list[dict[str, Any]] | None = self.owned_report()
         except DriverError as exc:  # the engine is down: beat anyway, reconcile next time
             log.warning("cannot list sandboxes for the report: %s", exc)
@@ -105,6 +108,28 @@ class Agent:
         dispatch.to_control(
             "agent_heartbeat", self.host, taken_ms, self.backend.name, self.driver.name, owned
         )
+
+    def refresh_pid_owners(self) -> None:
+        """Which sandbox each host pid belongs to, for backends (NVML) that report GPU memory
+        by process. Drivers without ``pids`` (or failing) leave the memory unattributed."""
+        pids_of = getattr(self.driver, "pids", None)
+        if pids_of is None or self.backend.simulated:
+            return
+        owners: dict[str, str] = {}
+        with self.lock:
+            running = list(self.running)
+        for handle in self.driver.list_owned():
+            if handle.allocation_id in running:
+                with contextlib.suppress(DriverError):
+                    owners.update({f"pid:{pid}": handle.allocation_id for pid in pids_of(handle)})
+        self._pid_owner = owners
+
+    def memory_of(self, sample: GpuSample, allocation_id: str) -> int:
+        """MiB of GPU memory a sandbox holds: the backend's figure for it (simulated), or the
+        sum over its processes (NVML reports memory by pid)."""
+        if allocation_id in sample.mem_by_owner:
+            return sample.mem_by_owner[allocation_id]
+        return sum(m for k, m in sample.mem_by_owner.items() if self._pid_owner.get(k) == allocation_id)
 
     def owned_report(self) -> list[dict[str, Any]]:
         """Every sandbox the driver owns on this host, found by labels or names (so it
@@ -269,7 +294,7 @@ class Agent:
             }
             figures = {
                 str(spec.sandbox_id): self.figures(
-                    key, spec, now, sample.mem_by_owner.get(key, 0), sample.util_pct
+                    key, spec, now, self.memory_of(sample, key), sample.util_pct
                 )
                 for key, spec in on_gpu.items()
             }
@@ -284,7 +309,7 @@ class Agent:
                 self.note_util(key, now, device_sample.util_pct)
                 own = {
                     str(spec.sandbox_id): self.figures(
-                        key, spec, now, device_sample.mem_by_owner.get(key, 0), device_sample.util_pct
+                        key, spec, now, self.memory_of(device_sample, key), device_sample.util_pct
                     )
                 }
                 await publish(

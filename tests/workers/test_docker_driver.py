@@ -363,3 +363,15 @@ def test_container_that_cannot_start_leaves_nothing(
     with pytest.raises(DriverError, match="Docker engine refused"):
         driver.launch(make_spec(host, real_gpu=True))
     assert driver.list_owned() == []
+
+
+@pytest.mark.docker
+def test_pids_are_the_containers_host_pids(
+    driver: DockerDriver, client: docker.DockerClient, host: str
+) -> None:
+    handle = driver.launch(make_spec(host))
+    pids = driver.pids(handle)
+    inspected = client.containers.get(handle.ref).attrs["State"]["Pid"]
+    assert inspected in pids
+    driver.stop(handle, grace_s=0)
+    assert driver.pids(handle) == []

@@ -390,3 +390,12 @@ def test_exceeding_the_memory_limit_kills_the_sandbox_and_says_why(driver: Proce
     if driver.limits != "rlimit":  # the kernel's OOM killer acted: the cgroup counted it
         assert status.reason == "out of memory: killed at the memory limit", status
     driver.stop(handle, grace_s=0)
+
+
+@pytest.mark.bwrap
+def test_pids_are_the_sandboxes_host_pids(driver: ProcessDriver) -> None:
+    handle = driver.launch(make_spec())
+    wait_for_log(driver, handle, READY)
+    assert command_pid(handle) in driver.pids(handle)
+    driver.stop(handle, grace_s=0)
+    assert driver.pids(handle) == []

@@ -308,6 +308,19 @@ class DockerDriver:
             reason = "out of memory: killed at the memory limit" if state.get("OOMKilled") else None
             return SandboxStatus(state="exited", exit_code=code, started_at_ms=started, reason=reason)
 
+    def pids(self, handle: SandboxHandle) -> list[int]:
+        """Host pids of the container's processes, to attribute GPU memory NVML reports by pid."""
+        with _engine_errors(f"list processes of sandbox {handle.allocation_id}"):
+            try:
+                top = self.client.containers.get(handle.ref).top(ps_args="-o pid")
+            except docker.errors.NotFound:
+                return []
+            except docker.errors.APIError as exc:
+                if exc.status_code == 409:  # not running
+                    return []
+                raise
+        return [int(row[0]) for row in top.get("Processes") or [] if row and str(row[0]).isdigit()]
+
     def list_owned(self) -> list[SandboxHandle]:
         labels = [ALLOCATION_LABEL]
         if self.host:

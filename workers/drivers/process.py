@@ -658,6 +658,13 @@ class ProcessDriver:
             reason = "out of memory: killed at the memory limit"
         return SandboxStatus(state="exited", exit_code=code, started_at_ms=started, reason=reason)
 
+    def pids(self, handle: SandboxHandle) -> list[int]:
+        """Host pids of the sandbox's processes, to attribute GPU memory NVML reports by pid."""
+        state = self._load(handle.allocation_id)
+        if state is None or not self._running(state):
+            return []
+        return self._sandbox_members(state)
+
     def list_owned(self) -> list[SandboxHandle]:
         """Every sandbox with a state file, exited ones included (status says which)."""
         handles = []

@@ -1,4 +1,4 @@
-"""The agent gives an MPS sandbox its GPU's pipe directory, starting the daemon on real GPUs."""
+"""The agent: MPS pipe directories and daemons, GPU memory attributed to sandboxes by pid."""
 
 from __future__ import annotations
 
@@ -77,3 +77,13 @@ def test_real_gpu_starts_the_daemon_or_fails_the_launch(
     assert len(driver.launched) == 1
     [(_, _task, (sandbox_id, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
     assert (sandbox_id, key) == (7, "a2") and "nvidia-cuda-mps-control not found" in message
+
+
+def test_memory_reported_by_pid_is_summed_per_sandbox(tmp_path: Path) -> None:
+    a, _, device = agent(tmp_path)
+    sample = a.backend.sample(device)
+    sample = replace(sample, mem_by_owner={"pid:10": 100, "pid:11": 50, "pid:12": 7, "pid:99": 1})
+    a._pid_owner = {"pid:10": "a1", "pid:11": "a1", "pid:12": "a2"}
+    assert (a.memory_of(sample, "a1"), a.memory_of(sample, "a2"), a.memory_of(sample, "a3")) == (150, 7, 0)
+    keyed = replace(sample, mem_by_owner={"a1": 4096})  # the simulated backend knows its owners
+    assert a.memory_of(keyed, "a1") == 4096
