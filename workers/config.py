@@ -13,7 +13,7 @@ from portal.env import env_choice, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 GPU_BACKENDS = ("auto", "nvml", "simulated")
-SANDBOX_DRIVERS = ("auto", "docker", "process")
+SANDBOX_DRIVERS = ("auto", "docker", "process", "libvirt")
 
 
 def var_dir() -> Path:

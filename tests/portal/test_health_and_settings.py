@@ -61,7 +61,7 @@ def test_env_helpers_name_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path
     ("variable", "value", "message"),
     [
         ("GPU_BACKEND", "cuda", "GPU_BACKEND='cuda' is not one of: auto, nvml, simulated"),
-        ("SANDBOX_DRIVER", "kvm", "SANDBOX_DRIVER='kvm' is not one of: auto, docker, process"),
+        ("SANDBOX_DRIVER", "kvm", "SANDBOX_DRIVER='kvm' is not one of: auto, docker, process, libvirt"),
         ("DEBUG", "perhaps", "DEBUG='perhaps' is not a boolean"),
         ("REDIS_URL", "http://x", "REDIS_URL='http://x' must start with redis://"),
         ("DATABASE_URL", "nosuch://x", "DATABASE_URL is not a database URL"),

@@ -6,17 +6,22 @@ from pathlib import Path
 
 from workers.drivers.base import SandboxDriver
 
-DRIVER_KINDS = ("docker", "process", "auto")
+DRIVER_KINDS = ("docker", "process", "libvirt", "auto")
 
 
 def make_driver(kind: str, host: str, state_dir: Path) -> SandboxDriver:
-    """``docker``, ``process``, or ``auto``: docker when an engine answers, else process.
+    """``docker``, ``process``, ``libvirt``, or ``auto``: docker when an engine answers, else
+    process (``auto`` never picks libvirt: VMs are an isolation level an admin chooses).
 
     Drivers are imported here, not at module level, so a host without the docker SDK
-    can still run the process driver.
+    (or libvirt) can still run the process driver.
     """
     if kind not in DRIVER_KINDS:
         raise ValueError(f"unknown sandbox driver {kind!r}; expected one of {DRIVER_KINDS}")
+    if kind == "libvirt":
+        from workers.drivers.libvirt import LibvirtDriver
+
+        return LibvirtDriver(host=host)
     if kind in ("docker", "auto"):
         from workers.drivers.docker import DockerDriver, docker_available
 
