@@ -38,9 +38,15 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	DEBUG=true $(VENV)/bin/mypy .
 
+# Where .ci/run builds the VM guest (QEMU's unprivileged user can read it there).
+VM_IMAGES ?= /var/lib/libvirt/images/gpushare
+VM_KERNEL ?= $(VM_IMAGES)/vmlinuz
+VM_INITRD ?= $(VM_IMAGES)/initramfs.cpio.gz
+
 bench: install
 	$(PY) -m scheduler.bench --out BENCHMARKS.md
-	GPUSHARE_VAR_DIR=var/test BENCH_OUT=BENCHMARKS.md $(PY) -m pytest -q -s -p no:cacheprovider -m bench tests/bench
+	GPUSHARE_VAR_DIR=var/test BENCH_OUT=BENCHMARKS.md VM_KERNEL=$(VM_KERNEL) VM_INITRD=$(VM_INITRD) \
+		$(PY) -m pytest -q -s -p no:cacheprovider -m bench tests/bench
 
 clean:
 	rm -rf var/test static/dist .pytest_cache .mypy_cache .ruff_cache
