@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,9 @@ class Agent:
         self._gpus: list[GpuInfo] = []
         self.mps = MpsManager(var_dir)
         self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
+        self._reporter = ThreadPoolExecutor(1, thread_name_prefix="agent-report")
+        self._report_job: Future[None] | None = None
+        self._report_ready: tuple[list[dict[str, Any]], int] | None = None
         self.temp_limit_c = float(env_int("GPU_TEMP_LIMIT_C", 90, minimum=40))
         self.util_window_s = env_int("UTIL_WINDOW_S", 600, minimum=10)
         # allocation id -> (t_ms, utilization %) samples of its devices, oldest first
@@ -97,17 +101,32 @@ class Agent:
         )
 
     def heartbeat(self) -> None:
-        """Beat, carrying what this host runs: the control worker reconciles against it."""
+        """Beat, with the newest finished report of what this host runs.
+
+        The report is built on its own thread: listing sandboxes can block behind a slow
+        driver call (libvirt serialises a connection while it defines a domain, ~40 s on a
+        host with a root-only /dev/kvm), and a beat held up by it would get a healthy host
+        marked lost. A report goes out once, with the time its listing began.
+        """
+        with self.lock:
+            if self._report_job is None or self._report_job.done():
+                self._report_job = self._reporter.submit(self._build_report)
+            ready, self._report_ready = self._report_ready, None
+        owned, owned_ms = ready if ready is not None else (None, None)
+        dispatch.to_control(
+            "agent_heartbeat", self.host, _now_ms(), self.backend.name, self.driver.name, owned, owned_ms
+        )
+
+    def _build_report(self) -> None:
         taken_ms = _now_ms()
         try:
             self.refresh_pid_owners()
-            owned: list[dict[str, Any]] | None = self.owned_report()
+            owned = self.owned_report()
         except DriverError as exc:  # the engine is down: beat anyway, reconcile next time
             log.warning("cannot list sandboxes for the report: %s", exc)
-            owned = None
-        dispatch.to_control(
-            "agent_heartbeat", self.host, taken_ms, self.backend.name, self.driver.name, owned
-        )
+            return
+        with self.lock:
+            self._report_ready = (owned, taken_ms)
 
     def refresh_pid_owners(self) -> None:
         """Which sandbox each host pid belongs to, for backends (NVML) that report GPU memory
@@ -346,6 +365,7 @@ class Agent:
 
     def shutdown(self) -> None:
         self._stop.set()
+        self._reporter.shutdown(wait=False)
         self.backend.close()
 
 

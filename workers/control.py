@@ -97,9 +97,15 @@ def resend_stuck_placements(now: datetime) -> None:
 
 @app.task(name="workers.control.agent_heartbeat", ignore_result=True)
 def agent_heartbeat(
-    host: str, t_ms: int, backend: str, driver: str, owned: list[dict[str, Any]] | None = None
+    host: str,
+    t_ms: int,
+    backend: str,
+    driver: str,
+    owned: list[dict[str, Any]] | None = None,
+    owned_ms: int | None = None,
 ) -> None:
-    """A beat, with the agent's report of what it runs: the database is repaired to match."""
+    """A beat, with the agent's report of what it runs (listed from ``owned_ms``): the
+    database is repaired to match."""
     was = Host.objects.filter(name=host).values_list("state", flat=True).first()
     if not do_heartbeat(host, _from_ms(t_ms), backend, driver):
         log.warning("heartbeat from unknown host %s ignored (no inventory yet)", host)
@@ -110,7 +116,7 @@ def agent_heartbeat(
         log.warning("host %s is back: asking for its inventory", host)
         dispatch.to_host(host, "report_inventory")
     if owned is not None:
-        do_reconcile_host(host, _from_ms(t_ms), owned)
+        do_reconcile_host(host, _from_ms(owned_ms or t_ms), owned)
 
 
 @app.task(name="workers.control.agent_inventory", ignore_result=True)

@@ -93,11 +93,7 @@ def do_reconcile_host(host_name: str, taken_at: datetime, owned: list[dict[str, 
             log.warning("sandbox %s (%s) %s", sandbox.pk, sandbox.allocation_key, reason)
             actions.do_lose(sandbox.pk, reason, taken_at)
             repairs.vanished.append(sandbox.pk)
-        elif (
-            sandbox.state == S.STARTING
-            and sandbox.placed_at is not None
-            and sandbox.placed_at < taken_at - timedelta(seconds=LAUNCH_RESEND_S)
-        ):
+        elif sandbox.state == S.STARTING and _launch_overdue(sandbox, taken_at):
             log.warning("sandbox %s: no sandbox on %s yet, launch sent again", sandbox.pk, host.name)
             actions.do_resend_launch(sandbox.pk)
             repairs.launches_resent.append(sandbox.pk)
@@ -147,6 +143,18 @@ def _reconcile_owned(
         Sandbox.objects.filter(pk=sandbox.pk).update(
             gpu_util_pct=util_pct, gpu_util_window_s=window_s, gpu_util_at=taken_at
         )
+
+
+def _launch_overdue(sandbox: Sandbox, taken_at: datetime) -> bool:
+    """No sandbox LAUNCH_RESEND_S after the launch was last sent (placed, or resent)."""
+    last_resend = (
+        sandbox.events.filter(message=actions.LAUNCH_RESENT)
+        .order_by("-at")
+        .values_list("at", flat=True)
+        .first()
+    )
+    sent = max(filter(None, (sandbox.placed_at, last_resend)), default=None)
+    return sent is not None and sent < taken_at - timedelta(seconds=LAUNCH_RESEND_S)
 
 
 def _stop_after_commit(host_name: str, key: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:

@@ -40,6 +40,7 @@ TRANSITIONS: dict[str, set[str]] = {
     S.RUNNING: {S.STOPPING, S.FAILED, S.PREEMPTED, S.EXPIRED, S.QUEUED},
     S.STOPPING: {S.STOPPED, S.FAILED, S.PREEMPTED},
 }
+LAUNCH_RESENT = "launch sent again: no sandbox on the host yet"
 PHASE_TIMESTAMPS: dict[str, str] = {S.PLACING: "placed_at", S.STOPPING: "stop_requested_at"}
 
 
@@ -251,6 +252,13 @@ def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:
         wanted = S.RUNNING if adopt else S.STARTING
         if sandbox is None or sandbox.state != wanted or sandbox.host is None:
             return
+        if not adopt:
+            # Recorded (same state on both sides), so the next resend waits its turn: a
+            # slow launch (a VM's domain definition) must not be flooded with copies.
+            SandboxEvent.objects.create(
+                sandbox=sandbox, at=timezone.now(), from_state=S.STARTING, to_state=S.STARTING,
+                message=LAUNCH_RESENT,
+            )  # fmt: skip
         host_name, spec = sandbox.host.name, launch_spec(sandbox).to_json()
         transaction.on_commit(lambda: dispatch.to_host(host_name, "launch_sandbox", spec))
 

@@ -37,7 +37,11 @@ def request_to_running(people: Any, catalog: Any, isolation: str) -> float:
     sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
     if isolation != "container":
         Sandbox.objects.filter(pk=sandbox.pk).update(isolation=isolation)
-    wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "running", 120, "the sandbox to run")
+    try:
+        wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "running", 180, "the sandbox to run")
+    except AssertionError as exc:
+        history = list(Sandbox.objects.get(pk=sandbox.pk).events.values_list("to_state", "message"))
+        raise AssertionError(f"{exc}: {history}") from exc
     events = {e.to_state: e.at for e in Sandbox.objects.get(pk=sandbox.pk).events.all()}
     actions.do_request_stop(sandbox.pk, people["owner"])
     wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "stopped", 60, "the sandbox to stop")

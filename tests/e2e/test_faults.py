@@ -77,17 +77,23 @@ def test_a_duplicated_launch_message_makes_no_second_container(
 def test_an_agent_killed_during_a_launch_leaves_exactly_one_sandbox(
     people: Any, catalog: Any, docker_client: Any, tmp_path: Path
 ) -> None:
-    # Beats every 4 s: a restarted Celery worker is back well before 3 missed beats mark
-    # the host lost (the test below covers that path).
-    with running_platform(tmp_path, heartbeat_s=4) as platform:
+    # Beats every 10 s: a restarted Celery worker (several seconds on a loaded 2-core
+    # machine) is back well before 3 missed beats mark the host lost (the test below
+    # covers that path). The launch message lost with the agent is resent by the first
+    # reconcile report LAUNCH_RESEND_S after placement.
+    with running_platform(tmp_path, heartbeat_s=10) as platform:
         sandbox = ask(people, catalog)
         wait_for(lambda: state_of(sandbox.pk) == "starting", 60, "the launch to be sent", every=0.01)
         platform.kill("agent")
         key = Sandbox.objects.get(pk=sandbox.pk).allocation_key
         made_before_restart = len(containers(docker_client, sandbox, key))
         platform.restart("agent")
-        wait_for(lambda: state_of(sandbox.pk) == "running", 90, "the sandbox to run")
-        time.sleep(3 * 4)  # a late resend or redelivery would show up by now
+        try:
+            wait_for(lambda: state_of(sandbox.pk) == "running", 90, "the sandbox to run")
+        except AssertionError as exc:
+            events = list(Sandbox.objects.get(pk=sandbox.pk).events.values_list("to_state", "message"))
+            raise AssertionError(f"{exc}; events {events}\n{platform.logs()}") from exc
+        time.sleep(2 * 10)  # a late resend or redelivery would show up by now
         print(f"containers when the agent died: {made_before_restart}")
         assert len(containers(docker_client, sandbox, key)) == 1
         assert state_of(sandbox.pk) == "running"

@@ -130,6 +130,10 @@ def test_a_lost_launch_message_is_sent_again(people: Any, catalog: Any, fleet: A
     assert repairs.launches_resent == [sandbox.pk]
     [(_, _, (spec,))] = [t for t in sent_tasks if t[1] == "launch_sandbox"]
     assert spec["allocation_id"] == sandbox.allocation_key
+    # Reports within LAUNCH_RESEND_S of that resend leave the slow launch alone; then it
+    # is sent once more.
+    assert not do_reconcile_host(host_of(sandbox), later(5), [])
+    assert do_reconcile_host(host_of(sandbox), later(LAUNCH_RESEND_S + 2), []).launches_resent
 
 
 def test_an_exit_is_recorded_with_its_reason(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
