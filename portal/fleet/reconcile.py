@@ -117,6 +117,13 @@ def _reconcile_owned(
         _stop_after_commit(host.name, key, int(entry.get("sandbox_id") or 0), entry.get("handle"))
         repairs.orphans_stopped.append(key)
         return
+    if entry.get("state") == "created":
+        # A launch died between making the sandbox and starting it: launching again
+        # finishes it (once the launch is overdue, as for a launch that left nothing).
+        if sandbox.state == S.STARTING and _launch_overdue(sandbox, taken_at):
+            actions.do_resend_launch(sandbox.pk)
+            repairs.launches_resent.append(sandbox.pk)
+        return
     if running and sandbox.state in (S.PLACING, S.STARTING):
         started_ms = entry.get("started_at_ms") or int(taken_at.timestamp() * 1000)
         if sandbox.state == S.PLACING:

@@ -136,6 +136,17 @@ def test_a_lost_launch_message_is_sent_again(people: Any, catalog: Any, fleet: A
     assert do_reconcile_host(host_of(sandbox), later(LAUNCH_RESEND_S + 2), []).launches_resent
 
 
+def test_a_created_but_never_started_sandbox_is_launched_again(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    sandbox = placed(people, catalog, running=False)
+    report = [entry(sandbox, state="created")]
+    assert not do_reconcile_host(host_of(sandbox), later(), report)  # not an exit, not yet overdue
+    assert do_reconcile_host(host_of(sandbox), later(LAUNCH_RESEND_S + 1), report).launches_resent
+    sandbox.refresh_from_db()
+    assert sandbox.state == "starting"
+
+
 def test_an_exit_is_recorded_with_its_reason(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
     sandbox = placed(people, catalog)
     oom = "out of memory: killed at the memory limit"

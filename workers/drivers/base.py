@@ -96,7 +96,7 @@ class SandboxHandle:
 
 @dataclass(frozen=True)
 class SandboxStatus:
-    state: str  # "running" | "exited" | "missing"
+    state: str  # "running" | "exited" | "missing" | "created" (made, never started)
     exit_code: int | None = None
     started_at_ms: int | None = None
     reason: str | None = None  # why it exited when the driver knows, e.g. "out of memory"

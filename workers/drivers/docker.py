@@ -303,6 +303,9 @@ class DockerDriver:
             started = _parse_docker_time(state.get("StartedAt"))
             if container.status in _LIVE_STATES:
                 return SandboxStatus(state="running", started_at_ms=started)
+            if container.status == "created":
+                # Made but never started: a launch died in between; the next launch starts it.
+                return SandboxStatus(state="created")
             # "created" (never started) has no exit code worth reporting.
             code = state.get("ExitCode") if container.status != "created" else None
             reason = "out of memory: killed at the memory limit" if state.get("OOMKilled") else None
