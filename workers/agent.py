@@ -120,15 +120,16 @@ class Agent:
     def _build_report(self) -> None:
         taken_ms = _now_ms()
         try:
-            self.refresh_pid_owners()
-            owned = self.owned_report()
+            handles = self.driver.list_owned()  # listed once, for both uses
+            self.refresh_pid_owners(handles)
+            owned = self.owned_report(handles)
         except DriverError as exc:  # the engine is down: beat anyway, reconcile next time
             log.warning("cannot list sandboxes for the report: %s", exc)
             return
         with self.lock:
             self._report_ready = (owned, taken_ms)
 
-    def refresh_pid_owners(self) -> None:
+    def refresh_pid_owners(self, handles: list[SandboxHandle]) -> None:
         """Which sandbox each host pid belongs to, for backends (NVML) that report GPU memory
         by process. Drivers without ``pids`` (or failing) leave the memory unattributed."""
         pids_of = getattr(self.driver, "pids", None)
@@ -137,7 +138,7 @@ class Agent:
         owners: dict[str, str] = {}
         with self.lock:
             running = list(self.running)
-        for handle in self.driver.list_owned():
+        for handle in handles:
             if handle.allocation_id in running:
                 with contextlib.suppress(DriverError):
                     owners.update({f"pid:{pid}": handle.allocation_id for pid in pids_of(handle)})
@@ -150,15 +151,16 @@ class Agent:
             return sample.mem_by_owner[allocation_id]
         return sum(m for k, m in sample.mem_by_owner.items() if self._pid_owner.get(k) == allocation_id)
 
-    def owned_report(self) -> list[dict[str, Any]]:
-        """Every sandbox the driver owns on this host, found by labels or names (so it
-        survives a restart of this agent), with its state and whether this agent tracks it."""
+    def owned_report(self, handles: list[SandboxHandle]) -> list[dict[str, Any]]:
+        """Every sandbox the driver owns on this host (``handles``, found by labels or names,
+        so they survive a restart of this agent), with its state and whether this agent
+        tracks it."""
         with self.lock:
             tracked = set(self.running)
         for gone in set(self._util) - tracked:
             self._util.pop(gone, None)
         report = []
-        for handle in self.driver.list_owned():
+        for handle in handles:
             status = self.driver.status(handle)
             if status.state == "missing":
                 continue

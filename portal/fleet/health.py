@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from portal.fleet.models import FleetEvent, Gpu
@@ -33,11 +34,7 @@ def do_drain_gpu(uuid: str, reason: str, actor: Any = None) -> bool:
         gpu = Gpu.objects.select_for_update().select_related("host").filter(uuid=uuid).first()
         if gpu is None or gpu.state != Gpu.State.AVAILABLE:
             return False
-        gpu.state, gpu.drain_reason = Gpu.State.DRAINED, reason[:200]
-        gpu.save(update_fields=["state", "drain_reason"])
-        FleetEvent.objects.create(
-            host=gpu.host, gpu=gpu, kind="drained", message=f"drained: {reason}"[:300], actor=_user(actor)
-        )
+        _drain(gpu, reason, "drained", FleetEvent.Severity.INFO, f"drained: {reason}", _user(actor))
     log.info("GPU %s drained: %s", uuid, reason)
     return True
 
@@ -73,16 +70,11 @@ def do_health_event(host_name: str, event: dict[str, Any]) -> bool:
     what = DRAINING_FAULTS[kind] + (f" {event['xid']}" if event.get("xid") is not None else "")
     reason = f"{what}: {detail}" if detail else what
     with transaction.atomic():
+        # The device is the GPU itself, or one of its MIG instances (the GPU is drained).
         gpu = (
-            Gpu.objects.select_for_update()
+            Gpu.objects.select_for_update(of=("self",))  # not the outer-joined MIG rows
             .select_related("host")
-            .filter(host__name=host_name)
-            .filter(uuid=uuid)
-            .first()
-        ) or (
-            Gpu.objects.select_for_update()
-            .select_related("host")
-            .filter(host__name=host_name, mig_instances__uuid=uuid)
+            .filter(Q(uuid=uuid) | Q(mig_instances__uuid=uuid), host__name=host_name)
             .first()
         )
         if gpu is None:
@@ -90,17 +82,18 @@ def do_health_event(host_name: str, event: dict[str, Any]) -> bool:
             return False
         if gpu.state == Gpu.State.DRAINED:
             return False  # the same fault again, or a second one: the GPU is out already
-        gpu.state, gpu.drain_reason = Gpu.State.DRAINED, reason[:200]
-        gpu.save(update_fields=["state", "drain_reason"])
-        FleetEvent.objects.create(
-            host=gpu.host,
-            gpu=gpu,
-            kind=kind,
-            severity=FleetEvent.Severity.ALERT,
-            message=f"drained automatically: {reason}"[:300],
-        )
+        _drain(gpu, reason, kind, FleetEvent.Severity.ALERT, f"drained automatically: {reason}")
     log.error("ALERT: %s GPU %s (%s) drained automatically: %s", host_name, gpu.index, gpu.uuid, reason)
     return True
+
+
+def _drain(gpu: Gpu, reason: str, kind: str, severity: str, message: str, actor: Any = None) -> None:
+    """Take a locked GPU out of service and record why (caller holds the row lock)."""
+    gpu.state, gpu.drain_reason = Gpu.State.DRAINED, reason[:200]
+    gpu.save(update_fields=["state", "drain_reason"])
+    FleetEvent.objects.create(
+        host=gpu.host, gpu=gpu, kind=kind, severity=severity, message=message[:300], actor=actor
+    )
 
 
 def _user(actor: Any) -> Any:

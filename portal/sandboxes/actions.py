@@ -297,10 +297,7 @@ def do_mark_stopped(allocation_key: str, ended_at: datetime, message: str = "sto
             return
         if sandbox.state != S.STOPPING:
             _transition(sandbox, S.STOPPING, message="the sandbox exited by itself")
-        if sandbox.preempted_for_id is not None:
-            _end(sandbox, S.PREEMPTED, ended_at, f"preempted for sandbox {sandbox.preempted_for_id}")
-        else:
-            _end(sandbox, S.STOPPED, ended_at, message)
+        _end_stopping(sandbox, ended_at, message)
 
 
 def do_fail(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> None:
@@ -323,16 +320,7 @@ def do_lose(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> s
         if sandbox is None or sandbox.state not in (S.PLACING, S.STARTING, S.RUNNING, S.STOPPING):
             return None
         if sandbox.state == S.STOPPING:
-            if sandbox.preempted_for_id is not None:
-                _end(
-                    sandbox,
-                    S.PREEMPTED,
-                    ended_at,
-                    f"preempted for sandbox {sandbox.preempted_for_id}; {reason}",
-                )
-                return S.PREEMPTED
-            _end(sandbox, S.STOPPED, ended_at, f"stopped: {reason}")
-            return S.STOPPED
+            return _end_stopping(sandbox, ended_at, f"stopped: {reason}", why=reason)
         if not sandbox.tier.requeue_on_failure:
             sandbox.failure = reason
             sandbox.save(update_fields=["failure"])
@@ -350,6 +338,16 @@ def do_lose(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> s
         _transition(sandbox, S.QUEUED, message=f"requeued: {reason}", data={"lost_allocation": old_key})
         transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
         return S.QUEUED
+
+
+def _end_stopping(sandbox: Sandbox, ended_at: datetime, message: str, why: str = "") -> str:
+    """End a stopping sandbox: preempted when it was stopped for another, else stopped."""
+    if sandbox.preempted_for_id is not None:
+        note = f"preempted for sandbox {sandbox.preempted_for_id}" + (f"; {why}" if why else "")
+        _end(sandbox, S.PREEMPTED, ended_at, note)
+        return S.PREEMPTED
+    _end(sandbox, S.STOPPED, ended_at, message)
+    return S.STOPPED
 
 
 def _end(sandbox: Sandbox, to: str, ended_at: datetime, message: str) -> None:
