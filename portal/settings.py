@@ -182,6 +182,12 @@ CYCLE_INTERVAL_S = env_int("CYCLE_INTERVAL_S", 2, minimum=1)
 SCHEDULER_POLICY = env_choice("SCHEDULER_POLICY", ("gpushare", "first-fit"), "gpushare")
 # Half-life of past usage in the fair-share order (hours).
 FAIRSHARE_HALF_LIFE_H = env_int("FAIRSHARE_HALF_LIFE_H", 168, minimum=1)
+# MIG re-layout on its own, for a queued MIG request no free instance fits: at most this
+# many running sandboxes may be stopped and relaunched for it (0: only idle instances are
+# reshaped; -1: never on its own, only when an admin asks from the console).
+MIG_AUTO_RELAYOUT_MAX_DISTURBED = env_int("MIG_AUTO_RELAYOUT_MAX_DISTURBED", 0, minimum=-1)
+# A fleet plan whose agents have not reported within this many seconds is given up.
+FLEET_PLAN_TIMEOUT_S = env_int("FLEET_PLAN_TIMEOUT_S", 900, minimum=30)
 
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SESSION_COOKIE_HTTPONLY = True

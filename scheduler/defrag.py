@@ -38,9 +38,10 @@ shares, so no GPU is over capacity at any step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from itertools import combinations
+from typing import Any
 
 from scheduler.gpus import CATALOG, COMPUTE_SLICES, GpuModel, MigProfile, check_layout
 
@@ -95,6 +96,19 @@ class MigPlan:
     start: int
     moves: tuple[MigMove, ...]
     disturbed: tuple[str, ...]  # sandboxes the plan stops and starts again
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MigPlan:
+        return cls(
+            profile=data["profile"],
+            gpu=data["gpu"],
+            start=int(data["start"]),
+            moves=tuple(MigMove(**move) for move in data["moves"]),
+            disturbed=tuple(data["disturbed"]),
+        )
 
 
 # -- MIG planning ----------------------------------------------------------------------------

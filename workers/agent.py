@@ -24,12 +24,13 @@ from celery import signals
 
 from portal.billing.pricing import cost_micros
 from portal.env import env_int, env_str
-from workers import config, dispatch
+from workers import config, dispatch, moves
 from workers.celery import app
 from workers.drivers import make_driver
 from workers.drivers.base import DriverError, MpsShare, SandboxDriver, SandboxHandle, SandboxSpec
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend, GpuInfo, GpuSample
+from workers.gpu.mig import MigManager
 from workers.gpu.mps import MpsError, MpsManager
 from workers.telemetry import (
     FLEET_GROUP,
@@ -62,6 +63,7 @@ class Agent:
         self._stop = threading.Event()
         self._gpus: list[GpuInfo] = []
         self.mps = MpsManager(var_dir)
+        self.mig = MigManager(backend)
         self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
         self._reporter = ThreadPoolExecutor(1, thread_name_prefix="agent-report")
         self._report_job: Future[None] | None = None
@@ -210,16 +212,38 @@ class Agent:
         dispatch.to_control("sandbox_launched", spec.allocation_id, handle.to_json(), started)
 
     def stop(self, allocation_id: str, sandbox_id: int, handle_json: dict[str, Any] | None) -> None:
+        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
+        self.stop_quietly(allocation_id, handle)
+        dispatch.to_control("sandbox_stopped", allocation_id, _now_ms())
+
+    def stop_quietly(self, allocation_id: str, handle: SandboxHandle | None) -> None:
+        """Stop a sandbox and forget it, reporting nothing: ``stop`` reports the stop, a fleet
+        plan's report says it stopped (and the control plane relaunches it elsewhere)."""
         with self.lock:
-            self.stopped.add(allocation_id)
-        handle = SandboxHandle.from_json(handle_json) if handle_json else self._find(allocation_id)
+            self.stopped.add(allocation_id)  # a late launch must not revive it
         if handle is not None:
             self.driver.stop(handle, grace_s=float(env_int("SANDBOX_STOP_GRACE_S", 5, minimum=0)))
         self.backend.forget_load(allocation_id)
         with self.lock:
             self.running.pop(allocation_id, None)
             self.started_ms.pop(allocation_id, None)
-        dispatch.to_control("sandbox_stopped", allocation_id, _now_ms())
+            self._util.pop(allocation_id, None)
+
+    def mig_instances_in_use(self) -> dict[str, str]:
+        """MIG uuid -> sandbox id, for every MIG instance a sandbox this agent runs sees."""
+        with self.lock:
+            specs = list(self.running.values())
+        return {d: str(s.sandbox_id) for s in specs for d in s.device_uuids if d.startswith("MIG-")}
+
+    def execute_plan(
+        self, plan_id: int, stops: list[dict[str, Any]], mig_plan: dict[str, Any] | None, busy: dict[str, str]
+    ) -> None:
+        outcome = moves.execute_plan(self, plan_id, stops, mig_plan, busy)
+        results, steps, error = outcome.report()
+        inventory = None
+        if mig_plan is not None:
+            inventory = {"backend": self.backend.name, "driver": self.driver.name, "gpus": self.inventory()}
+        dispatch.to_control("plan_executed", plan_id, self.host, results, steps, error, inventory)
 
     def _with_mps_daemon(self, spec: SandboxSpec, share: MpsShare) -> SandboxSpec | None:
         """The spec with its GPU's MPS pipe directory; on a real GPU the control daemon is
@@ -237,7 +261,7 @@ class Agent:
             return None
         return dataclasses.replace(spec, mps=dataclasses.replace(share, pipe_dir=str(pipe)))
 
-    def _find(self, allocation_id: str) -> SandboxHandle | None:
+    def find(self, allocation_id: str) -> SandboxHandle | None:
         return next((h for h in self.driver.list_owned() if h.allocation_id == allocation_id), None)
 
     def _simulated_load(self, spec: SandboxSpec) -> tuple[int, float]:
@@ -397,6 +421,13 @@ def launch_sandbox(spec: dict[str, Any]) -> None:
 @app.task(name="workers.agent.report_inventory", ignore_result=True)
 def report_inventory() -> None:
     get_agent().report_inventory()
+
+
+@app.task(name="workers.agent.execute_plan", ignore_result=True)
+def execute_plan(
+    plan_id: int, stops: list[dict[str, Any]], mig_plan: dict[str, Any] | None, busy: dict[str, str]
+) -> None:
+    get_agent().execute_plan(plan_id, stops, mig_plan, busy)
 
 
 @app.task(name="workers.agent.stop_sandbox", ignore_result=True)

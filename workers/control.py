@@ -25,6 +25,7 @@ from django.utils import timezone  # noqa: E402
 from portal.fleet.health import do_health_event  # noqa: E402
 from portal.fleet.inventory import do_heartbeat, do_sync_inventory  # noqa: E402
 from portal.fleet.models import Gpu, Host  # noqa: E402
+from portal.fleet.plans import auto_relayout, do_plan_report, expire_stale_plans  # noqa: E402
 from portal.fleet.reconcile import do_reconcile_host  # noqa: E402
 from portal.sandboxes import actions  # noqa: E402
 from portal.sandboxes.models import Sandbox, SandboxState  # noqa: E402
@@ -60,9 +61,12 @@ def schedule_cycle() -> None:
 
 @app.task(name="workers.control.tick", ignore_result=True)
 def tick() -> None:
-    """Periodic: mark silent hosts lost, retry stuck launches, run a cycle."""
+    """Periodic: mark silent hosts lost, retry stuck launches, give up silent plans, reshape
+    MIG GPUs for requests no instance fits, run a cycle."""
     mark_lost_hosts(timezone.now())
     resend_stuck_placements(timezone.now())
+    expire_stale_plans(timezone.now())
+    auto_relayout()
     schedule_cycle()
 
 
@@ -132,6 +136,19 @@ def gpu_health(host: str, events: list[dict[str, Any]]) -> None:
     """Faults an agent saw (XID, double-bit ECC, GPU lost, overheat): the GPU is drained."""
     for event in events:
         do_health_event(host, event)
+
+
+@app.task(name="workers.control.plan_executed", ignore_result=True)
+def plan_executed(
+    plan_id: int,
+    host: str,
+    results: list[dict[str, Any]],
+    mig_steps: list[dict[str, Any]],
+    error: str,
+    inventory: dict[str, Any] | None,
+) -> None:
+    """A host's part of a fleet plan is done: sandboxes stopped, MIG layout changed."""
+    do_plan_report(plan_id, host, results, mig_steps, error, inventory)
 
 
 @app.task(name="workers.control.sandbox_launched", ignore_result=True)

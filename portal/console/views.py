@@ -9,8 +9,10 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
+from portal.console.forms import ConsolidationForm, MigRelayoutForm
 from portal.fleet.health import do_drain_gpu, do_undrain_gpu
-from portal.fleet.models import FleetEvent, Gpu, Host
+from portal.fleet.models import FleetEvent, FleetPlan, Gpu, Host, PlanStep
+from portal.fleet.plans import PlanError, do_start_consolidation, do_start_mig_plan
 from portal.sandboxes.models import Allocation
 
 
@@ -50,3 +52,59 @@ def undrain_gpu(request: HttpRequest, uuid: str) -> HttpResponse:
     else:
         messages.info(request, f"{gpu} is not drained.")
     return redirect("console-fleet")
+
+
+def _plans_page(
+    request: HttpRequest,
+    mig_form: MigRelayoutForm | None = None,
+    consolidation_form: ConsolidationForm | None = None,
+) -> HttpResponse:
+    plans = FleetPlan.objects.select_related("created_by").prefetch_related(
+        Prefetch("steps", queryset=PlanStep.objects.select_related("sandbox"))
+    )[:20]
+    return render(
+        request,
+        "console/plans.html",
+        {
+            "plans": plans,
+            "mig_form": mig_form or MigRelayoutForm(),
+            "consolidation_form": consolidation_form or ConsolidationForm(),
+        },
+        status=400 if (mig_form or consolidation_form) else 200,
+    )
+
+
+@staff_member_required
+def plans(request: HttpRequest) -> HttpResponse:
+    return _plans_page(request)
+
+
+@staff_member_required
+@require_POST
+def start_mig_relayout(request: HttpRequest) -> HttpResponse:
+    form = MigRelayoutForm(request.POST)
+    if not form.is_valid():
+        return _plans_page(request, mig_form=form)
+    data = form.cleaned_data
+    try:
+        plan = do_start_mig_plan(data["host"].name, data["profile"], data["max_disturbed"], request.user)
+    except PlanError as exc:
+        form.add_error(None, str(exc))
+        return _plans_page(request, mig_form=form)
+    messages.success(request, f"Plan {plan.pk} started: {plan.purpose}.")
+    return redirect("console-plans")
+
+
+@staff_member_required
+@require_POST
+def start_consolidation(request: HttpRequest) -> HttpResponse:
+    form = ConsolidationForm(request.POST)
+    if not form.is_valid():
+        return _plans_page(request, consolidation_form=form)
+    try:
+        plan = do_start_consolidation(form.cleaned_data["max_migrations"], request.user)
+    except PlanError as exc:
+        form.add_error(None, str(exc))
+        return _plans_page(request, consolidation_form=form)
+    messages.success(request, f"Plan {plan.pk} started: {plan.purpose}.")
+    return redirect("console-plans")

@@ -66,9 +66,11 @@ def do_sync_inventory(
 
 def _sync_mig(gpu: Gpu, devices: list[dict[str, Any]]) -> None:
     reported = {d["uuid"]: d for d in devices}
-    # Instances that vanished are removed unless a sandbox holds them (then drift is
-    # repaired by reconciliation, which fails that sandbox first).
-    gpu.mig_instances.exclude(uuid__in=reported).filter(allocations__isnull=True).delete()
+    # Instances that vanished are removed unless a sandbox holds them now (then drift is
+    # repaired by reconciliation, which fails that sandbox first). Released allocations
+    # keep the instance's uuid in ``device_uuid``.
+    vanished = gpu.mig_instances.exclude(uuid__in=reported).exclude(allocations__active=True)
+    MigInstance.objects.filter(pk__in=list(vanished.values_list("pk", flat=True))).delete()
     for uuid, d in reported.items():
         MigInstance.objects.update_or_create(
             uuid=uuid,

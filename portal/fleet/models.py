@@ -129,3 +129,67 @@ class FleetEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.kind}: {self.message}"
+
+
+class FleetPlan(models.Model):
+    """A defragmentation plan being carried out: a MIG re-layout of one host's GPUs, or
+    shared-GPU consolidation (MPS shares and time-slice replicas moved off the emptiest GPUs).
+
+    ``plan`` holds what the scheduler planned, as JSON, plus the GPUs it touches: while the
+    plan runs those take no new placements, so nothing lands on a slot the plan is about to
+    destroy or fill. Every step taken is a ``PlanStep``.
+    """
+
+    class Kind(models.TextChoices):
+        MIG_RELAYOUT = "mig_relayout", "MIG re-layout"
+        CONSOLIDATION = "consolidation", "Shared-GPU consolidation"
+
+    class State(models.TextChoices):
+        RUNNING = "running", "Running"
+        DONE = "done", "Done"
+        FAILED = "failed", "Failed"
+
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    state = models.CharField(max_length=8, choices=State.choices, default=State.RUNNING)
+    purpose = models.CharField(max_length=200)
+    plan = models.JSONField(default=dict)
+    touched_gpus = models.JSONField(default=list)  # GPU uuids that take no placement meanwhile
+    hosts_pending = models.JSONField(default=list)  # hosts whose agents have not reported yet
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(fields=["state"], name="fleetplan_running_idx", condition=models.Q(state="running"))
+        ]
+
+    def __str__(self) -> str:
+        return f"plan {self.pk}: {self.get_kind_display()} ({self.state})"
+
+
+class PlanStep(models.Model):
+    """One thing a plan did, in order: planned, checkpoint, stop, destroy, create, keep,
+    relaunch, requeue, left running, done, failed."""
+
+    plan = models.ForeignKey(FleetPlan, on_delete=models.CASCADE, related_name="steps")
+    at = models.DateTimeField(default=timezone.now)
+    action = models.CharField(max_length=16)
+    ok = models.BooleanField(default=True)
+    host = models.CharField(max_length=63, blank=True)
+    gpu_uuid = models.CharField(max_length=64, blank=True)
+    device_uuid = models.CharField(max_length=64, blank=True)  # the MIG instance or GPU acted on
+    sandbox = models.ForeignKey(
+        "sandboxes.Sandbox", on_delete=models.SET_NULL, null=True, blank=True, related_name="plan_steps"
+    )
+    message = models.CharField(max_length=300)
+
+    class Meta:
+        ordering = ["at", "pk"]
+
+    def __str__(self) -> str:
+        return f"plan {self.plan_id} {self.action}: {self.message}"

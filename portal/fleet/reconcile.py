@@ -16,6 +16,9 @@ compares that with the sandboxes the database places on the host and repairs the
   lost with a killed agent, so it is sent again (launch is idempotent);
 - owned but not tracked by the agent (it restarted): the agent is told to adopt it.
 
+A sandbox a defragmentation plan is moving is left alone: the plan stops it on purpose,
+and its report (``portal.fleet.plans``) relaunches it.
+
 Decisions are computed under row locks and each repair goes through ``actions``; messages
 to agents leave after commit. A report is a snapshot: anything that changed state after
 it was taken is left for the next one.
@@ -78,9 +81,14 @@ def do_reconcile_host(host_name: str, taken_at: datetime, owned: list[dict[str, 
     }
     for key, entry in by_key.items():
         sandbox = sandboxes.get(key)
+        if sandbox is not None and sandbox.moving_plan_id is not None:
+            continue  # a plan is stopping and moving it: its report says what became of it
         _reconcile_owned(host, key, entry, sandbox, taken_at, repairs)
     placed = Sandbox.objects.filter(
-        host=host, state__in=(S.RUNNING, S.STARTING, S.STOPPING), placed_at__lt=taken_at
+        host=host,
+        state__in=(S.RUNNING, S.STARTING, S.STOPPING),
+        placed_at__lt=taken_at,
+        moving_plan__isnull=True,
     ).exclude(allocation_key__in=list(by_key))
     for sandbox in placed:
         if sandbox.state == S.STOPPING:

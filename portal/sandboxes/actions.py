@@ -23,7 +23,7 @@ from portal.billing import ledger
 from portal.catalog.models import IsolationLevel, SandboxImage, SharingMode, Tier
 from portal.fleet.models import Gpu, Host, MigInstance
 from portal.quotas.models import QuotaPolicy
-from portal.sandboxes.models import LIVE_STATES, Allocation, Sandbox, SandboxEvent, SandboxState
+from portal.sandboxes.models import ENDED_STATES, LIVE_STATES, Allocation, Sandbox, SandboxEvent, SandboxState
 from scheduler.cluster import DeviceGrant
 from scheduler.gpus import MODELS
 from workers import dispatch
@@ -38,7 +38,8 @@ TRANSITIONS: dict[str, set[str]] = {
     S.PLACING: {S.STARTING, S.QUEUED, S.STOPPING, S.FAILED},
     S.STARTING: {S.RUNNING, S.STOPPING, S.FAILED, S.QUEUED},
     S.RUNNING: {S.STOPPING, S.FAILED, S.PREEMPTED, S.EXPIRED, S.QUEUED},
-    S.STOPPING: {S.STOPPED, S.FAILED, S.PREEMPTED},
+    # placing/queued: a sandbox stopped by a defragmentation plan, relaunched elsewhere
+    S.STOPPING: {S.STOPPED, S.FAILED, S.PREEMPTED, S.PLACING, S.QUEUED},
 }
 LAUNCH_RESENT = "launch sent again: no sandbox on the host yet"
 PHASE_TIMESTAMPS: dict[str, str] = {S.PLACING: "placed_at", S.STOPPING: "stop_requested_at"}
@@ -91,6 +92,9 @@ def _transition(
     if to != S.QUEUED and sandbox.pending_reason:
         sandbox.pending_reason = ""
         fields.append("pending_reason")
+    if (to == S.QUEUED or to in ENDED_STATES) and sandbox.moving_plan_id is not None:
+        sandbox.moving_plan_id = None  # lost or ended mid-move: the plan no longer owns it
+        fields.append("moving_plan")
     sandbox.save(update_fields=fields)
 
 
@@ -191,39 +195,47 @@ def do_place(
             sandbox = _locked(sandbox_id)
             if sandbox is None or sandbox.state != S.QUEUED:
                 return False
-            host = Host.objects.get(name=host_name)
-            gpus = {g.uuid: g for g in Gpu.objects.filter(uuid__in=[g.gpu_uuid for g in grants])}
-            migs = {m.uuid: m for m in MigInstance.objects.filter(uuid__in=[g.mig_uuid for g in grants])}
-            sandbox.host = host
-            sandbox.allocation_key = uuid.uuid4().hex
             sandbox.borrowed = borrowed
-            sandbox.save(update_fields=["host", "allocation_key", "borrowed"])
-            Allocation.objects.bulk_create(
-                Allocation(
-                    sandbox=sandbox,
-                    gpu=gpus[g.gpu_uuid],
-                    mig_instance=migs.get(g.mig_uuid),
-                    kind=g.kind,
-                    device_uuid=g.device_uuid,
-                    milli_gpu=g.milli_gpu,
-                    mps_memory_mib=g.mps_memory_mib,
-                    mps_thread_pct=g.mps_thread_pct,
-                    replica=g.replica,
-                )
-                for g in grants
-            )
-            devices = ", ".join(g.device_uuid for g in grants)
-            _transition(
-                sandbox,
-                S.PLACING,
-                message=f"placed on {host.name}: {devices}",
-                data={"host": host.name, "devices": [g.device_uuid for g in grants]},
-            )
-            transaction.on_commit(lambda: do_send_launch(sandbox_id))
+            sandbox.save(update_fields=["borrowed"])
+            _book(sandbox, host_name, grants, "placed")
     except IntegrityError as exc:
         log.warning("placement of sandbox %s on %s refused by the database: %s", sandbox_id, host_name, exc)
         return False
     return True
+
+
+def _book(sandbox: Sandbox, host_name: str, grants: tuple[DeviceGrant, ...], verb: str) -> None:
+    """Give a locked sandbox a new allocation key and these devices, move it to placing and
+    send its launch after commit. An IntegrityError (a device taken meanwhile) rolls back."""
+    host = Host.objects.get(name=host_name)
+    gpus = {g.uuid: g for g in Gpu.objects.filter(uuid__in=[g.gpu_uuid for g in grants])}
+    migs = {m.uuid: m for m in MigInstance.objects.filter(uuid__in=[g.mig_uuid for g in grants])}
+    sandbox.host = host
+    sandbox.allocation_key = uuid.uuid4().hex
+    sandbox.save(update_fields=["host", "allocation_key"])
+    Allocation.objects.bulk_create(
+        Allocation(
+            sandbox=sandbox,
+            gpu=gpus[g.gpu_uuid],
+            mig_instance=migs.get(g.mig_uuid),
+            kind=g.kind,
+            device_uuid=g.device_uuid,
+            milli_gpu=g.milli_gpu,
+            mps_memory_mib=g.mps_memory_mib,
+            mps_thread_pct=g.mps_thread_pct,
+            replica=g.replica,
+        )
+        for g in grants
+    )
+    devices = ", ".join(g.device_uuid for g in grants)
+    _transition(
+        sandbox,
+        S.PLACING,
+        message=f"{verb} on {host.name}: {devices}",
+        data={"host": host.name, "devices": [g.device_uuid for g in grants]},
+    )
+    sandbox_id = sandbox.pk
+    transaction.on_commit(lambda: do_send_launch(sandbox_id))
 
 
 def do_send_launch(sandbox_id: int) -> None:
@@ -402,3 +414,93 @@ def do_request_stop(sandbox_id: int, actor: Any, reason: str = "stop requested")
             return
         _transition(sandbox, S.STOPPING, actor=actor, message=reason)
         _send_stop_after_commit(sandbox)
+
+
+# --- moves (defragmentation plans, control worker) --------------------------------------------
+
+
+def do_begin_move(sandbox_id: int, plan_id: int) -> bool:
+    """Mark a running sandbox as moved by ``plan_id``; False if it is not running or is
+    already being moved (a plan must not count on it)."""
+    with transaction.atomic():
+        sandbox = _locked(sandbox_id)
+        if sandbox is None or sandbox.state != S.RUNNING or sandbox.moving_plan_id is not None:
+            return False
+        sandbox.moving_plan_id = plan_id
+        sandbox.save(update_fields=["moving_plan"])
+        SandboxEvent.objects.create(
+            sandbox=sandbox, from_state=S.RUNNING, to_state=S.RUNNING,
+            message=f"to be moved by fleet plan {plan_id}", data={"plan": plan_id},
+        )  # fmt: skip
+    return True
+
+
+@dataclass(frozen=True)
+class MoveTarget:
+    """Where a stopped sandbox starts again: a host and the devices it gets there."""
+
+    host: str
+    grants: tuple[DeviceGrant, ...]
+
+
+def do_stop_moved(sandbox_id: int, plan_id: int, stopped_at: datetime | None, note: str = "") -> str | None:
+    """Record that an agent stopped a sandbox for ``plan_id`` at ``stopped_at``.
+
+    Its run so far is billed up to the stop and its devices are released; it stays
+    ``stopping`` and moving until ``do_relaunch_moved`` says where it goes. ``stopped_at``
+    None: it was never stopped (its checkpoint hook failed, or the plan was abandoned
+    first), so it keeps running where it is. One its owner stopped during the move just
+    ends. Returns the new state, None when there was nothing to do (a repeated report).
+    """
+    with transaction.atomic():
+        sandbox = _locked(sandbox_id)
+        if sandbox is None or sandbox.moving_plan_id != plan_id:
+            return None
+        if stopped_at is None or sandbox.state != S.RUNNING:
+            sandbox.moving_plan_id = None
+            sandbox.save(update_fields=["moving_plan"])
+            if sandbox.state == S.STOPPING and stopped_at is not None:  # its owner stopped it meanwhile
+                return _end_stopping(sandbox, stopped_at, "stopped")
+            SandboxEvent.objects.create(
+                sandbox=sandbox, from_state=sandbox.state, to_state=sandbox.state,
+                message=f"not moved by fleet plan {plan_id}: {note}"[:300], data={"plan": plan_id},
+            )  # fmt: skip
+            return str(sandbox.state)
+        _transition(
+            sandbox,
+            S.STOPPING,
+            message=f"stopped to move (fleet plan {plan_id})" + (f": {note}" if note else ""),
+            data={"plan": plan_id},
+        )
+        ledger.close_interval(sandbox, stopped_at)
+        Allocation.objects.filter(sandbox=sandbox, active=True).update(active=False, released_at=stopped_at)
+        sandbox.handle, sandbox.started_at = None, None
+        sandbox.save(update_fields=["handle", "started_at"])
+        return S.STOPPING
+
+
+def do_relaunch_moved(sandbox_id: int, plan_id: int, target: MoveTarget | None, note: str = "") -> str | None:
+    """Start a sandbox ``plan_id`` stopped on ``target`` (a new allocation key, so the
+    ledger opens a new interval when it runs), or queue it again when there is no target or
+    the target was taken meanwhile. Returns the new state, None when there was nothing to do."""
+    with transaction.atomic():
+        sandbox = _locked(sandbox_id)
+        if sandbox is None or sandbox.moving_plan_id != plan_id or sandbox.state != S.STOPPING:
+            return None
+        sandbox.moving_plan_id = None
+        sandbox.save(update_fields=["moving_plan"])
+        if target is not None:
+            try:
+                with transaction.atomic():
+                    _book(sandbox, target.host, target.grants, f"moved by fleet plan {plan_id}")
+                return S.PLACING
+            except IntegrityError as exc:
+                log.warning("sandbox %s: its new slot was taken (%s); requeued", sandbox_id, exc)
+                sandbox.refresh_from_db()
+        reason = f"requeued: fleet plan {plan_id} left it no slot" + (f" ({note})" if note else "")
+        old_key = sandbox.allocation_key
+        sandbox.host, sandbox.allocation_key, sandbox.placed_at = None, "", None
+        sandbox.save(update_fields=["host", "allocation_key", "placed_at"])
+        _transition(sandbox, S.QUEUED, message=reason, data={"plan": plan_id, "lost_allocation": old_key})
+        transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
+        return S.QUEUED

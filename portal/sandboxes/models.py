@@ -17,6 +17,9 @@ class SandboxState(models.TextChoices):
         requested -> queued -> placing -> starting -> running -> stopping -> stopped
                          \\         \\          \\          \\
                           `---------`----------`----------`--> failed | preempted | expired
+
+    A sandbox moved by a defragmentation plan goes running -> stopping -> placing (on its
+    new slot) -> starting -> running, or stopping -> queued when it has no slot to go to.
     """
 
     REQUESTED = "requested", "Requested"
@@ -69,6 +72,11 @@ class Sandbox(models.Model):
         "self", on_delete=models.SET_NULL, null=True, blank=True, related_name="preempted"
     )
     handle = models.JSONField(null=True, blank=True)
+    # Set while a defragmentation plan moves it (stop, checkpoint, relaunch elsewhere):
+    # reconciliation leaves it to the plan, and the plan's report decides where it goes.
+    moving_plan = models.ForeignKey(
+        "fleet.FleetPlan", on_delete=models.SET_NULL, null=True, blank=True, related_name="moving"
+    )
     # Mean GPU utilization over the agent's window (UTIL_WINDOW_S), for idle culling.
     gpu_util_pct = models.FloatField(null=True, blank=True)
     gpu_util_window_s = models.FloatField(null=True, blank=True)
@@ -135,8 +143,10 @@ class Allocation(models.Model):
 
     sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="allocations")
     gpu = models.ForeignKey(Gpu, on_delete=models.PROTECT, related_name="allocations")
+    # SET_NULL: an instance destroyed by a re-layout leaves released allocations behind;
+    # ``device_uuid`` still says which instance they held.
     mig_instance = models.ForeignKey(
-        MigInstance, on_delete=models.PROTECT, null=True, blank=True, related_name="allocations"
+        MigInstance, on_delete=models.SET_NULL, null=True, blank=True, related_name="allocations"
     )
     kind = models.CharField(max_length=16, choices=Kind.choices)
     device_uuid = models.CharField(max_length=64)  # what the sandbox sees: GPU-… or MIG-…

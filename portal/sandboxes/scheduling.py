@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from portal.billing.models import UsageRecord
 from portal.fleet.models import Gpu, Host
+from portal.fleet.plans import running_plan_gpus
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
@@ -102,6 +103,8 @@ def build_snapshot() -> Snapshot:
     for alloc in live:
         held[alloc.gpu_id].append(alloc)
     busy_mig = {a.mig_instance_id for allocs in held.values() for a in allocs if a.mig_instance_id}
+    # GPUs a defragmentation plan is changing take nothing new until it is done.
+    planned = running_plan_gpus()
     hosts = []
     for host in Host.objects.prefetch_related(
         Prefetch("gpus", queryset=Gpu.objects.prefetch_related("mig_instances"))
@@ -117,7 +120,7 @@ def build_snapshot() -> Snapshot:
                     model=gpu.model,
                     memory_mib=gpu.memory_mib,
                     mode=gpu.sharing_mode,
-                    available=gpu.state == Gpu.State.AVAILABLE,
+                    available=gpu.state == Gpu.State.AVAILABLE and gpu.uuid not in planned,
                     exclusive_busy=any(a.kind == Allocation.Kind.EXCLUSIVE for a in allocs),
                     mig=[
                         MigSlot(m.uuid, m.profile, m.start, m.memory_slices, busy=m.pk in busy_mig)

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.test import Client
+
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
 from portal.sandboxes.scheduling import schedule_once
@@ -15,3 +17,9 @@ def request(user: Any, project: Any, tier: Any, image: Any, **kw: Any) -> Sandbo
 
 def place_all() -> None:
     schedule_once(now=0)
+
+
+def client_for(user: Any) -> Client:
+    c = Client()
+    c.force_login(user)
+    return c

@@ -11,7 +11,7 @@ from django.test import Client
 
 from portal.accounts.models import ApiToken
 from portal.asgi import application
-from tests.portal.helpers import place_all, request
+from tests.portal.helpers import client_for, place_all, request
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -22,12 +22,6 @@ def sandbox(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> Any:
     place_all()
     s.refresh_from_db()
     return s
-
-
-def client_for(user: Any) -> Client:
-    c = Client()
-    c.force_login(user)
-    return c
 
 
 def test_anonymous_is_sent_to_login(sandbox: Any) -> None:

@@ -1,0 +1,43 @@
+"""Forms of the admin console: what an admin may ask a fleet plan to do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+
+from portal.fleet.models import Host
+from scheduler.gpus import COMPUTE_SLICES, MODELS
+
+
+def _mig_profiles() -> list[tuple[str, str]]:
+    names = sorted({p.name for m in MODELS.values() for p in m.mig_profiles}, key=lambda n: (int(n[0]), n))
+    return [(n, n) for n in names]
+
+
+class MigRelayoutForm(forms.Form):
+    host = forms.ModelChoiceField(
+        queryset=Host.objects.none(), to_field_name="name", help_text="A host with GPUs in MIG mode."
+    )
+    profile = forms.ChoiceField(choices=_mig_profiles, help_text="The MIG profile to make room for.")
+    max_disturbed = forms.IntegerField(
+        min_value=0,
+        max_value=COMPUTE_SLICES,
+        initial=1,
+        label="Running sandboxes it may move",
+        help_text="Each is checkpointed (when a hook is set), stopped and relaunched on its new slot.",
+    )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["host"].queryset = Host.objects.filter(gpus__mig_enabled=True).distinct()  # type: ignore[attr-defined]
+
+
+class ConsolidationForm(forms.Form):
+    max_migrations = forms.IntegerField(
+        min_value=1,
+        max_value=1000,
+        required=False,
+        label="At most this many moves",
+        help_text="Empty: as many as it takes to free every shared GPU that can be freed.",
+    )
