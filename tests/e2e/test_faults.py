@@ -124,3 +124,27 @@ def test_a_host_whose_agent_stops_is_lost_with_its_sandboxes(
             30,
             "the GPUs to come back",
         )
+
+
+@pytest.mark.bwrap
+def test_a_sandbox_over_its_memory_limit_is_killed_and_the_platform_says_why(
+    people: Any, catalog: Any, tmp_path: Path
+) -> None:
+    from tests.factories import ImageFactory
+    from tests.workers.engines import require_engine
+    from workers.drivers.process import bwrap_available
+
+    require_engine(bwrap_available(), "bubblewrap")
+    # The shell holds 300 MB of output in a variable, far over the tier's 256 MiB.
+    hog = ImageFactory(
+        name="memory-hog", command=["sh", "-c", "a=$(head -c 300000000 /dev/zero | tr '\\0' x); echo ${#a}"]
+    )
+    with running_platform(tmp_path, driver="process") as platform:
+        sandbox = request(people["owner"], people["project"], catalog["dedicated"], hog, isolation="process")
+        wait_for(
+            lambda: state_of(sandbox.pk) == "stopped", 60, "the sandbox to be killed\n" + platform.logs()
+        )
+    sandbox.refresh_from_db()
+    [ended] = sandbox.events.filter(to_state="stopped")
+    assert "out of memory: killed at the memory limit" in ended.message, ended.message
+    assert not sandbox.allocations.filter(active=True).exists()

@@ -9,8 +9,10 @@ from portal.sandboxes.models import Sandbox
 from portal.sandboxes.scheduling import schedule_once
 
 
-def request(user: Any, project: Any, tier: Any, image: Any, **kw: Any) -> Sandbox:
-    req = actions.SandboxRequest(project=project, tier=tier, image=image, isolation="container", **kw)
+def request(
+    user: Any, project: Any, tier: Any, image: Any, isolation: str = "container", **kw: Any
+) -> Sandbox:
+    req = actions.SandboxRequest(project=project, tier=tier, image=image, isolation=isolation, **kw)
     actions.check_request_sandbox(user, req)
     return actions.do_request_sandbox(user, req)
 
