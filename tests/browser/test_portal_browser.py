@@ -6,6 +6,7 @@ Screenshots go to docs/screenshots/ (the README shows them).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,3 +113,21 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         assert page.locator(f"text={platform.host}").count() >= 1
         assert page.locator(".badge.sim").count() >= 1
         shot(page, "fleet")
+
+        # It reshapes the MIG GPU (all its instances idle) for a whole-GPU 7g instance.
+        page.click("text=defragmentation plans")
+        page.wait_for_url(f"{base}/console/plans/")
+        page.select_option("select[name=host]", label=platform.host)
+        page.select_option("select[name=profile]", "7g.80gb")
+        page.fill("input[name=max_disturbed]", "0")
+        page.locator("form[action$='/plans/mig/'] button[type=submit]").click()
+        page.wait_for_selector('.flash:has-text("started: make room for 7g.80gb")', timeout=10_000)
+        deadline = time.monotonic() + 30
+        while not page.locator(".plan .state-done").count() and time.monotonic() < deadline:
+            time.sleep(0.5)
+            page.reload()
+        assert page.locator(".plan .state-done").count() == 1
+        assert page.locator(".plan td", has_text="create 7g.80gb@0").count() == 1
+        shot(page, "plans")
+        page.goto(f"{base}/console/fleet/")
+        assert page.locator(".badge", has_text="7g.80gb@0").count() == 1
