@@ -42,10 +42,13 @@ lint: install
 VM_IMAGES ?= /var/lib/libvirt/images/gpushare
 VM_KERNEL ?= $(VM_IMAGES)/vmlinuz
 VM_INITRD ?= $(VM_IMAGES)/initramfs.cpio.gz
+# The benchmarked VMs run under TCG, as in CI; auto picks KVM where /dev/kvm can run guests.
+LIBVIRT_DOMAIN_TYPE ?= qemu
 
 bench: install
 	$(PY) -m scheduler.bench --out BENCHMARKS.md
 	GPUSHARE_VAR_DIR=var/test BENCH_OUT=BENCHMARKS.md VM_KERNEL=$(VM_KERNEL) VM_INITRD=$(VM_INITRD) \
+		LIBVIRT_DOMAIN_TYPE=$(LIBVIRT_DOMAIN_TYPE) \
 		$(PY) -m pytest -q -s -p no:cacheprovider -m bench tests/bench
 
 clean:

@@ -196,6 +196,12 @@ def test_driver_configuration_from_the_environment(monkeypatch: pytest.MonkeyPat
     assert driver.uri == "qemu:///session" and driver.host == "h1"
     assert driver.image == GuestImage(Path("/k/vmlinuz"), tmp_path.resolve() / "vm" / "initramfs.cpio.gz")
     assert driver.console_log("a1") is None  # only qemu:///system logs the console for us
+    monkeypatch.setenv("LIBVIRT_DOMAIN_TYPE", "qemu")  # KVM that cannot run guests: TCG
+    assert LibvirtDriver("h1").domain_type == "qemu"
+    monkeypatch.setenv("LIBVIRT_DOMAIN_TYPE", "xen")
+    with pytest.raises(DriverError, match="LIBVIRT_DOMAIN_TYPE='xen': use auto, kvm or qemu"):
+        LibvirtDriver("h1")
+    monkeypatch.setenv("LIBVIRT_DOMAIN_TYPE", "qemu")
     assert LibvirtDriver(uri="qemu:///system", domain_type="qemu").console_log("a1") == Path(
         "/var/log/libvirt/qemu/gpushare-a1.console.log"
     )

@@ -7,7 +7,8 @@ function of the spec:
 
 * memory = ``memory_limit_mib`` (no balloon), vcpus = ``ceil(cpu_limit)``;
 * type ``kvm`` when /dev/kvm can really create a VM, else ``qemu`` (TCG, slow but works
-  anywhere, which is what the tests run on);
+  anywhere, which is what the tests run on); ``LIBVIRT_DOMAIN_TYPE`` overrides the guess
+  for hosts whose KVM creates VMs but cannot run them (nested or restricted CPUs);
 * direct kernel boot of ``VM_KERNEL`` + ``VM_INITRD`` (``scripts/build-vm-image.sh`` builds
   both); the sandbox command, with its environment, travels base64-encoded on the kernel
   command line (``gpushare.run=``) and the guest's init runs it, then powers off, so a
@@ -122,6 +123,16 @@ def kvm_usable(path: str = "/dev/kvm") -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def configured_domain_type() -> str:
+    """``LIBVIRT_DOMAIN_TYPE``: ``kvm``, ``qemu`` (TCG), or ``auto`` (kvm when usable)."""
+    wanted = os.environ.get("LIBVIRT_DOMAIN_TYPE", "auto") or "auto"
+    if wanted not in ("auto", "kvm", "qemu"):
+        raise DriverError(f"LIBVIRT_DOMAIN_TYPE={wanted!r}: use auto, kvm or qemu")
+    if wanted == "auto":
+        return "kvm" if kvm_usable() else "qemu"
+    return wanted
 
 
 @dataclass(frozen=True)
@@ -430,7 +441,7 @@ class LibvirtDriver:
         self.host = host
         self.uri = uri or os.environ.get("LIBVIRT_URI") or DEFAULT_URI
         self.image = image or GuestImage.from_env()
-        self.domain_type = domain_type or ("kvm" if kvm_usable() else "qemu")
+        self.domain_type = domain_type or configured_domain_type()
         self.resolve_pci = resolve_pci
         if console_log_dir is None and self.uri.endswith("/system"):
             # virtlogd writes it; qemu:///system keeps its logs here.
@@ -526,11 +537,16 @@ class LibvirtDriver:
             dom = self.conn.defineXML(xml)
             try:
                 self._start(dom)
-            except libvirt.libvirtError:
+            except libvirt.libvirtError as exc:
                 # A domain that cannot start (no image access, no KVM) must not be found by
                 # the next launch as if it were the sandbox.
                 with contextlib.suppress(libvirt.libvirtError):
                     dom.undefine()
+                if self.domain_type == "kvm" and "kvm" in (exc.get_error_message() or "").lower():
+                    raise DriverError(
+                        f"{action}: QEMU could not run a KVM guest on this host "
+                        f"({exc.get_error_message()}); set LIBVIRT_DOMAIN_TYPE=qemu to use TCG"
+                    ) from exc
                 raise
             log.info("launched sandbox %s as %s domain %s", spec.allocation_id, self.domain_type, name)
             return self._handle(dom, spec.allocation_id, spec.sandbox_id)
