@@ -58,8 +58,7 @@ def test_a_mig_relayout_moves_a_running_sandbox_and_makes_room(
     # Two H100s in MIG mode, each 3g@4 2g@0 1g@2 1g@3: one 2g sandbox on each blocks every 4g.
     with running_platform(tmp_path, driver="process", sim_gpus="H100-80GB:2:mig=0,1") as platform:
         first, second = request("2g.20gb"), request("2g.20gb")
-        for pk in (first, second):
-            wait_for(lambda pk=pk: state_of(pk) == "running", 60, f"sandbox {pk} to run")
+        wait_for(lambda: {state_of(first), state_of(second)} == {"running"}, 60, "both 2g sandboxes to run")
         wanting = request("4g.40gb")
         wait_for(lambda: Sandbox.objects.get(pk=wanting).pending_reason, 30, "the 4g request to wait")
         assert state_of(wanting) == "queued"
@@ -79,8 +78,9 @@ def test_a_mig_relayout_moves_a_running_sandbox_and_makes_room(
         assert alloc.mig_instance is not None and alloc.mig_instance.profile == "2g.20gb"
         assert moved.allocation_key != before[moved_id].allocation_key
         assert visible_devices(moved) == {alloc.device_uuid}  # the new instance, in its environment
-        assert before[moved_id].handle is not None and moved.handle is not None
-        assert moved.handle["ref"] != before[moved_id].handle["ref"]  # a new process
+        old_handle, new_handle = before[moved_id].handle, moved.handle
+        assert old_handle is not None and new_handle is not None
+        assert new_handle["ref"] != old_handle["ref"]  # a new process
         target = Sandbox.objects.get(pk=wanting).allocations.get(active=True)
         assert (target.gpu.uuid, target.mig_instance.start) == (planned.gpu, planned.start)  # type: ignore[union-attr]
         untouched = Sandbox.objects.get(pk=({first, second} - {moved_id}).pop())
