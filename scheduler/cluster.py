@@ -56,6 +56,8 @@ class HostState:
     memory_mib: int = 0
     cpu_used_milli: int = 0
     memory_used_mib: int = 0
+    # Isolation levels its agent's sandbox driver gives (container, process, vm); () = any.
+    isolation_levels: tuple[str, ...] = ()
 
     def has_room(self, cpu_milli: int, memory_mib: int) -> bool:
         return (not self.cpu_milli or self.cpu_used_milli + cpu_milli <= self.cpu_milli) and (
@@ -96,6 +98,7 @@ class Request:
     max_duration_s: float = 0.0
     cpu_milli: int = 0  # host CPU the sandbox is limited to (its tier's), in thousandths of a core
     memory_mib: int = 0  # host memory it is limited to
+    isolation: str = ""  # container, process or vm; "" when any host will do (trace replay)
 
 
 @dataclass(frozen=True)

@@ -65,12 +65,12 @@ def catalog(db: Any) -> dict[str, Any]:
     }
 
 
-def seed_host(name: str, spec: str, sharing: dict[int, str] | None = None) -> None:
+def seed_host(name: str, spec: str, sharing: dict[int, str] | None = None, driver: str = "docker") -> None:
     """A simulated host in the database, as if its agent had reported its inventory."""
     from portal.fleet.models import Gpu
 
     gpus = SimulatedBackend(name, parse_sim_spec(spec)).list_gpus()
-    do_sync_inventory(name, "simulated", "docker", [g.to_json() for g in gpus])
+    do_sync_inventory(name, "simulated", driver, [g.to_json() for g in gpus])
     for index, mode in (sharing or {}).items():
         Gpu.objects.filter(host__name=name, index=index).update(sharing_mode=mode)
 

@@ -26,7 +26,7 @@ from portal.billing.pricing import cost_micros
 from portal.env import env_int, env_str
 from workers import config, dispatch, moves
 from workers.celery import app
-from workers.drivers import make_driver
+from workers.drivers import DRIVER_ISOLATION, make_driver
 from workers.drivers.base import DriverError, MpsShare, SandboxDriver, SandboxHandle, SandboxSpec
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend, GpuInfo, GpuSample
@@ -188,6 +188,13 @@ class Agent:
             if spec.allocation_id in self.stopped:
                 log.info("launch of %s ignored: it was stopped already", spec.allocation_id)
                 return
+        gives = DRIVER_ISOLATION.get(self.driver.name)
+        if spec.isolation and gives and spec.isolation != gives:
+            # The scheduler places by isolation level; a mismatch means a stale or forged
+            # message, and running it anyway would give weaker isolation than was asked for.
+            message = f"host {self.host} runs {gives} sandboxes, not {spec.isolation}"
+            dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, message)
+            return
         if spec.mps is not None and not spec.mps.pipe_dir:
             with_pipe = self._with_mps_daemon(spec, spec.mps)
             if with_pipe is None:

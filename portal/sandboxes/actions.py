@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from portal.accounts.models import Membership, Project
 from portal.billing import ledger
-from portal.catalog.models import IsolationLevel, SandboxImage, SharingMode, Tier
+from portal.catalog.models import SandboxImage, SharingMode, Tier
 from portal.fleet.models import Gpu, Host, MigInstance
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes.models import ENDED_STATES, LIVE_STATES, Allocation, Sandbox, SandboxEvent, SandboxState
@@ -122,8 +122,6 @@ def check_request_sandbox(user: Any, req: SandboxRequest) -> None:
     if req.isolation not in tier.isolation_levels:
         allowed = ", ".join(tier.isolation_levels) or "none"
         raise SandboxRequestError("isolation", f"The tier {tier.name} allows isolation: {allowed}.")
-    if req.isolation == IsolationLevel.VM:
-        raise SandboxRequestError("isolation", "VM sandboxes are not available on this fleet yet.")
     mode = tier.sharing_mode
     if mode == SharingMode.DEDICATED and not 1 <= req.gpu_count <= tier.max_gpus:
         raise SandboxRequestError("gpu_count", f"The tier {tier.name} allows 1 to {tier.max_gpus} GPUs.")

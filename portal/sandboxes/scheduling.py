@@ -36,6 +36,7 @@ from scheduler.cluster import (
 from scheduler.cycle import run_cycle
 from scheduler.fairshare import decayed_usage
 from scheduler.policies import get_policy
+from workers.drivers import DRIVER_ISOLATION
 
 log = logging.getLogger(__name__)
 S = SandboxState
@@ -139,6 +140,7 @@ def build_snapshot() -> Snapshot:
                 gpus=gpus,
                 cpu_milli=host.cpu_cores * 1000,  # 0 until its agent reports: not tracked
                 memory_mib=host.memory_mib,
+                isolation_levels=(DRIVER_ISOLATION[host.driver],) if host.driver in DRIVER_ISOLATION else (),
             )
         )
     running = _running(live)
@@ -171,6 +173,7 @@ def build_queue() -> list[Request]:
             max_duration_s=s.max_duration.total_seconds(),
             cpu_milli=_cpu_milli(s.tier.cpu_limit),
             memory_mib=s.tier.memory_limit_mib,
+            isolation=s.isolation,
         )
         for s in queued
     ]

@@ -46,10 +46,20 @@ def _fit(gpus: list[GpuState], request: Request) -> tuple[DeviceGrant, ...]:
     return ()
 
 
+def serves(host: HostState, request: Request) -> bool:
+    """Up, and running sandboxes at the isolation level the request asks for."""
+    return host.up and (
+        not request.isolation or not host.isolation_levels or request.isolation in host.isolation_levels
+    )
+
+
 def hosts_with_room(snapshot: Snapshot, request: Request) -> list[HostState] | Pending:
-    """Up hosts with the CPU and memory the sandbox needs, or why there are none."""
-    up = [h for h in snapshot.hosts if h.up]
+    """Up hosts of the right isolation level with the CPU and memory the sandbox needs, or
+    why there are none."""
+    up = [h for h in snapshot.hosts if serves(h, request)]
     if not up:
+        if request.isolation and any(h.up for h in snapshot.hosts):
+            return Pending(request.id, f"no GPU host that is up runs {request.isolation} sandboxes")
         return Pending(request.id, "no GPU host is up")
     roomy = [h for h in up if h.has_room(request.cpu_milli, request.memory_mib)]
     if not roomy:
@@ -100,7 +110,7 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
     short = [
         h.name
         for h in snapshot.hosts
-        if h.up
+        if serves(h, request)
         and not h.has_room(request.cpu_milli, request.memory_mib)
         and _fit([g for g in h.gpus if g.available and g.mode == request.mode], request)
     ]
@@ -109,7 +119,7 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
             f"the GPUs it needs are free on {', '.join(short)}, but without "
             f"{request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of memory to spare"
         )
-    gpus = [g for h in snapshot.hosts if h.up for g in h.gpus if g.mode == request.mode]
+    gpus = [g for h in snapshot.hosts if serves(h, request) for g in h.gpus if g.mode == request.mode]
     if not gpus:
         return f"no GPU in the fleet offers {request.mode} sharing"
     if not any(g.available for g in gpus):
@@ -118,7 +128,7 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
         most = max(
             sum(1 for g in h.gpus if g.available and g.mode == DEDICATED and g.idle)
             for h in snapshot.hosts
-            if h.up
+            if serves(h, request)
         )
         return f"waiting for {request.gpu_count} free GPUs on one host (at most {most} free now)"
     if request.mode == MIG:

@@ -34,9 +34,11 @@ TARGETS = {"container": "≤ 1.5 s", "process": "≤ 0.3 s", "vm": "-"}
 
 
 def request_to_running(people: Any, catalog: Any, isolation: str) -> float:
-    sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
-    if isolation != "container":
-        Sandbox.objects.filter(pk=sandbox.pk).update(isolation=isolation)
+    tier = catalog["dedicated"]
+    if isolation not in tier.isolation_levels:
+        tier.isolation_levels = [*tier.isolation_levels, isolation]
+        tier.save(update_fields=["isolation_levels"])
+    sandbox = request(people["owner"], people["project"], tier, catalog["image"], isolation=isolation)
     try:
         wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "running", 180, "the sandbox to run")
     except AssertionError as exc:

@@ -109,6 +109,27 @@ def test_unplaceable_request_waits_with_a_reason(
     assert sandbox.state == "queued" and "7g.80gb" in sandbox.pending_reason
 
 
+def test_a_vm_request_waits_for_a_host_that_runs_vms_and_lands_only_there(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    from tests.conftest import seed_host
+
+    tier = catalog["dedicated"]
+    tier.isolation_levels = ["container", "vm"]
+    tier.save()
+    sandbox = request(people["owner"], people["project"], tier, catalog["image"], isolation="vm")
+    place_all()
+    sandbox.refresh_from_db()
+    assert sandbox.state == "queued"
+    assert sandbox.pending_reason == "no GPU host that is up runs vm sandboxes"  # the fleet runs Docker
+    seed_host("vmhost", "H100-80GB:1", driver="libvirt")
+    place_all()
+    sandbox.refresh_from_db()
+    assert sandbox.state == "starting" and sandbox.host is not None and sandbox.host.name == "vmhost"
+    [(_, _task, (spec,))] = [t for t in sent_tasks if t[1] == "launch_sandbox"]
+    assert spec["isolation"] == "vm"
+
+
 def test_stop_before_placement_ends_at_once(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
     sandbox = request(
         people["owner"], people["project"], catalog["mig"], catalog["image"], mig_profile="7g.80gb"

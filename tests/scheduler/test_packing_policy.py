@@ -114,3 +114,27 @@ def test_packing_leaves_room_that_first_fit_would_have_broken_up() -> None:
     spread = run_cycle(fleet(), queue, get_policy("first-fit"), now=0)
     assert all(isinstance(d, Place) for d in packed)
     assert not isinstance(spread[2], Place)
+
+
+def test_a_request_goes_only_to_a_host_of_its_isolation_level() -> None:
+    from scheduler.cluster import Pending
+
+    snapshot = Snapshot(
+        hosts=[
+            HostState("docker", True, [gpu("docker", 0)], isolation_levels=("container",)),
+            HostState(
+                "vm", True, [gpu("vm", 0, exclusive_busy=True), gpu("vm", 1)], isolation_levels=("vm",)
+            ),
+        ]
+    )
+    for policy in (PACKING, get_policy("first-fit")):
+        for isolation, host in (("vm", "vm"), ("container", "docker"), ("", "docker")):  # "": any
+            decision = policy.place(snapshot, req(1, isolation=isolation))
+            assert isinstance(decision, Place) and decision.host == host, (policy.name, isolation)
+        refused = policy.place(snapshot, req(2, isolation="process"))
+        assert (
+            isinstance(refused, Pending) and refused.reason == "no GPU host that is up runs process sandboxes"
+        )
+    snapshot.hosts[1].gpus[1].exclusive_busy = True
+    waiting = PACKING.place(snapshot, req(3, isolation="vm"))
+    assert isinstance(waiting, Pending) and "waiting for 1 free GPUs on one host (at most 0" in waiting.reason

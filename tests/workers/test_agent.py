@@ -87,3 +87,12 @@ def test_memory_reported_by_pid_is_summed_per_sandbox(tmp_path: Path) -> None:
     assert (a.memory_of(sample, "a1"), a.memory_of(sample, "a2"), a.memory_of(sample, "a3")) == (150, 7, 0)
     keyed = replace(sample, mem_by_owner={"a1": 4096})  # the simulated backend knows its owners
     assert a.memory_of(keyed, "a1") == 4096
+
+
+def test_a_launch_for_another_isolation_level_is_refused(tmp_path: Path, sent_tasks: Any) -> None:
+    a, driver, device = agent(tmp_path)
+    driver.name = "process"  # this host gives process isolation; a VM request must not run here
+    a.launch(replace(spec(device), mps=None, isolation="vm"))
+    assert driver.launched == []
+    [(_, _task, (sandbox_id, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
+    assert (sandbox_id, key) == (7, "a1") and message == "host h runs process sandboxes, not vm"

@@ -7,6 +7,9 @@ from pathlib import Path
 from workers.drivers.base import SandboxDriver
 
 DRIVER_KINDS = ("docker", "process", "libvirt", "auto")
+# The isolation level each driver gives a sandbox: a host runs one driver, so it serves
+# only requests for that level (a VM request must never get a container).
+DRIVER_ISOLATION = {"docker": "container", "process": "process", "libvirt": "vm"}
 
 
 def make_driver(kind: str, host: str, state_dir: Path) -> SandboxDriver:

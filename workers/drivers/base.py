@@ -38,6 +38,7 @@ class SandboxSpec:
     network: bool = False
     mps: MpsShare | None = None
     env: dict[str, str] = field(default_factory=dict)
+    isolation: str = ""  # container, process or vm: the agent refuses one its driver cannot give
     # Metering facts so the agent can stream the running cost with each sample.
     milli_gpu: int = 0
     price_per_gpu_hour_micros: int = 0
