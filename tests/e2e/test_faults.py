@@ -27,7 +27,8 @@ def state_of(pk: int) -> str:
 
 def containers(client: Any, sandbox: Sandbox, key: str = "") -> list[Any]:
     label = f"io.gpushare.allocation={key or sandbox.allocation_key}"
-    return client.containers.list(all=True, filters={"label": label})
+    # sparse: no inspect per container, which fails when one is removed while listing
+    return client.containers.list(all=True, sparse=True, filters={"label": label})
 
 
 def ask(people: Any, catalog: Any) -> Sandbox:

@@ -77,6 +77,25 @@ def test_kwargs_lock_the_container_down() -> None:
     assert "mounts" not in kw
 
 
+def test_a_container_removed_while_listing_does_not_fail_the_listing() -> None:
+    """The SDK inspects each listed container; one removed in between raises NotFound."""
+
+    class Containers:
+        calls = 0
+
+        def list(self, **_: object) -> list[object]:
+            Containers.calls += 1
+            if Containers.calls == 1:
+                raise docker.errors.NotFound("No such container: abc")
+            return []
+
+    class Client:
+        containers = Containers()
+
+    assert DockerDriver(client=Client(), host="h").list_owned() == []  # type: ignore[arg-type]
+    assert Containers.calls == 2
+
+
 def test_kwargs_real_gpu_requests_devices_by_uuid() -> None:
     kw = container_kwargs(make_spec(real_gpu=True))
     (request,) = kw["device_requests"]

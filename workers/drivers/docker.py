@@ -229,10 +229,21 @@ class DockerDriver:
         )
 
     def _find(self, allocation_id: str) -> Any | None:
-        found = self.client.containers.list(
-            all=True, filters={"label": f"{ALLOCATION_LABEL}={allocation_id}"}
-        )
+        found = self._list([f"{ALLOCATION_LABEL}={allocation_id}"])
         return found[0] if found else None
+
+    def _list(self, labels: list[str]) -> list[Any]:
+        """Containers with these labels. The SDK lists, then inspects each one: a container
+        removed in between (a stop racing the listing) makes it raise NotFound, so list
+        again rather than fail the caller (a heartbeat's report, a launch)."""
+        tries = 3
+        while True:
+            try:
+                return list(self.client.containers.list(all=True, filters={"label": labels}))
+            except docker.errors.NotFound:
+                tries -= 1
+                if not tries:
+                    raise
 
     def _await_named(self, allocation_id: str) -> Any:
         """The container holding our name; the engine reserves a name before the container
@@ -329,7 +340,7 @@ class DockerDriver:
         if self.host:
             labels.append(f"{LABEL_PREFIX}.host={self.host}")
         with _engine_errors("list sandboxes"):
-            containers = self.client.containers.list(all=True, filters={"label": labels})
+            containers = self._list(labels)
         handles = []
         for container in containers:
             try:
