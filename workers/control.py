@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import django
@@ -26,7 +26,7 @@ from portal.fleet.health import do_health_event  # noqa: E402
 from portal.fleet.inventory import do_heartbeat, do_sync_inventory  # noqa: E402
 from portal.fleet.models import Gpu, Host  # noqa: E402
 from portal.fleet.plans import auto_relayout, do_plan_report, expire_stale_plans  # noqa: E402
-from portal.fleet.reconcile import do_reconcile_host  # noqa: E402
+from portal.fleet.reconcile import do_reconcile_host, from_ms  # noqa: E402
 from portal.sandboxes import actions  # noqa: E402
 from portal.sandboxes.models import Sandbox, SandboxState  # noqa: E402
 from portal.sandboxes.scheduling import schedule_once  # noqa: E402
@@ -41,10 +41,6 @@ MISSED_BEATS_LOST = 3
 
 def _redis() -> redis.Redis:
     return redis.Redis.from_url(settings.REDIS_URL)
-
-
-def _from_ms(t_ms: int) -> datetime:
-    return datetime.fromtimestamp(t_ms / 1000, tz=UTC)
 
 
 @app.task(name="workers.control.schedule_cycle", ignore_result=True)
@@ -111,7 +107,7 @@ def agent_heartbeat(
     """A beat, with the agent's report of what it runs (listed from ``owned_ms``): the
     database is repaired to match."""
     was = Host.objects.filter(name=host).values_list("state", flat=True).first()
-    if not do_heartbeat(host, _from_ms(t_ms), backend, driver):
+    if not do_heartbeat(host, from_ms(t_ms), backend, driver):
         log.warning("heartbeat from unknown host %s ignored (no inventory yet)", host)
         return
     if was == Host.State.LOST:
@@ -120,7 +116,7 @@ def agent_heartbeat(
         log.warning("host %s is back: asking for its inventory", host)
         dispatch.to_host(host, "report_inventory")
     if owned is not None:
-        do_reconcile_host(host, _from_ms(owned_ms or t_ms), owned)
+        do_reconcile_host(host, from_ms(owned_ms or t_ms), owned)
 
 
 @app.task(name="workers.control.agent_inventory", ignore_result=True)
@@ -153,7 +149,7 @@ def plan_executed(
 
 @app.task(name="workers.control.sandbox_launched", ignore_result=True)
 def sandbox_launched(allocation_key: str, handle: dict[str, Any], started_ms: int) -> None:
-    actions.do_mark_running(allocation_key, handle, _from_ms(started_ms))
+    actions.do_mark_running(allocation_key, handle, from_ms(started_ms))
 
 
 @app.task(name="workers.control.sandbox_launch_failed", ignore_result=True)
@@ -164,7 +160,7 @@ def sandbox_launch_failed(sandbox_id: int, allocation_key: str, message: str) ->
 
 @app.task(name="workers.control.sandbox_stopped", ignore_result=True)
 def sandbox_stopped(allocation_key: str, ended_ms: int, message: str = "stopped") -> None:
-    actions.do_mark_stopped(allocation_key, _from_ms(ended_ms), message)
+    actions.do_mark_stopped(allocation_key, from_ms(ended_ms), message)
 
 
 def _beat_forever(stop: threading.Event) -> None:

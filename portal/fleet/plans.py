@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import defaultdict
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -43,6 +43,7 @@ from django.utils import timezone
 from portal.catalog.models import SharingMode
 from portal.fleet.inventory import do_sync_inventory
 from portal.fleet.models import FleetPlan, Gpu, Host, MigInstance, PlanStep
+from portal.fleet.reconcile import from_ms
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
 from scheduler.cluster import DeviceGrant
@@ -371,10 +372,6 @@ def do_start_consolidation(max_migrations: int | None = None, actor: Any = None)
 # --- the agents' reports ----------------------------------------------------------------------
 
 
-def _from_ms(t_ms: int | None) -> datetime | None:
-    return None if t_ms is None else datetime.fromtimestamp(t_ms / 1000, tz=UTC)
-
-
 def _mig_target(
     sandbox: Sandbox, host: str, old: Allocation | None, mig_steps: list[dict[str, Any]]
 ) -> actions.MoveTarget | None:
@@ -456,7 +453,12 @@ def do_plan_report(
                 ok, message = result["checkpoint"]
                 _step(plan, "checkpoint", message, ok=ok, host=host_name, sandbox=sandbox)
             old = sandbox.allocations.filter(active=True).first()
-            state = actions.do_stop_moved(sandbox.pk, plan.pk, _from_ms(result.get("stopped_ms")), note)
+            state = actions.do_stop_moved(
+                sandbox.pk,
+                plan.pk,
+                None if result.get("stopped_ms") is None else from_ms(result["stopped_ms"]),
+                note,
+            )
             if state == S.STOPPING:
                 _step(plan, "stop", f"stopped sandbox {sandbox.pk}", host=host_name, sandbox=sandbox)
                 stopped.append((sandbox, old, note))

@@ -136,7 +136,7 @@ def _reconcile_owned(
         started_ms = entry.get("started_at_ms") or int(taken_at.timestamp() * 1000)
         if sandbox.state == S.PLACING:
             actions.do_send_launch(sandbox.pk)  # PLACING -> STARTING, the launch is a no-op
-        actions.do_mark_running(key, entry.get("handle") or {}, _from_ms(started_ms))
+        actions.do_mark_running(key, entry.get("handle") or {}, from_ms(started_ms))
         repairs.marked_running.append(sandbox.pk)
     elif not running and sandbox.state in (S.RUNNING, S.STARTING):
         actions.do_mark_stopped(key, taken_at, exit_message(entry))
@@ -176,5 +176,6 @@ def _stop_after_commit(host_name: str, key: str, sandbox_id: int, handle: dict[s
     transaction.on_commit(lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle))
 
 
-def _from_ms(t_ms: int) -> datetime:
+def from_ms(t_ms: int) -> datetime:
+    """Epoch milliseconds, as agents report times, to an aware datetime."""
     return datetime.fromtimestamp(t_ms / 1000, tz=UTC)
