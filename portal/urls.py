@@ -21,6 +21,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("sandboxes/", sandboxes.sandbox_list, name="sandbox-list"),
     path("sandboxes/new/", sandboxes.sandbox_new, name="sandbox-new"),
+    path("sandboxes/preview/", sandboxes.sandbox_preview, name="sandbox-preview"),
     path("sandboxes/<int:pk>/", sandboxes.sandbox_detail, name="sandbox-detail"),
     path("sandboxes/<int:pk>/status/", sandboxes.sandbox_status, name="sandbox-status"),
     path("sandboxes/<int:pk>/stop/", sandboxes.sandbox_stop, name="sandbox-stop"),

@@ -75,6 +75,12 @@ class Tier(models.Model):
         return self.name
 
     @property
+    def max_duration_display(self) -> str:
+        hours = int(self.max_duration.total_seconds() // 3600)
+        minutes = int(self.max_duration.total_seconds() % 3600 // 60)
+        return f"{hours} h" + (f" {minutes} min" if minutes else "") if hours else f"{minutes} min"
+
+    @property
     def price_display(self) -> str:
         return f"{self.price_per_gpu_hour_micros / 1_000_000:.2f} {self.currency}/GPU-h"
 

@@ -18,8 +18,12 @@ from portal.fleet.models import Gpu, Host
 from portal.fleet.plans import running_plan_gpus
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
+from portal.sandboxes.actions import SandboxRequest
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
 from scheduler.cluster import (
+    DEDICATED,
+    MIG,
+    MPS,
     DeviceGrant,
     FairShareState,
     GpuState,
@@ -159,24 +163,30 @@ def build_queue() -> list[Request]:
         .exclude(pk__in=waiting)
         .select_related("tier__priority_class", "project")
     )
-    return [
-        Request(
-            id=s.pk,
-            project=s.project.slug,
-            priority=s.tier.priority_class.value,
-            submitted_at=s.requested_at.timestamp(),
-            mode=s.tier.sharing_mode,
-            gpu_count=s.gpu_count,
-            mig_profile=s.mig_profile,
-            mps_memory_mib=s.mps_memory_mib,
-            mps_thread_pct=s.mps_thread_pct,
-            max_duration_s=s.max_duration.total_seconds(),
-            cpu_milli=_cpu_milli(s.tier.cpu_limit),
-            memory_mib=s.tier.memory_limit_mib,
-            isolation=s.isolation,
-        )
-        for s in queued
-    ]
+    return [scheduler_request(s.pk, s, s.requested_at.timestamp()) for s in queued]
+
+
+def scheduler_request(request_id: int, asked: Sandbox | SandboxRequest, submitted_at: float) -> Request:
+    """What the scheduler sees of a sandbox request, queued or only previewed."""
+    tier = asked.tier
+    mode = tier.sharing_mode
+    asked_for = asked.max_duration if isinstance(asked, Sandbox) else asked.duration
+    max_duration = asked_for or tier.max_duration
+    return Request(
+        id=request_id,
+        project=asked.project.slug,
+        priority=tier.priority_class.value,
+        submitted_at=submitted_at,
+        mode=mode,
+        gpu_count=asked.gpu_count if mode == DEDICATED else 1,
+        mig_profile=asked.mig_profile if mode == MIG else "",
+        mps_memory_mib=asked.mps_memory_mib if mode == MPS else 0,
+        mps_thread_pct=asked.mps_thread_pct if mode == MPS else 0,
+        max_duration_s=max_duration.total_seconds(),
+        cpu_milli=_cpu_milli(tier.cpu_limit),
+        memory_mib=tier.memory_limit_mib,
+        isolation=asked.isolation,
+    )
 
 
 def build_fairshare(now: float) -> FairShareState:

@@ -18,6 +18,7 @@ from portal.catalog.models import Tier
 from portal.sandboxes import actions
 from portal.sandboxes.forms import SandboxRequestForm
 from portal.sandboxes.models import Sandbox
+from portal.sandboxes.preview import Preview, preview_request
 
 
 def _sandboxes_for_user(user: object) -> QuerySet[Sandbox]:
@@ -54,6 +55,25 @@ def sandbox_new(request: HttpRequest) -> HttpResponse:
         {"form": form, "tier_modes": tier_modes},
         status=400 if form.errors else 200,
     )
+
+
+@login_required
+@require_POST
+def sandbox_preview(request: HttpRequest) -> HttpResponse:
+    """The request form's live answer (htmx): would it start now, or wait, and why."""
+    form = SandboxRequestForm(request.POST, user=request.user)
+    tier_id = request.POST.get("tier", "")
+    tier = Tier.objects.filter(pk=tier_id, active=True).first() if tier_id.isdigit() else None
+    if form.is_valid() and form.request_obj is not None:
+        answer = preview_request(request.user, form.request_obj)
+    else:
+        problems = [
+            f"{form[name].label}: {error}" if name in form.fields else str(error)
+            for name, errors in form.errors.items()
+            for error in errors
+        ]
+        answer = Preview("refused", "; ".join(problems))
+    return render(request, "sandboxes/_preview.html", {"preview": answer, "tier": tier})
 
 
 def _whole_seconds(delta: timedelta) -> timedelta:

@@ -130,7 +130,8 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
             for h in snapshot.hosts
             if serves(h, request)
         )
-        return f"waiting for {request.gpu_count} free GPUs on one host (at most {most} free now)"
+        noun = "GPU" if request.gpu_count == 1 else "GPUs"
+        return f"waiting for {request.gpu_count} free {noun} on one host (at most {most} free now)"
     if request.mode == MIG:
         if not any(s.profile == request.mig_profile for g in gpus for s in g.mig):
             return f"no MIG instance of profile {request.mig_profile} exists in the fleet"

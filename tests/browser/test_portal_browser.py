@@ -77,6 +77,9 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         page.select_option("select[name=tier]", label="Dedicated")
         page.select_option("select[name=image]", label="busybox")
         page.fill("input[name=gpu_count]", "1")
+        page.locator("input[name=gpu_count]").dispatch_event("change")
+        page.locator("#preview .verdict-now", has_text="Starts now on").wait_for(timeout=10_000)
+        assert "Dedicated" in page.locator(".tier-facts").inner_text()
         shot(page, "request-form")
         page.click("form.request-form button[type=submit]")
         page.wait_for_url("**/sandboxes/*/")
@@ -94,6 +97,19 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         assert "simulated" in page.locator("#chart-status").inner_text()
         assert page.locator(".badge.sim").count() >= 1  # the page says the host is simulated
         shot(page, "sandbox-running")
+
+        # The fleet's one dedicated GPU is taken now: the form says the next would wait, and till when.
+        page.goto(f"{base}/sandboxes/new/")
+        page.select_option("select[name=project]", label="Vision")
+        page.select_option("select[name=tier]", label="Dedicated")
+        page.select_option("select[name=image]", label="busybox")
+        page.locator("#preview .verdict-waits").wait_for(timeout=10_000)
+        waiting = page.locator("#preview .verdict").inner_text()
+        assert page.locator("#preview .verdict-waits").count() == 1
+        assert "1st in line" in waiting and "Earliest start" in waiting, waiting
+        shot(page, "request-form-waiting")
+        page.go_back()
+        page.wait_for_selector("#sandbox-state:text('Running')", timeout=10_000)
 
         page.click("#stop-button")
         page.wait_for_selector("#sandbox-state:text('Stopped')", timeout=60_000)

@@ -137,4 +137,4 @@ def test_a_request_goes_only_to_a_host_of_its_isolation_level() -> None:
         )
     snapshot.hosts[1].gpus[1].exclusive_busy = True
     waiting = PACKING.place(snapshot, req(3, isolation="vm"))
-    assert isinstance(waiting, Pending) and "waiting for 1 free GPUs on one host (at most 0" in waiting.reason
+    assert isinstance(waiting, Pending) and "waiting for 1 free GPU on one host (at most 0" in waiting.reason

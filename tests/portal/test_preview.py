@@ -1,0 +1,105 @@
+"""The request form's live answer: starts now, or waits with a place, an ETA and
+alternatives, or is refused naming the rule; computed by the scheduler, nothing written."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from portal.quotas.models import QuotaPolicy
+from portal.sandboxes import actions
+from portal.sandboxes.models import Sandbox
+from portal.sandboxes.preview import preview_request
+from tests.portal.helpers import client_for, place_all, request
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def ask(people: Any, catalog: Any, tier: str, **kw: Any) -> actions.SandboxRequest:
+    return actions.SandboxRequest(
+        project=people["project"], tier=catalog[tier], image=catalog["image"], isolation="container", **kw
+    )
+
+
+def running(people: Any, catalog: Any, tier: str, **kw: Any) -> Sandbox:
+    sandbox = request(people["owner"], people["project"], catalog[tier], catalog["image"], **kw)
+    place_all()
+    sandbox.refresh_from_db()
+    actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "c"}, timezone.now())
+    sandbox.refresh_from_db()
+    assert sandbox.state == "running"
+    return sandbox
+
+
+def test_a_request_that_fits_starts_now_and_nothing_is_written(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    answer = preview_request(people["owner"], ask(people, catalog, "dedicated", gpu_count=2))
+    assert (
+        answer.verdict == "now" and answer.message.startswith("starts now on ") and len(answer.devices) == 2
+    )
+    assert not Sandbox.objects.exists() and sent_tasks == []
+
+
+def test_a_full_fleet_gives_a_place_an_eta_and_alternatives(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    first = running(people, catalog, "dedicated", gpu_count=2)
+    running(people, catalog, "dedicated", gpu_count=2)  # every dedicated GPU is taken
+    queued = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"], gpu_count=2)
+    place_all()
+    assert Sandbox.objects.get(pk=queued.pk).state == "queued"
+
+    answer = preview_request(people["owner"], ask(people, catalog, "dedicated", gpu_count=1))
+    assert answer.verdict == "waits" and answer.position == 2  # behind the queued one
+    assert "waiting for 1 free GPU on one host" in answer.message
+    assert first.started_at is not None and answer.eta is not None
+    assert abs(answer.eta - (first.started_at + timedelta(hours=8))) < timedelta(seconds=5)
+
+    for _ in range(4):  # every 1g.10gb slice of the two MIG GPUs
+        running(people, catalog, "mig", mig_profile="1g.10gb")
+    answer = preview_request(people["owner"], ask(people, catalog, "mig", mig_profile="1g.10gb"))
+    assert answer.verdict == "waits" and answer.position == 2
+    assert answer.alternatives == [
+        "a 3g.40gb slice is free now on h100",
+        "a 2g.20gb slice is free now on h100",
+    ]
+
+
+def test_mps_alternative_and_refusal_naming_the_quota(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    running(people, catalog, "mps", mps_memory_mib=61440, mps_thread_pct=50)
+    answer = preview_request(
+        people["owner"], ask(people, catalog, "mps", mps_memory_mib=40960, mps_thread_pct=20)
+    )
+    assert answer.verdict == "waits"
+    assert answer.alternatives == ["an MPS share of up to 20 GiB and 50% of the threads is free now on a100"]
+    QuotaPolicy.objects.create(project=people["project"], max_live_sandboxes=1)
+    answer = preview_request(people["owner"], ask(people, catalog, "timeslice"))
+    assert answer.verdict == "refused" and "quota of 1 live sandboxes" in answer.message
+
+
+def test_the_preview_endpoint_answers_the_form(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    form = {
+        "project": str(people["project"].pk),
+        "tier": str(catalog["dedicated"].pk),
+        "image": str(catalog["image"].pk),
+        "isolation": "container",
+        "gpu_count": "1",
+        "duration_hours": "2",
+    }
+    page = client_for(people["owner"]).post("/sandboxes/preview/", form)
+    assert page.status_code == 200
+    assert b"Starts now on " in page.content and b"2.50 EUR/GPU-h" in page.content
+    outsider = client_for(people["outsider"]).post("/sandboxes/preview/", form)
+    assert b"would be refused" in outsider.content and b"Project: Select a valid choice" in outsider.content
+    assert client_for(people["owner"]).get("/sandboxes/preview/").status_code == 405
+    from django.test import Client
+
+    assert Client().post("/sandboxes/preview/", form).status_code == 302  # to the login page
