@@ -22,6 +22,7 @@ urlpatterns = [
     path("sandboxes/", sandboxes.sandbox_list, name="sandbox-list"),
     path("sandboxes/new/", sandboxes.sandbox_new, name="sandbox-new"),
     path("sandboxes/preview/", sandboxes.sandbox_preview, name="sandbox-preview"),
+    path("notifications/", sandboxes.notifications, name="notifications"),
     path("sandboxes/<int:pk>/", sandboxes.sandbox_detail, name="sandbox-detail"),
     path("sandboxes/<int:pk>/status/", sandboxes.sandbox_status, name="sandbox-status"),
     path("sandboxes/<int:pk>/stop/", sandboxes.sandbox_stop, name="sandbox-stop"),

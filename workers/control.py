@@ -28,6 +28,7 @@ from portal.fleet.models import Gpu, Host  # noqa: E402
 from portal.fleet.plans import auto_relayout, do_plan_report, expire_stale_plans  # noqa: E402
 from portal.fleet.reconcile import do_reconcile_host, from_ms  # noqa: E402
 from portal.sandboxes import actions  # noqa: E402
+from portal.sandboxes.culling import do_cull_idle  # noqa: E402
 from portal.sandboxes.models import Sandbox, SandboxState  # noqa: E402
 from portal.sandboxes.scheduling import schedule_once  # noqa: E402
 from workers import dispatch  # noqa: E402
@@ -58,11 +59,12 @@ def schedule_cycle() -> None:
 @app.task(name="workers.control.tick", ignore_result=True)
 def tick() -> None:
     """Periodic: mark silent hosts lost, retry stuck launches, give up silent plans, reshape
-    MIG GPUs for requests no instance fits, run a cycle."""
+    MIG GPUs for requests no instance fits, warn and stop idle sandboxes, run a cycle."""
     mark_lost_hosts(timezone.now())
     resend_stuck_placements(timezone.now())
     expire_stale_plans(timezone.now())
     auto_relayout()
+    do_cull_idle(timezone.now())
     schedule_cycle()
 
 

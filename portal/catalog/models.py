@@ -54,6 +54,16 @@ class Tier(models.Model):
         help_text="A sandbox lost to a host or engine fault (host lost, sandbox vanished) is "
         "queued again instead of ending failed.",
     )
+    # Idle culling: a running sandbox whose GPU utilization (the mean over the agent's
+    # window) stays under idle_util_pct for idle_minutes is warned, then stopped after
+    # idle_grace_minutes more unless it gets busy. 0 % turns culling off.
+    idle_util_pct = models.PositiveSmallIntegerField(
+        default=0, help_text="Cull sandboxes whose GPU utilization stays under this % (0: never)."
+    )
+    idle_minutes = models.PositiveIntegerField(default=30, help_text="Idle this long: the user is warned.")
+    idle_grace_minutes = models.PositiveIntegerField(
+        default=10, help_text="Still idle this long after the warning: the sandbox is stopped."
+    )
     active = models.BooleanField(default=True)
 
     class Meta:
@@ -79,6 +89,16 @@ class Tier(models.Model):
         hours = int(self.max_duration.total_seconds() // 3600)
         minutes = int(self.max_duration.total_seconds() % 3600 // 60)
         return f"{hours} h" + (f" {minutes} min" if minutes else "") if hours else f"{minutes} min"
+
+    @property
+    def idle_rule(self) -> str:
+        """The culling rule in words, as users see it ("" when culling is off)."""
+        if not self.idle_util_pct:
+            return ""
+        return (
+            f"stopped when GPU utilization stays under {self.idle_util_pct}% for "
+            f"{self.idle_minutes + self.idle_grace_minutes} min (warned after {self.idle_minutes} min)"
+        )
 
     @property
     def price_display(self) -> str:

@@ -94,6 +94,19 @@ def _drain(gpu: Gpu, reason: str, kind: str, severity: str, message: str, actor:
     FleetEvent.objects.create(
         host=gpu.host, gpu=gpu, kind=kind, severity=severity, message=message[:300], actor=actor
     )
+    # The people whose sandboxes are on it hear what it means for them.
+    from portal.sandboxes.models import Allocation, Notification
+    from portal.sandboxes.notify import notify
+
+    for alloc in Allocation.objects.filter(gpu=gpu, active=True).select_related("sandbox__owner"):
+        sandbox = alloc.sandbox
+        notify(
+            sandbox.owner,
+            Notification.Kind.DRAINED,
+            f"Sandbox {sandbox.pk}: its GPU ({gpu.host.name} #{gpu.index}) was taken out of service "
+            f"({reason}). It keeps running; save your work, as the GPU may be repaired or replaced.",
+            sandbox,
+        )
 
 
 def _user(actor: Any) -> Any:

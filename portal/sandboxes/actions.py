@@ -23,6 +23,7 @@ from portal.billing import ledger
 from portal.catalog.models import SandboxImage, SharingMode, Tier
 from portal.fleet.models import Gpu, Host, MigInstance
 from portal.quotas.models import QuotaPolicy
+from portal.sandboxes import notify
 from portal.sandboxes.models import ENDED_STATES, LIVE_STATES, Allocation, Sandbox, SandboxEvent, SandboxState
 from scheduler.cluster import DeviceGrant
 from scheduler.gpus import MODELS
@@ -84,6 +85,7 @@ def _transition(
         message=message[:300],
         data=data or {},
     )
+    notify.on_transition(sandbox, to, message, actor)
     sandbox.state = to
     fields = ["state"]
     if to in PHASE_TIMESTAMPS:
@@ -173,6 +175,7 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
             message=f"requested {sandbox.request_summary} on {req.tier.name}",
         )
         _transition(sandbox, S.QUEUED, actor=user, message="waiting for the scheduler")
+        notify.on_request(sandbox)
         transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
     return sandbox
 
@@ -274,9 +277,16 @@ def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:
 
 
 def do_set_pending_reason(sandbox_id: int, reason: str) -> None:
-    Sandbox.objects.filter(pk=sandbox_id, state=S.QUEUED).exclude(pending_reason=reason).update(
-        pending_reason=reason[:200]
-    )
+    """Record why a queued sandbox waits; its owner hears the first reason (later ones only
+    refine it: a new reservation time, a changed position)."""
+    reason = reason[:200]
+    queued = Sandbox.objects.filter(pk=sandbox_id, state=S.QUEUED)
+    # One UPDATE per waiting request and cycle, as before: the first reason is the only one
+    # that also notifies (``pending_reason`` is cleared whenever it leaves the queue).
+    if queued.filter(pending_reason="").update(pending_reason=reason):
+        notify.on_first_wait(Sandbox.objects.select_related("owner").get(pk=sandbox_id), reason)
+    else:
+        queued.exclude(pending_reason=reason).update(pending_reason=reason)
 
 
 # --- reports from agents --------------------------------------------------------------------

@@ -81,6 +81,10 @@ class Sandbox(models.Model):
     gpu_util_pct = models.FloatField(null=True, blank=True)
     gpu_util_window_s = models.FloatField(null=True, blank=True)
     gpu_util_at = models.DateTimeField(null=True, blank=True)
+    # Idle culling: since when its utilization has stayed under the tier's threshold, and
+    # when its owner was warned (both cleared when it gets busy again).
+    idle_since = models.DateTimeField(null=True, blank=True)
+    idle_warned_at = models.DateTimeField(null=True, blank=True)
 
     requested_at = models.DateTimeField(default=timezone.now)
     placed_at = models.DateTimeField(null=True, blank=True)
@@ -209,3 +213,41 @@ class SandboxEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.sandbox_id}: {self.from_state or '∅'} → {self.to_state}"
+
+
+class Notification(models.Model):
+    """An in-app message to one user: a sandbox started, waits, was preempted or culled,
+    a quota is nearly used up. Shown under the bell in the top bar until read."""
+
+    class Kind(models.TextChoices):
+        STARTED = "started", "Started"
+        QUEUED = "queued", "Queued"
+        PREEMPTED = "preempted", "Preempted"
+        IDLE = "idle", "Idle warning"
+        CULLED = "culled", "Culled"
+        ENDED = "ended", "Ended"
+        FAILED = "failed", "Failed"
+        DRAINED = "drained", "GPU drained"
+        QUOTA = "quota", "Quota"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notifications")
+    sandbox = models.ForeignKey(
+        Sandbox, on_delete=models.CASCADE, null=True, blank=True, related_name="notifications"
+    )
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    message = models.CharField(max_length=300)
+    created_at = models.DateTimeField(default=timezone.now)
+    read_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+        indexes = [
+            models.Index(
+                fields=["user", "-created_at"],
+                name="notification_unread_idx",
+                condition=models.Q(read_at=None),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} for {self.user}: {self.message}"

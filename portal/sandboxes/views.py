@@ -17,7 +17,7 @@ from portal.billing.ledger import running_cost_micros
 from portal.catalog.models import Tier
 from portal.sandboxes import actions
 from portal.sandboxes.forms import SandboxRequestForm
-from portal.sandboxes.models import Sandbox
+from portal.sandboxes.models import Notification, Sandbox
 from portal.sandboxes.preview import Preview, preview_request
 
 
@@ -55,6 +55,16 @@ def sandbox_new(request: HttpRequest) -> HttpResponse:
         {"form": form, "tier_modes": tier_modes},
         status=400 if form.errors else 200,
     )
+
+
+@login_required
+def notifications(request: HttpRequest) -> HttpResponse:
+    """The signed-in user's notifications, newest first; POST marks them all read."""
+    mine = Notification.objects.filter(user_id=int(request.user.pk or 0)).select_related("sandbox")
+    if request.method == "POST":
+        mine.filter(read_at=None).update(read_at=timezone.now())
+        return redirect("notifications")
+    return render(request, "sandboxes/notifications.html", {"notifications": mine[:100]})
 
 
 @login_required

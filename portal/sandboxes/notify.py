@@ -1,0 +1,86 @@
+"""In-app notifications: what a user should hear about without watching a page.
+
+Written inside the transaction of the change they report (so a rolled-back change never
+notifies), by ``actions`` on transitions and by the few places that know more: the
+scheduling cycle (a request starts waiting), culling (idle warnings), drains.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django.db.models import Sum
+
+from portal.quotas.models import QuotaPolicy
+
+if TYPE_CHECKING:
+    from portal.sandboxes.models import Sandbox
+
+NEAR_QUOTA = 0.8  # a project using this share of a quota limit hears about it
+
+
+def notify(user: Any, kind: str, message: str, sandbox: Sandbox | None = None) -> None:
+    from portal.sandboxes.models import Notification
+
+    Notification.objects.create(user=user, sandbox=sandbox, kind=kind, message=message[:300])
+
+
+def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
+    """The owner hears of a start, a requeue, a stop someone else asked for, and of every
+    end they did not cause themselves (culling tells its own story when it stops one)."""
+    from portal.sandboxes.models import Notification, SandboxState
+
+    S = SandboxState
+    label = f"Sandbox {sandbox.pk}" + (f" ({sandbox.name})" if sandbox.name else "")
+    actor_id = getattr(actor, "pk", None)
+    if actor_id is not None and actor_id == sandbox.owner_id:
+        return
+    if to == S.RUNNING:
+        where = f" on {sandbox.host.name}" if sandbox.host else ""
+        notify(sandbox.owner, Notification.Kind.STARTED, f"{label} is running{where}.", sandbox)
+    elif to == S.QUEUED and message.startswith("requeued"):
+        notify(sandbox.owner, Notification.Kind.QUEUED, f"{label}: {message}", sandbox)
+    elif to == S.STOPPING and actor_id is not None:
+        who = actor.get_username() if hasattr(actor, "get_username") else "an admin"
+        notify(
+            sandbox.owner, Notification.Kind.ENDED, f"{label} is being stopped by {who}: {message}", sandbox
+        )
+    elif to in (S.PREEMPTED, S.FAILED, S.EXPIRED):
+        kinds: dict[str, str] = {S.PREEMPTED: Notification.Kind.PREEMPTED, S.FAILED: Notification.Kind.FAILED}
+        kind = kinds.get(to, Notification.Kind.ENDED)
+        notify(sandbox.owner, kind, f"{label}: {message}", sandbox)
+    elif to == S.STOPPED and sandbox.state == S.STOPPING:
+        asked = sandbox.events.filter(to_state=S.STOPPING).order_by("-at", "-pk").first()
+        if asked is not None and (asked.actor_id is not None or asked.message.startswith("culled")):
+            return  # asked by a person (told then, or it was the owner) or by culling (told then)
+        notify(sandbox.owner, Notification.Kind.ENDED, f"{label}: {message}", sandbox)
+
+
+def on_first_wait(sandbox: Sandbox, reason: str) -> None:
+    from portal.sandboxes.models import Notification
+
+    notify(sandbox.owner, Notification.Kind.QUEUED, f"Sandbox {sandbox.pk} waits: {reason}", sandbox)
+
+
+def on_request(sandbox: Sandbox) -> None:
+    """Tell the requester when their project is near a quota limit."""
+    from portal.sandboxes.models import LIVE_STATES, Allocation, Notification, Sandbox
+
+    quota = QuotaPolicy.objects.filter(project_id=sandbox.project_id).first()
+    if quota is None:
+        return
+    live = Sandbox.objects.filter(project_id=sandbox.project_id, state__in=LIVE_STATES).count()
+    held = (
+        Allocation.objects.filter(sandbox__project_id=sandbox.project_id, active=True).aggregate(
+            milli=Sum("milli_gpu")
+        )["milli"]
+        or 0
+    )
+    notes = []
+    if quota.max_live_sandboxes and live >= NEAR_QUOTA * quota.max_live_sandboxes:
+        notes.append(f"{live} of its {quota.max_live_sandboxes} live sandboxes")
+    if quota.max_gpus and held >= NEAR_QUOTA * quota.max_gpus * 1000:
+        notes.append(f"{held / 1000:g} of its {quota.max_gpus} GPUs")
+    if notes:
+        message = f"Project {sandbox.project.name} uses {' and '.join(notes)}."
+        notify(sandbox.owner, Notification.Kind.QUOTA, message, sandbox)
