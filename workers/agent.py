@@ -24,7 +24,7 @@ from celery import signals
 
 from portal.billing.pricing import cost_micros
 from portal.env import env_int, env_str
-from workers import config, dispatch, moves
+from workers import config, dispatch, moves, terminal_relay
 from workers.celery import app
 from workers.drivers import DRIVER_ISOLATION, make_driver
 from workers.drivers.base import DriverError, MpsShare, SandboxDriver, SandboxHandle, SandboxSpec
@@ -236,6 +236,31 @@ class Agent:
             self.started_ms.pop(allocation_id, None)
             self._util.pop(allocation_id, None)
 
+    def open_terminal(self, session: str, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
+        """Relay a pty into the sandbox for a browser (see ``workers.terminal_relay``), on a
+        thread of its own: a session may last as long as the user types."""
+        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
+        idle_s = float(env_int("TERMINAL_IDLE_S", 900, minimum=10))
+
+        async def serve() -> None:
+            layer = make_layer(config.redis_url())
+            if handle is None:
+                await terminal_relay.refuse(
+                    layer, session, f"sandbox {allocation_id} is not on host {self.host}"
+                )
+                return
+            try:
+                terminal = await asyncio.to_thread(self.driver.exec_terminal, handle)
+            except DriverError as exc:
+                await terminal_relay.refuse(layer, session, str(exc))
+                return
+            reason = await terminal_relay.relay(layer, terminal, session, idle_s)
+            log.info("terminal into %s ended: %s", allocation_id, reason)
+
+        threading.Thread(
+            target=asyncio.run, args=(serve(),), name=f"terminal-{session[:8]}", daemon=True
+        ).start()
+
     def mig_instances_in_use(self) -> dict[str, str]:
         """MIG uuid -> sandbox id, for every MIG instance a sandbox this agent runs sees."""
         with self.lock:
@@ -435,6 +460,11 @@ def execute_plan(
     plan_id: int, stops: list[dict[str, Any]], mig_plan: dict[str, Any] | None, busy: dict[str, str]
 ) -> None:
     get_agent().execute_plan(plan_id, stops, mig_plan, busy)
+
+
+@app.task(name="workers.agent.open_terminal", ignore_result=True)
+def open_terminal(session: str, allocation_id: str, handle: dict[str, Any] | None) -> None:
+    get_agent().open_terminal(session, allocation_id, handle)
 
 
 @app.task(name="workers.agent.stop_sandbox", ignore_result=True)

@@ -16,6 +16,7 @@ from portal.accounts.access import can_manage_sandbox, visible_projects
 from portal.billing.ledger import running_cost_micros
 from portal.catalog.models import Tier
 from portal.sandboxes import actions
+from portal.sandboxes.consumers import TERMINAL_ISOLATION
 from portal.sandboxes.forms import SandboxRequestForm
 from portal.sandboxes.models import Notification, Sandbox
 from portal.sandboxes.preview import Preview, preview_request
@@ -109,7 +110,15 @@ def _detail_context(sandbox: Sandbox) -> dict[str, object]:
 @login_required
 def sandbox_detail(request: HttpRequest, pk: int) -> HttpResponse:
     sandbox = _get_sandbox_for_user(request, pk)
-    return render(request, "sandboxes/detail.html", _detail_context(sandbox))
+    context = _detail_context(sandbox)
+    # Shown while it lives (the page is loaded before it runs); the socket itself refuses a
+    # sandbox that is not running yet, and says so.
+    context["can_open_terminal"] = (
+        sandbox.is_live
+        and sandbox.isolation in TERMINAL_ISOLATION
+        and can_manage_sandbox(request.user, sandbox)
+    )
+    return render(request, "sandboxes/detail.html", context)
 
 
 @login_required

@@ -1,9 +1,11 @@
 from django.urls import path
 
+from portal.sandboxes.consumers import SandboxTerminal
 from portal.telemetry import consumers
 
 websocket_urlpatterns = [
     path("ws/gpus/<str:uuid>/", consumers.GpuSamples.as_asgi()),
     path("ws/sandboxes/<int:sandbox_id>/", consumers.SandboxSamples.as_asgi()),
+    path("ws/sandboxes/<int:sandbox_id>/terminal/", SandboxTerminal.as_asgi()),
     path("ws/fleet/", consumers.FleetSamples.as_asgi()),
 ]

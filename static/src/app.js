@@ -2,6 +2,7 @@
 import htmx from "htmx.org";
 import { mountGpuCharts } from "./gpu-chart.js";
 import { wireRequestForm } from "./request-form.js";
+import { mountTerminal } from "./terminal.js";
 
 window.htmx = htmx;
 
@@ -10,4 +11,6 @@ document.addEventListener("DOMContentLoaded", () => {
   if (chart) mountGpuCharts(chart);
   const form = document.querySelector(".request-form");
   if (form) wireRequestForm(form);
+  const terminal = document.getElementById("terminal");
+  if (terminal) mountTerminal(terminal);
 });

@@ -98,6 +98,18 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         assert page.locator(".badge.sim").count() >= 1  # the page says the host is simulated
         shot(page, "sandbox-running")
 
+        # A shell in the container, in the page.
+        page.click("[data-open-terminal]")
+        page.locator(".terminal-status", has_text="Connected").wait_for(timeout=20_000)
+        page.locator(".terminal-screen .xterm").click()
+        page.keyboard.type("echo h''i\n")  # the quotes keep the echoed command line from matching
+        page.wait_for_function(
+            "[...document.querySelectorAll('.xterm-rows > div')].some(r => r.textContent.trim() === 'hi')",
+            timeout=10_000,
+        )
+        page.locator("#terminal").scroll_into_view_if_needed()
+        shot(page, "sandbox-terminal")
+
         # The fleet's one dedicated GPU is taken now: the form says the next would wait, and till when.
         page.goto(f"{base}/sandboxes/new/")
         page.select_option("select[name=project]", label="Vision")

@@ -1,0 +1,114 @@
+"""The web terminal's WebSocket: the browser's side of ``workers.terminal_relay``.
+
+Checked once, at connect: the user must be allowed to manage the sandbox (its owner, a
+manager of its project, an admin) and the sandbox must be a running container or process
+sandbox. A refused connection is accepted, told why in a ``closed`` message, and closed
+with 4403 (not allowed) or 4409 (not possible now). Every opened terminal is recorded in
+the sandbox's history.
+
+Browser -> server: JSON text ``{"type": "input", "data": "..."}`` or
+``{"type": "resize", "rows": R, "cols": C}``. Server -> browser: the pty's bytes as binary
+frames, and JSON ``{"type": "opened"}`` / ``{"type": "closed", "reason": "..."}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.utils import timezone
+
+from portal.accounts.access import can_manage_sandbox
+from portal.sandboxes.models import Sandbox, SandboxEvent, SandboxState
+from workers import dispatch
+from workers.terminal_relay import decode, encode, term_in_group, term_out_group
+
+FORBIDDEN, CONFLICT = 4403, 4409
+TERMINAL_ISOLATION = ("container", "process")  # a VM's console is its serial line, not a pty exec
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: int
+    reason: str
+
+
+class SandboxTerminal(AsyncWebsocketConsumer):
+    session = ""
+
+    async def connect(self) -> None:
+        await self.accept()
+        verdict = await database_sync_to_async(self.authorize)(self.scope.get("user"))
+        if isinstance(verdict, Refusal):
+            await self.send(text_data=json.dumps({"type": "closed", "reason": verdict.reason}))
+            await self.close(code=verdict.code)
+            return
+        self.session = uuid.uuid4().hex
+        await self.channel_layer.group_add(term_out_group(self.session), self.channel_name)
+        host, key, handle = verdict
+        await asyncio.to_thread(dispatch.to_host, host, "open_terminal", self.session, key, handle)
+
+    def authorize(self, user: Any) -> Refusal | tuple[str, str, dict[str, Any] | None]:
+        sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
+        sandbox = Sandbox.objects.select_related("host").filter(pk=sandbox_id).first()
+        if (
+            user is None
+            or not user.is_authenticated
+            or sandbox is None
+            or not can_manage_sandbox(user, sandbox)
+        ):
+            return Refusal(
+                FORBIDDEN,
+                "Only the sandbox's owner, a manager of its project or an admin can open a terminal.",
+            )
+        if sandbox.state != SandboxState.RUNNING or sandbox.host is None:
+            return Refusal(CONFLICT, f"The sandbox is {sandbox.get_state_display().lower()}, not running.")
+        if sandbox.isolation not in TERMINAL_ISOLATION:
+            return Refusal(
+                CONFLICT, "Terminals open into container and process sandboxes; a VM has its console."
+            )
+        SandboxEvent.objects.create(
+            sandbox=sandbox, at=timezone.now(), from_state=sandbox.state, to_state=sandbox.state,
+            actor=user, message=f"terminal opened by {user.get_username()}",
+        )  # fmt: skip
+        return sandbox.host.name, sandbox.allocation_key, sandbox.handle
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if not self.session:
+            return
+        try:
+            message = json.loads(text_data or "{}")
+        except json.JSONDecodeError:
+            return
+        event: dict[str, Any]
+        if message.get("type") == "input" and isinstance(message.get("data"), str):
+            event = {"type": "term.input", "data": encode(message["data"].encode())}
+        elif message.get("type") == "resize":
+            try:
+                rows, cols = int(message["rows"]), int(message["cols"])
+            except (KeyError, TypeError, ValueError):
+                return
+            event = {"type": "term.resize", "rows": max(1, min(rows, 500)), "cols": max(1, min(cols, 500))}
+        else:
+            return
+        await self.channel_layer.group_send(term_in_group(self.session), event)
+
+    async def disconnect(self, code: int) -> None:
+        if self.session:
+            await self.channel_layer.group_send(term_in_group(self.session), {"type": "term.close"})
+            await self.channel_layer.group_discard(term_out_group(self.session), self.channel_name)
+
+    async def term_opened(self, event: dict[str, Any]) -> None:
+        await self.send(text_data=json.dumps({"type": "opened"}))
+
+    async def term_output(self, event: dict[str, Any]) -> None:
+        await self.send(bytes_data=decode(event["data"]))
+
+    async def term_closed(self, event: dict[str, Any]) -> None:
+        await self.send(text_data=json.dumps({"type": "closed", "reason": event.get("reason", "")}))
+        await self.close()

@@ -1,0 +1,158 @@
+"""The web terminal's relay, end to end in one process: the browser's WebSocket, the Redis
+channel layer, and the agent's relay (``workers.terminal_relay``) over a pty stand-in.
+The real ptys (Docker exec, bubblewrap) have their own driver tests; the browser test
+types ``echo hi`` into a real container."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import time
+from typing import Any
+
+import pytest
+from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
+from django.utils import timezone
+
+from portal.asgi import application
+from portal.sandboxes import actions
+from portal.sandboxes.models import Sandbox
+from tests.portal.helpers import client_for, place_all, request
+from workers.terminal_relay import relay
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class EchoShell:
+    """Answers each line written with what a shell running ``echo`` would print."""
+
+    def __init__(self) -> None:
+        self.out: queue.Queue[bytes] = queue.Queue()
+        self.size: tuple[int, int] | None = None
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        line = data.decode().strip()
+        self.out.put(f"$ {line}\r\n{line.removeprefix('echo ')}\r\n".encode())
+        if line == "exit":
+            self.out.put(b"")
+
+    def read(self, timeout_s: float = 0.1) -> bytes:
+        try:
+            data = self.out.get(timeout=timeout_s)
+        except queue.Empty:
+            return b""
+        if data == b"":
+            raise EOFError("shell exited")
+        return data
+
+    def resize(self, rows: int, cols: int) -> None:
+        self.size = (rows, cols)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def running_sandbox(people: Any, catalog: Any) -> Sandbox:
+    sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+    place_all()
+    sandbox.refresh_from_db()
+    actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "c1"}, timezone.now())
+    sandbox.refresh_from_db()
+    return sandbox
+
+
+def communicator(user: Any, sandbox_id: int) -> WebsocketCommunicator:
+    cookie = f"sessionid={client_for(user).cookies['sessionid'].value}".encode()
+    return WebsocketCommunicator(
+        application,
+        f"/ws/sandboxes/{sandbox_id}/terminal/",
+        headers=[(b"origin", b"http://localhost"), (b"cookie", cookie)],
+    )
+
+
+def test_keystrokes_reach_the_shell_and_its_output_comes_back(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    sandbox = running_sandbox(people, catalog)
+    host_queue = f"host.{sandbox.host.name}"  # type: ignore[union-attr]
+    shell = EchoShell()
+    comm = communicator(people["owner"], sandbox.pk)
+
+    async def run() -> tuple[bytes, str]:
+        connected, _ = await comm.connect()
+        assert connected
+        deadline = time.monotonic() + 5
+        while not any(t[1] == "open_terminal" for t in sent_tasks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        [(queue_name, _task, (session, key, handle))] = [t for t in sent_tasks if t[1] == "open_terminal"]
+        assert queue_name == host_queue and key == sandbox.allocation_key
+        assert handle == {"driver": "docker", "ref": "c1"}
+        agent = asyncio.create_task(relay(get_channel_layer(), shell, session, idle_s=30))
+        assert json.loads(await comm.receive_from(timeout=5)) == {"type": "opened"}
+        await comm.send_to(text_data=json.dumps({"type": "resize", "rows": 30, "cols": 100}))
+        await comm.send_to(text_data=json.dumps({"type": "input", "data": "echo hi\n"}))
+        output = await comm.receive_from(timeout=5)
+        await comm.send_to(text_data=json.dumps({"type": "input", "data": "exit\n"}))
+        seen = b""
+        while True:
+            message = await comm.receive_output(timeout=5)
+            if message["type"] == "websocket.close":
+                break
+            if message.get("text"):
+                closing = json.loads(message["text"])
+            else:
+                seen += message["bytes"]
+        await agent
+        return output, closing["reason"]
+
+    output, reason = asyncio.run(run())
+    assert output == b"$ echo hi\r\nhi\r\n" and reason == "shell exited"
+    assert shell.size == (30, 100) and shell.closed
+    assert sandbox.events.filter(message="terminal opened by olivia").count() == 1
+
+
+@pytest.mark.parametrize(
+    ("persona", "state", "code", "says"),
+    [
+        ("outsider", "running", 4403, "Only the sandbox's owner"),
+        ("member", "running", 4403, "Only the sandbox's owner"),  # a member who does not own it
+        ("owner", "stopped", 4409, "The sandbox is stopped, not running."),
+        ("admin", "running", None, ""),
+    ],
+)
+def test_who_may_open_a_terminal(
+    people: Any,
+    catalog: Any,
+    fleet: Any,
+    sent_tasks: Any,
+    persona: str,
+    state: str,
+    code: int | None,
+    says: str,
+) -> None:
+    sandbox = running_sandbox(people, catalog)
+    if state == "stopped":
+        actions.do_request_stop(sandbox.pk, people["owner"])
+        actions.do_mark_stopped(sandbox.allocation_key, timezone.now())
+    comm = communicator(people[persona], sandbox.pk)
+
+    async def run() -> tuple[Any, Any]:
+        await comm.connect()
+        if code is None:
+            quiet = await comm.receive_nothing(timeout=0.3)
+            await comm.disconnect()
+            return quiet, None
+        first = json.loads(await comm.receive_from(timeout=3))
+        closed = await comm.receive_output(timeout=3)
+        return first, closed
+
+    first, closed = asyncio.run(run())
+    if code is None:
+        assert first is True and any(t[1] == "open_terminal" for t in sent_tasks)
+    else:
+        assert first["type"] == "closed" and first["reason"].startswith(says)
+        assert closed == {"type": "websocket.close", "code": code}
+        assert not any(t[1] == "open_terminal" for t in sent_tasks)
