@@ -26,6 +26,7 @@ urlpatterns = [
     path("sandboxes/<int:pk>/", sandboxes.sandbox_detail, name="sandbox-detail"),
     path("sandboxes/<int:pk>/status/", sandboxes.sandbox_status, name="sandbox-status"),
     path("sandboxes/<int:pk>/stop/", sandboxes.sandbox_stop, name="sandbox-stop"),
+    path("sandboxes/<int:pk>/extend/", sandboxes.sandbox_extend, name="sandbox-extend"),
     path("console/fleet/", console.fleet, name="console-fleet"),
     path("console/plans/", console.plans, name="console-plans"),
     path("console/plans/mig/", console.start_mig_relayout, name="console-start-mig-relayout"),

@@ -59,12 +59,14 @@ def schedule_cycle() -> None:
 @app.task(name="workers.control.tick", ignore_result=True)
 def tick() -> None:
     """Periodic: mark silent hosts lost, retry stuck launches, give up silent plans, reshape
-    MIG GPUs for requests no instance fits, warn and stop idle sandboxes, run a cycle."""
+    MIG GPUs for requests no instance fits, warn and stop idle sandboxes and those at their
+    time limit, run a cycle."""
     mark_lost_hosts(timezone.now())
     resend_stuck_placements(timezone.now())
     expire_stale_plans(timezone.now())
     auto_relayout()
     do_cull_idle(timezone.now())
+    actions.do_expire_overdue(timezone.now())
     schedule_cycle()
 
 

@@ -40,7 +40,7 @@ TRANSITIONS: dict[str, set[str]] = {
     S.STARTING: {S.RUNNING, S.STOPPING, S.FAILED, S.QUEUED},
     S.RUNNING: {S.STOPPING, S.FAILED, S.PREEMPTED, S.EXPIRED, S.QUEUED},
     # placing/queued: a sandbox stopped by a defragmentation plan, relaunched elsewhere
-    S.STOPPING: {S.STOPPED, S.FAILED, S.PREEMPTED, S.PLACING, S.QUEUED},
+    S.STOPPING: {S.STOPPED, S.FAILED, S.PREEMPTED, S.EXPIRED, S.PLACING, S.QUEUED},
 }
 LAUNCH_RESENT = "launch sent again: no sandbox on the host yet"
 PHASE_TIMESTAMPS: dict[str, str] = {S.PLACING: "placed_at", S.STOPPING: "stop_requested_at"}
@@ -361,11 +361,16 @@ def do_lose(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> s
 
 
 def _end_stopping(sandbox: Sandbox, ended_at: datetime, message: str, why: str = "") -> str:
-    """End a stopping sandbox: preempted when it was stopped for another, else stopped."""
+    """End a stopping sandbox: preempted when it was stopped for another, expired when it was
+    stopped at its time limit, else stopped."""
     if sandbox.preempted_for_id is not None:
         note = f"preempted for sandbox {sandbox.preempted_for_id}" + (f"; {why}" if why else "")
         _end(sandbox, S.PREEMPTED, ended_at, note)
         return S.PREEMPTED
+    asked = sandbox.events.filter(to_state=S.STOPPING).order_by("-at", "-pk").first()
+    if asked is not None and asked.data.get("expired"):
+        _end(sandbox, S.EXPIRED, ended_at, "expired: it reached its time limit")
+        return S.EXPIRED
     _end(sandbox, S.STOPPED, ended_at, message)
     return S.STOPPED
 
@@ -512,3 +517,75 @@ def do_relaunch_moved(sandbox_id: int, plan_id: int, target: MoveTarget | None, 
         _transition(sandbox, S.QUEUED, message=reason, data={"plan": plan_id, "lost_allocation": old_key})
         transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
         return S.QUEUED
+
+
+# --- time limits ----------------------------------------------------------------------------
+
+
+def do_extend(sandbox_id: int, actor: Any, extra: timedelta) -> timedelta:
+    """Give a live sandbox more time, within its tier's maximum duration; returns its new
+    limit. Raises SandboxRequestError("duration", ...) naming the limit when it would pass it."""
+    with transaction.atomic():
+        sandbox = _locked(sandbox_id)
+        if sandbox is None or sandbox.state not in LIVE_STATES or sandbox.state == S.STOPPING:
+            raise SandboxRequestError("duration", "Only a live sandbox can be extended.")
+        tier = sandbox.tier
+        wanted = sandbox.max_duration + extra
+        if extra <= timedelta(0) or wanted > tier.max_duration:
+            left = tier.max_duration - sandbox.max_duration
+            raise SandboxRequestError(
+                "duration",
+                f"The tier {tier.name} allows at most {tier.max_duration_display} per sandbox; this one "
+                f"has {_hours(sandbox.max_duration)}, so it can get at most {_hours(left)} more.",
+            )
+        sandbox.max_duration = wanted
+        sandbox.expiry_warned_at = None
+        sandbox.save(update_fields=["max_duration", "expiry_warned_at"])
+        SandboxEvent.objects.create(
+            sandbox=sandbox, from_state=sandbox.state, to_state=sandbox.state,
+            actor=actor if getattr(actor, "is_authenticated", False) else None,
+            message=f"time limit extended by {_hours(extra)} to {_hours(wanted)}",
+        )  # fmt: skip
+        return wanted
+
+
+def _hours(delta: timedelta) -> str:
+    return f"{delta.total_seconds() / 3600:g} h"
+
+
+def do_expire_overdue(now: datetime, warn_before: timedelta = timedelta(minutes=15)) -> list[int]:
+    """Stop running sandboxes at their time limit (they end ``expired``), and tell owners
+    ``warn_before`` ahead so they can extend. Returns the ids sent a stop."""
+    from portal.sandboxes.models import Notification
+
+    expired: list[int] = []
+    running = Sandbox.objects.filter(state=S.RUNNING, started_at__isnull=False).values_list(
+        "pk", "started_at", "max_duration", "expiry_warned_at"
+    )
+    for sandbox_id, started_at, max_duration, warned_at in list(running):
+        if started_at is None:
+            continue
+        ends_at: datetime = started_at + max_duration
+        if ends_at <= now:
+            with transaction.atomic():
+                sandbox = _locked(sandbox_id)
+                if sandbox is None or sandbox.state != S.RUNNING:
+                    continue
+                _transition(sandbox, S.STOPPING, message="time limit reached", data={"expired": True})
+                _send_stop_after_commit(sandbox)
+            expired.append(sandbox_id)
+        elif ends_at - now <= warn_before and warned_at is None:
+            with transaction.atomic():
+                sandbox = _locked(sandbox_id)
+                if sandbox is None or sandbox.state != S.RUNNING or sandbox.expiry_warned_at is not None:
+                    continue
+                sandbox.expiry_warned_at = now
+                sandbox.save(update_fields=["expiry_warned_at"])
+                notify.notify(
+                    sandbox.owner,
+                    Notification.Kind.ENDED,
+                    f"Sandbox {sandbox.pk} reaches its time limit at {ends_at:%H:%M} UTC; "
+                    "extend it to keep it.",
+                    sandbox,
+                )
+    return expired

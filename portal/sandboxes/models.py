@@ -85,6 +85,8 @@ class Sandbox(models.Model):
     # when its owner was warned (both cleared when it gets busy again).
     idle_since = models.DateTimeField(null=True, blank=True)
     idle_warned_at = models.DateTimeField(null=True, blank=True)
+    # When its owner was told it nears its time limit (cleared when it is extended).
+    expiry_warned_at = models.DateTimeField(null=True, blank=True)
 
     requested_at = models.DateTimeField(default=timezone.now)
     placed_at = models.DateTimeField(null=True, blank=True)

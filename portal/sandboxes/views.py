@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
@@ -20,6 +21,8 @@ from portal.sandboxes.consumers import TERMINAL_ISOLATION
 from portal.sandboxes.forms import SandboxRequestForm
 from portal.sandboxes.models import Notification, Sandbox
 from portal.sandboxes.preview import Preview, preview_request
+
+EXTEND_CHOICES_H = (1, 2, 4, 8)  # hours a user may add to a sandbox's time limit at once
 
 
 def _sandboxes_for_user(user: object) -> QuerySet[Sandbox]:
@@ -97,6 +100,7 @@ def _detail_context(sandbox: Sandbox) -> dict[str, object]:
     cost = sum(running_cost_micros(u, now) for u in usage)
     return {
         "sandbox": sandbox,
+        "extend_hours": EXTEND_CHOICES_H,
         "events": sandbox.events.select_related("actor"),
         "allocations": sandbox.allocations.select_related("gpu", "mig_instance"),
         "usage": usage,
@@ -111,6 +115,7 @@ def _detail_context(sandbox: Sandbox) -> dict[str, object]:
 def sandbox_detail(request: HttpRequest, pk: int) -> HttpResponse:
     sandbox = _get_sandbox_for_user(request, pk)
     context = _detail_context(sandbox)
+    context["can_manage"] = can_manage_sandbox(request.user, sandbox)
     # Shown while it lives (the page is loaded before it runs); the socket itself refuses a
     # sandbox that is not running yet, and says so.
     context["can_open_terminal"] = (
@@ -122,10 +127,37 @@ def sandbox_detail(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 @login_required
-def sandbox_status(request: HttpRequest, pk: int) -> HttpResponse:
+def sandbox_status(request: HttpRequest, pk: int, extend_error: str = "") -> HttpResponse:
     """The htmx-polled part of the detail page: state, events, usage."""
     sandbox = _get_sandbox_for_user(request, pk)
-    return render(request, "sandboxes/_status.html", _detail_context(sandbox))
+    context = _detail_context(sandbox)
+    context["extend_error"] = extend_error
+    context["can_manage"] = can_manage_sandbox(request.user, sandbox)
+    return render(request, "sandboxes/_status.html", context)
+
+
+@login_required
+@require_POST
+def sandbox_extend(request: HttpRequest, pk: int) -> HttpResponse:
+    sandbox = _get_sandbox_for_user(request, pk)
+    if not can_manage_sandbox(request.user, sandbox):
+        raise PermissionDenied("Only the owner, a project manager or an admin can extend this sandbox.")
+    hours = request.POST.get("hours", "")
+    problem = ""
+    if not hours.isdigit() or int(hours) not in EXTEND_CHOICES_H:
+        problem = f"Extend by one of {', '.join(map(str, EXTEND_CHOICES_H))} hours."
+    else:
+        try:
+            actions.do_extend(sandbox.pk, request.user, timedelta(hours=int(hours)))
+        except actions.SandboxRequestError as exc:
+            problem = exc.message
+    if request.headers.get("HX-Request"):
+        response = sandbox_status(request, pk, extend_error=problem)
+        response.status_code = 400 if problem else 200
+        return response
+    if problem:
+        messages.error(request, problem)
+    return redirect("sandbox-detail", pk=pk)
 
 
 @login_required
