@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('sandboxes', '0005_notifications_and_idle'),
+        ("sandboxes", "0005_notifications_and_idle"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='sandbox',
-            name='expiry_warned_at',
+            model_name="sandbox",
+            name="expiry_warned_at",
             field=models.DateTimeField(blank=True, null=True),
         ),
     ]
