@@ -29,6 +29,7 @@ urlpatterns = [
     path("sandboxes/<int:pk>/extend/", sandboxes.sandbox_extend, name="sandbox-extend"),
     path("console/fleet/", console.fleet, name="console-fleet"),
     path("console/plans/", console.plans, name="console-plans"),
+    path("console/queue/", console.queue, name="console-queue"),
     path("console/plans/mig/", console.start_mig_relayout, name="console-start-mig-relayout"),
     path("console/plans/consolidate/", console.start_consolidation, name="console-start-consolidation"),
     path("console/gpus/<str:uuid>/drain/", console.drain_gpu, name="console-drain-gpu"),

@@ -28,6 +28,9 @@ class MigRelayoutForm(forms.Form):
         help_text="Each is checkpointed (when a hook is set), stopped and relaunched on its new slot.",
     )
 
+    # Set by "Approve and run": the preview's fingerprint, so only the plan shown runs.
+    fingerprint = forms.CharField(required=False, widget=forms.HiddenInput, max_length=16)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fields["host"].queryset = Host.objects.filter(gpus__mig_enabled=True).distinct()  # type: ignore[attr-defined]

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import time
+
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.db.models import Count, Prefetch, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from portal.console.forms import ConsolidationForm, MigRelayoutForm
 from portal.fleet.health import do_drain_gpu, do_undrain_gpu
 from portal.fleet.models import FleetEvent, FleetPlan, Gpu, Host, PlanStep
-from portal.fleet.plans import PlanError, do_start_consolidation, do_start_mig_plan
-from portal.sandboxes.models import Allocation
+from portal.fleet.plans import (
+    MigPreview,
+    PlanError,
+    do_start_consolidation,
+    do_start_mig_plan,
+    preview_mig_plan,
+)
+from portal.sandboxes.models import Allocation, Sandbox
+from portal.sandboxes.scheduling import build_fairshare, build_queue, build_snapshot
+from scheduler.fairshare import FairOrder
 
 
 @staff_member_required
@@ -58,6 +69,7 @@ def _plans_page(
     request: HttpRequest,
     mig_form: MigRelayoutForm | None = None,
     consolidation_form: ConsolidationForm | None = None,
+    preview: MigPreview | None = None,
 ) -> HttpResponse:
     plans = FleetPlan.objects.select_related("created_by").prefetch_related(
         Prefetch("steps", queryset=PlanStep.objects.select_related("sandbox"))
@@ -69,8 +81,9 @@ def _plans_page(
             "plans": plans,
             "mig_form": mig_form or MigRelayoutForm(),
             "consolidation_form": consolidation_form or ConsolidationForm(),
+            "preview": preview,
         },
-        status=400 if (mig_form or consolidation_form) else 200,
+        status=400 if (mig_form or consolidation_form) and not preview else 200,
     )
 
 
@@ -86,8 +99,13 @@ def start_mig_relayout(request: HttpRequest) -> HttpResponse:
     if not form.is_valid():
         return _plans_page(request, mig_form=form)
     data = form.cleaned_data
+    host, profile, limit = data["host"].name, data["profile"], data["max_disturbed"]
     try:
-        plan = do_start_mig_plan(data["host"].name, data["profile"], data["max_disturbed"], request.user)
+        if request.POST.get("action") == "preview" or not data["fingerprint"]:
+            preview = preview_mig_plan(host, profile, limit)
+            approve = MigRelayoutForm(initial={**data, "host": host, "fingerprint": preview.fingerprint})
+            return _plans_page(request, mig_form=approve, preview=preview)
+        plan = do_start_mig_plan(host, profile, limit, request.user, expect=data["fingerprint"])
     except PlanError as exc:
         form.add_error(None, str(exc))
         return _plans_page(request, mig_form=form)
@@ -108,3 +126,27 @@ def start_consolidation(request: HttpRequest) -> HttpResponse:
         return _plans_page(request, consolidation_form=form)
     messages.success(request, f"Plan {plan.pk} started: {plan.purpose}.")
     return redirect("console-plans")
+
+
+@staff_member_required
+def queue(request: HttpRequest) -> HttpResponse:
+    """Every waiting request in the order the scheduler takes them (priority class, fair
+    share, age), with the reason each one waits."""
+    now = time.time()
+    requests = build_queue()
+    order = FairOrder(requests, build_fairshare(now), build_snapshot().running, now)
+    ranked: list[int] = []
+    while (item := order.next()) is not None:
+        ranked.append(item.id)
+        order.settle(item)
+    sandboxes = Sandbox.objects.filter(pk__in=ranked).select_related(
+        "project", "owner", "tier__priority_class"
+    )
+    by_id = {s.pk: s for s in sandboxes}
+    rows = [by_id[pk] for pk in ranked if pk in by_id]
+    held = (
+        Sandbox.objects.filter(state="queued")
+        .exclude(pk__in=ranked)
+        .select_related("project", "owner", "tier")
+    )
+    return render(request, "console/queue.html", {"rows": rows, "held": held, "now": timezone.now()})

@@ -31,8 +31,11 @@ then sees what really runs.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -49,6 +52,8 @@ from portal.sandboxes.models import Allocation, Sandbox, SandboxState
 from scheduler.cluster import DeviceGrant
 from scheduler.defrag import (
     CREATE,
+    DESTROY,
+    MIGRATE,
     HostRoom,
     MigGpu,
     MigMove,
@@ -136,30 +141,89 @@ def best_mig_plan(host: Host, profile: str, max_disturbed: int) -> MigPlan | Non
     return plan_mig(fleet, profile, max_disturbed) if fleet else None
 
 
+@dataclass(frozen=True)
+class MigPreview:
+    """A MIG re-layout as it would run now, for an admin to read before approving it."""
+
+    host: str
+    plan: MigPlan
+    steps: list[str]  # each move in words
+    disturbed: list[str]  # "sandbox 12 (olivia, project vision)"
+    fingerprint: str  # approval must match it: the fleet may change after the preview
+
+
+def _mig_plan_now(host: Host, profile: str, max_disturbed: int) -> tuple[MigPlan, list[Allocation]]:
+    """Plan on the host as it is now, with the requested instance created at the end."""
+    if host.state != Host.State.UP:
+        raise PlanError(f"host {host.name} is {host.get_state_display().lower()}: its agent cannot act")
+    fleet, live = mig_fleet(host)
+    if not fleet:
+        raise PlanError(f"host {host.name} has no GPU in MIG mode")
+    if running_plan_gpus() & {g.uuid for g in fleet}:
+        raise PlanError(f"a plan is already changing {host.name}'s GPUs; wait for it to finish")
+    plan = plan_mig(fleet, profile, max_disturbed)
+    if plan is None:
+        raise PlanError(
+            f"no re-layout of {host.name} that disturbs at most {max_disturbed} running sandbox(es) "
+            f"makes room for {profile}"
+        )
+    # The room made is for a new instance of the requested profile: make it too.
+    return dataclasses.replace(
+        plan, moves=(*plan.moves, MigMove(CREATE, plan.gpu, profile, plan.start))
+    ), live
+
+
+def fingerprint(plan: MigPlan) -> str:
+    return hashlib.sha256(json.dumps(plan.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def preview_mig_plan(host_name: str, profile: str, max_disturbed: int) -> MigPreview:
+    """What ``do_start_mig_plan`` would do now; changes nothing."""
+    host = Host.objects.filter(name=host_name).first()
+    if host is None:
+        raise PlanError(f"no host {host_name}")
+    plan, _ = _mig_plan_now(host, profile, max_disturbed)
+    gpu_names = {g.uuid: f"GPU {g.index}" for g in host.gpus.all()}
+    words = {DESTROY: "destroy", CREATE: "create"}
+    steps = []
+    for move in plan.moves:
+        where = gpu_names.get(move.gpu, move.gpu)
+        if move.kind == MIGRATE:
+            steps.append(
+                f"move sandbox {move.sandbox} from {move.profile}@{move.start} on {where} to "
+                f"{move.profile}@{move.to_start} on {gpu_names.get(move.to_gpu, move.to_gpu)}"
+            )
+        else:
+            who = f" (sandbox {move.sandbox} stops, then starts again in it)" if move.sandbox else ""
+            steps.append(f"{words[move.kind]} {move.profile}@{move.start} on {where}{who}")
+    sandboxes = Sandbox.objects.filter(pk__in=[int(s) for s in plan.disturbed]).select_related(
+        "owner", "project"
+    )
+    disturbed = [f"sandbox {s.pk} ({s.owner.get_username()}, project {s.project.slug})" for s in sandboxes]
+    return MigPreview(host_name, plan, steps, disturbed, fingerprint(plan))
+
+
 def do_start_mig_plan(
-    host_name: str, profile: str, max_disturbed: int, actor: Any = None, purpose: str = ""
+    host_name: str,
+    profile: str,
+    max_disturbed: int,
+    actor: Any = None,
+    purpose: str = "",
+    expect: str = "",
 ) -> FleetPlan:
-    """Plan and start a MIG re-layout of ``host_name`` that makes room for ``profile``."""
+    """Plan and start a MIG re-layout of ``host_name`` that makes room for ``profile``.
+
+    With ``expect`` (a preview's fingerprint), it starts only if the plan is still the one
+    the admin approved."""
     with transaction.atomic():
         host = Host.objects.select_for_update().filter(name=host_name).first()
         if host is None:
             raise PlanError(f"no host {host_name}")
-        if host.state != Host.State.UP:
-            raise PlanError(f"host {host_name} is {host.get_state_display().lower()}: its agent cannot act")
-        fleet, live = mig_fleet(host)
-        if not fleet:
-            raise PlanError(f"host {host_name} has no GPU in MIG mode")
-        busy_gpus = running_plan_gpus() & {g.uuid for g in fleet}
-        if busy_gpus:
-            raise PlanError(f"a plan is already changing {host_name}'s GPUs; wait for it to finish")
-        plan = plan_mig(fleet, profile, max_disturbed)
-        if plan is None:
+        plan, live = _mig_plan_now(host, profile, max_disturbed)
+        if expect and fingerprint(plan) != expect:
             raise PlanError(
-                f"no re-layout of {host_name} that disturbs at most {max_disturbed} running sandbox(es) "
-                f"makes room for {profile}"
+                "this is not the plan previewed (the fleet or the form changed since): preview it again"
             )
-        # The room made is for a new instance of the requested profile: make it too.
-        plan = dataclasses.replace(plan, moves=(*plan.moves, MigMove(CREATE, plan.gpu, profile, plan.start)))
         touched = sorted(
             {plan.gpu} | {m.gpu for m in plan.moves} | {m.to_gpu for m in plan.moves if m.to_gpu}
         )

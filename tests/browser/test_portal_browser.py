@@ -148,7 +148,12 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         page.select_option("select[name=host]", label=platform.host)
         page.select_option("select[name=profile]", "7g.80gb")
         page.fill("input[name=max_disturbed]", "0")
-        page.locator("form[action$='/plans/mig/'] button[type=submit]").click()
+        page.locator("form[action$='/plans/mig/'] button[value=preview]").click()
+        page.locator("#plan-preview").wait_for(timeout=10_000)
+        assert "create 7g.80gb@0 on GPU 1" in page.locator("#plan-preview").inner_text()
+        assert "No running sandbox is disturbed." in page.locator("#plan-preview").inner_text()
+        shot(page, "plan-preview")
+        page.locator("form[action$='/plans/mig/'] button[value=run]").click()
         page.wait_for_selector('.flash:has-text("started: make room for 7g.80gb")', timeout=10_000)
         deadline = time.monotonic() + 30
         while not page.locator(".plan .state-done").count() and time.monotonic() < deadline:

@@ -385,7 +385,15 @@ def test_the_plans_console_is_for_admins_and_says_what_is_wrong(
     nothing = admin.post("/console/plans/consolidate/", {})
     assert nothing.status_code == 400 and b"nothing to consolidate" in nothing.content
 
-    started = admin.post("/console/plans/mig/", {"host": "mig1", "profile": "4g.40gb", "max_disturbed": "1"})
+    ask = {"host": "mig1", "profile": "4g.40gb", "max_disturbed": "1"}
+    preview = admin.post("/console/plans/mig/", {**ask, "action": "preview"})
+    assert preview.status_code == 200 and not FleetPlan.objects.exists()  # nothing runs yet
+    shown = preview.context["preview"]
+    assert shown.disturbed and shown.steps[-1].startswith("create 4g.40gb@0 on GPU")
+    assert b"Approve and run" in preview.content and b"olivia, project vision" in preview.content
+    stale = admin.post("/console/plans/mig/", {**ask, "action": "run", "fingerprint": "0" * 16})
+    assert stale.status_code == 400 and b"this is not the plan previewed" in stale.content
+    started = admin.post("/console/plans/mig/", {**ask, "action": "run", "fingerprint": shown.fingerprint})
     assert started.status_code == 302
     pump(sent_tasks, agents)
     page = admin.get("/console/plans/")
