@@ -1,0 +1,184 @@
+"""Every URL and API route, for every kind of caller, with the status each must get.
+
+The sandbox belongs to ``member`` (mark) in project Vision; ``manager`` (olivia) manages
+Vision; ``billing`` (bill) is Vision's billing viewer; ``outsider`` (oscar) manages another
+project; ``admin`` (ada) is staff. A redirect is written with where it goes: ``login``
+(the sign-in page) or ``admin-login`` (Django admin's, for the console). A route added to
+``portal/urls.py`` without a row here fails ``test_every_route_is_in_the_matrix``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import URLPattern, URLResolver, get_resolver
+from django.utils import timezone
+
+from portal.accounts.models import ApiToken, Membership
+from portal.billing.models import UsageRecord
+from portal.fleet.models import Gpu
+from portal.sandboxes import actions
+from portal.sandboxes.models import Sandbox
+from tests.factories import UserFactory
+from tests.portal.helpers import client_for, place_all, request
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PERSONAS = ("anonymous", "outsider", "member", "manager", "billing", "admin")
+LOGIN, ADMIN_LOGIN = "login", "admin-login"
+
+# (method, path, {persona: expected}); {sandbox} and {gpu} are filled in. An expected value
+# is a status code, or (302, LOGIN | ADMIN_LOGIN | "elsewhere").
+ROUTES: list[tuple[str, str, dict[str, Any]]] = []
+
+
+def route(method: str, path: str, **expected: Any) -> None:
+    every = expected.pop("all", None)
+    table = {p: every for p in PERSONAS} if every is not None else {}
+    table.update(expected)
+    assert set(table) == set(PERSONAS), path
+    ROUTES.append((method, path, table))
+
+
+SIGNED_IN = ("outsider", "member", "manager", "billing", "admin")
+
+
+def signed_in(status: Any, anonymous: Any = (302, LOGIN), **more: Any) -> dict[str, Any]:
+    return {"anonymous": anonymous, **{p: status for p in SIGNED_IN}, **more}
+
+
+def staff_only(status: Any, anonymous: Any = (302, ADMIN_LOGIN)) -> dict[str, Any]:
+    return {
+        "anonymous": anonymous,
+        **{p: (302, ADMIN_LOGIN) for p in SIGNED_IN if p != "admin"},
+        "admin": status,
+    }
+
+
+route("GET", "/", all=(302, "elsewhere"))
+route("GET", "/login/", all=200)
+route("GET", "/sandboxes/", **signed_in(200))
+route("GET", "/sandboxes/new/", **signed_in(200))
+route("POST", "/sandboxes/preview/", **signed_in(200))
+route("GET", "/notifications/", **signed_in(200))
+route("POST", "/notifications/", **signed_in((302, "elsewhere")))
+# A sandbox outside your projects does not exist for you (404, no hint).
+route("GET", "/sandboxes/{sandbox}/", **signed_in(200, outsider=404))
+route("GET", "/sandboxes/{sandbox}/status/", **signed_in(200, outsider=404))
+# Changing it: its owner, its project's managers, admins; a billing viewer may only look.
+route("POST", "/sandboxes/{sandbox}/stop/", **signed_in((302, "elsewhere"), outsider=404, billing=403))
+route("POST", "/sandboxes/{sandbox}/extend/", **signed_in((302, "elsewhere"), outsider=404, billing=403))
+route("GET", "/console/fleet/", **staff_only(200))
+route("GET", "/console/plans/", **staff_only(200))
+route("GET", "/console/queue/", **staff_only(200))
+route("POST", "/console/plans/mig/", **staff_only(400))  # an empty form: errors, nothing runs
+route("POST", "/console/plans/consolidate/", **staff_only(400))  # nothing to consolidate
+route("POST", "/console/gpus/{gpu}/drain/", **staff_only((302, "elsewhere")))
+route("POST", "/console/gpus/{gpu}/undrain/", **staff_only((302, "elsewhere")))
+route("GET", "/admin/", **staff_only(200))
+route("GET", "/api/v1/", **signed_in(200, anonymous=401))
+route("GET", "/api/v1/usage/", **signed_in(200, anonymous=401))
+route("GET", "/api/v1/usage/{usage}/", **signed_in(200, anonymous=401, outsider=404))
+route("GET", "/api/v1/sandboxes/", **signed_in(200, anonymous=401))
+route("GET", "/api/v1/sandboxes/{sandbox}/", **signed_in(200, anonymous=401, outsider=404))
+route("GET", "/api/schema/", **signed_in(200, anonymous=200))
+route("GET", "/api/docs/", **signed_in(200, anonymous=200))
+route("POST", "/logout/", all=(302, LOGIN))  # last: it signs the caller out
+
+
+@pytest.fixture
+def world(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> dict[str, Any]:
+    billing = UserFactory(username="bill")
+    Membership.objects.create(user=billing, project=people["project"], role=Membership.Role.BILLING)
+    users = {
+        "outsider": people["outsider"],
+        "member": people["member"],
+        "manager": people["owner"],
+        "billing": billing,
+        "admin": people["admin"],
+    }
+    ran = request(people["member"], people["project"], catalog["dedicated"], catalog["image"])
+    place_all()
+    ran.refresh_from_db()
+    actions.do_mark_running(ran.allocation_key, {"driver": "docker", "ref": "c"}, timezone.now())
+    usage = UsageRecord.objects.get(sandbox=ran)
+    gpu = Gpu.objects.filter(sharing_mode="dedicated").exclude(allocations__active=True).first()
+    assert gpu is not None
+    return {"users": users, "people": people, "catalog": catalog, "usage": usage.pk, "gpu": gpu.uuid}
+
+
+def fresh_sandbox(world: dict[str, Any]) -> Sandbox:
+    """A new queued sandbox of ``member``'s (live, so it can be stopped or extended)."""
+    people, catalog = world["people"], world["catalog"]
+    return request(people["member"], people["project"], catalog["dedicated"], catalog["image"])
+
+
+def outcome(response: Any) -> Any:
+    if response.status_code != 302:
+        return response.status_code
+    where = response["Location"]
+    if where.startswith("/admin/login/"):
+        return (302, ADMIN_LOGIN)
+    if where.startswith("/login/"):
+        return (302, LOGIN)
+    return (302, "elsewhere")
+
+
+@pytest.mark.parametrize("persona", PERSONAS)
+def test_each_caller_gets_what_the_matrix_says(world: dict[str, Any], persona: str) -> None:
+    client = Client() if persona == "anonymous" else client_for(world["users"][persona])
+    wrong = []
+    for method, template, table in ROUTES:
+        sandbox = fresh_sandbox(world)  # mutating routes get a live sandbox every time
+        path = template.format(sandbox=sandbox.pk, gpu=world["gpu"], usage=world["usage"])
+        data = {"reason": "matrix", "hours": "1"} if method == "POST" else None
+        response = client.post(path, data or {}) if method == "POST" else client.get(path)
+        got = outcome(response)
+        if got != table[persona]:
+            wrong.append(f"{method} {template}: {got}, expected {table[persona]}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_api_tokens_are_checked_like_sessions(world: dict[str, Any]) -> None:
+    sandbox = fresh_sandbox(world)
+    _, outsider_key = ApiToken.issue(world["users"]["outsider"], "t", [ApiToken.Scope.READ_USAGE])
+    _, member_key = ApiToken.issue(world["users"]["member"], "t", [ApiToken.Scope.READ_USAGE])
+    path = f"/api/v1/sandboxes/{sandbox.pk}/"
+    assert Client().get(path, HTTP_AUTHORIZATION=f"Bearer {outsider_key}").status_code == 404
+    assert Client().get(path, HTTP_AUTHORIZATION=f"Bearer {member_key}").status_code == 200
+    assert Client().get(path, HTTP_AUTHORIZATION="Bearer gps_not-a-token").status_code == 401
+
+
+def _paths(patterns: list[Any], prefix: str = "") -> list[str]:
+    found = []
+    for pattern in patterns:
+        text = prefix + str(pattern.pattern)
+        if isinstance(pattern, URLResolver):
+            if text.startswith("admin/") or text == "admin/":
+                found.append("admin/")
+                continue
+            found += _paths(pattern.url_patterns, text)
+        elif isinstance(pattern, URLPattern):
+            found.append(text)
+    return found
+
+
+def test_every_route_is_in_the_matrix() -> None:
+    """Each route of portal/urls.py (API formats and the router's root aside) has a row."""
+    covered = {
+        template.strip("/")
+        .replace("{sandbox}", "<int:pk>")
+        .replace("{usage}", "<int:pk>")
+        .replace("{gpu}", "<str:uuid>")
+        for _, template, _ in ROUTES
+    }
+    missing = []
+    for raw in _paths(get_resolver().url_patterns):
+        path = raw.replace("(?P<pk>[^/.]+)", "<int:pk>").replace("^", "").replace("$", "").strip("/")
+        if "format" in path:
+            continue  # DRF's .json/.api suffix variants of the rows above
+        if path and path not in covered and path != "healthz":
+            missing.append(path)
+    assert not missing, f"routes without a row in the authorization matrix: {missing}"
