@@ -21,7 +21,7 @@ from portal.billing.models import UsageRecord
 from portal.fleet.models import Gpu
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
-from tests.factories import UserFactory
+from tests.factories import MembershipFactory, UserFactory
 from tests.portal.helpers import client_for, place_all, request
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -91,7 +91,7 @@ route("POST", "/logout/", all=(302, LOGIN))  # last: it signs the caller out
 @pytest.fixture
 def world(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> dict[str, Any]:
     billing = UserFactory(username="bill")
-    Membership.objects.create(user=billing, project=people["project"], role=Membership.Role.BILLING)
+    MembershipFactory(user=billing, project=people["project"], role=Membership.Role.BILLING)
     users = {
         "outsider": people["outsider"],
         "member": people["member"],
