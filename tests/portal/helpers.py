@@ -25,3 +25,16 @@ def client_for(user: Any) -> Client:
     c = Client()
     c.force_login(user)
     return c
+
+
+def request_form(people: Any, catalog: Any, **fields: str) -> dict[str, str]:
+    """The request form's fields for one dedicated GPU in the owner's project."""
+    return {
+        "project": str(people["project"].pk),
+        "tier": str(catalog["dedicated"].pk),
+        "image": str(catalog["image"].pk),
+        "isolation": "container",
+        "gpu_count": "1",
+        "duration_hours": "1",
+        **fields,
+    }

@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from tests.portal.helpers import client_for
+from tests.portal.helpers import client_for, request_form
 from tests.portal.scale import seed_scale
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -39,14 +39,7 @@ def measure(people: Any, catalog: Any) -> list[tuple[str, str, float, int, int]]
     """(who, path, server ms, queries, bound) per page, after one warm-up request each."""
     world = seed_scale(people, catalog)
     clients = {"owner": client_for(people["owner"]), "admin": client_for(people["admin"])}
-    form = {
-        "project": str(people["project"].pk),
-        "tier": str(catalog["dedicated"].pk),
-        "image": str(catalog["image"].pk),
-        "isolation": "container",
-        "gpu_count": "1",
-        "duration_hours": "1",
-    }
+    form = request_form(people, catalog)
     results = []
     for who, method, template, bound in PAGES:
         path = template.format(sandbox=world["sandbox"].pk)

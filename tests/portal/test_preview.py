@@ -13,7 +13,7 @@ from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
 from portal.sandboxes.preview import preview_request
-from tests.portal.helpers import client_for, place_all, request
+from tests.portal.helpers import client_for, place_all, request, request_form
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -86,14 +86,7 @@ def test_mps_alternative_and_refusal_naming_the_quota(
 def test_the_preview_endpoint_answers_the_form(
     people: Any, catalog: Any, fleet: Any, sent_tasks: Any
 ) -> None:
-    form = {
-        "project": str(people["project"].pk),
-        "tier": str(catalog["dedicated"].pk),
-        "image": str(catalog["image"].pk),
-        "isolation": "container",
-        "gpu_count": "1",
-        "duration_hours": "2",
-    }
+    form = request_form(people, catalog, duration_hours="2")
     page = client_for(people["owner"]).post("/sandboxes/preview/", form)
     assert page.status_code == 200
     assert b"Starts now on " in page.content and b"2.50 EUR/GPU-h" in page.content
