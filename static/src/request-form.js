@@ -1,4 +1,4 @@
-// Dims the request-form fields that do not apply to the chosen tier's sharing mode.
+// Shows only the request-form fields that apply to the chosen tier's sharing mode.
 const FIELDS_BY_MODE = {
   dedicated: ["gpu_count"],
   mig: ["mig_profile"],
@@ -15,7 +15,7 @@ export function wireRequestForm(form) {
     const wanted = FIELDS_BY_MODE[modes[tier.value]] || MODE_FIELDS;
     for (const name of MODE_FIELDS) {
       const box = form.querySelector(`[data-field=${name}]`);
-      if (box) box.classList.toggle("is-irrelevant", !wanted.includes(name));
+      if (box) box.hidden = !wanted.includes(name);
     }
   };
   tier.addEventListener("change", apply);

@@ -53,7 +53,26 @@ def browser_page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         browser.close()
 
 
+AXE = Path(__file__).resolve().parents[2] / "node_modules" / "axe-core" / "axe.min.js"
+
+
+def accessibility_problems(page: Any) -> list[str]:
+    """axe-core's serious and critical violations on the page as it is now."""
+    require_engine(AXE.exists(), f"axe-core at {AXE} (make frontend)")
+    if not page.evaluate("typeof window.axe !== 'undefined'"):
+        page.add_script_tag(path=str(AXE))
+    violations = page.evaluate("async () => (await axe.run(document)).violations")
+    return [
+        f"{v['impact']} {v['id']}: {v['help']} — {[n['target'] for n in v['nodes']][:3]}"
+        for v in violations
+        if v["impact"] in ("serious", "critical")
+    ]
+
+
 def shot(page: Any, name: str) -> None:
+    """Screenshot for the docs, after checking the page with axe-core."""
+    problems = accessibility_problems(page)
+    assert not problems, f"{name}: " + "\n".join(problems)
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
@@ -130,6 +149,10 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
 
         page.goto(f"{base}/sandboxes/")
         shot(page, "sandbox-list")
+        page.click("#notifications-link")
+        page.wait_for_url(f"{base}/notifications/")
+        assert page.locator("ul.notifications li", has_text="is running on").count() >= 1
+        shot(page, "notifications")
 
         # An admin sees the fleet, and that this host's GPUs are simulated.
         page.click("text=Sign out")
@@ -141,6 +164,8 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         assert page.locator(f"text={platform.host}").count() >= 1
         assert page.locator(".badge.sim").count() >= 1
         shot(page, "fleet")
+        page.goto(f"{base}/console/queue/")
+        shot(page, "queue")
 
         # It reshapes the MIG GPU (all its instances idle) for a whole-GPU 7g instance.
         page.click("text=defragmentation plans")
