@@ -30,6 +30,7 @@ urlpatterns = [
     path("console/fleet/", console.fleet, name="console-fleet"),
     path("console/plans/", console.plans, name="console-plans"),
     path("console/queue/", console.queue, name="console-queue"),
+    path("console/audit/", console.audit_log, name="console-audit"),
     path("console/plans/mig/", console.start_mig_relayout, name="console-start-mig-relayout"),
     path("console/plans/consolidate/", console.start_consolidation, name="console-start-consolidation"),
     path("console/gpus/<str:uuid>/drain/", console.drain_gpu, name="console-drain-gpu"),

@@ -5,3 +5,14 @@ class ConsoleConfig(AppConfig):
     name = "portal.console"
     label = "console"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django.contrib.auth import get_user_model
+
+        from portal.accounts.models import Membership, Project
+        from portal.catalog.models import PriorityClass, SandboxImage, Tier
+        from portal.console.audit import watch
+        from portal.fleet.models import Gpu
+        from portal.quotas.models import QuotaPolicy
+
+        watch(Tier, PriorityClass, SandboxImage, QuotaPolicy, Project, Membership, Gpu, get_user_model())

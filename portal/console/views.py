@@ -13,6 +13,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from portal.console.forms import ConsolidationForm, MigRelayoutForm
+from portal.console.models import AuditEntry
 from portal.fleet.health import do_drain_gpu, do_undrain_gpu
 from portal.fleet.models import FleetEvent, FleetPlan, Gpu, Host, PlanStep
 from portal.fleet.plans import (
@@ -150,3 +151,16 @@ def queue(request: HttpRequest) -> HttpResponse:
         .select_related("project", "owner", "tier")
     )
     return render(request, "console/queue.html", {"rows": rows, "held": held, "now": timezone.now()})
+
+
+@staff_member_required
+def audit_log(request: HttpRequest) -> HttpResponse:
+    """The newest audit entries, optionally of one kind of target (``?target=catalog.tier``)."""
+    entries = AuditEntry.objects.select_related("actor")
+    target = request.GET.get("target", "")
+    if target:
+        entries = entries.filter(target_type=target)
+    kinds = AuditEntry.objects.order_by("target_type").values_list("target_type", flat=True).distinct()
+    return render(
+        request, "console/audit.html", {"entries": entries[:200], "target": target, "kinds": list(kinds)}
+    )

@@ -44,6 +44,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from portal.catalog.models import SharingMode
+from portal.console import audit
 from portal.fleet.inventory import do_sync_inventory
 from portal.fleet.models import FleetPlan, Gpu, Host, MigInstance, PlanStep
 from portal.fleet.reconcile import from_ms
@@ -99,7 +100,8 @@ def _stop_order(sandbox: Sandbox) -> dict[str, Any]:
 
 
 def _begin_moves(plan: FleetPlan, sandbox_ids: list[int]) -> list[Sandbox]:
-    """Mark every sandbox the plan disturbs as moving, or refuse the whole plan."""
+    """Mark every sandbox the plan disturbs as moving, or refuse the whole plan. An admin's
+    plan moves other people's sandboxes: each move goes in the audit log."""
     for sandbox_id in sandbox_ids:
         if not actions.do_begin_move(sandbox_id, plan.pk):
             state = Sandbox.objects.filter(pk=sandbox_id).values_list("state", flat=True).first()
@@ -107,7 +109,11 @@ def _begin_moves(plan: FleetPlan, sandbox_ids: list[int]) -> list[Sandbox]:
                 f"sandbox {sandbox_id} is {state or 'gone'}, not running: the plan would have to move it; "
                 "try again once it runs"
             )
-    return list(Sandbox.objects.filter(pk__in=sandbox_ids).select_related("host"))
+    moving = list(Sandbox.objects.filter(pk__in=sandbox_ids).select_related("host"))
+    if plan.created_by is not None:
+        for sandbox in moving:
+            audit.record(plan.created_by, "sandbox.moved", sandbox, None, {"plan": plan.pk}, plan.purpose)
+    return moving
 
 
 # --- MIG re-layout ----------------------------------------------------------------------------

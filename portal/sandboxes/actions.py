@@ -21,6 +21,7 @@ from django.utils import timezone
 from portal.accounts.models import Membership, Project
 from portal.billing import ledger
 from portal.catalog.models import SandboxImage, SharingMode, Tier
+from portal.console import audit
 from portal.fleet.models import Gpu, Host, MigInstance
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import notify
@@ -86,6 +87,8 @@ def _transition(
         data=data or {},
     )
     notify.on_transition(sandbox, to, message, actor)
+    if getattr(actor, "is_authenticated", False) and actor.pk != sandbox.owner_id:
+        audit.record(actor, f"sandbox.{to}", sandbox, {"state": sandbox.state}, {"state": to}, message)
     sandbox.state = to
     fields = ["state"]
     if to in PHASE_TIMESTAMPS:
@@ -538,6 +541,11 @@ def do_extend(sandbox_id: int, actor: Any, extra: timedelta) -> timedelta:
                 f"The tier {tier.name} allows at most {tier.max_duration_display} per sandbox; this one "
                 f"has {_hours(sandbox.max_duration)}, so it can get at most {_hours(left)} more.",
             )
+        if getattr(actor, "is_authenticated", False) and actor.pk != sandbox.owner_id:
+            audit.record(
+                actor, "sandbox.extended", sandbox,
+                {"max_duration": str(sandbox.max_duration)}, {"max_duration": str(wanted)},
+            )  # fmt: skip
         sandbox.max_duration = wanted
         sandbox.expiry_warned_at = None
         sandbox.save(update_fields=["max_duration", "expiry_warned_at"])

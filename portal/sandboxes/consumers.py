@@ -24,6 +24,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.utils import timezone
 
 from portal.accounts.access import can_manage_sandbox
+from portal.console import audit
 from portal.sandboxes.models import Sandbox, SandboxEvent, SandboxState
 from workers import dispatch
 from workers.terminal_relay import decode, encode, term_in_group, term_out_group
@@ -76,6 +77,8 @@ class SandboxTerminal(AsyncWebsocketConsumer):
             sandbox=sandbox, at=timezone.now(), from_state=sandbox.state, to_state=sandbox.state,
             actor=user, message=f"terminal opened by {user.get_username()}",
         )  # fmt: skip
+        if user.pk != sandbox.owner_id:
+            audit.record(user, "sandbox.terminal", sandbox, None, None, "opened a terminal in it")
         return sandbox.host.name, sandbox.allocation_key, sandbox.handle
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:

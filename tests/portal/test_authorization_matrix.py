@@ -73,6 +73,7 @@ route("POST", "/sandboxes/{sandbox}/extend/", **signed_in((302, "elsewhere"), ou
 route("GET", "/console/fleet/", **staff_only(200))
 route("GET", "/console/plans/", **staff_only(200))
 route("GET", "/console/queue/", **staff_only(200))
+route("GET", "/console/audit/", **staff_only(200))
 route("POST", "/console/plans/mig/", **staff_only(400))  # an empty form: errors, nothing runs
 route("POST", "/console/plans/consolidate/", **staff_only(400))  # nothing to consolidate
 route("POST", "/console/gpus/{gpu}/drain/", **staff_only((302, "elsewhere")))
