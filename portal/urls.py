@@ -5,6 +5,7 @@ from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
+from portal.accounts import views as accounts
 from portal.billing.api import SandboxViewSet, UsageRecordViewSet
 from portal.console import views as console
 from portal.sandboxes import views as sandboxes
@@ -23,6 +24,9 @@ urlpatterns = [
     path("sandboxes/new/", sandboxes.sandbox_new, name="sandbox-new"),
     path("sandboxes/preview/", sandboxes.sandbox_preview, name="sandbox-preview"),
     path("notifications/", sandboxes.notifications, name="notifications"),
+    path("projects/", accounts.project_list, name="project-list"),
+    path("projects/<slug:slug>/", accounts.project_detail, name="project-detail"),
+    path("projects/<slug:slug>/members/", accounts.project_members, name="project-members"),
     path("sandboxes/<int:pk>/", sandboxes.sandbox_detail, name="sandbox-detail"),
     path("sandboxes/<int:pk>/status/", sandboxes.sandbox_status, name="sandbox-status"),
     path("sandboxes/<int:pk>/stop/", sandboxes.sandbox_stop, name="sandbox-stop"),

@@ -153,6 +153,10 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         page.wait_for_url(f"{base}/notifications/")
         assert page.locator("ul.notifications li", has_text="is running on").count() >= 1
         shot(page, "notifications")
+        page.click("nav >> text=Projects")
+        page.click("text=Vision")
+        page.wait_for_url(f"{base}/projects/vision/")
+        shot(page, "project")
 
         # An admin sees the fleet, and that this host's GPUs are simulated.
         page.click("text=Sign out")

@@ -63,6 +63,14 @@ route("GET", "/sandboxes/", **signed_in(200))
 route("GET", "/sandboxes/new/", **signed_in(200))
 route("POST", "/sandboxes/preview/", **signed_in(200))
 route("GET", "/notifications/", **signed_in(200))
+route("GET", "/projects/", **signed_in(200))
+route("GET", "/projects/vision/", **signed_in(200, outsider=404))
+# Members are changed by the project's managers and admins only.
+route(
+    "POST",
+    "/projects/vision/members/",
+    **signed_in((302, "elsewhere"), outsider=404, member=403, billing=403),
+)
 route("POST", "/notifications/", **signed_in((302, "elsewhere")))
 # A sandbox outside your projects does not exist for you (404, no hint).
 route("GET", "/sandboxes/{sandbox}/", **signed_in(200, outsider=404))
@@ -170,6 +178,7 @@ def test_every_route_is_in_the_matrix() -> None:
     """Each route of portal/urls.py (API formats and the router's root aside) has a row."""
     covered = {
         template.strip("/")
+        .replace("projects/vision", "projects/<slug:slug>")
         .replace("{sandbox}", "<int:pk>")
         .replace("{usage}", "<int:pk>")
         .replace("{gpu}", "<str:uuid>")

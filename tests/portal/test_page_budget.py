@@ -25,6 +25,8 @@ PAGES: list[tuple[str, str, str, int]] = [
     ("owner", "GET", "/sandboxes/{sandbox}/", 9),
     ("owner", "GET", "/sandboxes/{sandbox}/status/", 9),
     ("owner", "GET", "/notifications/", 5),
+    ("owner", "GET", "/projects/", 9),
+    ("owner", "GET", "/projects/vision/", 13),
     ("owner", "GET", "/api/v1/sandboxes/", 4),
     ("owner", "GET", "/api/v1/usage/", 4),
     ("admin", "GET", "/sandboxes/", 5),

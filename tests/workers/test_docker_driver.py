@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import docker
 import docker.errors
@@ -219,16 +220,18 @@ def test_launch_applies_confinement(driver: DockerDriver, client: docker.DockerC
     assert status.started_at_ms is not None and status.started_at_ms >= before_ms
 
     # What the sandbox itself sees, not only what the engine was told.
-    code, out = container.exec_run(
-        ["sh", "-c", "id -u; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; touch /x"]
+    # demux: the engine copies stdout and stderr on their own, so their order across the
+    # two streams is not kept; each is checked on its own.
+    code, streams = container.exec_run(
+        ["sh", "-c", "id -u; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; touch /x"], demux=True
     )
-    assert isinstance(out, bytes)  # exec_run without stream=True returns the whole output
-    text = out.decode()
+    stdout, stderr = cast(tuple[bytes | None, bytes | None], streams)  # demux=True: a pair
+    text = (stdout or b"").decode()
     assert code != 0  # the root filesystem is read-only
     assert text.splitlines()[0] == "1000"
     assert re.search(r"CapEff:\s+0+\n", text)
     assert re.search(r"NoNewPrivs:\s+1", text)
-    assert "Read-only file system" in text
+    assert "Read-only file system" in (stderr or b"").decode()
     code, out = container.exec_run(["sh", "-c", "cd && touch ok && echo $HOME && ls /tmp"])
     assert code == 0 and isinstance(out, bytes), out
     assert out.decode().splitlines()[0] == "/home/sandbox"

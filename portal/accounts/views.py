@@ -1,0 +1,142 @@
+"""Projects: who is in them, what they use, and how much of their quota is left."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Q, Sum
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from portal.accounts.access import visible_projects
+from portal.accounts.members import (
+    MembershipError,
+    can_manage_members,
+    do_add_member,
+    do_change_role,
+    do_remove_member,
+)
+from portal.accounts.models import Membership, Project
+from portal.billing.models import UsageRecord
+from portal.quotas.models import QuotaPolicy
+from portal.sandboxes.models import LIVE_STATES, Allocation
+
+
+def _bar(used: float, limit: float | None) -> dict[str, Any]:
+    share = 0 if not limit else min(100, round(100 * used / limit))
+    return {"used": used, "limit": limit, "pct": share, "level": "high" if share >= 80 else "ok"}
+
+
+def quota_bars(projects: list[Project]) -> dict[int, list[tuple[str, dict[str, Any]]]]:
+    """Per project: live sandboxes and GPUs held against the quota's limits (3 queries)."""
+    ids = [p.pk for p in projects]
+    quotas = {q.project_id: q for q in QuotaPolicy.objects.filter(project_id__in=ids)}
+    live = dict(
+        Project.objects.filter(pk__in=ids)
+        .annotate(n=Count("sandboxes", filter=Q(sandboxes__state__in=LIVE_STATES)))
+        .values_list("pk", "n")
+    )
+    held = dict(
+        Allocation.objects.filter(active=True, sandbox__project_id__in=ids)
+        .values("sandbox__project_id")
+        .annotate(milli=Sum("milli_gpu"))
+        .values_list("sandbox__project_id", "milli")
+    )
+    bars: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    for pk in ids:
+        quota = quotas.get(pk)
+        gpus = (held.get(pk) or 0) / 1000
+        bars[pk] = [
+            ("Live sandboxes", _bar(live.get(pk, 0), quota.max_live_sandboxes if quota else None)),
+            ("GPUs held", _bar(gpus, quota.max_gpus if quota else None)),
+        ]
+    return bars
+
+
+@login_required
+def project_list(request: HttpRequest) -> HttpResponse:
+    projects = list(visible_projects(request.user).distinct())
+    roles = dict(
+        Membership.objects.filter(user_id=int(request.user.pk or 0)).values_list("project_id", "role")
+    )
+    bars = quota_bars(projects)
+    rows = [
+        (p, Membership.Role(roles[p.pk]).label if p.pk in roles else "admin", bars[p.pk]) for p in projects
+    ]
+    return render(request, "accounts/project_list.html", {"rows": rows})
+
+
+def _project_for(request: HttpRequest, slug: str) -> Project:
+    project = visible_projects(request.user).filter(slug=slug).first()
+    if project is None:
+        raise Http404("No such project")
+    return project
+
+
+def _month_start(now: datetime) -> datetime:
+    return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+@login_required
+def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
+    project = _project_for(request, slug)
+    now = timezone.now()
+    month = UsageRecord.objects.filter(project=project, started_at__gte=_month_start(now))
+    charged = [
+        f"{(micros or 0) / 1_000_000:.2f} {currency}"
+        for currency, micros in month.values("currency")
+        .annotate(c=Sum("cost_micros"))
+        .values_list("currency", "c")
+    ]
+    gpu_hours = sum(
+        (r.milli_gpu / 1000) * ((r.ended_at or now) - r.started_at).total_seconds() / 3600
+        for r in month.only("milli_gpu", "started_at", "ended_at")
+    )
+    return render(
+        request,
+        "accounts/project_detail.html",
+        {
+            "project": project,
+            "members": project.memberships.select_related("user").order_by("user__username"),
+            "can_manage": can_manage_members(request.user, project),
+            "roles": Membership.Role.choices,
+            "bars": quota_bars([project])[project.pk],
+            "quota": QuotaPolicy.objects.filter(project=project).first(),
+            "gpu_hours": gpu_hours,
+            "charged": " + ".join(charged) or "nothing",
+            "month": _month_start(now),
+        },
+    )
+
+
+@login_required
+@require_POST
+def project_members(request: HttpRequest, slug: str) -> HttpResponse:
+    """Add, change the role of, or remove a member (project managers and admins)."""
+    project = _project_for(request, slug)
+    if not can_manage_members(request.user, project):
+        raise PermissionDenied("Only the project's managers and admins change its members.")
+    action, role = request.POST.get("action", ""), request.POST.get("role", "")
+    try:
+        if action == "add":
+            added = do_add_member(project, request.POST.get("username", ""), role)
+            messages.success(
+                request, f"{added.user.get_username()} joined {project.name} as {added.get_role_display()}."
+            )
+        elif action == "role":
+            changed = do_change_role(project, int(request.POST.get("membership") or 0), role)
+            messages.success(request, f"{changed.user.get_username()} is now {changed.get_role_display()}.")
+        elif action == "remove":
+            do_remove_member(project, int(request.POST.get("membership") or 0))
+            messages.success(request, "Member removed.")
+        else:
+            raise MembershipError(f"Unknown action {action!r}.")
+    except (MembershipError, ValueError) as exc:
+        messages.error(request, str(exc))
+    return redirect("project-detail", slug=project.slug)

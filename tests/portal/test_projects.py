@@ -1,0 +1,74 @@
+"""Projects: members and roles managed by project managers, usage and quota bars."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from portal.accounts.models import Membership
+from portal.console.models import AuditEntry
+from portal.quotas.models import QuotaPolicy
+from portal.sandboxes import actions
+from tests.portal.helpers import client_for, place_all, request
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_projects_show_role_quota_bars_and_usage(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    QuotaPolicy.objects.create(project=people["project"], max_live_sandboxes=2, max_gpus=4)
+    sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"], gpu_count=2)
+    place_all()
+    sandbox.refresh_from_db()
+    actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "c"}, timezone.now())
+    page = client_for(people["owner"]).get("/projects/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "Vision" in text and "Project manager" in text and "NLP" not in text
+    assert "Live sandboxes: 1 of 2" in text and 'aria-valuenow="50"' in text
+    assert "GPUs held: 2 of 4" in text
+    detail = client_for(people["member"]).get("/projects/vision/")
+    assert detail.status_code == 200 and b"GPU-hours" in detail.content
+    assert b"Add member" not in detail.content  # a member reads, a manager changes
+    assert client_for(people["outsider"]).get("/projects/vision/").status_code == 404
+
+
+def test_managers_add_change_and_remove_members_but_keep_one_manager(
+    people: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    manager = client_for(people["owner"])
+    url = "/projects/vision/members/"
+
+    def flash(response: Any) -> str:
+        return " ".join(str(m) for m in response.wsgi_request._messages)
+
+    added = manager.post(url, {"action": "add", "username": "oscar", "role": "billing"})
+    assert "oscar joined Vision as Billing viewer." in flash(added)
+    oscar = Membership.objects.get(project=people["project"], user=people["outsider"])
+    assert "already in Vision" in flash(
+        manager.post(url, {"action": "add", "username": "oscar", "role": "member"})
+    )
+    assert "No user is called 'nobody'" in flash(
+        manager.post(url, {"action": "add", "username": "nobody", "role": "member"})
+    )
+    changed = manager.post(url, {"action": "role", "membership": oscar.pk, "role": "member"})
+    assert "oscar is now Member." in flash(changed)
+    mine = Membership.objects.get(project=people["project"], user=people["owner"])
+    refused = manager.post(url, {"action": "role", "membership": mine.pk, "role": "member"})
+    assert "olivia is the project's last manager." in flash(refused)
+    assert "last manager" in flash(manager.post(url, {"action": "remove", "membership": mine.pk}))
+    assert "Member removed." in flash(manager.post(url, {"action": "remove", "membership": oscar.pk}))
+    assert not Membership.objects.filter(user=people["outsider"], project=people["project"]).exists()
+    assert Membership.objects.get(pk=mine.pk).role == "manager"
+    assert (
+        client_for(people["member"]).post(url, {"action": "remove", "membership": mine.pk}).status_code == 403
+    )
+    log = list(
+        AuditEntry.objects.filter(target_type="accounts.membership")
+        .order_by("pk")
+        .values_list("action", "actor_name")
+    )
+    assert log == [("created", "olivia"), ("changed", "olivia"), ("deleted", "olivia")]
