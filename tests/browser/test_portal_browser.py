@@ -193,3 +193,84 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         shot(page, "plans")
         page.goto(f"{base}/console/fleet/")
         assert page.locator(".badge", has_text="7g.80gb@0").count() == 1
+
+
+def sign_in(page: Any, base: str, username: str, then: str) -> None:
+    page.goto(f"{base}/login/?next={then}")
+    page.fill("input[name=username]", username)
+    page.fill("input[name=password]", "correct-horse-battery")
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{base}{then}")
+
+
+def test_every_sharing_mode_a_lowered_quota_and_a_drain(
+    people: Any, catalog: Any, tmp_path: Path, browser_page: Any
+) -> None:
+    """A user runs one sandbox of each sharing mode; an admin lowers the project's quota and
+    the next request is refused naming it; the admin drains a GPU and the user is told."""
+    from portal.fleet.models import Gpu
+    from workers.drivers.docker import docker_available
+
+    require_engine(docker_available(), "a Docker engine")
+    page = browser_page
+    with running_platform(tmp_path, web=True, sim_gpus="H100-80GB:4:mig=1") as platform:
+        base = f"http://127.0.0.1:{platform.port}"
+        Gpu.objects.filter(host__name=platform.host, index=2).update(sharing_mode="mps")
+        Gpu.objects.filter(host__name=platform.host, index=3).update(sharing_mode="timeslice")
+        sign_in(page, base, "olivia", "/sandboxes/new/")
+        asks = [
+            ("Dedicated", {"input[name=gpu_count]": "1"}),
+            ("Mig", {"select[name=mig_profile]": "1g.10gb"}),
+            ("Mps", {"input[name=mps_memory_gib]": "8", "input[name=mps_thread_pct]": "30"}),
+            ("Timeslice", {}),
+        ]
+        for tier, fields in asks:
+            page.goto(f"{base}/sandboxes/new/")
+            page.select_option("select[name=project]", label="Vision")
+            page.select_option("select[name=tier]", label=tier)
+            page.select_option("select[name=image]", label="busybox")
+            for selector, value in fields.items():
+                if selector.startswith("select"):
+                    page.select_option(selector, value)
+                else:
+                    page.fill(selector, value)
+            page.locator("#preview .verdict-now").wait_for(timeout=10_000)
+            page.click("form.request-form button[type=submit]")
+            page.wait_for_url("**/sandboxes/*/")
+            page.wait_for_selector("#sandbox-state:text('Running')", timeout=60_000)
+        page.goto(f"{base}/sandboxes/")
+        assert page.locator(".state-running").count() == 4
+        shot(page, "sandbox-list-every-mode")
+
+        # The admin caps Vision at the 4 live sandboxes it has.
+        page.click("text=Sign out")
+        sign_in(page, base, "ada", "/admin/quotas/quotapolicy/add/")
+        page.select_option("select[name=project]", label="Vision")
+        page.fill("input[name=max_live_sandboxes]", "4")
+        page.click("input[name=_save]")
+        page.wait_for_url(f"{base}/admin/quotas/quotapolicy/")
+        # ... and drains the GPU of Olivia's dedicated sandbox.
+        page.goto(f"{base}/console/fleet/")
+        row = page.locator("tr", has_text="Dedicated GPUs").first
+        row.locator("input[name=reason]").fill("fan failure")
+        row.locator("button", has_text="Drain").click()
+        page.locator(".flash", has_text="drained").wait_for(timeout=10_000)
+
+        page.click("text=Sign out")
+        sign_in(page, base, "olivia", "/sandboxes/new/")
+        page.select_option("select[name=project]", label="Vision")
+        page.select_option("select[name=tier]", label="Timeslice")
+        page.select_option("select[name=image]", label="busybox")
+        page.locator("#preview .verdict-refused", has_text="quota of 4 live sandboxes").wait_for(
+            timeout=10_000
+        )
+        page.click("form.request-form button[type=submit]")
+        assert (
+            "Project Vision has reached its quota of 4 live sandboxes."
+            in page.locator(".errors, .error").first.inner_text()
+        )
+        shot(page, "request-refused-by-quota")
+        page.goto(f"{base}/notifications/")
+        told = page.locator("ul.notifications li", has_text="taken out of service")
+        assert told.count() == 1 and "fan failure" in told.inner_text()
+        shot(page, "notifications-drained")
