@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 
 from django.contrib import messages
@@ -25,12 +24,14 @@ from portal.accounts.members import (
 from portal.accounts.models import Membership, Project
 from portal.billing.models import UsageRecord
 from portal.quotas.models import QuotaPolicy
+from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes.models import LIVE_STATES, Allocation
 
 
 def _bar(used: float, limit: float | None) -> dict[str, Any]:
     share = 0 if not limit else min(100, round(100 * used / limit))
-    return {"used": used, "limit": limit, "pct": share, "level": "high" if share >= 80 else "ok"}
+    shown = f"{round(used, 3):g}"
+    return {"used": shown, "limit": limit, "pct": share, "level": "high" if share >= 80 else "ok"}
 
 
 def quota_bars(projects: list[Project]) -> dict[int, list[tuple[str, dict[str, Any]]]]:
@@ -56,6 +57,10 @@ def quota_bars(projects: list[Project]) -> dict[int, list[tuple[str, dict[str, A
             ("Live sandboxes", _bar(live.get(pk, 0), quota.max_live_sandboxes if quota else None)),
             ("GPUs held", _bar(gpus, quota.max_gpus if quota else None)),
         ]
+        if quota is not None and quota.max_gpu_hours_month is not None:
+            now = timezone.now()
+            used = round(gpu_hours_since(pk, month_start(now), now), 1)
+            bars[pk].append(("GPU-hours this month", _bar(used, quota.max_gpu_hours_month)))
     return bars
 
 
@@ -79,25 +84,18 @@ def _project_for(request: HttpRequest, slug: str) -> Project:
     return project
 
 
-def _month_start(now: datetime) -> datetime:
-    return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-
-
 @login_required
 def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
     project = _project_for(request, slug)
     now = timezone.now()
-    month = UsageRecord.objects.filter(project=project, started_at__gte=_month_start(now))
+    month = UsageRecord.objects.filter(project=project, started_at__gte=month_start(now))
     charged = [
         f"{(micros or 0) / 1_000_000:.2f} {currency}"
         for currency, micros in month.values("currency")
         .annotate(c=Sum("cost_micros"))
         .values_list("currency", "c")
     ]
-    gpu_hours = sum(
-        (r.milli_gpu / 1000) * ((r.ended_at or now) - r.started_at).total_seconds() / 3600
-        for r in month.only("milli_gpu", "started_at", "ended_at")
-    )
+    gpu_hours = gpu_hours_since(project.pk, month_start(now), now)
     return render(
         request,
         "accounts/project_detail.html",
@@ -110,7 +108,7 @@ def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
             "quota": QuotaPolicy.objects.filter(project=project).first(),
             "gpu_hours": gpu_hours,
             "charged": " + ".join(charged) or "nothing",
-            "month": _month_start(now),
+            "month": month_start(now),
         },
     )
 

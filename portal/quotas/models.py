@@ -20,6 +20,12 @@ class QuotaPolicy(models.Model):
         help_text="Guaranteed GPUs; anything above is borrowed and may be reclaimed.",
     )
     weight = models.FloatField(default=1.0, help_text="Fair-share weight against other projects.")
+    max_gpu_hours_month = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="GPU-hours the project may use per calendar month (UTC); empty for no limit. "
+        "Reached, new requests are refused; running sandboxes go on.",
+    )
 
     class Meta:
         verbose_name_plural = "quota policies"

@@ -24,6 +24,7 @@ from portal.catalog.models import SandboxImage, SharingMode, Tier
 from portal.console import audit
 from portal.fleet.models import Gpu, Host, MigInstance
 from portal.quotas.models import QuotaPolicy
+from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes import notify
 from portal.sandboxes.models import ENDED_STATES, LIVE_STATES, Allocation, Sandbox, SandboxEvent, SandboxState
 from scheduler.cluster import DeviceGrant
@@ -145,6 +146,15 @@ def check_request_sandbox(user: Any, req: SandboxRequest) -> None:
             "duration", f"The tier {tier.name} allows up to {tier.max_duration} per sandbox."
         )
     quota = QuotaPolicy.objects.filter(project=req.project).first()
+    if quota is not None and quota.max_gpu_hours_month is not None:
+        now = timezone.now()
+        used = gpu_hours_since(req.project.pk, month_start(now), now)
+        if used >= quota.max_gpu_hours_month:
+            raise SandboxRequestError(
+                "project",
+                f"Project {req.project.name} has used {used:.1f} of its {quota.max_gpu_hours_month} "
+                "GPU-hours this month.",
+            )
     if quota is not None:
         live = Sandbox.objects.filter(project=req.project, state__in=LIVE_STATES).count()
         if live >= quota.max_live_sandboxes:

@@ -81,6 +81,15 @@ def on_request(sandbox: Sandbox) -> None:
         notes.append(f"{live} of its {quota.max_live_sandboxes} live sandboxes")
     if quota.max_gpus and held >= NEAR_QUOTA * quota.max_gpus * 1000:
         notes.append(f"{held / 1000:g} of its {quota.max_gpus} GPUs")
+    if quota.max_gpu_hours_month:
+        from django.utils import timezone
+
+        from portal.quotas.usage import gpu_hours_since, month_start
+
+        now = timezone.now()
+        used = gpu_hours_since(sandbox.project_id, month_start(now), now)
+        if used >= NEAR_QUOTA * quota.max_gpu_hours_month:
+            notes.append(f"{used:.1f} of its {quota.max_gpu_hours_month} GPU-hours this month")
     if notes:
         message = f"Project {sandbox.project.name} uses {' and '.join(notes)}."
         notify(sandbox.owner, Notification.Kind.QUOTA, message, sandbox)

@@ -72,3 +72,39 @@ def test_managers_add_change_and_remove_members_but_keep_one_manager(
         .values_list("action", "actor_name")
     )
     assert log == [("created", "olivia"), ("changed", "olivia"), ("deleted", "olivia")]
+
+
+def test_a_monthly_gpu_hour_budget_refuses_new_requests_once_spent(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    from datetime import timedelta
+
+    from portal.billing.models import UsageRecord
+    from portal.quotas.usage import gpu_hours_since, month_start
+
+    QuotaPolicy.objects.create(project=people["project"], max_gpu_hours_month=2)
+    now = timezone.now()
+    old = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+
+    def record(started: Any, ended: Any, milli: int) -> None:
+        UsageRecord.objects.create(
+            sandbox=old, allocation_key=f"k{started.timestamp()}", project=people["project"],
+            user=people["owner"],
+            tier=catalog["dedicated"], gpu_model="H100-80GB", milli_gpu=milli, price_per_gpu_hour_micros=1,
+            currency="EUR", started_at=started, ended_at=ended, duration=(ended - started) if ended else None,
+        )  # fmt: skip
+
+    record(month_start(now) - timedelta(hours=5), month_start(now) - timedelta(hours=1), 1000)  # last month
+    record(now - timedelta(hours=3), now - timedelta(hours=1, minutes=30), 1000)  # 1.5 GPU-hours
+    record(now - timedelta(minutes=30), None, 500)  # running: 0.25 so far
+    assert abs(gpu_hours_since(people["project"].pk, month_start(now), now) - 1.75) < 0.01
+    request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])  # 1.75 < 2: allowed
+    assert "1.8 of its 2 GPU-hours this month" in str(
+        list(people["owner"].notifications.filter(kind="quota").values_list("message", flat=True))
+    )
+    record(now - timedelta(minutes=37), now - timedelta(minutes=10), 1000)  # +0.45
+    with pytest.raises(actions.SandboxRequestError) as refused:
+        request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+    assert refused.value.message == "Project Vision has used 2.2 of its 2 GPU-hours this month."
+    page = client_for(people["owner"]).get("/projects/vision/").content.decode()
+    assert "GPU-hours this month: 2.2 of 2" in page
