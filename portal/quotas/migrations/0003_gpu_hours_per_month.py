@@ -4,15 +4,18 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('quotas', '0002_fairshare_and_preemption'),
+        ("quotas", "0002_fairshare_and_preemption"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='quotapolicy',
-            name='max_gpu_hours_month',
-            field=models.PositiveIntegerField(blank=True, help_text='GPU-hours the project may use per calendar month (UTC); empty for no limit. Reached, new requests are refused; running sandboxes go on.', null=True),
+            model_name="quotapolicy",
+            name="max_gpu_hours_month",
+            field=models.PositiveIntegerField(
+                blank=True,
+                help_text="GPU-hours the project may use per calendar month (UTC); empty for no limit. Reached, new requests are refused; running sandboxes go on.",
+                null=True,
+            ),
         ),
     ]
