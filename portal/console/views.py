@@ -34,11 +34,23 @@ def fleet(request: HttpRequest) -> HttpResponse:
         live_allocations=Count("allocations", filter=Q(allocations__active=True))
     )
     hosts = Host.objects.prefetch_related(Prefetch("gpus", queryset=gpus))
-    live = Allocation.objects.filter(active=True).select_related("sandbox", "gpu")
+    live = list(Allocation.objects.filter(active=True).select_related("sandbox__owner"))
+    # What each MIG instance and MPS GPU holds, for the layout drawings.
+    in_instance = {a.mig_instance_id: a.sandbox for a in live if a.mig_instance_id}
+    shares: dict[int, list[Allocation]] = {}
+    for alloc in live:
+        if alloc.kind == Allocation.Kind.MPS:
+            shares.setdefault(alloc.gpu_id, []).append(alloc)
     alerts = FleetEvent.objects.filter(
         severity=FleetEvent.Severity.ALERT, acknowledged_at=None
     ).select_related("host", "gpu")[:50]
-    return render(request, "console/fleet.html", {"hosts": hosts, "live": live, "alerts": alerts})
+    hosts_list = list(hosts)
+    for host in hosts_list:
+        for gpu in host.gpus.all():
+            gpu.layout = [(m, in_instance.get(m.pk)) for m in gpu.mig_instances.all()]  # type: ignore[attr-defined]
+            gpu.shares = shares.get(gpu.pk, [])  # type: ignore[attr-defined]
+            gpu.threads_used = sum(a.mps_thread_pct for a in gpu.shares)  # type: ignore[attr-defined]
+    return render(request, "console/fleet.html", {"hosts": hosts_list, "alerts": alerts})
 
 
 @staff_member_required

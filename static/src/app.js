@@ -3,6 +3,7 @@ import htmx from "htmx.org";
 import { mountGpuCharts } from "./gpu-chart.js";
 import { wireRequestForm } from "./request-form.js";
 import { mountTerminal } from "./terminal.js";
+import { mountFleetLive } from "./fleet-live.js";
 
 window.htmx = htmx;
 
@@ -13,4 +14,6 @@ document.addEventListener("DOMContentLoaded", () => {
   if (form) wireRequestForm(form);
   const terminal = document.getElementById("terminal");
   if (terminal) mountTerminal(terminal);
+  const fleet = document.querySelector("[data-fleet-live]");
+  if (fleet) mountFleetLive(fleet.dataset.fleetLive);
 });

@@ -192,7 +192,7 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         assert page.locator(".plan td", has_text="create 7g.80gb@0").count() == 1
         shot(page, "plans")
         page.goto(f"{base}/console/fleet/")
-        assert page.locator(".badge", has_text="7g.80gb@0").count() == 1
+        assert page.locator(".mig-layout .slice", has_text="7g.80gb").count() == 1
 
 
 def sign_in(page: Any, base: str, username: str, then: str) -> None:
@@ -255,6 +255,14 @@ def test_every_sharing_mode_a_lowered_quota_and_a_drain(
         row.locator("input[name=reason]").fill("fan failure")
         row.locator("button", has_text="Drain").click()
         page.locator(".flash", has_text="drained").wait_for(timeout=10_000)
+        # Live figures for every GPU, a MIG layout with a busy slice, the MPS share.
+        page.wait_for_function(
+            "[...document.querySelectorAll('[data-live-gpu]')].every(c => c.textContent.includes('°C'))",
+            timeout=30_000,
+        )
+        assert page.locator(".mig-layout .slice.busy").count() == 1
+        assert "30%" in page.locator("tr", has_text="MPS share").first.inner_text()
+        shot(page, "fleet-in-use")
 
         page.click("text=Sign out")
         sign_in(page, base, "olivia", "/sandboxes/new/")
