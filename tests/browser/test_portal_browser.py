@@ -82,7 +82,8 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
 
     require_engine(docker_available(), "a Docker engine")
     page = browser_page
-    with running_platform(tmp_path, web=True) as platform:
+    # GPUs 0 and 1 dedicated, GPU 2 in MIG mode.
+    with running_platform(tmp_path, web=True, sim_gpus="H100-80GB:3:mig=2") as platform:
         base = f"http://127.0.0.1:{platform.port}"
         page.goto(f"{base}/login/")
         shot(page, "login")
@@ -129,15 +130,18 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         page.locator("#terminal").scroll_into_view_if_needed()
         shot(page, "sandbox-terminal")
 
-        # The fleet's one dedicated GPU is taken now: the form says the next would wait, and till when.
+        # One of the two dedicated GPUs is taken: two would wait (with a place, an earliest
+        # start and the one GPU that could start now instead).
         page.goto(f"{base}/sandboxes/new/")
         page.select_option("select[name=project]", label="Vision")
         page.select_option("select[name=tier]", label="Dedicated")
         page.select_option("select[name=image]", label="busybox")
+        page.fill("input[name=gpu_count]", "2")
+        page.locator("input[name=gpu_count]").dispatch_event("change")
         page.locator("#preview .verdict-waits").wait_for(timeout=10_000)
         waiting = page.locator("#preview .verdict").inner_text()
-        assert page.locator("#preview .verdict-waits").count() == 1
         assert "1st in line" in waiting and "Earliest start" in waiting, waiting
+        assert "1 whole GPU(s) are free now on" in waiting, waiting
         shot(page, "request-form-waiting")
         page.go_back()
         page.wait_for_selector("#sandbox-state:text('Running')", timeout=10_000)
@@ -179,7 +183,7 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         page.fill("input[name=max_disturbed]", "0")
         page.locator("form[action$='/plans/mig/'] button[value=preview]").click()
         page.locator("#plan-preview").wait_for(timeout=10_000)
-        assert "create 7g.80gb@0 on GPU 1" in page.locator("#plan-preview").inner_text()
+        assert "create 7g.80gb@0 on GPU 2" in page.locator("#plan-preview").inner_text()
         assert "No running sandbox is disturbed." in page.locator("#plan-preview").inner_text()
         shot(page, "plan-preview")
         page.locator("form[action$='/plans/mig/'] button[value=run]").click()
