@@ -158,6 +158,7 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         assert page.locator("ul.notifications li", has_text="is running on").count() >= 1
         shot(page, "notifications")
         page.click("nav >> text=Projects")
+        shot(page, "projects")
         page.click("text=Vision")
         page.wait_for_url(f"{base}/projects/vision/")
         shot(page, "project")
@@ -267,6 +268,11 @@ def test_every_sharing_mode_a_lowered_quota_and_a_drain(
         assert page.locator(".mig-layout .slice.busy").count() == 1
         assert "30%" in page.locator("tr", has_text="MPS share").first.inner_text()
         shot(page, "fleet-in-use")
+        page.click("text=audit log")
+        page.wait_for_url(f"{base}/console/audit/")
+        assert page.locator("td", has_text="quotas.quotapolicy").count() == 1
+        assert page.locator("td", has_text="fan failure").count() == 1
+        shot(page, "audit-log")
 
         page.click("text=Sign out")
         sign_in(page, base, "olivia", "/sandboxes/new/")
