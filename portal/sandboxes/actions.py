@@ -69,6 +69,7 @@ class SandboxRequest:
     mps_thread_pct: int = 0
     duration: timedelta | None = None
     name: str = ""
+    command: tuple[str, ...] = ()  # a batch run's command; () for an interactive sandbox
 
 
 def _transition(
@@ -140,6 +141,8 @@ def check_request_sandbox(user: Any, req: SandboxRequest) -> None:
             raise SandboxRequestError("mps_thread_pct", "The thread share must be 1 to 100 %.")
         if not 256 <= req.mps_memory_mib <= 81920:
             raise SandboxRequestError("mps_memory_mib", "The memory share must be 256 to 81920 MiB.")
+    if len(" ".join(req.command)) > 2000:
+        raise SandboxRequestError("command", "The command is too long (2,000 characters at most).")
     duration = req.duration or tier.max_duration
     if duration <= timedelta(0) or duration > tier.max_duration:
         raise SandboxRequestError(
@@ -180,6 +183,8 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
             mps_memory_mib=req.mps_memory_mib if req.tier.sharing_mode == SharingMode.MPS else 0,
             mps_thread_pct=req.mps_thread_pct if req.tier.sharing_mode == SharingMode.MPS else 0,
             max_duration=req.duration or req.tier.max_duration,
+            batch=bool(req.command),
+            command=list(req.command),
         )
         SandboxEvent.objects.create(
             sandbox=sandbox,

@@ -3,6 +3,7 @@ its errors onto the field at fault."""
 
 from __future__ import annotations
 
+import shlex
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +40,20 @@ class SandboxRequestForm(forms.Form):
         min_value=1, max_value=100, initial=25, required=False, label="MPS threads (%)", help_text="MPS tiers"
     )
     duration_hours = forms.IntegerField(min_value=1, max_value=720, initial=1, label="Duration (hours)")
+    run = forms.ChoiceField(
+        choices=[("interactive", "Interactive"), ("batch", "Batch")],
+        initial="interactive",
+        required=False,  # absent: interactive
+        label="Kind",
+        help_text="Interactive runs until you stop it; batch runs your command and ends with it.",
+    )
+    command = forms.CharField(
+        required=False,
+        max_length=2000,
+        label="Command (batch)",
+        help_text="Run in the sandbox as its user, e.g. python train.py --epochs 3",
+        widget=forms.TextInput(attrs={"placeholder": "python train.py --epochs 3"}),
+    )
 
     def __init__(self, *args: Any, user: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -57,6 +72,15 @@ class SandboxRequestForm(forms.Form):
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
+        command: tuple[str, ...] = ()
+        if data.get("run") == "batch":
+            try:
+                command = tuple(shlex.split(data.get("command") or ""))
+            except ValueError as exc:
+                self.add_error("command", f"The command cannot be read: {exc}.")
+            else:
+                if not command:
+                    self.add_error("command", "A batch run needs the command it runs.")
         if self.errors:
             return data
         req = SandboxRequest(
@@ -69,6 +93,7 @@ class SandboxRequestForm(forms.Form):
             mps_memory_mib=(data.get("mps_memory_gib") or 0) * 1024,
             mps_thread_pct=data.get("mps_thread_pct") or 0,
             duration=timedelta(hours=data["duration_hours"]),
+            command=command,
         )
         try:
             check_request_sandbox(self.user, req)

@@ -58,6 +58,10 @@ class Sandbox(models.Model):
     mps_memory_mib = models.PositiveIntegerField(default=0)
     mps_thread_pct = models.PositiveSmallIntegerField(default=0)
     max_duration = models.DurationField()
+    # Interactive: the image's own command (a shell or a service) runs until stopped or out of
+    # time. Batch: ``command`` runs and the sandbox ends when it exits, with its exit code.
+    batch = models.BooleanField(default=False)
+    command = models.JSONField(default=list, blank=True)
 
     state = models.CharField(max_length=16, choices=SandboxState.choices, default=SandboxState.REQUESTED)
     pending_reason = models.CharField(max_length=200, blank=True)

@@ -22,7 +22,7 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         project=sandbox.project.slug,
         owner=sandbox.owner.get_username(),
         image=sandbox.image.reference,
-        command=tuple(sandbox.image.command or ("sleep", "infinity")),
+        command=tuple(sandbox.command if sandbox.batch else sandbox.image.command or ("sleep", "infinity")),
         device_uuids=tuple(a.device_uuid for a in allocations),
         real_gpu=not sandbox.host.simulated,
         cpu_limit=tier.cpu_limit,

@@ -20,4 +20,12 @@ export function wireRequestForm(form) {
   };
   tier.addEventListener("change", apply);
   apply();
+  // The command is asked for batch runs only.
+  const run = form.querySelector("[name=run]");
+  const command = form.querySelector("[data-field=command]");
+  if (run && command) {
+    const showCommand = () => { command.hidden = run.value !== "batch"; };
+    run.addEventListener("change", showCommand);
+    showCommand();
+  }
 }

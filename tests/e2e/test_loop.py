@@ -202,3 +202,33 @@ def test_loop_with_the_process_driver(people: Any, catalog: Any, tmp_path: Path)
         )
     [usage] = UsageRecord.objects.filter(sandbox_id=sandbox_id)
     assert usage.cost_micros is not None and usage.milli_gpu == 142
+
+
+@pytest.mark.bwrap
+def test_a_batch_run_ends_with_its_exit_code(people: Any, catalog: Any, tmp_path: Path) -> None:
+    """A batch sandbox runs the user's command and ends when it exits, saying how."""
+    from workers.drivers.process import bwrap_available
+
+    require_engine(bwrap_available(), "bubblewrap")
+    with running_platform(tmp_path, driver="process"):
+        web = Client()
+        web.force_login(people["owner"])
+        sandbox_id = ask(
+            web,
+            {
+                "project": str(people["project"].pk),
+                "image": str(catalog["image"].pk),
+                "isolation": "process",
+                "duration_hours": "1",
+                "tier": str(catalog["dedicated"].pk),
+                "gpu_count": "1",
+                "run": "batch",
+                "command": "sh -c 'echo trained; exit 3'",
+            },
+        )
+        wait_for(lambda: state_of(sandbox_id) == "stopped", 60, "the batch run to end")
+    sandbox = Sandbox.objects.get(pk=sandbox_id)
+    assert sandbox.batch and sandbox.command == ["sh", "-c", "echo trained; exit 3"]
+    assert sandbox.events.filter(to_state="stopped", message="exited with code 3").exists()
+    [usage] = UsageRecord.objects.filter(sandbox_id=sandbox_id)
+    assert usage.ended_at is not None

@@ -200,3 +200,29 @@ def test_a_cycle_is_one_transaction(
     placed.refresh_from_db()
     assert placed.state == "queued" and not placed.allocations.exists()
     assert not [t for t in sent_tasks if t[1] == "launch_sandbox"]
+
+
+def test_a_batch_run_launches_its_own_command(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
+    from portal.sandboxes.forms import SandboxRequestForm
+    from portal.sandboxes.specs import launch_spec
+
+    base = {
+        "project": people["project"].pk, "tier": catalog["dedicated"].pk, "image": catalog["image"].pk,
+        "isolation": "container", "gpu_count": 1, "duration_hours": 1,
+    }  # fmt: skip
+    missing = SandboxRequestForm({**base, "run": "batch", "command": ""}, user=people["owner"])
+    assert not missing.is_valid() and missing.errors["command"] == ["A batch run needs the command it runs."]
+    unquoted = SandboxRequestForm({**base, "run": "batch", "command": "echo 'oops"}, user=people["owner"])
+    assert not unquoted.is_valid() and "cannot be read" in unquoted.errors["command"][0]
+    form = SandboxRequestForm(
+        {**base, "run": "batch", "command": "python train.py --name 'run 1'"}, user=people["owner"]
+    )
+    assert form.is_valid() and form.request_obj is not None
+    sandbox = actions.do_request_sandbox(people["owner"], form.request_obj)
+    place_all()
+    sandbox.refresh_from_db()
+    assert sandbox.batch and launch_spec(sandbox).command == ("python", "train.py", "--name", "run 1")
+    interactive = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+    place_all()
+    interactive.refresh_from_db()
+    assert not interactive.batch and launch_spec(interactive).command == tuple(catalog["image"].command)
