@@ -6,7 +6,9 @@ from typing import Any
 
 from django import forms
 
+from portal.catalog.models import IsolationLevel, PriorityClass, SandboxImage, Tier
 from portal.fleet.models import Host
+from portal.quotas.models import QuotaPolicy
 from scheduler.gpus import COMPUTE_SLICES, MODELS
 
 
@@ -44,3 +46,39 @@ class ConsolidationForm(forms.Form):
         label="At most this many moves",
         help_text="Empty: as many as it takes to free every shared GPU that can be freed.",
     )
+
+
+class TierForm(forms.ModelForm):
+    isolation_levels = forms.MultipleChoiceField(
+        choices=IsolationLevel.choices, widget=forms.CheckboxSelectMultiple, label="Isolation levels"
+    )
+
+    class Meta:
+        model = Tier
+        fields = [
+            "name", "slug", "description", "sharing_mode", "isolation_levels", "price_per_gpu_hour_micros",
+            "currency", "priority_class", "max_duration", "max_gpus", "cpu_limit", "memory_limit_mib",
+            "pids_limit", "network", "requeue_on_failure", "idle_util_pct", "idle_minutes",
+            "idle_grace_minutes", "active",
+        ]  # fmt: skip
+        labels = {"price_per_gpu_hour_micros": "Price per GPU-hour (millionths of the currency)"}
+
+
+class QuotaForm(forms.ModelForm):
+    class Meta:
+        model = QuotaPolicy
+        fields = [
+            "project", "max_live_sandboxes", "max_gpus", "guaranteed_gpus", "weight", "max_gpu_hours_month",
+        ]  # fmt: skip
+
+
+class PriorityClassForm(forms.ModelForm):
+    class Meta:
+        model = PriorityClass
+        fields = ["name", "value", "preemptible"]
+
+
+class ImageForm(forms.ModelForm):
+    class Meta:
+        model = SandboxImage
+        fields = ["name", "reference", "command", "active"]

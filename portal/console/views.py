@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import time
 
+from django import forms
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
+from django.db import models
 from django.db.models import Count, Prefetch, Q
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from portal.console.forms import ConsolidationForm, MigRelayoutForm
+from portal.catalog.models import PriorityClass, SandboxImage, Tier
+from portal.console.forms import (
+    ConsolidationForm,
+    ImageForm,
+    MigRelayoutForm,
+    PriorityClassForm,
+    QuotaForm,
+    TierForm,
+)
 from portal.console.models import AuditEntry
 from portal.fleet.health import do_drain_gpu, do_undrain_gpu
 from portal.fleet.models import FleetEvent, FleetPlan, Gpu, Host, PlanStep
@@ -23,6 +33,7 @@ from portal.fleet.plans import (
     do_start_mig_plan,
     preview_mig_plan,
 )
+from portal.quotas.models import QuotaPolicy
 from portal.sandboxes.models import Allocation, Sandbox
 from portal.sandboxes.scheduling import build_fairshare, build_queue, build_snapshot
 from scheduler.fairshare import FairOrder
@@ -175,4 +186,48 @@ def audit_log(request: HttpRequest) -> HttpResponse:
     kinds = AuditEntry.objects.order_by("target_type").values_list("target_type", flat=True).distinct()
     return render(
         request, "console/audit.html", {"entries": entries[:200], "target": target, "kinds": list(kinds)}
+    )
+
+
+# What the catalog page edits: kind in the URL -> (model, form, what to call one).
+CATALOG: dict[str, tuple[type[models.Model], type[forms.ModelForm], str]] = {
+    "tiers": (Tier, TierForm, "tier"),
+    "quotas": (QuotaPolicy, QuotaForm, "quota policy"),
+    "priority-classes": (PriorityClass, PriorityClassForm, "priority class"),
+    "images": (SandboxImage, ImageForm, "image"),
+}
+
+
+@staff_member_required
+def catalog(request: HttpRequest) -> HttpResponse:
+    """Tiers, quotas, priority classes and images at a glance, each with its edit link."""
+    return render(
+        request,
+        "console/catalog.html",
+        {
+            "tiers": Tier.objects.select_related("priority_class"),
+            "quotas": QuotaPolicy.objects.select_related("project"),
+            "classes": PriorityClass.objects.all(),
+            "images": SandboxImage.objects.all(),
+        },
+    )
+
+
+@staff_member_required
+def catalog_edit(request: HttpRequest, kind: str, pk: int | None = None) -> HttpResponse:
+    """Create or change one catalog entry; every change lands in the audit log."""
+    if kind not in CATALOG:
+        raise Http404("No such catalog")
+    model, form_class, noun = CATALOG[kind]
+    instance = get_object_or_404(model, pk=pk) if pk is not None else None
+    form = form_class(request.POST or None, instance=instance)
+    if request.method == "POST" and form.is_valid():
+        saved = form.save()
+        messages.success(request, f"The {noun} {saved} is saved.")
+        return redirect("console-catalog")
+    return render(
+        request,
+        "console/catalog_edit.html",
+        {"form": form, "noun": noun, "instance": instance},
+        status=400 if form.errors else 200,
     )

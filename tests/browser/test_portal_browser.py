@@ -273,6 +273,11 @@ def test_every_sharing_mode_a_lowered_quota_and_a_drain(
         assert page.locator("td", has_text="quotas.quotapolicy").count() == 1
         assert page.locator("td", has_text="fan failure").count() == 1
         shot(page, "audit-log")
+        page.goto(f"{base}/console/catalog/")
+        shot(page, "catalog")
+        page.click("a:has-text('Edit Mps')")
+        page.locator("form.catalog-form").wait_for(timeout=10_000)
+        shot(page, "catalog-edit-tier")
 
         page.click("text=Sign out")
         sign_in(page, base, "olivia", "/sandboxes/new/")

@@ -82,6 +82,10 @@ route("GET", "/console/fleet/", **staff_only(200))
 route("GET", "/console/plans/", **staff_only(200))
 route("GET", "/console/queue/", **staff_only(200))
 route("GET", "/console/audit/", **staff_only(200))
+route("GET", "/console/catalog/", **staff_only(200))
+route("GET", "/console/catalog/tiers/new/", **staff_only(200))
+route("POST", "/console/catalog/quotas/new/", **staff_only(400))  # an empty form: errors
+route("GET", "/console/catalog/tiers/{tier}/", **staff_only(200))
 route("POST", "/console/plans/mig/", **staff_only(400))  # an empty form: errors, nothing runs
 route("POST", "/console/plans/consolidate/", **staff_only(400))  # nothing to consolidate
 route("POST", "/console/gpus/{gpu}/drain/", **staff_only((302, "elsewhere")))
@@ -141,7 +145,9 @@ def test_each_caller_gets_what_the_matrix_says(world: dict[str, Any], persona: s
     wrong = []
     for method, template, table in ROUTES:
         sandbox = fresh_sandbox(world)  # mutating routes get a live sandbox every time
-        path = template.format(sandbox=sandbox.pk, gpu=world["gpu"], usage=world["usage"])
+        path = template.format(
+            sandbox=sandbox.pk, gpu=world["gpu"], usage=world["usage"], tier=world["catalog"]["dedicated"].pk
+        )
         data = {"reason": "matrix", "hours": "1"} if method == "POST" else None
         response = client.post(path, data or {}) if method == "POST" else client.get(path)
         got = outcome(response)
@@ -182,6 +188,9 @@ def test_every_route_is_in_the_matrix() -> None:
         .replace("{sandbox}", "<int:pk>")
         .replace("{usage}", "<int:pk>")
         .replace("{gpu}", "<str:uuid>")
+        .replace("catalog/tiers/new", "catalog/<str:kind>/new")
+        .replace("catalog/quotas/new", "catalog/<str:kind>/new")
+        .replace("catalog/tiers/{tier}", "catalog/<str:kind>/<int:pk>")
         for _, template, _ in ROUTES
     }
     missing = []
