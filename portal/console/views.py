@@ -106,6 +106,8 @@ def _plans_page(
             "mig_form": mig_form or MigRelayoutForm(),
             "consolidation_form": consolidation_form or ConsolidationForm(),
             "preview": preview,
+            # While a plan runs the list refreshes itself, so an admin watches its steps land.
+            "any_running": FleetPlan.objects.filter(state=FleetPlan.State.RUNNING).exists(),
         },
         status=400 if (mig_form or consolidation_form) and not preview else 200,
     )

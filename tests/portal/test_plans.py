@@ -395,8 +395,10 @@ def test_the_plans_console_is_for_admins_and_says_what_is_wrong(
     assert stale.status_code == 400 and b"this is not the plan previewed" in stale.content
     started = admin.post("/console/plans/mig/", {**ask, "action": "run", "fingerprint": shown.fingerprint})
     assert started.status_code == 302
+    assert b'hx-trigger="every 2s"' in admin.get("/console/plans/").content  # watched while it runs
     pump(sent_tasks, agents)
     page = admin.get("/console/plans/")
+    assert b'hx-trigger="every 2s"' not in page.content
     plan = FleetPlan.objects.get()
     assert plan.state == "done" and plan.created_by == people["admin"]
     assert (

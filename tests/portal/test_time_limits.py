@@ -63,6 +63,8 @@ def test_the_extend_button_is_for_those_who_manage_the_sandbox(
     assert too_long.status_code == 400 and b"at most 5 h more" in too_long.content
     page = client_for(people["owner"]).get(f"/sandboxes/{sandbox.pk}/status/")
     assert b'id="extend-form"' in page.content
+    device = sandbox.allocations.get(active=True).device_uuid
+    assert f"NVIDIA_VISIBLE_DEVICES={device}".encode() in page.content and b"Network: none" in page.content
     assert (
         b'id="extend-form"'
         not in client_for(people["member"]).get(f"/sandboxes/{sandbox.pk}/status/").content
