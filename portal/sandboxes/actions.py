@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
+from django.db.models import DateTimeField, ExpressionWrapper, F, Q
 from django.utils import timezone
 
 from portal.accounts.models import Membership, Project
@@ -26,7 +27,15 @@ from portal.fleet.models import Gpu, Host, MigInstance
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes import notify
-from portal.sandboxes.models import ENDED_STATES, LIVE_STATES, Allocation, Sandbox, SandboxEvent, SandboxState
+from portal.sandboxes.models import (
+    ENDED_STATES,
+    LIVE_STATES,
+    Allocation,
+    Notification,
+    Sandbox,
+    SandboxEvent,
+    SandboxState,
+)
 from scheduler.cluster import DeviceGrant
 from scheduler.gpus import MODELS
 from workers import dispatch
@@ -364,18 +373,26 @@ def do_lose(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> s
             sandbox.save(update_fields=["failure"])
             _end(sandbox, S.FAILED, ended_at, reason)
             return S.FAILED
-        # Requeued: the run so far is billed and its devices released; the request keeps
-        # its age. The old allocation key matches nothing any more, so if the lost copy
-        # turns up again (its host comes back) reconciliation stops it as an orphan.
-        ledger.close_interval(sandbox, ended_at)
-        Allocation.objects.filter(sandbox=sandbox, active=True).update(active=False, released_at=ended_at)
-        old_key = sandbox.allocation_key
-        sandbox.host, sandbox.allocation_key, sandbox.handle = None, "", None
-        sandbox.started_at = sandbox.placed_at = None
-        sandbox.save(update_fields=["host", "allocation_key", "handle", "started_at", "placed_at"])
-        _transition(sandbox, S.QUEUED, message=f"requeued: {reason}", data={"lost_allocation": old_key})
-        transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
-        return S.QUEUED
+        _release(sandbox, ended_at)
+        return _requeue(sandbox, f"requeued: {reason}")
+
+
+def _release(sandbox: Sandbox, at: datetime) -> None:
+    """Bill the run up to ``at`` and give its devices back (row lock held)."""
+    ledger.close_interval(sandbox, at)
+    Allocation.objects.filter(sandbox=sandbox, active=True).update(active=False, released_at=at)
+
+
+def _requeue(sandbox: Sandbox, message: str, data: dict[str, Any] | None = None) -> str:
+    """Put a released sandbox back in the queue, keeping its age. Its old allocation key
+    matches nothing any more, so a copy that turns up later is stopped as an orphan."""
+    old_key = sandbox.allocation_key
+    sandbox.host, sandbox.allocation_key, sandbox.handle = None, "", None
+    sandbox.started_at = sandbox.placed_at = None
+    sandbox.save(update_fields=["host", "allocation_key", "handle", "started_at", "placed_at"])
+    _transition(sandbox, S.QUEUED, message=message, data={**(data or {}), "lost_allocation": old_key})
+    transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
+    return S.QUEUED
 
 
 def _end_stopping(sandbox: Sandbox, ended_at: datetime, message: str, why: str = "") -> str:
@@ -395,8 +412,7 @@ def _end_stopping(sandbox: Sandbox, ended_at: datetime, message: str, why: str =
 
 def _end(sandbox: Sandbox, to: str, ended_at: datetime, message: str) -> None:
     """Close usage, release the devices and move to an end state (row lock held)."""
-    ledger.close_interval(sandbox, ended_at)
-    Allocation.objects.filter(sandbox=sandbox, active=True).update(active=False, released_at=ended_at)
+    _release(sandbox, ended_at)
     sandbox.ended_at = ended_at
     sandbox.save(update_fields=["ended_at"])
     _transition(sandbox, to, message=message)
@@ -503,8 +519,7 @@ def do_stop_moved(sandbox_id: int, plan_id: int, stopped_at: datetime | None, no
             message=f"stopped to move (fleet plan {plan_id})" + (f": {note}" if note else ""),
             data={"plan": plan_id},
         )
-        ledger.close_interval(sandbox, stopped_at)
-        Allocation.objects.filter(sandbox=sandbox, active=True).update(active=False, released_at=stopped_at)
+        _release(sandbox, stopped_at)
         sandbox.handle, sandbox.started_at = None, None
         sandbox.save(update_fields=["handle", "started_at"])
         return S.STOPPING
@@ -529,12 +544,7 @@ def do_relaunch_moved(sandbox_id: int, plan_id: int, target: MoveTarget | None, 
                 log.warning("sandbox %s: its new slot was taken (%s); requeued", sandbox_id, exc)
                 sandbox.refresh_from_db()
         reason = f"requeued: fleet plan {plan_id} left it no slot" + (f" ({note})" if note else "")
-        old_key = sandbox.allocation_key
-        sandbox.host, sandbox.allocation_key, sandbox.placed_at = None, "", None
-        sandbox.save(update_fields=["host", "allocation_key", "placed_at"])
-        _transition(sandbox, S.QUEUED, message=reason, data={"plan": plan_id, "lost_allocation": old_key})
-        transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
-        return S.QUEUED
+        return _requeue(sandbox, reason, {"plan": plan_id})
 
 
 # --- time limits ----------------------------------------------------------------------------
@@ -579,16 +589,16 @@ def _hours(delta: timedelta) -> str:
 def do_expire_overdue(now: datetime, warn_before: timedelta = timedelta(minutes=15)) -> list[int]:
     """Stop running sandboxes at their time limit (they end ``expired``), and tell owners
     ``warn_before`` ahead so they can extend. Returns the ids sent a stop."""
-    from portal.sandboxes.models import Notification
-
     expired: list[int] = []
-    running = Sandbox.objects.filter(state=S.RUNNING, started_at__isnull=False).values_list(
-        "pk", "started_at", "max_duration", "expiry_warned_at"
+    # Only those at or near their limit, chosen by the database: this runs every tick.
+    ends = ExpressionWrapper(F("started_at") + F("max_duration"), output_field=DateTimeField())
+    due = (
+        Sandbox.objects.filter(state=S.RUNNING, started_at__isnull=False)
+        .annotate(ends_at=ends)
+        .filter(Q(ends_at__lte=now) | Q(ends_at__lte=now + warn_before, expiry_warned_at__isnull=True))
+        .values_list("pk", "ends_at")
     )
-    for sandbox_id, started_at, max_duration, warned_at in list(running):
-        if started_at is None:
-            continue
-        ends_at: datetime = started_at + max_duration
+    for sandbox_id, ends_at in list(due):
         if ends_at <= now:
             with transaction.atomic():
                 sandbox = _locked(sandbox_id)
@@ -597,7 +607,7 @@ def do_expire_overdue(now: datetime, warn_before: timedelta = timedelta(minutes=
                 _transition(sandbox, S.STOPPING, message="time limit reached", data={"expired": True})
                 _send_stop_after_commit(sandbox)
             expired.append(sandbox_id)
-        elif ends_at - now <= warn_before and warned_at is None:
+        else:
             with transaction.atomic():
                 sandbox = _locked(sandbox_id)
                 if sandbox is None or sandbox.state != S.RUNNING or sandbox.expiry_warned_at is not None:
