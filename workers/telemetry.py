@@ -1,12 +1,15 @@
 """The one typed publisher of live samples (DESIGN.md seam 4), used by every sender.
 
 Messages go to the channel layer groups ``gpu.<uuid>``, ``sandbox.<id>`` and ``fleet``;
-``type`` names the consumer handler (``gpu.sample`` -> ``gpu_sample``).
+``type`` names the consumer handler (``gpu.sample`` -> ``gpu_sample``, ``alert.changed``
+-> ``alert_changed``).
 """
 
 from __future__ import annotations
 
-from typing import TypedDict
+import json
+import time
+from typing import Any, TypedDict
 
 from channels_redis.core import RedisChannelLayer
 
@@ -35,6 +38,29 @@ class GpuSampleMessage(TypedDict):
     throttle: list[str]
     simulated: bool
     sandboxes: dict[str, SandboxFigures]
+    # Beyond DESIGN.md's shape, for /metrics and alerts: board ECC counts, the last XID
+    # seen (0: none) and, for a MIG device's sample, its parent GPU's UUID ("" otherwise).
+    ecc_corrected: int
+    ecc_uncorrected: int
+    xid: int
+    parent: str
+
+
+class AlertMessage(TypedDict):
+    """An alert raised or cleared by an agent's rules (workers/alerts.py), sent live to the
+    subject's groups and to ``fleet``, and to the control worker which stores it."""
+
+    type: str  # "alert.changed"
+    key: str  # made when raised; the clearing carries the same key
+    state: str  # "raised" | "cleared"
+    kind: str  # temperature, throttle, xid, utilization, memory
+    host: str
+    gpu: str  # the GPU (a MIG device's parent) the alert is about
+    sandbox: int | None  # set for a sandbox's alert (its tier's thresholds)
+    value: float
+    threshold: float
+    message: str
+    t: int  # epoch ms at the agent
 
 
 def gpu_group(uuid: str) -> str:
@@ -46,7 +72,12 @@ def sandbox_group(sandbox_id: int | str) -> str:
 
 
 def sample_message(
-    sample: GpuSample, host: str, simulated: bool, sandboxes: dict[str, SandboxFigures]
+    sample: GpuSample,
+    host: str,
+    simulated: bool,
+    sandboxes: dict[str, SandboxFigures],
+    xid: int = 0,
+    parent: str = "",
 ) -> GpuSampleMessage:
     return GpuSampleMessage(
         type="gpu.sample",
@@ -62,6 +93,10 @@ def sample_message(
         throttle=list(sample.throttle),
         simulated=simulated,
         sandboxes=sandboxes,
+        ecc_corrected=sample.ecc_corrected,
+        ecc_uncorrected=sample.ecc_uncorrected,
+        xid=xid,
+        parent=parent,
     )
 
 
@@ -70,5 +105,40 @@ def make_layer(redis_url: str) -> RedisChannelLayer:
     return RedisChannelLayer(hosts=[redis_url], capacity=200, expiry=10)
 
 
-async def publish(layer: RedisChannelLayer, group: str, message: GpuSampleMessage) -> None:
+async def publish(layer: RedisChannelLayer, group: str, message: GpuSampleMessage | AlertMessage) -> None:
     await layer.group_send(group, dict(message))
+
+
+# The newest sample of every GPU and sampled MIG device, for /metrics: one Redis hash per
+# host (field: device UUID, value: the sample message as JSON), rewritten every tick and
+# expiring when its agent stops writing, so a silent host's figures vanish from the scrape.
+LATEST_PREFIX = "gpushare:telemetry:latest:"
+LATEST_TTL_S = 30
+
+
+def latest_key(host: str) -> str:
+    return f"{LATEST_PREFIX}{host}"
+
+
+async def store_latest(client: Any, host: str, messages: list[GpuSampleMessage]) -> None:
+    """``client`` is a ``redis.asyncio.Redis``; one round trip per tick."""
+    if not messages:
+        return
+    key = latest_key(host)
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(key, mapping={m["gpu"]: json.dumps(m) for m in messages})
+    pipe.expire(key, LATEST_TTL_S)
+    await pipe.execute()
+
+
+def read_latest(client: Any) -> dict[str, dict[str, Any]]:
+    """Every stored newest sample by device UUID; ``client`` is a sync ``redis.Redis``.
+    Samples older than LATEST_TTL_S (a host whose agent died mid-hash) are left out."""
+    cutoff_ms = (time.time() - LATEST_TTL_S) * 1000
+    latest: dict[str, dict[str, Any]] = {}
+    for key in client.scan_iter(match=f"{LATEST_PREFIX}*", count=500):
+        for uuid, raw in client.hgetall(key).items():
+            message = json.loads(raw)
+            if message.get("t", 0) >= cutoff_ms:
+                latest[uuid.decode() if isinstance(uuid, bytes) else uuid] = message
+    return latest
