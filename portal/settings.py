@@ -191,6 +191,13 @@ FAIRSHARE_HALF_LIFE_H = env_int("FAIRSHARE_HALF_LIFE_H", 168, minimum=1)
 MIG_AUTO_RELAYOUT_MAX_DISTURBED = env_int("MIG_AUTO_RELAYOUT_MAX_DISTURBED", 0, minimum=-1)
 # A fleet plan whose agents have not reported within this many seconds is given up.
 FLEET_PLAN_TIMEOUT_S = env_int("FLEET_PLAN_TIMEOUT_S", 900, minimum=30)
+# One-minute telemetry rollups older than this are deleted (the charts' longest history).
+TELEMETRY_RETENTION_DAYS = env_int("TELEMETRY_RETENTION_DAYS", 30, minimum=1)
+# Alert webhooks are signed with HMAC-SHA256 of the body under this secret (unset: unsigned).
+ALERT_WEBHOOK_SECRET = env_str("ALERT_WEBHOOK_SECRET", "")
+# Bearer token Prometheus scrapes /metrics with (METRICS_TOKEN_FILE: read from a file);
+# unset, only staff sessions may read /metrics.
+METRICS_TOKEN = env_str("METRICS_TOKEN", "")
 
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SESSION_COOKIE_HTTPONLY = True

@@ -9,7 +9,10 @@ from portal.accounts import views as accounts
 from portal.billing.api import SandboxViewSet, UsageRecordViewSet
 from portal.console import views as console
 from portal.sandboxes import views as sandboxes
+from portal.telemetry import pages as telemetry_pages
+from portal.telemetry import views as telemetry
 from portal.telemetry.health import healthz
+from portal.telemetry.metrics import metrics
 
 router = DefaultRouter()
 router.register("usage", UsageRecordViewSet, basename="usage")
@@ -18,6 +21,7 @@ router.register("sandboxes", SandboxViewSet, basename="sandbox")
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="sandbox-list", permanent=False)),
     path("healthz", healthz, name="healthz"),
+    path("metrics", metrics, name="metrics"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("sandboxes/", sandboxes.sandbox_list, name="sandbox-list"),
@@ -42,6 +46,16 @@ urlpatterns = [
     path("console/plans/consolidate/", console.start_consolidation, name="console-start-consolidation"),
     path("console/gpus/<str:uuid>/drain/", console.drain_gpu, name="console-drain-gpu"),
     path("console/gpus/<str:uuid>/undrain/", console.undrain_gpu, name="console-undrain-gpu"),
+    path("console/gpus/<str:uuid>/", telemetry_pages.gpu_page, name="console-gpu"),
+    path("console/heatmap/", telemetry_pages.heatmap, name="console-heatmap"),
+    path("telemetry/gpus/<str:uuid>/history/", telemetry.gpu_history, name="telemetry-gpu-history"),
+    path(
+        "telemetry/sandboxes/<int:pk>/history/",
+        telemetry.sandbox_history,
+        name="telemetry-sandbox-history",
+    ),
+    path("telemetry/fleet/history/", telemetry.fleet_history, name="telemetry-fleet-history"),
+    path("telemetry/alerts/", telemetry.alerts, name="telemetry-alerts"),
     path("admin/", admin.site.urls),
     path("api/v1/", include((router.urls, "api"), namespace="api")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from celery import signals
+from redis.asyncio import Redis as AsyncRedis
 
 from portal.billing.pricing import cost_micros
 from portal.env import env_int, env_str
 from workers import config, dispatch, moves, terminal_relay
+from workers.alerts import AlertTracker
 from workers.celery import app
 from workers.drivers import DRIVER_ISOLATION, make_driver
 from workers.drivers.base import DriverError, MpsShare, SandboxDriver, SandboxHandle, SandboxSpec
@@ -32,14 +34,18 @@ from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend, GpuInfo, GpuSample
 from workers.gpu.mig import MigManager
 from workers.gpu.mps import MpsError, MpsManager
+from workers.rollups import MinuteRollups
 from workers.telemetry import (
     FLEET_GROUP,
+    AlertMessage,
+    GpuSampleMessage,
     SandboxFigures,
     gpu_group,
     make_layer,
     publish,
     sample_message,
     sandbox_group,
+    store_latest,
 )
 
 log = logging.getLogger(__name__)
@@ -73,6 +79,9 @@ class Agent:
         # allocation id -> (t_ms, utilization %) samples of its devices, oldest first
         self._util: dict[str, deque[tuple[int, float]]] = {}
         self._overheating: set[str] = set()
+        self.rollups = MinuteRollups()
+        self.alerts = AlertTracker(host)
+        self._last_xid: dict[str, int] = {}  # GPU uuid -> the last XID it reported
 
     # --- inventory and liveness ------------------------------------------------------------
 
@@ -116,7 +125,14 @@ class Agent:
             ready, self._report_ready = self._report_ready, None
         owned, owned_ms = ready if ready is not None else (None, None)
         dispatch.to_control(
-            "agent_heartbeat", self.host, _now_ms(), self.backend.name, self.driver.name, owned, owned_ms
+            "agent_heartbeat",
+            self.host,
+            _now_ms(),
+            self.backend.name,
+            self.driver.name,
+            owned,
+            owned_ms,
+            self.alerts.version,
         )
 
     def _build_report(self) -> None:
@@ -322,11 +338,30 @@ class Agent:
                 self._overheating.discard(uuid)
         return events
 
-    def report_health(self, samples: dict[str, GpuSample]) -> None:
+    def report_health(
+        self, samples: dict[str, GpuSample], running: dict[str, SandboxSpec]
+    ) -> list[AlertMessage]:
+        """Faults go to the control worker (it drains the GPU); an XID also raises alerts for
+        the GPU and each sandbox on it, and is kept as the GPU's last XID for /metrics."""
         events = self.health_events(samples)
-        if events:
-            log.error("GPU faults on %s: %s", self.host, events)
-            dispatch.to_control("gpu_health", self.host, events)
+        if not events:
+            return []
+        log.error("GPU faults on %s: %s", self.host, events)
+        dispatch.to_control("gpu_health", self.host, events)
+        changes: list[AlertMessage] = []
+        parent_of = {m.uuid: g.uuid for g in self._gpus for m in g.mig_devices}
+        for event in events:
+            if event["kind"] != "xid" or not event.get("xid"):
+                continue
+            gpu_uuid = parent_of.get(event["uuid"], event["uuid"])
+            self._last_xid[gpu_uuid] = int(event["xid"])
+            on_gpu = [
+                spec.sandbox_id
+                for spec in running.values()
+                if any(parent_of.get(d, d) == gpu_uuid for d in spec.device_uuids)
+            ]
+            changes += self.alerts.note_xid(gpu_uuid, int(event["xid"]), int(event["t_ms"]), on_gpu)
+        return changes
 
     # --- telemetry ---------------------------------------------------------------------------
 
@@ -339,6 +374,7 @@ class Agent:
 
     async def sample_forever(self, interval_s: float, heartbeat_s: float) -> None:
         layer = make_layer(config.redis_url())
+        latest = AsyncRedis.from_url(config.redis_url())
         tick = 0
         next_beat = 0.0
         while not self._stop.is_set():
@@ -347,21 +383,30 @@ class Agent:
                 await asyncio.to_thread(self.heartbeat)
                 next_beat = started + heartbeat_s
             try:
-                await self._publish_all(layer, tick)
+                await self._publish_all(layer, tick, latest)
             except Exception:  # a bad sample must not stop the stream for every GPU
                 log.exception("sampling failed")
             tick += 1
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
-    async def _publish_all(self, layer: Any, tick: int) -> None:
+    async def _publish_all(self, layer: Any, tick: int, latest: Any) -> None:
+        """One tick: sample every GPU, stream it (GPU group, one tick in FLEET_EVERY the
+        fleet), then each sandbox's device to its group; fold everything into the minute's
+        rollups, run the alert rules, keep the newest samples for /metrics."""
         with self.lock:
             running = dict(self.running)
         now = _now_ms()
+        closed = self.rollups.roll(now)
+        if closed is not None:
+            await asyncio.to_thread(dispatch.to_control, "telemetry_rollups", self.host, closed)
         by_device: dict[str, list[tuple[str, SandboxSpec]]] = {}
         for key, spec in running.items():
             for device in spec.device_uuids:
                 by_device.setdefault(device, []).append((key, spec))
+        parent_of = {m.uuid: g.uuid for g in self._gpus for m in g.mig_devices}
         samples = {}  # a dedicated sandbox's device is its GPU: sample each device once a tick
+        newest: list[GpuSampleMessage] = []
+        changes: list[AlertMessage] = []
         for gpu in self._gpus:
             sample = samples[gpu.uuid] = self.backend.sample(gpu.uuid)
             on_gpu = {
@@ -375,25 +420,64 @@ class Agent:
                 )
                 for key, spec in on_gpu.items()
             }
-            message = sample_message(sample, self.host, self.backend.simulated, figures)
+            message = sample_message(
+                sample, self.host, self.backend.simulated, figures, self._last_xid.get(gpu.uuid, 0)
+            )
             await publish(layer, gpu_group(gpu.uuid), message)
             if tick % FLEET_EVERY == 0:
                 await publish(layer, FLEET_GROUP, message)
-        await asyncio.to_thread(self.report_health, samples)
+            newest.append(message)
+            self.rollups.add_gpu(message)
+            changes += self.alerts.observe_gpu(message, now)
+        changes += await asyncio.to_thread(self.report_health, samples, running)
         for device, holders in by_device.items():
             device_sample = samples.get(device) or self.backend.sample(device)
+            gpu_uuid = parent_of.get(device, device)
             for key, spec in holders:
                 self.note_util(key, now, device_sample.util_pct)
-                own = {
-                    str(spec.sandbox_id): self.figures(
-                        key, spec, now, self.memory_of(device_sample, key), device_sample.util_pct
-                    )
-                }
-                await publish(
-                    layer,
-                    sandbox_group(spec.sandbox_id),
-                    sample_message(device_sample, self.host, self.backend.simulated, own),
+                own_figures = self.figures(
+                    key, spec, now, self.memory_of(device_sample, key), device_sample.util_pct
                 )
+                xid = self._last_xid.get(gpu_uuid, 0)
+                own = sample_message(
+                    device_sample,
+                    self.host,
+                    self.backend.simulated,
+                    {str(spec.sandbox_id): own_figures},
+                    xid,
+                    parent_of.get(device, ""),
+                )
+                await publish(layer, sandbox_group(spec.sandbox_id), own)
+                if device != spec.device_uuids[0]:
+                    continue  # a multi-GPU sandbox is rolled up and judged by its first GPU
+                self.rollups.add_sandbox(str(spec.sandbox_id), own_figures, own)
+                limit = spec.mps.memory_mib if spec.mps else device_sample.mem_total_mib
+                changes += self.alerts.observe_sandbox(
+                    spec.sandbox_id, spec.tier, gpu_uuid, own, own_figures["mem_mib"], limit, now
+                )
+            if device in parent_of:
+                newest.append(own)  # a MIG device's own figures, for /metrics
+        live = {f"gpu:{g.uuid}" for g in self._gpus} | {f"sandbox:{s.sandbox_id}" for s in running.values()}
+        changes += self.alerts.forget(live, now)
+        await store_latest(latest, self.host, newest)
+        if changes:
+            await self._publish_alerts(layer, changes)
+
+    async def _publish_alerts(self, layer: Any, changes: list[AlertMessage]) -> None:
+        """Live to the subject's groups and the fleet; stored by the control worker."""
+        for change in changes:
+            groups = {FLEET_GROUP, gpu_group(change["gpu"])}
+            if change["sandbox"] is not None:
+                groups.add(sandbox_group(change["sandbox"]))
+            for group in groups:
+                await publish(layer, group, change)
+        log.warning("alerts on %s: %s", self.host, [(c["state"], c["message"]) for c in changes])
+        await asyncio.to_thread(dispatch.to_control, "telemetry_alerts", self.host, changes)
+
+    def set_alert_policy(self, policy: dict[str, Any]) -> None:
+        with self.lock:
+            self.alerts.set_policy(policy)
+        log.info("agent %s: alert policy %s", self.host, self.alerts.version)
 
     def note_util(self, allocation_id: str, t_ms: int, util_pct: float) -> None:
         window = self._util.setdefault(allocation_id, deque())
@@ -415,6 +499,8 @@ class Agent:
         interval = env_int("SAMPLE_INTERVAL_MS", 1000, minimum=50) / 1000
         heartbeat = float(env_int("AGENT_HEARTBEAT_S", 5, minimum=1))
         self.report_inventory()
+        # Alerts this host raised before a restart can no longer clear themselves.
+        dispatch.to_control("telemetry_agent_started", self.host)
         threading.Thread(
             target=lambda: asyncio.run(self.sample_forever(interval, heartbeat)),
             name="agent-sampler",
@@ -448,6 +534,11 @@ def get_agent() -> Agent:
 @app.task(name="workers.agent.launch_sandbox", ignore_result=True)
 def launch_sandbox(spec: dict[str, Any]) -> None:
     get_agent().launch(SandboxSpec.from_json(spec))
+
+
+@app.task(name="workers.agent.set_alert_policy", ignore_result=True)
+def set_alert_policy(policy: dict[str, Any]) -> None:
+    get_agent().set_alert_policy(policy)
 
 
 @app.task(name="workers.agent.report_inventory", ignore_result=True)

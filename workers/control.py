@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import urllib.error
+import urllib.request
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -31,6 +33,17 @@ from portal.sandboxes import actions  # noqa: E402
 from portal.sandboxes.culling import do_cull_idle  # noqa: E402
 from portal.sandboxes.models import Sandbox, SandboxState  # noqa: E402
 from portal.sandboxes.scheduling import schedule_once  # noqa: E402
+from portal.telemetry.alerts import (  # noqa: E402
+    alert_policy,
+    do_close_host_alerts,
+    do_record_alerts,
+    note_delivery,
+    signature,
+    webhook_body,
+)
+from portal.telemetry.alerts import secret as alert_secret  # noqa: E402
+from portal.telemetry.models import Alert  # noqa: E402
+from portal.telemetry.rollups import do_purge_rollups, do_store_rollups  # noqa: E402
 from workers import dispatch  # noqa: E402
 from workers.celery import app  # noqa: E402
 from workers.config import CONTROL_HEARTBEAT_KEY  # noqa: E402
@@ -67,7 +80,14 @@ def tick() -> None:
     auto_relayout()
     do_cull_idle(timezone.now())
     actions.do_expire_overdue(timezone.now())
+    purge_telemetry(timezone.now())
     schedule_cycle()
+
+
+def purge_telemetry(now: datetime) -> None:
+    """Rollups past the retention, at most once an hour whatever the number of workers."""
+    if _redis().set("gpushare:telemetry:purged", int(now.timestamp()), nx=True, ex=3600):
+        do_purge_rollups(now)
 
 
 def mark_lost_hosts(now: datetime) -> int:
@@ -107,9 +127,11 @@ def agent_heartbeat(
     driver: str,
     owned: list[dict[str, Any]] | None = None,
     owned_ms: int | None = None,
+    alerts_version: str | None = None,
 ) -> None:
     """A beat, with the agent's report of what it runs (listed from ``owned_ms``): the
-    database is repaired to match."""
+    database is repaired to match. An agent holding other alert thresholds than the
+    current ones (or none yet) is sent them."""
     was = Host.objects.filter(name=host).values_list("state", flat=True).first()
     if not do_heartbeat(host, from_ms(t_ms), backend, driver):
         log.warning("heartbeat from unknown host %s ignored (no inventory yet)", host)
@@ -121,6 +143,10 @@ def agent_heartbeat(
         dispatch.to_host(host, "report_inventory")
     if owned is not None:
         do_reconcile_host(host, from_ms(owned_ms or t_ms), owned)
+    if alerts_version is not None:
+        policy = alert_policy()
+        if policy["version"] != alerts_version:
+            dispatch.to_host(host, "set_alert_policy", policy)
 
 
 @app.task(name="workers.control.agent_inventory", ignore_result=True)
@@ -165,6 +191,67 @@ def sandbox_launch_failed(sandbox_id: int, allocation_key: str, message: str) ->
 @app.task(name="workers.control.sandbox_stopped", ignore_result=True)
 def sandbox_stopped(allocation_key: str, ended_ms: int, message: str = "stopped") -> None:
     actions.do_mark_stopped(allocation_key, from_ms(ended_ms), message)
+
+
+# --- telemetry ---------------------------------------------------------------------------
+
+
+@app.task(name="workers.control.telemetry_rollups", ignore_result=True)
+def telemetry_rollups(host: str, payload: dict[str, Any]) -> None:
+    do_store_rollups(host, payload)
+
+
+@app.task(name="workers.control.telemetry_alerts", ignore_result=True)
+def telemetry_alerts(host: str, changes: list[dict[str, Any]]) -> None:
+    do_record_alerts(host, changes)
+
+
+@app.task(name="workers.control.telemetry_agent_started", ignore_result=True)
+def telemetry_agent_started(host: str) -> None:
+    closed = do_close_host_alerts(host, "agent restarted")
+    if closed:
+        log.info(
+            "agent %s restarted: %d open alerts closed (it raises again what is still true)", host, closed
+        )
+
+
+class WebhookFailed(Exception):
+    pass
+
+
+@app.task(
+    name="workers.control.deliver_alert_webhook",
+    ignore_result=True,
+    autoretry_for=(WebhookFailed,),
+    retry_backoff=5,
+    retry_backoff_max=900,
+    retry_jitter=True,
+    max_retries=8,
+)
+def deliver_alert_webhook(alert_id: int, state: str, url: str) -> None:
+    """POST the alert, signed; a failure (network, non-2xx) retries with backoff, about an
+    hour in all, and the alert shows the last outcome."""
+    alert = Alert.objects.select_related("host", "gpu").filter(pk=alert_id).first()
+    if alert is None or not url.startswith(("http://", "https://")):
+        return
+    body = webhook_body(alert, state)
+    headers = {"Content-Type": "application/json", "User-Agent": "gpushare-alerts"}
+    if alert_secret():
+        headers["X-Gpushare-Signature"] = signature(body, alert_secret())
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310 - scheme checked
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310 - scheme checked
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except (urllib.error.URLError, OSError) as exc:
+        note_delivery(alert_id, f"{state}: {url} unreachable ({exc})")
+        log.warning("alert webhook %s for alert %s failed: %s", url, alert_id, exc)
+        raise WebhookFailed(str(exc)) from exc
+    note_delivery(alert_id, f"{state}: {url} answered {status}")
+    if not 200 <= status < 300:
+        log.warning("alert webhook %s for alert %s answered %s", url, alert_id, status)
+        raise WebhookFailed(f"HTTP {status}")
 
 
 def _beat_forever(stop: threading.Event) -> None:

@@ -235,6 +235,7 @@ class Notification(models.Model):
         FAILED = "failed", "Failed"
         DRAINED = "drained", "GPU drained"
         QUOTA = "quota", "Quota"
+        ALERT = "alert", "Alert"
 
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notifications")
     sandbox = models.ForeignKey(

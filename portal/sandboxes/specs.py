@@ -34,4 +34,5 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         env={"GPUSHARE_SANDBOX_ID": str(sandbox.pk), "GPUSHARE_PROJECT": sandbox.project.slug},
         milli_gpu=sum(a.milli_gpu for a in allocations),
         price_per_gpu_hour_micros=tier.price_per_gpu_hour_micros,
+        tier=tier.slug,
     )

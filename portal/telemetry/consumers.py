@@ -1,39 +1,113 @@
 """WebSocket consumers for live samples. Permission is checked once, at subscribe;
-a refused subscription is accepted and closed with 4403 so the browser sees why."""
+a refused subscription is accepted and closed with 4403 so the browser sees why.
+
+A slow client never builds a backlog: the channel-layer handlers only replace the newest
+unsent sample of each device and wake a sender task, which writes what is newest whenever
+the socket can take more (the ASGI server holds ``send`` while the client's TCP window is
+full). So a client that stops reading costs one sample per device it watches, the channel
+layer is drained at the agents' pace whatever the clients do, and an agent's ``group_send``
+never waits on a browser. Alerts are few and each matters: they queue (bounded) instead.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import re
+from collections import deque
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
-from django.db.models import Q
 
-from portal.accounts.access import visible_projects
-from portal.sandboxes.models import Allocation, Sandbox
+from portal.telemetry.access import may_watch_fleet, may_watch_gpu, may_watch_sandbox
 from workers.telemetry import FLEET_GROUP, gpu_group, sandbox_group
 
+log = logging.getLogger(__name__)
 FORBIDDEN = 4403
+ALERT_BACKLOG = 100  # alerts kept for a client that is not reading; older ones are dropped
+MAX_INTERVAL_MS = 60_000
+# GPU-… and MIG-… UUIDs, simulated ones included; anything else is no group name to add.
+DEVICE_UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,79}")
 
 
 class _SampleConsumer(AsyncJsonWebsocketConsumer):
     group: str = ""
 
+    def init_stream(self) -> None:
+        self._latest: dict[str, dict[str, Any]] = {}  # device uuid -> newest unsent sample
+        self._alerts: deque[dict[str, Any]] = deque(maxlen=ALERT_BACKLOG)
+        self._wake = asyncio.Event()
+        self._interval_s = 0.0
+        self._interval_changed = asyncio.Event()
+        self._sender: asyncio.Task[None] | None = None
+        self.coalesced = 0  # samples replaced before they were sent (for tests and logs)
+
+    def start_sender(self) -> None:
+        self._sender = asyncio.create_task(self._send_forever())
+
     async def connect(self) -> None:
+        self.init_stream()
         await self.accept()
         group = await database_sync_to_async(self.authorize)(self.scope.get("user"))
         if group is None:
             await self.close(code=FORBIDDEN)
             return
         self.group = group
+        self.start_sender()
         await self.channel_layer.group_add(group, self.channel_name)
 
     async def disconnect(self, code: int) -> None:
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
+        if self._sender is not None:
+            self._sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sender
 
     async def gpu_sample(self, event: dict[str, Any]) -> None:
-        await self.send_json(event)
+        if self._latest.pop(event["gpu"], None) is not None:
+            self.coalesced += 1
+        self._latest[event["gpu"]] = event
+        self._wake.set()
+
+    async def alert_changed(self, event: dict[str, Any]) -> None:
+        self._alerts.append(event)
+        self._wake.set()
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        """``{"action": "interval", "ms": N}``: at most one sample per device every N ms
+        (a hidden tab asks for fewer); anything else is answered with an error message."""
+        if isinstance(content, dict) and content.get("action") == "interval":
+            ms = content.get("ms")
+            if isinstance(ms, int) and not isinstance(ms, bool) and 0 <= ms <= MAX_INTERVAL_MS:
+                self._interval_s = ms / 1000
+                self._interval_changed.set()  # a shown tab must not wait out the hidden pace
+                self._wake.set()
+                return
+            await self.send_json({"type": "error", "field": "ms", "detail": f"0 to {MAX_INTERVAL_MS}"})
+            return
+        await self.send_json({"type": "error", "field": "action", "detail": "only 'interval' is understood"})
+
+    async def _send_forever(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._alerts:
+                    await self.send_json(self._alerts.popleft())
+                batch, self._latest = self._latest, {}
+                for message in batch.values():
+                    await self.send_json(message)
+                if self._interval_s:
+                    self._interval_changed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._interval_changed.wait(), self._interval_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the socket went away mid-send: disconnect() follows
+            log.debug("telemetry sender for %s stopped", self.channel_name, exc_info=True)
 
     def authorize(self, user: Any) -> str | None:
         raise NotImplementedError
@@ -41,29 +115,18 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
 
 class SandboxSamples(_SampleConsumer):
     def authorize(self, user: Any) -> str | None:
-        if user is None or not user.is_authenticated:
-            return None
         sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
-        visible = Sandbox.objects.filter(pk=sandbox_id, project__in=visible_projects(user)).exists()
-        return sandbox_group(sandbox_id) if visible else None
+        return sandbox_group(sandbox_id) if may_watch_sandbox(user, sandbox_id) else None
 
 
 class GpuSamples(_SampleConsumer):
     def authorize(self, user: Any) -> str | None:
-        if user is None or not user.is_authenticated:
-            return None
         uuid = self.scope["url_route"]["kwargs"]["uuid"]
-        if user.is_staff:
-            return gpu_group(uuid)
-        # A member sees a GPU while a sandbox of one of their projects holds it.
-        holds = Allocation.objects.filter(
-            Q(device_uuid=uuid) | Q(gpu__uuid=uuid),
-            active=True,
-            sandbox__project__in=visible_projects(user),
-        ).exists()
-        return gpu_group(uuid) if holds else None
+        if not DEVICE_UUID.fullmatch(uuid):
+            return None
+        return gpu_group(uuid) if may_watch_gpu(user, uuid) else None
 
 
 class FleetSamples(_SampleConsumer):
     def authorize(self, user: Any) -> str | None:
-        return FLEET_GROUP if user is not None and user.is_authenticated and user.is_staff else None
+        return FLEET_GROUP if may_watch_fleet(user) else None

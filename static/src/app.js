@@ -1,9 +1,12 @@
-// Browser entry point: htmx for partial updates, uPlot for live GPU charts.
+// Browser entry point: htmx for partial updates, uPlot for live GPU charts, a canvas heatmap
+// of the fleet, live alert panels.
 import htmx from "htmx.org";
 import { mountGpuCharts } from "./gpu-chart.js";
 import { wireRequestForm } from "./request-form.js";
 import { mountTerminal } from "./terminal.js";
 import { mountFleetLive } from "./fleet-live.js";
+import { mountHeatmap } from "./heatmap.js";
+import { mountAlerts } from "./alerts.js";
 
 window.htmx = htmx;
 
@@ -16,4 +19,7 @@ document.addEventListener("DOMContentLoaded", () => {
   if (terminal) mountTerminal(terminal);
   const fleet = document.querySelector("[data-fleet-live]");
   if (fleet) mountFleetLive(fleet.dataset.fleetLive);
+  const heatmap = document.getElementById("heatmap");
+  if (heatmap) mountHeatmap(heatmap);
+  document.querySelectorAll("[data-alerts]").forEach((panel) => mountAlerts(panel));
 });

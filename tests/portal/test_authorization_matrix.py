@@ -59,6 +59,8 @@ def staff_only(status: Any, anonymous: Any = (302, ADMIN_LOGIN)) -> dict[str, An
 
 route("GET", "/", all=(302, "elsewhere"))
 route("GET", "/login/", all=200)
+# Prometheus brings a bearer token (tests/portal/test_metrics.py); people need staff.
+route("GET", "/metrics", **signed_in(403, anonymous=401, admin=200))
 route("GET", "/sandboxes/", **signed_in(200))
 route("GET", "/sandboxes/new/", **signed_in(200))
 route("POST", "/sandboxes/preview/", **signed_in(200))
@@ -90,6 +92,14 @@ route("POST", "/console/plans/mig/", **staff_only(400))  # an empty form: errors
 route("POST", "/console/plans/consolidate/", **staff_only(400))  # nothing to consolidate
 route("POST", "/console/gpus/{gpu}/drain/", **staff_only((302, "elsewhere")))
 route("POST", "/console/gpus/{gpu}/undrain/", **staff_only((302, "elsewhere")))
+route("GET", "/console/gpus/{gpu}/", **staff_only(200))
+route("GET", "/console/heatmap/", **staff_only(200))
+# Chart history and alerts grant what the matching WebSocket grants: a sandbox's members,
+# a GPU's admins (or members while their sandbox holds it; {gpu} is a free one), the fleet's staff.
+route("GET", "/telemetry/sandboxes/{sandbox}/history/", **signed_in(200, outsider=403))
+route("GET", "/telemetry/gpus/{gpu}/history/", **signed_in(403, admin=200))
+route("GET", "/telemetry/fleet/history/", **signed_in(403, admin=200))
+route("GET", "/telemetry/alerts/", **signed_in(403, admin=200))
 route("GET", "/admin/", **staff_only(200))
 route("GET", "/api/v1/", **signed_in(200, anonymous=401))
 route("GET", "/api/v1/usage/", **signed_in(200, anonymous=401))

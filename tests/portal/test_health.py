@@ -107,12 +107,12 @@ def test_agent_reports_injected_faults_and_overheat(tmp_path: Path, sent_tasks: 
     backend.inject_xid(first, 48)
     samples = {uuid: backend.sample(uuid) for uuid in (first, second)}
     hot = samples[second].__class__(**{**vars(samples[second]), "temp_c": agent.temp_limit_c + 3})
-    agent.report_health({first: samples[first], second: hot})
+    agent.report_health({first: samples[first], second: hot}, {})
     [(queue, _task, (host, events))] = [t for t in sent_tasks if t[1] == "gpu_health"]
     assert queue == "control" and host == "h"
     assert {(e["uuid"], e["kind"]) for e in events} == {(first, "xid"), (second, "overheat")}
     sent_tasks.clear()
-    agent.report_health({second: hot})  # still hot: reported once until it cools down
+    agent.report_health({second: hot}, {})  # still hot: reported once until it cools down
     assert not [t for t in sent_tasks if t[1] == "gpu_health"]
 
 

@@ -42,6 +42,7 @@ class SandboxSpec:
     # Metering facts so the agent can stream the running cost with each sample.
     milli_gpu: int = 0
     price_per_gpu_hour_micros: int = 0
+    tier: str = ""  # the tier's slug: its alert thresholds apply to this sandbox
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,223 @@
+"""History for the charts (from the one-minute rollups) and the alerts panel, as JSON.
+
+Each endpoint grants exactly what the matching WebSocket grants (portal/telemetry/access.py).
+A window is given in minutes, 1 to the retention; anything else is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.decorators import login_required
+from django.db.models import QuerySet
+from django.http import HttpRequest, JsonResponse
+from django.utils import timezone
+from django.views.decorators.http import require_GET
+
+from portal.fleet.models import Gpu
+from portal.sandboxes.models import Sandbox
+from portal.telemetry.access import may_watch_fleet, may_watch_gpu, may_watch_sandbox
+from portal.telemetry.models import Alert, GpuRollup, SandboxRollup
+
+DEFAULT_MINUTES = 60
+FLEET_METRICS = {
+    "util_pct": "util_mean_pct",
+    "temp_c": "temp_mean_c",
+    "power_w": "power_mean_w",
+    "mem_pct": None,  # mem_mean_mib / mem_total_mib
+}
+RECENT_CLEARED = 20
+
+
+class BadParameter(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _bad(exc: BadParameter) -> JsonResponse:
+    return JsonResponse({exc.field: [str(exc)]}, status=400)
+
+
+def _forbidden() -> JsonResponse:
+    return JsonResponse({"detail": "You may not watch this."}, status=403)
+
+
+def _minutes(request: HttpRequest) -> int:
+    raw = request.GET.get("minutes", str(DEFAULT_MINUTES))
+    limit = settings.TELEMETRY_RETENTION_DAYS * 24 * 60
+    if not raw.isdigit() or not 1 <= int(raw) <= limit:
+        raise BadParameter("minutes", f"A whole number of minutes from 1 to {limit} (the retention).")
+    return int(raw)
+
+
+def _since(minutes: int) -> datetime:
+    now = timezone.now().replace(second=0, microsecond=0)
+    return now - timedelta(minutes=minutes)
+
+
+def _epoch_s(at: datetime) -> int:
+    return int(at.timestamp())
+
+
+def _triple(rows: list[dict[str, Any]], prefix: str, suffix: str) -> dict[str, list[float]]:
+    return {k: [r[f"{prefix}_{k}_{suffix}"] for r in rows] for k in ("min", "mean", "max")}
+
+
+@login_required
+@require_GET
+def gpu_history(request: HttpRequest, uuid: str) -> JsonResponse:
+    if not may_watch_gpu(request.user, uuid):
+        return _forbidden()
+    try:
+        minutes = _minutes(request)
+    except BadParameter as exc:
+        return _bad(exc)
+    gpu = Gpu.objects.filter(uuid=uuid).only("pk", "memory_mib").first()
+    rows: list[dict[str, Any]] = []
+    if gpu is not None:
+        rows = [
+            dict(r)
+            for r in GpuRollup.objects.filter(gpu=gpu, minute__gte=_since(minutes))
+            .order_by("minute")
+            .values()
+        ]
+    return JsonResponse(
+        {
+            "gpu": uuid,
+            "minutes": minutes,
+            "t": [_epoch_s(r["minute"]) for r in rows],
+            "temp_c": _triple(rows, "temp", "c"),
+            "util_pct": _triple(rows, "util", "pct"),
+            "mem_used_mib": _triple(rows, "mem", "mib"),
+            "power_w": _triple(rows, "power", "w"),
+            "mem_total_mib": rows[-1]["mem_total_mib"] if rows else (gpu.memory_mib if gpu else 0),
+        }
+    )
+
+
+@login_required
+@require_GET
+def sandbox_history(request: HttpRequest, pk: int) -> JsonResponse:
+    sandbox_id = pk
+    if not may_watch_sandbox(request.user, sandbox_id):
+        return _forbidden()
+    try:
+        minutes = _minutes(request)
+    except BadParameter as exc:
+        return _bad(exc)
+    currency = Sandbox.objects.filter(pk=sandbox_id).values_list("tier__currency", flat=True).first()
+    rows: list[dict[str, Any]] = [
+        dict(r)
+        for r in SandboxRollup.objects.filter(sandbox_id=sandbox_id, minute__gte=_since(minutes))
+        .order_by("minute")
+        .values()
+    ]
+    return JsonResponse(
+        {
+            "sandbox": sandbox_id,
+            "minutes": minutes,
+            "t": [_epoch_s(r["minute"]) for r in rows],
+            "util_pct": _triple(rows, "util", "pct"),
+            "mem_mib": _triple(rows, "mem", "mib"),
+            "temp_max_c": [r["temp_max_c"] for r in rows],
+            "power_mean_w": [r["power_mean_w"] for r in rows],
+            "cost_micros": [r["cost_micros"] for r in rows],
+            "currency": currency or "",
+        }
+    )
+
+
+@login_required
+@require_GET
+def fleet_history(request: HttpRequest) -> JsonResponse:
+    """Every GPU's per-minute mean of one metric, for the fleet heatmap: one query for the
+    rollups and one for the GPUs, whatever the fleet's size."""
+    if not may_watch_fleet(request.user):
+        return _forbidden()
+    try:
+        minutes = _minutes(request)
+        metric = request.GET.get("metric", "util_pct")
+        if metric not in FLEET_METRICS:
+            raise BadParameter("metric", f"One of {', '.join(FLEET_METRICS)}.")
+    except BadParameter as exc:
+        return _bad(exc)
+    since = _since(minutes)
+    column = FLEET_METRICS[metric]
+    fields = ["gpu_id", "minute", column] if column else ["gpu_id", "minute", "mem_mean_mib", "mem_total_mib"]
+    minutes_axis = [since + timedelta(minutes=i) for i in range(minutes + 1)]
+    slot = {_epoch_s(m): i for i, m in enumerate(minutes_axis)}
+    values: dict[int, list[float | None]] = {}
+    for row in GpuRollup.objects.filter(minute__gte=since).values_list(*fields):
+        series = values.setdefault(row[0], [None] * len(minutes_axis))
+        index = slot.get(_epoch_s(row[1]))
+        if index is not None:
+            value = row[2] if column else round(100 * row[2] / max(1, row[3]), 1)
+            series[index] = value
+    gpus = Gpu.objects.select_related("host").order_by("host__name", "index")
+    return JsonResponse(
+        {
+            "metric": metric,
+            "minutes": minutes,
+            "t": [_epoch_s(m) for m in minutes_axis],
+            "gpus": [
+                {
+                    "uuid": g.uuid,
+                    "host": g.host.name,
+                    "index": g.index,
+                    "model": g.model or g.name,
+                    "simulated": g.host.simulated,
+                    "values": values.get(g.pk, [None] * len(minutes_axis)),
+                }
+                for g in gpus
+            ],
+        }
+    )
+
+
+def alert_json(alert: Alert) -> dict[str, Any]:
+    return {
+        "key": alert.key,
+        "kind": alert.kind,
+        "state": "raised" if alert.cleared_at is None else "cleared",
+        "message": alert.message,
+        "value": alert.value,
+        "threshold": alert.threshold,
+        "host": alert.host.name,
+        "gpu": alert.gpu.uuid if alert.gpu else "",
+        "sandbox": alert.sandbox_id,
+        "raised_at": alert.raised_at.isoformat(),
+        "cleared_at": alert.cleared_at.isoformat() if alert.cleared_at else None,
+    }
+
+
+@login_required
+@require_GET
+def alerts(request: HttpRequest) -> JsonResponse:
+    """Open alerts, then the most recent cleared ones, of a sandbox, of a GPU (its own and
+    its sandboxes'), or (staff, no filter) of the whole fleet."""
+    sandbox_id = request.GET.get("sandbox")
+    uuid = request.GET.get("gpu")
+    scope: QuerySet[Alert]
+    if sandbox_id is not None:
+        if not sandbox_id.isdigit():
+            return _bad(BadParameter("sandbox", "A sandbox id."))
+        if not may_watch_sandbox(request.user, sandbox_id):
+            return _forbidden()
+        # The sandbox's own alerts: its device's conditions under its tier's rules, exactly
+        # what its live stream carries (the GPU's fleet alerts are the admins' view).
+        scope = Alert.objects.filter(sandbox_id=sandbox_id)
+    elif uuid is not None:
+        if not may_watch_gpu(request.user, uuid):
+            return _forbidden()
+        scope = Alert.objects.filter(gpu__uuid=uuid)
+    else:
+        if not may_watch_fleet(request.user):
+            return _forbidden()
+        scope = Alert.objects.all()
+    scope = scope.select_related("host", "gpu")
+    open_alerts = list(scope.filter(cleared_at__isnull=True).order_by("-raised_at")[:200])
+    cleared = list(scope.filter(cleared_at__isnull=False).order_by("-cleared_at")[:RECENT_CLEARED])
+    return JsonResponse({"alerts": [alert_json(a) for a in open_alerts + cleared]})

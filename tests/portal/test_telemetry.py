@@ -1,0 +1,210 @@
+"""The control side of telemetry: rollups stored once and purged after the retention, the
+history endpoints behind the WebSockets' permission, alerts recorded once, notified,
+pushed to agents as a policy and delivered to a signed webhook."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.server
+import json
+import threading
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from portal.fleet.models import Gpu
+from portal.sandboxes.models import Notification
+from portal.telemetry.alerts import alert_policy, do_record_alerts
+from portal.telemetry.models import Alert, AlertPolicy, GpuRollup, SandboxRollup
+from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
+from tests.portal.helpers import client_for, place_all, request
+
+
+@pytest.fixture
+def sandbox(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> Any:
+    box = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+    place_all()
+    box.refresh_from_db()
+    return box
+
+
+def minute_payload(minute: datetime, gpu_uuid: str, sandbox_id: int, temp: float = 60.0) -> dict[str, Any]:
+    return {
+        "minute": int(minute.timestamp()),
+        "gpus": {
+            gpu_uuid: {
+                "samples": 60, "temp_c": [temp - 5, temp, temp + 5], "util_pct": [10.0, 50.0, 90.0],
+                "mem_mib": [1000, 2000, 3000], "mem_total_mib": 81559, "power_w": [100.0, 200.0, 300.0],
+                "sm_clock_mean_mhz": 1700, "throttled": 3,
+            },
+            "GPU-unknown": {"samples": 1},  # not ours: skipped, not an error
+        },
+        "sandboxes": {
+            str(sandbox_id): {
+                "samples": 60, "mem_mib": [900, 1000, 1100], "util_pct": [40.0, 50.0, 60.0],
+                "temp_max_c": temp + 5, "power_mean_w": 200.0, "cost_micros": 12345,
+            }
+        },
+    }  # fmt: skip
+
+
+def this_minute(minus: int = 0) -> datetime:
+    return timezone.now().replace(second=0, microsecond=0) - timedelta(minutes=minus)
+
+
+def test_rollups_are_stored_once_and_purged_after_the_retention(sandbox: Any, settings: Any) -> None:
+    gpu = sandbox.allocations.get().gpu
+    host, other = gpu.host.name, ({"h100", "a100"} - {gpu.host.name}).pop()
+    minute = this_minute(2)
+    assert do_store_rollups(host, minute_payload(minute, gpu.uuid, sandbox.pk)) == (1, 1)
+    # Redelivered, with a later figure: the same rows, rewritten.
+    assert do_store_rollups(host, minute_payload(minute, gpu.uuid, sandbox.pk, temp=70.0)) == (1, 1)
+    row = GpuRollup.objects.get()
+    assert (row.minute, row.temp_max_c, row.throttled_samples, row.samples) == (minute, 75.0, 3, 60)
+    assert SandboxRollup.objects.get().cost_micros == 12345
+    # From another host, the GPU is not its: nothing written.
+    assert do_store_rollups(other, minute_payload(minute, gpu.uuid, 999999)) == (0, 0)
+    settings.TELEMETRY_RETENTION_DAYS = 1
+    old = datetime(2020, 1, 1, tzinfo=UTC)
+    do_store_rollups(host, minute_payload(old, gpu.uuid, sandbox.pk))
+    assert do_purge_rollups(timezone.now()) == 2
+    assert GpuRollup.objects.count() == 1 and SandboxRollup.objects.count() == 1
+
+
+def test_history_endpoints_follow_the_streams_permissions(people: Any, sandbox: Any) -> None:
+    gpu = sandbox.allocations.get().gpu
+    for back in (3, 2, 1):
+        do_store_rollups(
+            gpu.host.name, minute_payload(this_minute(back), gpu.uuid, sandbox.pk, temp=50.0 + back)
+        )
+    member = client_for(people["member"])
+    history = member.get(f"/telemetry/sandboxes/{sandbox.pk}/history/?minutes=10").json()
+    assert len(history["t"]) == 3 and history["cost_micros"] == [12345] * 3
+    assert history["mem_mib"]["max"] == [1100] * 3 and history["currency"] == sandbox.tier.currency
+    gpu_history = member.get(f"/telemetry/gpus/{gpu.uuid}/history/").json()
+    assert gpu_history["temp_c"]["mean"] == [53.0, 52.0, 51.0] and gpu_history["mem_total_mib"] == 81559
+    outsider = client_for(people["outsider"])
+    assert outsider.get(f"/telemetry/sandboxes/{sandbox.pk}/history/").status_code == 403
+    assert outsider.get(f"/telemetry/gpus/{gpu.uuid}/history/").status_code == 403
+    assert member.get("/telemetry/fleet/history/").status_code == 403
+    bad = member.get(f"/telemetry/gpus/{gpu.uuid}/history/?minutes=-5")
+    assert bad.status_code == 400 and "minutes" in bad.json()
+    admin = client_for(people["admin"])
+    fleet = admin.get("/telemetry/fleet/history/?minutes=5&metric=mem_pct").json()
+    row = next(g for g in fleet["gpus"] if g["uuid"] == gpu.uuid)
+    assert len(fleet["t"]) == 6 and round(row["values"][2], 1) == round(100 * 2000 / 81559, 1)
+    assert len(fleet["gpus"]) == Gpu.objects.count()
+    assert admin.get("/telemetry/fleet/history/?metric=fan").json() == {
+        "metric": ["One of util_pct, temp_c, power_w, mem_pct."]
+    }
+
+
+def change(state: str, key: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "type": "alert.changed", "key": key, "state": state, "kind": "temperature", "host": "h100",
+        "gpu": extra.pop("gpu", ""), "sandbox": None, "value": 88.0, "threshold": 85.0,
+        "message": "GPU hot", "t": 1_700_000_000_000, **extra,
+    }  # fmt: skip
+
+
+def test_alerts_are_recorded_once_notified_and_listed(
+    people: Any, sandbox: Any, sent_tasks: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    gpu = sandbox.allocations.get().gpu
+    AlertPolicy.objects.filter(tier__isnull=True).update(webhook_url="http://127.0.0.1:9/hook")
+    raised = [change("raised", "k1", gpu=gpu.uuid), change("raised", "k2", gpu=gpu.uuid, sandbox=sandbox.pk)]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert [s for _, s in do_record_alerts("h100", raised)] == ["raised", "raised"]
+        assert do_record_alerts("h100", raised) == []  # redelivered: nothing new
+    assert Alert.objects.filter(cleared_at__isnull=True).count() == 2
+    assert Notification.objects.filter(user=people["owner"], kind="alert").count() == 1
+    webhooks = [t for t in sent_tasks if t[1] == "deliver_alert_webhook"]
+    assert len(webhooks) == 2 and webhooks[0][2][2] == "http://127.0.0.1:9/hook"
+    do_record_alerts("h100", [change("cleared", "k1", message="cleared: back to normal")])
+    k1 = Alert.objects.get(key="k1")
+    assert k1.cleared_at is not None and k1.clear_reason == "cleared: back to normal"
+    listed = client_for(people["member"]).get(f"/telemetry/alerts/?sandbox={sandbox.pk}").json()["alerts"]
+    assert [(a["key"], a["state"]) for a in listed] == [("k2", "raised")]  # its own, as streamed
+    on_gpu = client_for(people["admin"]).get(f"/telemetry/alerts/?gpu={gpu.uuid}").json()["alerts"]
+    assert [(a["key"], a["state"]) for a in on_gpu] == [("k2", "raised"), ("k1", "cleared")]
+    assert client_for(people["outsider"]).get(f"/telemetry/alerts/?sandbox={sandbox.pk}").status_code == 403
+    assert client_for(people["member"]).get("/telemetry/alerts/").status_code == 403
+    # Unknown kinds and hosts are logged and ignored.
+    assert do_record_alerts("h100", [change("raised", "k3", kind="fan")]) == []
+    assert do_record_alerts("nowhere", raised) == []
+
+
+def test_heartbeat_sends_a_changed_policy_and_a_restart_closes_alerts(
+    people: Any, sandbox: Any, sent_tasks: Any
+) -> None:
+    from workers import control
+
+    policy = alert_policy()
+    control.agent_heartbeat("h100", 1_700_000_000_000, "simulated", "docker", None, None, policy["version"])
+    assert not [t for t in sent_tasks if t[1] == "set_alert_policy"]
+    fleet = AlertPolicy.objects.get(tier__isnull=True)
+    fleet.temp_high_c = 80
+    fleet.temp_clear_c = 75
+    fleet.save()
+    AlertPolicy.objects.create(tier=sandbox.tier, mem_high_pct=80, mem_clear_pct=70)
+    control.agent_heartbeat("h100", 1_700_000_000_000, "simulated", "docker", None, None, policy["version"])
+    [(queue, _task, (sent,))] = [t for t in sent_tasks if t[1] == "set_alert_policy"]
+    assert queue == "host.h100" and sent["fleet"]["temp_high_c"] == 80
+    assert sent["tiers"][sandbox.tier.slug]["mem_high_pct"] == 80 and sent["version"] != policy["version"]
+    do_record_alerts("h100", [change("raised", "open-1")])
+    control.telemetry_agent_started("h100")
+    assert Alert.objects.get(key="open-1").clear_reason == "agent restarted"
+
+
+def test_a_policy_with_clear_over_raise_is_refused(db: Any) -> None:
+    from django.core.exceptions import ValidationError
+
+    with pytest.raises(ValidationError) as error:
+        AlertPolicy(temp_high_c=80, temp_clear_c=85, mem_high_pct=120).full_clean()
+    assert {"temp_clear_c", "mem_high_pct"} <= set(error.value.message_dict)
+
+
+class Hook(http.server.BaseHTTPRequestHandler):
+    received: list[tuple[dict[str, str], bytes]] = []
+    status = 204
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        Hook.received.append((dict(self.headers), body))
+        self.send_response(Hook.status)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_webhook_is_signed_and_a_failure_retries(people: Any, sandbox: Any, settings: Any) -> None:
+    from workers import control
+
+    settings.ALERT_WEBHOOK_SECRET = "s3cret"
+    server = http.server.HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/hook"
+    do_record_alerts("h100", [change("raised", "w1", sandbox=sandbox.pk)])
+    alert = Alert.objects.get(key="w1")
+    try:
+        control.deliver_alert_webhook.run(alert.pk, "raised", url)
+        [(headers, body)] = Hook.received
+        expected = "sha256=" + hmac.new(b"s3cret", body, hashlib.sha256).hexdigest()
+        assert headers["X-Gpushare-Signature"] == expected
+        payload = json.loads(body)
+        assert payload["event"] == "alert.raised" and payload["alert"]["sandbox"] == sandbox.pk
+        Hook.status = 500
+        with pytest.raises(control.WebhookFailed):
+            control.deliver_alert_webhook.run(alert.pk, "raised", url)
+        alert.refresh_from_db()
+        assert alert.webhook_status.endswith("answered 500")
+    finally:
+        Hook.status = 204
+        Hook.received.clear()
+        server.shutdown()
+    with pytest.raises(control.WebhookFailed):
+        control.deliver_alert_webhook.run(alert.pk, "raised", "http://127.0.0.1:9/closed")
