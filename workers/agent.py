@@ -40,6 +40,7 @@ from workers.telemetry import (
     AlertMessage,
     GpuSampleMessage,
     SandboxFigures,
+    fleet_message,
     gpu_group,
     make_layer,
     publish,
@@ -314,8 +315,8 @@ class Agent:
 
     def _simulated_load(self, spec: SandboxSpec) -> tuple[int, float]:
         """What a sandbox puts on a simulated GPU; real backends measure it instead."""
-        if spec.mps is not None:
-            return spec.mps.memory_mib, float(spec.mps.thread_pct) * 0.9
+        if spec.mps is not None:  # most of its pinned-memory limit, not all of it: no alert
+            return int(spec.mps.memory_mib * 0.8), float(spec.mps.thread_pct) * 0.9
         sizes = {g.uuid: g.memory_mib for g in self._gpus}
         sizes.update({m.uuid: m.memory_mib for g in self._gpus for m in g.mig_devices})
         device_mib = sizes.get(spec.device_uuids[0], 8192) if spec.device_uuids else 8192
@@ -424,11 +425,13 @@ class Agent:
                 sample, self.host, self.backend.simulated, figures, self._last_xid.get(gpu.uuid, 0)
             )
             await publish(layer, gpu_group(gpu.uuid), message)
-            if tick % FLEET_EVERY == 0:
-                await publish(layer, FLEET_GROUP, message)
             newest.append(message)
             self.rollups.add_gpu(message)
             changes += self.alerts.observe_gpu(message, now)
+        if tick % FLEET_EVERY == 0 and newest:
+            # The fleet gets the host's GPUs as one message: a burst of one per GPU would queue
+            # behind each other in every fleet watcher's channel and age the GPU streams too.
+            await publish(layer, FLEET_GROUP, fleet_message(self.host, now, list(newest)))
         changes += await asyncio.to_thread(self.report_health, samples, running)
         for device, holders in by_device.items():
             device_sample = samples.get(device) or self.backend.sample(device)

@@ -2,7 +2,8 @@
 
 Messages go to the channel layer groups ``gpu.<uuid>``, ``sandbox.<id>`` and ``fleet``;
 ``type`` names the consumer handler (``gpu.sample`` -> ``gpu_sample``, ``alert.changed``
--> ``alert_changed``).
+-> ``alert_changed``, ``fleet.samples`` -> ``fleet_samples``: the fleet stream carries each
+host's samples of a tick as one message).
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ class GpuSampleMessage(TypedDict):
     ecc_uncorrected: int
     xid: int
     parent: str
+
+
+class FleetSamplesMessage(TypedDict):
+    """The downsampled ``fleet`` stream: one host's GPU samples of one tick, together."""
+
+    type: str  # "fleet.samples"
+    host: str
+    t: int
+    samples: list[GpuSampleMessage]
+
+
+def fleet_message(host: str, t_ms: int, samples: list[GpuSampleMessage]) -> FleetSamplesMessage:
+    return FleetSamplesMessage(type="fleet.samples", host=host, t=t_ms, samples=samples)
 
 
 class AlertMessage(TypedDict):
@@ -105,7 +119,9 @@ def make_layer(redis_url: str) -> RedisChannelLayer:
     return RedisChannelLayer(hosts=[redis_url], capacity=200, expiry=10)
 
 
-async def publish(layer: RedisChannelLayer, group: str, message: GpuSampleMessage | AlertMessage) -> None:
+async def publish(
+    layer: RedisChannelLayer, group: str, message: GpuSampleMessage | AlertMessage | FleetSamplesMessage
+) -> None:
     await layer.group_send(group, dict(message))
 
 

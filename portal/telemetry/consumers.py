@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 FORBIDDEN = 4403
 ALERT_BACKLOG = 100  # alerts kept for a client that is not reading; older ones are dropped
 MAX_INTERVAL_MS = 60_000
+STREAM_HANDLERS = {
+    "gpu.sample": "gpu_sample",
+    "fleet.samples": "fleet_samples",
+    "alert.changed": "alert_changed",
+}
 # GPU-… and MIG-… UUIDs, simulated ones included; anything else is no group name to add.
 DEVICE_UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,79}")
 
@@ -36,7 +41,8 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
     group: str = ""
 
     def init_stream(self) -> None:
-        self._latest: dict[str, dict[str, Any]] = {}  # device uuid -> newest unsent sample
+        # device uuid (or "host:<name>" for a fleet batch) -> the newest unsent sample
+        self._latest: dict[str, dict[str, Any]] = {}
         self._alerts: deque[dict[str, Any]] = deque(maxlen=ALERT_BACKLOG)
         self._wake = asyncio.Event()
         self._interval_s = 0.0
@@ -66,11 +72,27 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sender
 
-    async def gpu_sample(self, event: dict[str, Any]) -> None:
-        if self._latest.pop(event["gpu"], None) is not None:
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        """Stream messages go straight to their handler: Channels would first clean up
+        stale database connections on its one sync thread, per message and per client,
+        and these handlers never touch the database."""
+        handler = STREAM_HANDLERS.get(message.get("type", ""))
+        if handler is None:
+            await super().dispatch(message)
+            return
+        await getattr(self, handler)(message)
+
+    def _keep_newest(self, key: str, event: dict[str, Any]) -> None:
+        if self._latest.pop(key, None) is not None:
             self.coalesced += 1
-        self._latest[event["gpu"]] = event
+        self._latest[key] = event
         self._wake.set()
+
+    async def gpu_sample(self, event: dict[str, Any]) -> None:
+        self._keep_newest(event["gpu"], event)
+
+    async def fleet_samples(self, event: dict[str, Any]) -> None:
+        self._keep_newest(f"host:{event['host']}", event)
 
     async def alert_changed(self, event: dict[str, Any]) -> None:
         self._alerts.append(event)

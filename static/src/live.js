@@ -70,8 +70,14 @@ class LiveSocket {
       let msg;
       try { msg = JSON.parse(event.data); } catch { return; }
       if (!msg || typeof msg !== "object" || typeof msg.type !== "string") return;
-      for (const fn of this.listeners) {
-        try { fn(msg); } catch (err) { console.error(err); } // one widget's bug spares the rest
+      // The fleet stream sends each host's samples of a tick as one message; widgets see
+      // them one GPU at a time, as on every other stream.
+      const each = msg.type === "fleet.samples" && Array.isArray(msg.samples) ? msg.samples : [msg];
+      for (const one of each) {
+        if (!one || typeof one !== "object") continue;
+        for (const fn of this.listeners) {
+          try { fn(one); } catch (err) { console.error(err); } // one widget's bug spares the rest
+        }
       }
     };
     ws.onclose = (event) => {

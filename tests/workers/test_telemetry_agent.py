@@ -192,6 +192,9 @@ def test_a_tick_streams_rolls_up_raises_and_stores(
     asyncio.run(ticks(12))
     groups = {g for g, _ in layer.sent}
     assert {f"gpu.{plain.uuid}", f"gpu.{mig_gpu.uuid}", "sandbox.7", "sandbox.8", "fleet"} <= groups
+    fleet = [m for g, m in layer.sent if g == "fleet" and m["type"] == "fleet.samples"]
+    assert len(fleet) == 3  # ticks 0, 5 and 10: the host's GPUs together, one message a tick
+    assert [m["gpu"] for m in fleet[0]["samples"]] == [plain.uuid, mig_gpu.uuid]
     box = next(m for g, m in layer.sent if g == "sandbox.7" and m["type"] == "gpu.sample")
     assert box["sandboxes"]["7"]["cost_micros"] == 60_000  # 1 GPU for 60 s at 3.60 per GPU-hour
     mig_sample = next(m for g, m in layer.sent if g == "sandbox.8")

@@ -4,15 +4,28 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('sandboxes', '0007_batch_runs'),
+        ("sandboxes", "0007_batch_runs"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='notification',
-            name='kind',
-            field=models.CharField(choices=[('started', 'Started'), ('queued', 'Queued'), ('preempted', 'Preempted'), ('idle', 'Idle warning'), ('culled', 'Culled'), ('ended', 'Ended'), ('failed', 'Failed'), ('drained', 'GPU drained'), ('quota', 'Quota'), ('alert', 'Alert')], max_length=16),
+            model_name="notification",
+            name="kind",
+            field=models.CharField(
+                choices=[
+                    ("started", "Started"),
+                    ("queued", "Queued"),
+                    ("preempted", "Preempted"),
+                    ("idle", "Idle warning"),
+                    ("culled", "Culled"),
+                    ("ended", "Ended"),
+                    ("failed", "Failed"),
+                    ("drained", "GPU drained"),
+                    ("quota", "Quota"),
+                    ("alert", "Alert"),
+                ],
+                max_length=16,
+            ),
         ),
     ]
