@@ -158,21 +158,65 @@ CHANNEL_LAYERS = {
 
 CELERY_BROKER_URL = worker_config.celery_broker_url(REDIS_URL)
 
+# Django's cache is Redis, shared by every ASGI server: API rate limits count across them.
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "gpushare",
+    }
+}
+
+
+def _api_rate(name: str, default: str) -> str:
+    """A DRF rate such as "600/min"; a typo fails at start, not on the first API call."""
+    value = env_str(name, default)
+    count, _, period = value.partition("/")
+    if not count.isdigit() or period[:1] not in ("s", "m", "h", "d"):
+        raise ConfigError(f"{name} must look like 600/min or 10000/hour, not {value!r}")
+    return value
+
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "portal.accounts.authentication.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PERMISSION_CLASSES": [
+        "rest_framework.permissions.IsAuthenticated",
+        "portal.accounts.permissions.TokenScopes",
+    ],
+    "DEFAULT_THROTTLE_CLASSES": [
+        "portal.accounts.permissions.BurstRate",
+        "portal.accounts.permissions.SustainedRate",
+    ],
+    # Per token (or per signed-in user): a short burst, and a sustained hourly budget.
+    "DEFAULT_THROTTLE_RATES": {
+        "burst": _api_rate("API_RATE_BURST", "600/min"),
+        "sustained": _api_rate("API_RATE_SUSTAINED", "10000/hour"),
+    },
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
     "PAGE_SIZE": 100,
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "gpushare API",
-    "DESCRIPTION": "Sandboxes, usage and prices for billing systems.",
+    "DESCRIPTION": (
+        "Self-service sandboxes, usage, invoices, prices, projects and quotas.\n\n"
+        "Authenticate with `Authorization: Bearer gps_...` (an API token; its scopes: `read:usage` "
+        "for every GET, `write:sandboxes` for sandbox POSTs, `admin` for everything) or, in the "
+        "browser, with your session (and its CSRF token). Lists use cursor pages: follow `next`. "
+        "Send an `Idempotency-Key` header with every POST. Rate limited per token: 429 with "
+        '`Retry-After`. A 400 names each field at fault: `{"field": ["message"]}`. Money is in '
+        "micro-units (1/1,000,000) of the currency beside it."
+    ),
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "SandboxStateEnum": "portal.sandboxes.models.SandboxState",
+        "InvoiceStateEnum": "portal.billing.models.InvoiceState",
+    },
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
@@ -193,6 +237,10 @@ MIG_AUTO_RELAYOUT_MAX_DISTURBED = env_int("MIG_AUTO_RELAYOUT_MAX_DISTURBED", 0, 
 FLEET_PLAN_TIMEOUT_S = env_int("FLEET_PLAN_TIMEOUT_S", 900, minimum=30)
 # One-minute telemetry rollups older than this are deleted (the charts' longest history).
 TELEMETRY_RETENTION_DAYS = env_int("TELEMETRY_RETENTION_DAYS", 30, minimum=1)
+# A month's invoice drafts are finalized this many days after it ends (late usage reports
+# land first); drafts of open months are refreshed at most this often.
+INVOICE_FINALIZE_AFTER_DAYS = env_int("INVOICE_FINALIZE_AFTER_DAYS", 3, minimum=0)
+INVOICE_DRAFT_REFRESH_SECONDS = env_int("INVOICE_DRAFT_REFRESH_SECONDS", 600, minimum=30)
 # Alert webhooks are signed with HMAC-SHA256 of the body under this secret (unset: unsigned).
 ALERT_WEBHOOK_SECRET = env_str("ALERT_WEBHOOK_SECRET", "")
 # Bearer token Prometheus scrapes /metrics with (METRICS_TOKEN_FILE: read from a file);

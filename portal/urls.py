@@ -6,7 +6,9 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from portal.accounts import views as accounts
-from portal.billing.api import SandboxViewSet, UsageRecordViewSet
+from portal.billing.api import SandboxViewSet, UsageExportView, UsageRecordViewSet
+from portal.billing.api_catalog import PriceViewSet, ProjectViewSet, QuotaViewSet
+from portal.billing.api_invoices import InvoiceViewSet
 from portal.console import views as console
 from portal.sandboxes import views as sandboxes
 from portal.telemetry import pages as telemetry_pages
@@ -17,6 +19,10 @@ from portal.telemetry.metrics import metrics
 router = DefaultRouter()
 router.register("usage", UsageRecordViewSet, basename="usage")
 router.register("sandboxes", SandboxViewSet, basename="sandbox")
+router.register("prices", PriceViewSet, basename="price")
+router.register("projects", ProjectViewSet, basename="project")
+router.register("quotas", QuotaViewSet, basename="quota")
+router.register("invoices", InvoiceViewSet, basename="invoice")
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="sandbox-list", permanent=False)),
@@ -57,6 +63,7 @@ urlpatterns = [
     path("telemetry/fleet/history/", telemetry.fleet_history, name="telemetry-fleet-history"),
     path("telemetry/alerts/", telemetry.alerts, name="telemetry-alerts"),
     path("admin/", admin.site.urls),
+    path("api/v1/usage/export.csv", UsageExportView.as_view(), name="api-usage-export"),
     path("api/v1/", include((router.urls, "api"), namespace="api")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),

@@ -47,7 +47,24 @@ app.conf.update(
             "task": "workers.control.tick",
             "schedule": float(env_int("CYCLE_INTERVAL_S", 2, minimum=1)),
             "options": {"queue": CONTROL_QUEUE, "expires": 10},
-        }
+        },
+        # Invoice drafts refreshed, past months finalized after their grace period.
+        "invoice-tick": {
+            "task": "workers.control.invoice_tick",
+            "schedule": 300.0,
+            "options": {"queue": CONTROL_QUEUE, "expires": 240},
+        },
+        "purge-idempotency-keys": {
+            "task": "workers.control.purge_idempotency_keys",
+            "schedule": 3600.0,
+            "options": {"queue": CONTROL_QUEUE, "expires": 600},
+        },
+        # Webhook deliveries whose retry message was lost with a worker are sent again.
+        "sweep-webhooks": {
+            "task": "workers.control.sweep_webhooks",
+            "schedule": 120.0,
+            "options": {"queue": CONTROL_QUEUE, "expires": 100},
+        },
     },
 )
 

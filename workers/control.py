@@ -276,3 +276,48 @@ def _start_heartbeat(**_: Any) -> None:
 @signals.worker_shutdown.connect
 def _stop_heartbeat(**_: Any) -> None:
     _stop.set()
+
+
+# --- Billing webhooks (portal.billing.webhooks): the attempt and its record live there.
+
+
+@app.task(
+    bind=True,
+    name="workers.control.deliver_webhook",
+    ignore_result=True,
+    max_retries=None,  # the delivery row counts attempts and gives up after MAX_ATTEMPTS
+    soft_time_limit=30,
+    time_limit=40,
+)
+def deliver_webhook(self: Any, delivery_id: int) -> None:
+    """One signed POST of a billing webhook; on failure, retried after the backoff the
+    attempt recorded (next_attempt_at), about an hour in all."""
+    from portal.billing.webhooks import attempt_delivery
+
+    delay = attempt_delivery(delivery_id)
+    if delay is not None:
+        raise self.retry(countdown=delay)
+
+
+@app.task(name="workers.control.sweep_webhooks", ignore_result=True, soft_time_limit=60, time_limit=90)
+def sweep_webhooks() -> None:
+    """Re-enqueue deliveries whose retry message was lost (a worker died holding it)."""
+    from portal.billing.webhooks import webhook_tick
+
+    webhook_tick(timezone.now())
+
+
+@app.task(name="workers.control.invoice_tick", ignore_result=True, soft_time_limit=240, time_limit=300)
+def invoice_tick_task() -> None:
+    """Refresh draft invoices and finalize past months (portal.billing.invoices)."""
+    from portal.billing.invoices import invoice_tick
+
+    invoice_tick(timezone.now())
+
+
+@app.task(name="workers.control.purge_idempotency_keys", ignore_result=True)
+def purge_idempotency_keys() -> None:
+    """API Idempotency-Keys past their 24 h are deleted (a replay after that is a new POST)."""
+    from portal.accounts.idempotency import delete_expired_keys
+
+    delete_expired_keys()

@@ -1,28 +1,26 @@
 """Billing and self-service REST API (/api/v1/). Objects outside the caller's projects
-are 404, exactly as in the HTML views."""
+are 404, exactly as in the HTML views. Sandboxes: api_sandboxes; catalog: api_catalog."""
 
 from __future__ import annotations
 
+import csv
+import io
+from collections.abc import Iterator
 from typing import Any
 
 from django.db.models import QuerySet
-from rest_framework import mixins, pagination, serializers, viewsets
+from django.http import StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, extend_schema_view
+from rest_framework import mixins, renderers, serializers, views, viewsets
+from rest_framework.request import Request
 
-from portal.accounts.access import visible_projects
+from portal.accounts.permissions import api_projects, api_sees_all
+from portal.billing.api_common import ERRORS, FILTER_PARAMETERS, ApiView, NewestFirst, errors, filter_by
+from portal.billing.api_sandboxes import SandboxViewSet
 from portal.billing.models import UsageRecord
-from portal.sandboxes.models import Sandbox
 
-
-class NewestFirst(pagination.CursorPagination):
-    """Stable cursor pages even while new rows arrive: ordered by start time, then id."""
-
-    ordering = ("-started_at", "-id")
-    page_size_query_param = "page_size"
-    max_page_size = 1000
-
-
-class NewestRequestFirst(NewestFirst):
-    ordering = ("-requested_at", "-id")
+__all__ = ["SandboxViewSet", "UsageExportView", "UsageRecordViewSet"]
 
 
 class UsageRecordSerializer(serializers.ModelSerializer[UsageRecord]):
@@ -59,55 +57,111 @@ class UsageRecordSerializer(serializers.ModelSerializer[UsageRecord]):
         return obj.duration.total_seconds() if obj.duration is not None else None
 
 
-class UsageRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+def usage_for(request: Request) -> QuerySet[UsageRecord]:
+    """The caller's usage with the request's filters (period: started_at in [start, end))."""
+    qs = UsageRecord.objects.all()
+    if not api_sees_all(request):
+        qs = qs.filter(project__in=api_projects(request))
+    return filter_by(request.query_params, qs, user_field="user", time_field="started_at")
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Usage intervals",
+        description="Newest first, cursor pages. Scope read:usage. Costs are micro-units of `currency`; "
+        "an open interval has no end and no cost yet.",
+        parameters=FILTER_PARAMETERS,
+        responses={200: UsageRecordSerializer(many=True), **ERRORS},
+    ),
+    retrieve=extend_schema(summary="One usage interval", responses={200: UsageRecordSerializer, **ERRORS}),
+)
+class UsageRecordViewSet(
+    ApiView, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet[UsageRecord]
+):
     """Usage intervals of the caller's projects, newest first; closed ones carry their cost."""
 
     serializer_class = UsageRecordSerializer
     pagination_class = NewestFirst
+    queryset = UsageRecord.objects.none()  # for the schema; get_queryset scopes it
 
     def get_queryset(self) -> QuerySet[UsageRecord]:
-        return UsageRecord.objects.filter(project__in=visible_projects(self.request.user)).select_related(
-            "project", "user", "tier"
+        if self.action == "list":
+            qs = usage_for(self.request)
+        else:
+            qs = UsageRecord.objects.filter(project__in=api_projects(self.request))
+        return qs.select_related("project", "user", "tier")
+
+
+CSV_COLUMNS = [
+    "id", "sandbox_id", "project", "user", "tier", "gpu_model", "milli_gpu",
+    "price_per_gpu_hour_micros", "cost_micros", "currency", "started_at", "ended_at", "duration_seconds",
+]  # fmt: skip
+
+
+class CsvRenderer(renderers.BaseRenderer):
+    """Lets ``Accept: text/csv`` through content negotiation; the view streams the body."""
+
+    media_type = "text/csv"
+    format = "csv"
+
+    def render(self, data: Any, accepted_media_type: str | None = None, renderer_context: Any = None) -> Any:
+        # Only errors get here (the export streams its own body): "field,message" rows.
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(["field", "message"])
+        for field, problem in (data or {}).items():
+            writer.writerow([field, "; ".join(map(str, problem)) if isinstance(problem, list) else problem])
+        return out.getvalue().encode()
+
+
+class _Echo:
+    def write(self, value: str) -> str:
+        return value
+
+
+def _csv_rows(qs: QuerySet[UsageRecord]) -> Iterator[str]:
+    writer = csv.writer(_Echo())
+    yield writer.writerow(CSV_COLUMNS)
+    rows = qs.values_list(
+        "id", "sandbox_id", "project__slug", "user__username", "tier__slug", "gpu_model", "milli_gpu",
+        "price_per_gpu_hour_micros", "cost_micros", "currency", "started_at", "ended_at", "duration",
+    ).order_by("-started_at", "-id")  # fmt: skip
+    for *head, started, ended, duration in rows.iterator(chunk_size=2000):
+        yield writer.writerow(
+            [
+                *["" if v is None else v for v in head],
+                started.isoformat(),
+                ended.isoformat() if ended else "",
+                f"{duration.total_seconds():.3f}" if duration is not None else "",
+            ]
         )
 
 
-class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
-    project: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
-        slug_field="slug", read_only=True
+class UsageExportView(ApiView, views.APIView):
+    renderer_classes = [renderers.JSONRenderer, CsvRenderer]
+
+    @extend_schema(
+        summary="Usage as CSV",
+        description="The same filters as the usage list, all matching rows, newest first, streamed. "
+        "Money in micro-units (1/1,000,000) of the `currency` column. Scope read:usage.",
+        parameters=FILTER_PARAMETERS,
+        responses={
+            (200, "text/csv"): OpenApiResponse(
+                OpenApiTypes.STR,
+                examples=[
+                    OpenApiExample(
+                        "csv",
+                        value=",".join(CSV_COLUMNS)
+                        + "\r\n7,12,vision,mark,dedicated,H100-80GB,1000,2500000,2500000,EUR,"
+                        "2026-11-01T10:00:00+00:00,2026-11-01T11:00:00+00:00,3600.000\r\n",
+                    )
+                ],
+            ),
+            **errors(400, 401, 403, 429),
+        },
     )
-    owner: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
-        slug_field="username", read_only=True
-    )
-    tier: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    host: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="name", read_only=True)
-
-    class Meta:
-        model = Sandbox
-        fields = [
-            "id",
-            "project",
-            "owner",
-            "tier",
-            "isolation",
-            "state",
-            "pending_reason",
-            "host",
-            "gpu_count",
-            "mig_profile",
-            "mps_memory_mib",
-            "mps_thread_pct",
-            "requested_at",
-            "started_at",
-            "ended_at",
-        ]
-        read_only_fields = fields
-
-
-class SandboxViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
-    serializer_class = SandboxSerializer
-    pagination_class = NewestRequestFirst
-
-    def get_queryset(self) -> QuerySet[Sandbox]:
-        return Sandbox.objects.filter(project__in=visible_projects(self.request.user)).select_related(
-            "project", "owner", "tier", "host"
-        )
+    def get(self, request: Request) -> StreamingHttpResponse:
+        qs = usage_for(request)
+        response = StreamingHttpResponse(_csv_rows(qs), content_type="text/csv; charset=utf-8")
+        response["Content-Disposition"] = 'attachment; filename="usage.csv"'
+        return response

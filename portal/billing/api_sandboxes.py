@@ -1,0 +1,246 @@
+"""Self-service sandboxes over the API: list, get, create, stop, extend.
+
+Creation goes through the HTML request form (``SandboxRequestForm``), so the API checks
+exactly what the page checks (``actions.check_request_sandbox`` behind it) and names the
+field at fault the same way; this module only turns slugs into rows first.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_view
+from rest_framework import exceptions, mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from portal.accounts import idempotency
+from portal.accounts.permissions import api_can_manage_sandbox, api_projects, api_requestable_projects
+from portal.billing.api_common import (
+    ERRORS,
+    FILTER_PARAMETERS,
+    ApiView,
+    NewestRequestFirst,
+    errors,
+    filter_by,
+)
+from portal.catalog.models import IsolationLevel, SandboxImage, Tier
+from portal.sandboxes import actions
+from portal.sandboxes.forms import MIG_PROFILES, SandboxRequestForm
+from portal.sandboxes.models import Sandbox
+from portal.sandboxes.views import EXTEND_CHOICES_H
+
+
+class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
+    project: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True
+    )
+    owner: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True
+    )
+    tier: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    host: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True, allow_null=True
+    )
+    max_duration_hours = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Sandbox
+        fields = [
+            "id",
+            "project",
+            "owner",
+            "tier",
+            "isolation",
+            "state",
+            "pending_reason",
+            "host",
+            "gpu_count",
+            "mig_profile",
+            "mps_memory_mib",
+            "mps_thread_pct",
+            "max_duration_hours",
+            "batch",
+            "command",
+            "requested_at",
+            "started_at",
+            "ended_at",
+        ]
+        read_only_fields = fields
+
+    def get_max_duration_hours(self, obj: Sandbox) -> float:
+        return obj.max_duration.total_seconds() / 3600
+
+
+class SandboxCreateSerializer(serializers.Serializer[Any]):
+    """The request form's fields, with slugs (project, tier) and a name (image) for ids.
+    Ranges and tier rules are the form's and ``check_request_sandbox``'s."""
+
+    project = serializers.CharField(help_text="Project slug (you must be a manager or member).")
+    tier = serializers.CharField(help_text="Tier slug; see /api/v1/prices/.")
+    image = serializers.CharField(help_text="Sandbox image name.")
+    isolation = serializers.ChoiceField(choices=IsolationLevel.choices, default=IsolationLevel.CONTAINER)
+    gpu_count = serializers.IntegerField(required=False, help_text="Dedicated tiers: 1 to the tier's max.")
+    mig_profile = serializers.ChoiceField(
+        choices=MIG_PROFILES, required=False, help_text="MIG tiers: the MIG profile."
+    )
+    mps_memory_gib = serializers.IntegerField(required=False, help_text="MPS tiers: memory share, 1-80 GiB.")
+    mps_thread_pct = serializers.IntegerField(required=False, help_text="MPS tiers: thread share, 1-100 %.")
+    duration_hours = serializers.IntegerField(default=1, help_text="1 to the tier's maximum duration.")
+    run = serializers.ChoiceField(choices=["interactive", "batch"], default="interactive")
+    command = serializers.CharField(
+        required=False, allow_blank=True, help_text="Batch runs: the command, split like a shell."
+    )
+
+
+class ExtendSerializer(serializers.Serializer[Any]):
+    hours = serializers.ChoiceField(choices=list(EXTEND_CHOICES_H), help_text="Hours to add to the limit.")
+
+
+CREATE_EXAMPLE = OpenApiExample(
+    "dedicated GPU",
+    request_only=True,
+    value={
+        "project": "vision",
+        "tier": "dedicated",
+        "image": "busybox",
+        "isolation": "container",
+        "gpu_count": 1,
+        "duration_hours": 2,
+    },
+)
+BATCH_EXAMPLE = OpenApiExample(
+    "MPS batch run",
+    request_only=True,
+    value={
+        "project": "vision",
+        "tier": "mps",
+        "image": "busybox",
+        "isolation": "container",
+        "mps_memory_gib": 10,
+        "mps_thread_pct": 25,
+        "duration_hours": 1,
+        "run": "batch",
+        "command": "python train.py --epochs 3",
+    },
+)
+
+
+def _form_data(request: Request, data: dict[str, Any]) -> dict[str, Any]:
+    """The form's POST data, slugs turned into ids; an unknown slug is a 400 on its field."""
+    project = api_requestable_projects(request).filter(slug=data["project"]).first()
+    tier = Tier.objects.filter(slug=data["tier"], active=True).first()
+    image = SandboxImage.objects.filter(name=data["image"], active=True).first()
+    problems = {
+        name: [message]
+        for name, found, message in (
+            ("project", project, "No such project among those you may start sandboxes in."),
+            ("tier", tier, "No such open tier."),
+            ("image", image, "No such allowed image."),
+        )
+        if found is None
+    }
+    if problems:
+        raise exceptions.ValidationError(problems)
+    form_data = {k: v for k, v in data.items() if v is not None}
+    form_data.update(project=project.pk, tier=tier.pk, image=image.pk)  # type: ignore[union-attr]
+    return form_data
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Sandboxes",
+        description="Newest request first, cursor pages. Scope read:usage. `user` is the owner; the "
+        "period filters the request time.",
+        parameters=FILTER_PARAMETERS,
+        responses={200: SandboxSerializer(many=True), **ERRORS},
+    ),
+    retrieve=extend_schema(summary="One sandbox", responses={200: SandboxSerializer, **ERRORS}),
+)
+class SandboxViewSet(
+    ApiView, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet[Sandbox]
+):
+    serializer_class = SandboxSerializer
+    pagination_class = NewestRequestFirst
+    queryset = Sandbox.objects.none()  # for the schema; get_queryset scopes it
+
+    def get_queryset(self) -> QuerySet[Sandbox]:
+        qs = Sandbox.objects.filter(project__in=api_projects(self.request))
+        if self.action == "list":
+            qs = filter_by(self.request.query_params, qs, user_field="owner", time_field="requested_at")
+        return qs.select_related("project", "owner", "tier", "host")
+
+    def _managed(self) -> Sandbox:
+        sandbox = self.get_object()  # 404 outside the caller's projects
+        if not api_can_manage_sandbox(self.request, sandbox):
+            raise exceptions.PermissionDenied(
+                "Only the owner, a project manager or an admin can change this sandbox."
+            )
+        return sandbox
+
+    def _answer(self, sandbox_id: int, code: int = status.HTTP_200_OK) -> Response:
+        sandbox = self.get_queryset().get(pk=sandbox_id)
+        return Response(SandboxSerializer(sandbox).data, status=code)
+
+    @extend_schema(
+        summary="Request a sandbox",
+        description="The request form's fields and checks. Scope write:sandboxes. Send an "
+        "Idempotency-Key so that a retry cannot start a second sandbox.",
+        parameters=[idempotency.PARAMETER],
+        request=SandboxCreateSerializer,
+        examples=[CREATE_EXAMPLE, BATCH_EXAMPLE],
+        responses={201: SandboxSerializer, **errors(400, 401, 403, 422, 429)},
+    )
+    @idempotency.idempotent
+    def create(self, request: Request) -> Response:
+        shape = SandboxCreateSerializer(data=request.data)
+        shape.is_valid(raise_exception=True)
+        form = SandboxRequestForm(_form_data(request, dict(shape.validated_data)), user=request.user)
+        if not form.is_valid() or form.request_obj is None:
+            raise exceptions.ValidationError(
+                {
+                    ("non_field_errors" if k == "__all__" else k): [str(e) for e in v]
+                    for k, v in form.errors.items()
+                }
+            )
+        sandbox = actions.do_request_sandbox(request.user, form.request_obj)
+        return self._answer(sandbox.pk, status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="Stop a sandbox",
+        description="A queued one ends at once, a running one is stopped by its host. Scope "
+        "write:sandboxes; the owner, a project manager or an admin.",
+        parameters=[idempotency.PARAMETER],
+        request=None,
+        responses={200: SandboxSerializer, **errors(401, 403, 404, 422, 429)},
+    )
+    @action(detail=True, methods=["post"])
+    @idempotency.idempotent
+    def stop(self, request: Request, pk: str | None = None) -> Response:
+        sandbox = self._managed()
+        actions.do_request_stop(sandbox.pk, request.user)
+        return self._answer(sandbox.pk)
+
+    @extend_schema(
+        summary="Extend a sandbox's time limit",
+        description=f"Add {', '.join(map(str, EXTEND_CHOICES_H))} hours, within the tier's maximum "
+        "duration. Scope write:sandboxes; the owner, a project manager or an admin.",
+        parameters=[idempotency.PARAMETER],
+        request=ExtendSerializer,
+        examples=[OpenApiExample("two hours", value={"hours": 2}, request_only=True)],
+        responses={200: SandboxSerializer, **errors(400, 401, 403, 404, 422, 429)},
+    )
+    @action(detail=True, methods=["post"])
+    @idempotency.idempotent
+    def extend(self, request: Request, pk: str | None = None) -> Response:
+        sandbox = self._managed()
+        body = ExtendSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            actions.do_extend(sandbox.pk, request.user, timedelta(hours=int(body.validated_data["hours"])))
+        except actions.SandboxRequestError as exc:
+            raise exceptions.ValidationError({"hours": [exc.message]}) from exc
+        return self._answer(sandbox.pk)
