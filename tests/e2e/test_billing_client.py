@@ -23,6 +23,12 @@ CLIENT = Path(__file__).resolve().parents[1] / "clients" / "reconcile_invoice.py
 OCT = date(2026, 10, 1)
 
 
+def at(
+    year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0, us: int = 0
+) -> datetime:
+    return datetime(year, month, day, hour, minute, second, us, tzinfo=UTC)
+
+
 def test_an_outside_client_reconciles_a_month(
     tmp_path: Path, people: Any, catalog: Any, sent_tasks: Any
 ) -> None:
@@ -30,7 +36,6 @@ def test_an_outside_client_reconciles_a_month(
 
     box = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
     other = request(people["outsider"], people["other_project"], catalog["dedicated"], catalog["image"])
-    at = lambda *a: datetime(*a, tzinfo=UTC)  # noqa: E731
     usage(box, at(2026, 9, 30, 22), at(2026, 10, 1, 3, 15), "k-cross-in")  # crosses into October
     for day in range(1, 28, 3):  # wholly inside October, odd lengths so every cost rounds
         usage(box, at(2026, 10, day, 8), at(2026, 10, day, 9, 17, 11, 123457), f"k-{day}")
