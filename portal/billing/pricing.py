@@ -6,7 +6,14 @@ MICROS_PER_UNIT = 1_000_000
 
 
 def cost_micros(price_per_gpu_hour_micros: int, milli_gpu: int, duration_us: int) -> int:
-    """price/GPU-h x share x duration, in integer micro-units (rounded half up)."""
+    """price/GPU-h x share x duration, in integer micro-units, rounded half up.
+
+    Integers throughout (no float), so the ledger, the running cost on the live charts and
+    the agents' per-sample cost agree to the micro-unit. Arguments are never negative (a
+    price is checked by the database, a duration clamped by the ledger), so "half up" is
+    unambiguous. Each usage interval is rounded once, when it closes: a bill sums rounded
+    intervals, each within half a micro-unit of its exact value.
+    """
     numerator = price_per_gpu_hour_micros * milli_gpu * duration_us
     denominator = 1000 * 3600 * MICROS_PER_UNIT
     return (numerator + denominator // 2) // denominator

@@ -5,26 +5,25 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('accounts', '0002_idempotency_key'),
-        ('billing', '0002_invoices_webhooks'),
-        ('catalog', '0003_tier_idle_culling'),
-        ('sandboxes', '0008_notification_alerts'),
+        ("accounts", "0002_idempotency_key"),
+        ("billing", "0002_invoices_webhooks"),
+        ("catalog", "0003_tier_idle_culling"),
+        ("sandboxes", "0008_notification_alerts"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.RemoveIndex(
-            model_name='usagerecord',
-            name='usage_project_time_idx',
+            model_name="usagerecord",
+            name="usage_project_time_idx",
         ),
         migrations.AddIndex(
-            model_name='usagerecord',
-            index=models.Index(fields=['project', '-started_at', '-id'], name='usage_project_page_idx'),
+            model_name="usagerecord",
+            index=models.Index(fields=["project", "-started_at", "-id"], name="usage_project_page_idx"),
         ),
         migrations.AddIndex(
-            model_name='usagerecord',
-            index=models.Index(fields=['-started_at', '-id'], name='usage_page_idx'),
+            model_name="usagerecord",
+            index=models.Index(fields=["-started_at", "-id"], name="usage_page_idx"),
         ),
     ]

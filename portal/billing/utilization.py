@@ -1,0 +1,128 @@
+"""Allocated, used, idle and unmeasured GPU-hours, per sandbox, project or tier, over a period.
+
+- **allocated**: what the ledger billed: each usage interval's share (``milli_gpu / 1000``)
+  times its length, clipped to the period (an open interval counts up to ``now``).
+- **used**: allocated time weighted by the sandbox's GPU utilization, minute by minute,
+  from its one-minute ``SandboxRollup`` (``util_mean_pct``, held within 0..100).
+- **unmeasured**: allocated time in minutes with no rollup (an agent down, a minute not yet
+  reported). It is neither used nor idle: we do not know, so it is reported apart rather
+  than guessed, and a bill can show it as such.
+- **idle**: the rest, ``allocated - used - unmeasured``: measured minutes the GPU share
+  was held but not busy.
+
+So ``allocated == used + idle + unmeasured`` exactly: the figures are ``Decimal`` GPU-hours
+computed from PostgreSQL ``numeric`` sums (no float rounding). A rollup minute that an
+interval covers only in part counts for the part it covers.
+
+One SQL query per call, whatever the number of rows: the intervals overlapping the period
+are clipped in the database, joined to their rollups through the (sandbox, minute) unique
+index, and summed per group. PostgreSQL only (``EXTRACT(EPOCH FROM interval)``, ``numeric``),
+like the billing it serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Literal
+
+from django.db import connection
+from django.utils import timezone
+
+Grouping = Literal["sandbox", "project", "tier"]
+_COLUMNS: dict[str, str] = {"sandbox": "sandbox_id", "project": "project_id", "tier": "tier_id"}
+_MILLI_SECONDS_PER_GPU_HOUR = Decimal(1000 * 3600)
+# Each sum is rounded to a nano-GPU-hour first, so the differences (idle, unmeasured) are
+# exact and the four figures add up without a rounding residue.
+_QUANTUM = Decimal("0.000000001")
+
+
+@dataclass(frozen=True)
+class GpuHours:
+    """One group's GPU-hours over the period; ``allocated == used + idle + unmeasured``."""
+
+    allocated: Decimal
+    used: Decimal
+    idle: Decimal
+    unmeasured: Decimal
+
+    @property
+    def utilization(self) -> Decimal | None:
+        """Used over measured time (None when nothing was measured)."""
+        measured = self.allocated - self.unmeasured
+        return self.used / measured if measured else None
+
+
+# {col} is one of _COLUMNS' values, never user input. Both sums are in milli-GPU-seconds.
+_SQL = """
+WITH iv AS (
+    SELECT u.{col} AS k, u.sandbox_id, u.milli_gpu,
+           GREATEST(u.started_at, %(start)s) AS a,
+           LEAST(COALESCE(u.ended_at, %(now)s), %(end)s) AS b
+    FROM billing_usagerecord u
+    WHERE u.started_at < %(end)s AND (u.ended_at IS NULL OR u.ended_at > %(start)s)
+      AND (%(only)s::bigint[] IS NULL OR u.{col} = ANY(%(only)s::bigint[]))
+), alloc AS (
+    SELECT k, SUM(milli_gpu * EXTRACT(EPOCH FROM b - a)) AS allocated
+    FROM iv WHERE b > a GROUP BY k
+), meas AS (
+    SELECT iv.k,
+           SUM(iv.milli_gpu * EXTRACT(EPOCH FROM part)) AS measured,
+           SUM(iv.milli_gpu * EXTRACT(EPOCH FROM part)
+               * LEAST(GREATEST(r.util_mean_pct, 0), 100)::numeric / 100) AS used
+    FROM iv
+    JOIN telemetry_sandboxrollup r
+      ON r.sandbox_id = iv.sandbox_id AND r.minute < iv.b AND r.minute + interval '1 minute' > iv.a
+    CROSS JOIN LATERAL (
+        SELECT LEAST(iv.b, r.minute + interval '1 minute') - GREATEST(iv.a, r.minute) AS part
+    ) p
+    WHERE iv.b > iv.a
+    GROUP BY iv.k
+)
+SELECT alloc.k, alloc.allocated, COALESCE(meas.measured, 0), COALESCE(meas.used, 0)
+FROM alloc LEFT JOIN meas ON meas.k = alloc.k
+"""
+
+
+def gpu_hours(
+    by: Grouping,
+    start: datetime,
+    end: datetime,
+    *,
+    now: datetime | None = None,
+    only: list[int] | None = None,
+) -> dict[int, GpuHours]:
+    """GPU-hours in ``[start, end)`` per sandbox, project or tier id (``by``); ``only`` keeps
+    those ids. Groups with no allocated time in the period are absent."""
+    params = {"start": start, "end": end, "now": now or timezone.now(), "only": only}
+    with connection.cursor() as cursor:
+        cursor.execute(_SQL.format(col=_COLUMNS[by]), params)
+        rows = cursor.fetchall()
+    result: dict[int, GpuHours] = {}
+    for key, allocated_ms, measured_ms, used_ms in rows:
+        allocated, measured, used = (
+            (Decimal(v) / _MILLI_SECONDS_PER_GPU_HOUR).quantize(_QUANTUM)
+            for v in (allocated_ms, measured_ms, used_ms)
+        )
+        unmeasured = allocated - measured
+        result[key] = GpuHours(allocated, used, measured - used, unmeasured)
+    return result
+
+
+def by_sandbox(
+    start: datetime, end: datetime, *, now: datetime | None = None, only: list[int] | None = None
+) -> dict[int, GpuHours]:
+    return gpu_hours("sandbox", start, end, now=now, only=only)
+
+
+def by_project(
+    start: datetime, end: datetime, *, now: datetime | None = None, only: list[int] | None = None
+) -> dict[int, GpuHours]:
+    return gpu_hours("project", start, end, now=now, only=only)
+
+
+def by_tier(
+    start: datetime, end: datetime, *, now: datetime | None = None, only: list[int] | None = None
+) -> dict[int, GpuHours]:
+    return gpu_hours("tier", start, end, now=now, only=only)

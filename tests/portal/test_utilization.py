@@ -1,0 +1,119 @@
+"""Allocated / used / idle / unmeasured GPU-hours from the ledger and the minute rollups,
+checked against figures worked out by hand."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from portal.billing.models import UsageRecord
+from portal.billing.utilization import GpuHours, by_project, by_sandbox, by_tier
+from portal.sandboxes.models import Sandbox
+from portal.telemetry.models import SandboxRollup
+from tests.portal.helpers import request
+
+pytestmark = pytest.mark.django_db
+T0 = datetime(2026, 3, 1, 10, 0, tzinfo=UTC)
+NOW = T0 + timedelta(minutes=3, seconds=30)
+END = T0 + timedelta(hours=1)
+NANO = Decimal("0.000000001")
+
+
+def minutes(m: float) -> timedelta:
+    return timedelta(seconds=m * 60)
+
+
+def usage(sandbox: Sandbox, milli: int, start: datetime, end: datetime | None) -> None:
+    UsageRecord.objects.create(
+        sandbox=sandbox, allocation_key=f"k{sandbox.pk}-{start:%H%M%S}", project=sandbox.project,
+        user=sandbox.owner, tier=sandbox.tier, gpu_model="H100-80GB", milli_gpu=milli,
+        price_per_gpu_hour_micros=1_000_000, currency="EUR", started_at=start, ended_at=end,
+        duration=end - start if end else None, cost_micros=0 if end else None,
+    )  # fmt: skip
+
+
+def rollup(sandbox: Sandbox, minute: datetime, util: float) -> None:
+    SandboxRollup.objects.create(
+        sandbox=sandbox, minute=minute, samples=60, mem_min_mib=0, mem_mean_mib=0, mem_max_mib=0,
+        util_min_pct=util, util_mean_pct=util, util_max_pct=util, temp_max_c=50, power_mean_w=100,
+        cost_micros=0,
+    )  # fmt: skip
+
+
+def close(h: GpuHours, allocated: float, used: float, idle: float, unmeasured: float) -> None:
+    """Each figure within a nano-GPU-hour of the hand figure (in GPU-minutes), and the four
+    adding up exactly."""
+    got = (h.allocated, h.used, h.idle, h.unmeasured)
+    want = tuple(Decimal(v) / 60 for v in (allocated, used, idle, unmeasured))
+    assert all(abs(g - w) <= NANO for g, w in zip(got, want, strict=True)), (got, want)
+    assert h.allocated == h.used + h.idle + h.unmeasured
+
+
+@pytest.fixture
+def sandboxes(people: Any, catalog: Any, sent_tasks: Any) -> dict[str, Sandbox]:
+    owner, image = people["owner"], catalog["image"]
+    a = request(owner, people["project"], catalog["dedicated"], image)
+    b = request(owner, people["project"], catalog["mig"], image, mig_profile="1g.10gb")
+    c = request(people["outsider"], people["other_project"], catalog["dedicated"], image)
+    # a: one whole GPU 10:00-10:10, measured in three of its ten minutes.
+    usage(a, 1000, T0, T0 + minutes(10))
+    rollup(a, T0, 50)
+    rollup(a, T0 + minutes(1), 100)
+    rollup(a, T0 + minutes(5), 0)
+    # b: half a GPU from 10:00:30, still open at 10:03:30; every minute at 40 %.
+    usage(b, 500, T0 + timedelta(seconds=30), None)
+    for m in range(4):
+        rollup(b, T0 + minutes(m), 40)
+    # c: two GPUs 09:50-10:02, before the period in part; measured 09:55 (outside) and 10:01.
+    usage(c, 2000, T0 - minutes(10), T0 + minutes(2))
+    rollup(c, T0 - minutes(5), 100)
+    rollup(c, T0 + minutes(1), 25)
+    # An earlier run of c, wholly before the period: not counted.
+    usage(c, 2000, T0 - minutes(30), T0 - minutes(20))
+    return {"a": a, "b": b, "c": c}
+
+
+def test_per_sandbox_figures(sandboxes: dict[str, Sandbox], django_assert_num_queries: Any) -> None:
+    a, b, c = sandboxes["a"], sandboxes["b"], sandboxes["c"]
+    with django_assert_num_queries(1):
+        result = by_sandbox(T0, END, now=NOW)
+    assert set(result) == {a.pk, b.pk, c.pk}
+    # a: 10 GPU-min; measured 3 (50 %, 100 %, 0 % -> 1.5 used, 1.5 idle); 7 unmeasured.
+    close(result[a.pk], 10, 1.5, 1.5, 7)
+    # b: 3 min x 0.5 = 1.5 GPU-min, all measured (30 s + 60 + 60 + 30 s); 40 % used.
+    close(result[b.pk], 1.5, 0.6, 0.9, 0)
+    # c: 10:00-10:02 x 2 GPUs = 4 GPU-min; 10:01 measured (2 GPU-min at 25 %); 10:00 not.
+    close(result[c.pk], 4, 0.5, 1.5, 2)
+    assert result[b.pk].utilization == Decimal("0.4")
+
+
+def test_per_project_and_per_tier_add_their_sandboxes(
+    people: Any, catalog: Any, sandboxes: dict[str, Sandbox]
+) -> None:
+    projects = by_project(T0, END, now=NOW)
+    close(projects[people["project"].pk], 11.5, 2.1, 2.4, 7)  # a + b
+    close(projects[people["other_project"].pk], 4, 0.5, 1.5, 2)  # c
+    tiers = by_tier(T0, END, now=NOW)
+    close(tiers[catalog["dedicated"].pk], 14, 2, 3, 9)  # a + c
+    close(tiers[catalog["mig"].pk], 1.5, 0.6, 0.9, 0)  # b
+    assert set(by_tier(T0, END, now=NOW, only=[catalog["mig"].pk])) == {catalog["mig"].pk}
+
+
+def test_the_period_clips_intervals_and_minutes(sandboxes: dict[str, Sandbox]) -> None:
+    a = sandboxes["a"]
+    # 10:00:30-10:01:30: half of minute 10:00 (50 %) and half of 10:01 (100 %).
+    [(key, h)] = by_sandbox(T0 + timedelta(seconds=30), T0 + timedelta(seconds=90), only=[a.pk]).items()
+    assert key == a.pk
+    close(h, 1, 0.75, 0.25, 0)
+    assert by_sandbox(T0 + minutes(20), END, now=NOW) == {}  # nothing allocated then
+
+
+def test_an_open_interval_counts_up_to_now(sandboxes: dict[str, Sandbox]) -> None:
+    b = sandboxes["b"]
+    later = by_sandbox(T0, END, now=T0 + minutes(10) + timedelta(seconds=30), only=[b.pk])[b.pk]
+    # 10 min x 0.5 = 5 GPU-min; 3.5 min (30 s + 60 + 60 + 60) x 0.5 = 1.75 measured at 40 %:
+    # 0.7 used, 1.05 idle; 3.25 unmeasured.
+    close(later, 5, 0.7, 1.05, 3.25)
