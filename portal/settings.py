@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dj_database_url
+from csp.constants import NONE, SELF, UNSAFE_INLINE
 
 from portal.env import ConfigError, env_bool, env_choice, env_int, env_list, env_str
 from workers import config as worker_config
@@ -17,10 +18,21 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = worker_config.var_dir()
 
 DEBUG = env_bool("DEBUG", False)
-_DEV_SECRET = "insecure-dev-only-key-set-SECRET_KEY-in-production"  # noqa: S105
+# Development only: production refuses to start with it (or any weak key) below.
+_DEV_SECRET = "insecure-dev-only-key-set-SECRET_KEY-in-production"  # noqa: S105 - refused in production
 SECRET_KEY = env_str("SECRET_KEY", _DEV_SECRET if DEBUG else None)
-if not DEBUG and SECRET_KEY == _DEV_SECRET:
-    raise ConfigError("SECRET_KEY must be set when DEBUG is false")
+# Django's own bar for a key (the security.W009 deploy check), enforced at start-up: a weak key
+# lets anyone forge sessions and password-reset links, which a warning nobody reads does not stop.
+if not DEBUG and (
+    SECRET_KEY == _DEV_SECRET
+    or len(SECRET_KEY) < 50
+    or len(set(SECRET_KEY)) < 5
+    or SECRET_KEY.startswith("django-insecure-")
+):
+    raise ConfigError(
+        "SECRET_KEY must be at least 50 random characters when DEBUG is false "
+        "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(50))')"
+    )
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"] if DEBUG else [])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
@@ -37,6 +49,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django.contrib.humanize",
+    "csp",
     "channels",
     "rest_framework",
     "drf_spectacular",
@@ -53,6 +66,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "portal.security.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -247,13 +261,56 @@ ALERT_WEBHOOK_SECRET = env_str("ALERT_WEBHOOK_SECRET", "")
 # unset, only staff sessions may read /metrics.
 METRICS_TOKEN = env_str("METRICS_TOKEN", "")
 
+# --- HTTPS, cookies and headers (README "Security"). Production assumes TLS at a reverse
+# proxy that sets X-Forwarded-Proto (and strips it from clients).
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
+# Probes and Prometheus scrape from inside the network over plain HTTP; a redirect to https
+# would break them (/metrics still wants its bearer token).
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 365 * 24 * 3600, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", True)
+# Preloading binds the whole domain to HTTPS in browsers for months and needs the operator to
+# submit it to hstspreload.org: their decision, so off unless asked for (and its deploy
+# warning, W021, silenced below).
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
 SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
 CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
-SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
-SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 3600, minimum=0)
-SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SILENCED_SYSTEM_CHECKS = [] if SECURE_HSTS_PRELOAD else ["security.W021"]
+
+# Content-Security-Policy (django-csp; portal.security adds ws(s):// of the request's host to
+# connect-src, which older browsers do not read into 'self'). No inline scripts anywhere:
+# templates load static/dist/app.js only. Styles allow 'unsafe-inline' because templates size
+# bars and MIG slices with style="" and htmx, xterm and Swagger UI inject <style> elements.
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": [SELF],
+        "script-src": [SELF],
+        "style-src": [SELF, UNSAFE_INLINE],
+        "img-src": [SELF, "data:"],  # Swagger UI's icons are data: SVGs
+        "font-src": [SELF],
+        "connect-src": [SELF],
+        "object-src": [NONE],
+        "base-uri": [SELF],
+        "form-action": [SELF],
+        "frame-ancestors": [NONE],
+    },
+}
+
+# --- Login throttling (portal.accounts.throttle): failures counted per username and per
+# client address in a window of LOGIN_LOCKOUT_SECONDS; at the limit the login answers 429
+# without checking the password until the window ends. Invalid API tokens count per address.
+LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
+LOGIN_IP_FAILURE_LIMIT = env_int("LOGIN_IP_FAILURE_LIMIT", 50, minimum=1)
+LOGIN_LOCKOUT_SECONDS = env_int("LOGIN_LOCKOUT_SECONDS", 900, minimum=1)
+# The header the reverse proxy puts the client address in (e.g. X-Forwarded-For, X-Real-IP);
+# unset, REMOTE_ADDR. Only set it behind a proxy that overwrites it, or clients pick their own.
+CLIENT_IP_HEADER = env_str("CLIENT_IP_HEADER", "")
 
 LOGGING = {
     "version": 1,

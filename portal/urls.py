@@ -2,13 +2,16 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from django.views.generic import RedirectView
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 from rest_framework.routers import DefaultRouter
 
 from portal.accounts import views as accounts
+from portal.accounts.throttle import ThrottledLoginView
 from portal.billing.api import SandboxViewSet, UsageExportView, UsageRecordViewSet
 from portal.billing.api_catalog import PriceViewSet, ProjectViewSet, QuotaViewSet
 from portal.billing.api_invoices import InvoiceViewSet
+from portal.billing.api_utilization import UtilizationView
+from portal.billing.views import invoice_detail
 from portal.console import views as console
 from portal.sandboxes import views as sandboxes
 from portal.telemetry import pages as telemetry_pages
@@ -28,7 +31,7 @@ urlpatterns = [
     path("", RedirectView.as_view(pattern_name="sandbox-list", permanent=False)),
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics, name="metrics"),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", ThrottledLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("sandboxes/", sandboxes.sandbox_list, name="sandbox-list"),
     path("sandboxes/new/", sandboxes.sandbox_new, name="sandbox-new"),
@@ -37,6 +40,7 @@ urlpatterns = [
     path("projects/", accounts.project_list, name="project-list"),
     path("projects/<slug:slug>/", accounts.project_detail, name="project-detail"),
     path("projects/<slug:slug>/members/", accounts.project_members, name="project-members"),
+    path("projects/<slug:slug>/invoices/<int:pk>/", invoice_detail, name="invoice-detail"),
     path("sandboxes/<int:pk>/", sandboxes.sandbox_detail, name="sandbox-detail"),
     path("sandboxes/<int:pk>/status/", sandboxes.sandbox_status, name="sandbox-status"),
     path("sandboxes/<int:pk>/stop/", sandboxes.sandbox_stop, name="sandbox-stop"),
@@ -64,7 +68,9 @@ urlpatterns = [
     path("telemetry/alerts/", telemetry.alerts, name="telemetry-alerts"),
     path("admin/", admin.site.urls),
     path("api/v1/usage/export.csv", UsageExportView.as_view(), name="api-usage-export"),
+    path("api/v1/utilization/", UtilizationView.as_view(), name="api-utilization"),
     path("api/v1/", include((router.urls, "api"), namespace="api")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
-    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    # The split view serves Swagger UI's start-up script as a file: no inline script for CSP.
+    path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="api-schema"), name="api-docs"),
 ]

@@ -7,7 +7,10 @@ comes from the environment (DATABASE_URL, REDIS_URL) as in ``make test``.
 
 import os
 
-os.environ.setdefault("SECRET_KEY", "test-only-secret-key-not-for-production")
+# Long and varied enough for production's start-up check (DEBUG is off in tests).
+os.environ.setdefault("SECRET_KEY", "test-only-secret-key-not-for-production-0123456789abcdef")
+# Test clients speak plain HTTP; test_security.py turns the redirect back on where it checks it.
+os.environ.setdefault("SECURE_SSL_REDIRECT", "false")
 os.environ.setdefault("SESSION_COOKIE_SECURE", "false")
 os.environ.setdefault("CSRF_COOKIE_SECURE", "false")
 os.environ.setdefault("ALLOWED_HOSTS", "localhost,127.0.0.1,testserver")

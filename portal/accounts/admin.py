@@ -1,6 +1,10 @@
 from django.contrib import admin
 
 from portal.accounts.models import ApiToken, Membership, Project
+from portal.accounts.throttle import ThrottledAdminAuthenticationForm
+
+# The admin's own sign-in page is a second door for password guessing: same throttle.
+admin.site.login_form = ThrottledAdminAuthenticationForm
 
 
 class MembershipInline(admin.TabularInline):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
+from portal.accounts import throttle
 from portal.accounts.models import ApiToken
 
 
@@ -22,8 +24,12 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
         if len(header) != 2:
             raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <token>'.")
         key = header[1].decode(errors="replace")
+        # Checked before the lookup, so guessing on from a blocked address learns nothing.
+        if throttle.is_blocked(request, scope="api-token"):
+            raise exceptions.Throttled(settings.LOGIN_LOCKOUT_SECONDS, "Too many invalid API tokens.")
         token = ApiToken.find(key)
         if token is None:
+            throttle.record_failure(request, scope="api-token")
             raise exceptions.AuthenticationFailed("Invalid or revoked API token.")
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
         return token.user, token

@@ -15,6 +15,17 @@ from django.db import models
 from django.utils import timezone
 
 
+class AuditQuerySet(models.QuerySet["AuditEntry"]):
+    """Bulk writes skip save() and delete(): refuse them here too, on every database
+    (SQLite's trigger refuses UPDATE only)."""
+
+    def update(self, **kwargs: Any) -> int:
+        raise PermissionError("the audit log is append-only: entries cannot be changed")
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        raise PermissionError("the audit log is append-only: entries cannot be deleted")
+
+
 class AuditEntry(models.Model):
     at = models.DateTimeField(default=timezone.now, db_index=True)
     actor = models.ForeignKey(
@@ -28,6 +39,8 @@ class AuditEntry(models.Model):
     before = models.JSONField(null=True, blank=True)
     after = models.JSONField(null=True, blank=True)
     message = models.CharField(max_length=300, blank=True)
+
+    objects = AuditQuerySet.as_manager()
 
     class Meta:
         ordering = ["-at", "-pk"]

@@ -7,6 +7,7 @@ import { mountTerminal } from "./terminal.js";
 import { mountFleetLive } from "./fleet-live.js";
 import { mountHeatmap } from "./heatmap.js";
 import { mountAlerts } from "./alerts.js";
+import { wireAutosubmit } from "./autosubmit.js";
 
 window.htmx = htmx;
 
@@ -22,4 +23,5 @@ document.addEventListener("DOMContentLoaded", () => {
   const heatmap = document.getElementById("heatmap");
   if (heatmap) mountHeatmap(heatmap);
   document.querySelectorAll("[data-alerts]").forEach((panel) => mountAlerts(panel));
+  document.querySelectorAll("[data-autosubmit]").forEach((field) => wireAutosubmit(field));
 });

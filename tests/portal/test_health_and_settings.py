@@ -68,7 +68,7 @@ def test_env_helpers_name_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path
     ],
 )
 def test_bad_value_stops_startup_with_its_name(variable: str, value: str, message: str) -> None:
-    env = {**os.environ, variable: value, "SECRET_KEY": "x" * 50}
+    env = {**os.environ, variable: value, "SECRET_KEY": "abcdefghij" * 5}
     result = subprocess.run(
         [sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )

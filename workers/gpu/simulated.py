@@ -192,7 +192,7 @@ class SimulatedBackend:
             if config.mig_layout and not config.mig:
                 raise ValueError(f"GPU {index}: a MIG layout needs mig=True")
             uuid = gpu_uuid(host, index)
-            offset = random.Random(f"{seed}:{uuid}:offset").uniform(-1.5, 1.5)  # noqa: S311
+            offset = random.Random(f"{seed}:{uuid}:offset").uniform(-1.5, 1.5)  # noqa: S311 - fake sensor
             gpu = _Gpu(index, uuid, model, config.mig, offset, IDLE_TEMP_C + offset, now)
             self._gpus[uuid] = gpu
             if config.mig:
@@ -421,7 +421,7 @@ class SimulatedBackend:
         threads interleave their sample calls.
         """
         key = f"{self._seed}:{uuid}:{what}:{int(now * 10)}"
-        return random.Random(key).uniform(-amplitude, amplitude)  # noqa: S311
+        return random.Random(key).uniform(-amplitude, amplitude)  # noqa: S311 - fake sensor noise
 
     # -- health ----------------------------------------------------------------------------
 
