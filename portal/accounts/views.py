@@ -23,6 +23,7 @@ from portal.accounts.members import (
 )
 from portal.accounts.models import Membership, Project
 from portal.billing.models import UsageRecord
+from portal.billing.utilization import GpuHours, gpu_hours
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes.models import LIVE_STATES, Allocation
@@ -84,6 +85,21 @@ def _project_for(request: HttpRequest, slug: str) -> Project:
     return project
 
 
+def _utilization_parts(hours: GpuHours | None) -> list[dict[str, Any]]:
+    """The month's allocated GPU-hours split for a stacked bar: used, idle, unmeasured."""
+    if hours is None or not hours.allocated:
+        return []
+    parts = [
+        ("used", "Used", hours.used),
+        ("idle", "Idle", hours.idle),
+        ("unmeasured", "Unmeasured", hours.unmeasured),
+    ]
+    return [
+        {"key": key, "label": label, "hours": value, "pct": float(100 * value / hours.allocated)}
+        for key, label, value in parts
+    ]
+
+
 @login_required
 def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
     project = _project_for(request, slug)
@@ -95,7 +111,15 @@ def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
         .annotate(c=Sum("cost_micros"))
         .values_list("currency", "c")
     ]
-    gpu_hours = gpu_hours_since(project.pk, month_start(now), now)
+    hours = gpu_hours("project", month_start(now), now, now=now, only=[project.pk]).get(project.pk)
+    invoices = list(
+        project.invoices.annotate(credited=Sum("credit_notes__amount_micros")).order_by(
+            "-period_start", "currency"
+        )[:24]
+    )
+    for invoice in invoices:
+        credited = getattr(invoice, "credited", None)
+        invoice.credited_display = f"{credited / 1_000_000:.2f} {invoice.currency}" if credited else "—"  # type: ignore[attr-defined]
     return render(
         request,
         "accounts/project_detail.html",
@@ -106,7 +130,9 @@ def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
             "roles": Membership.Role.choices,
             "bars": quota_bars([project])[project.pk],
             "quota": QuotaPolicy.objects.filter(project=project).first(),
-            "gpu_hours": gpu_hours,
+            "hours": hours,
+            "parts": _utilization_parts(hours),
+            "invoices": invoices,
             "charged": " + ".join(charged) or "nothing",
             "month": month_start(now),
         },

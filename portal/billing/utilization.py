@@ -16,19 +16,23 @@ interval covers only in part counts for the part it covers.
 
 One SQL query per call, whatever the number of rows: the intervals overlapping the period
 are clipped in the database, joined to their rollups through the (sandbox, minute) unique
-index, and summed per group. PostgreSQL only (``EXTRACT(EPOCH FROM interval)``, ``numeric``),
-like the billing it serves.
+index, and summed per group, on PostgreSQL (``EXTRACT(EPOCH FROM interval)``, ``numeric``).
+The embedded SQLite deployment gets the same figures computed in Python from the same rows
+(two queries); tests check that both agree on PostgreSQL.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import Literal
+from typing import Any, Literal
 
 from django.db import connection
 from django.utils import timezone
+
+from portal.billing.models import UsageRecord
+from portal.telemetry.models import SandboxRollup
 
 Grouping = Literal["sandbox", "project", "tier"]
 _COLUMNS: dict[str, str] = {"sandbox": "sandbox_id", "project": "project_id", "tier": "tier_id"}
@@ -36,6 +40,7 @@ _MILLI_SECONDS_PER_GPU_HOUR = Decimal(1000 * 3600)
 # Each sum is rounded to a nano-GPU-hour first, so the differences (idle, unmeasured) are
 # exact and the four figures add up without a rounding residue.
 _QUANTUM = Decimal("0.000000001")
+_MINUTE = timedelta(minutes=1)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ WITH iv AS (
     FROM billing_usagerecord u
     WHERE u.started_at < %(end)s AND (u.ended_at IS NULL OR u.ended_at > %(start)s)
       AND (%(only)s::bigint[] IS NULL OR u.{col} = ANY(%(only)s::bigint[]))
+      AND (%(projects)s::bigint[] IS NULL OR u.project_id = ANY(%(projects)s::bigint[]))
+      AND (%(tiers)s::bigint[] IS NULL OR u.tier_id = ANY(%(tiers)s::bigint[]))
 ), alloc AS (
     SELECT k, SUM(milli_gpu * EXTRACT(EPOCH FROM b - a)) AS allocated
     FROM iv WHERE b > a GROUP BY k
@@ -92,22 +99,85 @@ def gpu_hours(
     *,
     now: datetime | None = None,
     only: list[int] | None = None,
+    projects: list[int] | None = None,
+    tiers: list[int] | None = None,
 ) -> dict[int, GpuHours]:
     """GPU-hours in ``[start, end)`` per sandbox, project or tier id (``by``); ``only`` keeps
-    those ids. Groups with no allocated time in the period are absent."""
-    params = {"start": start, "end": end, "now": now or timezone.now(), "only": only}
+    those ids, ``projects`` and ``tiers`` only usage of those projects and tiers. Groups with
+    no allocated time in the period are absent."""
+    now = now or timezone.now()
+    if connection.vendor != "postgresql":
+        return _gpu_hours_in_python(by, start, end, now=now, only=only, projects=projects, tiers=tiers)
+    params = {"start": start, "end": end, "now": now, "only": only, "projects": projects, "tiers": tiers}
     with connection.cursor() as cursor:
         cursor.execute(_SQL.format(col=_COLUMNS[by]), params)
         rows = cursor.fetchall()
-    result: dict[int, GpuHours] = {}
-    for key, allocated_ms, measured_ms, used_ms in rows:
-        allocated, measured, used = (
-            (Decimal(v) / _MILLI_SECONDS_PER_GPU_HOUR).quantize(_QUANTUM)
-            for v in (allocated_ms, measured_ms, used_ms)
+    return {key: _figures(allocated, measured, used) for key, allocated, measured, used in rows}
+
+
+def _figures(allocated_ms: Any, measured_ms: Any, used_ms: Any) -> GpuHours:
+    """Milli-GPU-seconds sums to GPU-hours, each rounded to the same quantum first."""
+    allocated, measured, used = (
+        (Decimal(v) / _MILLI_SECONDS_PER_GPU_HOUR).quantize(_QUANTUM)
+        for v in (allocated_ms, measured_ms, used_ms)
+    )
+    return GpuHours(allocated, used, measured - used, allocated - measured)
+
+
+def _seconds(delta: timedelta) -> Decimal:
+    # Exact: a timedelta is whole days, seconds and microseconds.
+    return Decimal(delta.days * 86400 + delta.seconds) + Decimal(delta.microseconds) / 1_000_000
+
+
+def _gpu_hours_in_python(
+    by: Grouping,
+    start: datetime,
+    end: datetime,
+    *,
+    now: datetime,
+    only: list[int] | None,
+    projects: list[int] | None,
+    tiers: list[int] | None,
+) -> dict[int, GpuHours]:
+    """The SQL above, row by row: for SQLite, where a deployment is small."""
+    records = UsageRecord.objects.filter(started_at__lt=end).exclude(ended_at__lte=start)
+    if only is not None:
+        records = records.filter(**{f"{_COLUMNS[by]}__in": only})
+    if projects is not None:
+        records = records.filter(project_id__in=projects)
+    if tiers is not None:
+        records = records.filter(tier_id__in=tiers)
+    intervals = []
+    for key, sandbox_id, milli, started, ended in records.values_list(
+        _COLUMNS[by], "sandbox_id", "milli_gpu", "started_at", "ended_at"
+    ):
+        a, b = max(started, start), min(ended or now, end)
+        if b > a:
+            intervals.append((key, sandbox_id, milli, a, b))
+    if not intervals:
+        return {}
+    rollups: dict[int, list[tuple[datetime, float]]] = {}
+    for sandbox_id, minute, util in (
+        SandboxRollup.objects.filter(
+            sandbox_id__in={i[1] for i in intervals},
+            minute__gt=min(i[3] for i in intervals) - _MINUTE,
+            minute__lt=max(i[4] for i in intervals),
         )
-        unmeasured = allocated - measured
-        result[key] = GpuHours(allocated, used, measured - used, unmeasured)
-    return result
+        .order_by("minute")
+        .values_list("sandbox_id", "minute", "util_mean_pct")
+    ):
+        rollups.setdefault(sandbox_id, []).append((minute, util))
+    sums: dict[int, list[Decimal]] = {}
+    for key, sandbox_id, milli, a, b in intervals:
+        total = sums.setdefault(key, [Decimal(0), Decimal(0), Decimal(0)])
+        total[0] += milli * _seconds(b - a)
+        for minute, util in rollups.get(sandbox_id, []):
+            part = min(b, minute + _MINUTE) - max(a, minute)
+            if part > timedelta(0):
+                held = milli * _seconds(part)
+                total[1] += held
+                total[2] += held * Decimal(f"{min(max(util, 0.0), 100.0):.15g}") / 100
+    return {key: _figures(*total) for key, total in sums.items()}
 
 
 def by_sandbox(

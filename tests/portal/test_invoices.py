@@ -317,3 +317,26 @@ def test_admin_shows_invoices_and_finalizes_drafts(sandbox: Any, people: Any, se
     assert done.number == "GPS-202610-0001"
     page = admin.get(reverse("admin:billing_invoice_change", args=[done.pk]))
     assert page.status_code == 200 and "GPS-202610-0001" in page.content.decode()
+
+
+def test_project_members_read_the_invoice_page_and_outsiders_do_not(sandbox: Any, people: Any) -> None:
+    usage(sandbox, at(2026, 10, 3, 9), at(2026, 10, 3, 10), "a")
+    usage(sandbox, at(2026, 10, 4, 9), at(2026, 10, 4, 9, 30), "b")
+    [draft] = do_draft_invoices(OCT, at(2026, 11, 5))
+    done = do_finalize(draft, None, at(2026, 11, 5))
+    do_credit(done, 1_000_000, "outage on the 3rd", people["admin"], at(2026, 11, 6))
+    url = reverse("invoice-detail", args=["vision", done.pk])
+    project_page = (
+        client_for(people["member"]).get(reverse("project-detail", args=["vision"])).content.decode()
+    )
+    assert url in project_page and "GPS-202610-0001" in project_page and "1.00 EUR" in project_page
+    page = client_for(people["member"]).get(url).content.decode()
+    total = done.total_micros / 1_000_000
+    # One summary row for both intervals (same tier, model, share and price): 1.5 h x 0.333 GPU.
+    assert "GPS-202610-0001" in page and "0.500" in page and f"{total:,.2f} EUR" in page
+    assert "outage on the 3rd" in page and f"{total - 1:,.2f} EUR" in page  # due after the credit
+    assert client_for(people["outsider"]).get(url).status_code == 404
+    # The same invoice under another project's slug does not exist either.
+    assert (
+        client_for(people["admin"]).get(reverse("invoice-detail", args=["nlp", done.pk])).status_code == 404
+    )

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.utils import timezone
 
 from portal.accounts.models import Membership
+from portal.billing.models import UsageRecord
 from portal.console.models import AuditEntry
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
+from portal.telemetry.models import SandboxRollup
 from tests.portal.helpers import client_for, place_all, request
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -30,8 +33,19 @@ def test_projects_show_role_quota_bars_and_usage(
     assert "Vision" in text and "Project manager" in text and "NLP" not in text
     assert "Live sandboxes: 1 of 2" in text and 'aria-valuenow="50"' in text
     assert "GPUs held: 2 of 4" in text
+    # Ten minutes held, one of them measured at 50 %: used, idle and unmeasured all show.
+    now = timezone.now()
+    UsageRecord.objects.filter(sandbox=sandbox).update(started_at=now - timedelta(minutes=10))
+    minute = (now - timedelta(minutes=3)).replace(second=0, microsecond=0)
+    SandboxRollup.objects.create(
+        sandbox=sandbox, minute=minute, samples=60, mem_min_mib=0, mem_mean_mib=0, mem_max_mib=0,
+        util_min_pct=50, util_mean_pct=50, util_max_pct=50, temp_max_c=50, power_mean_w=100, cost_micros=0,
+    )  # fmt: skip
     detail = client_for(people["member"]).get("/projects/vision/")
-    assert detail.status_code == 200 and b"GPU-hours" in detail.content
+    assert detail.status_code == 200 and b"GPU-hours allocated" in detail.content
+    text = detail.content.decode()
+    assert "Used 0.02 h" in text and "Idle 0.02 h" in text and "Unmeasured 0.30 h" in text, text
+    assert "No invoice yet" in text
     assert b"Add member" not in detail.content  # a member reads, a manager changes
     assert client_for(people["outsider"]).get("/projects/vision/").status_code == 404
 

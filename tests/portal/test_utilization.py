@@ -8,12 +8,22 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from django.test import Client
 
+from portal.accounts.models import ApiToken
 from portal.billing.models import UsageRecord
-from portal.billing.utilization import GpuHours, by_project, by_sandbox, by_tier
+from portal.billing.utilization import (
+    GpuHours,
+    Grouping,
+    _gpu_hours_in_python,
+    by_project,
+    by_sandbox,
+    by_tier,
+    gpu_hours,
+)
 from portal.sandboxes.models import Sandbox
 from portal.telemetry.models import SandboxRollup
-from tests.portal.helpers import request
+from tests.portal.helpers import client_for, request
 
 pytestmark = pytest.mark.django_db
 T0 = datetime(2026, 3, 1, 10, 0, tzinfo=UTC)
@@ -117,3 +127,81 @@ def test_an_open_interval_counts_up_to_now(sandboxes: dict[str, Sandbox]) -> Non
     # 10 min x 0.5 = 5 GPU-min; 3.5 min (30 s + 60 + 60 + 60) x 0.5 = 1.75 measured at 40 %:
     # 0.7 used, 1.05 idle; 3.25 unmeasured.
     close(later, 5, 0.7, 1.05, 3.25)
+
+
+def test_projects_filter_keeps_their_usage_only(
+    people: Any, catalog: Any, sandboxes: dict[str, Sandbox]
+) -> None:
+    tiers = gpu_hours("tier", T0, END, now=NOW, projects=[people["project"].pk])
+    close(tiers[catalog["dedicated"].pk], 10, 1.5, 1.5, 7)  # a only: c is another project's
+
+
+@pytest.mark.parametrize("grouping", ["sandbox", "project", "tier"])
+@pytest.mark.parametrize(
+    ("start", "end", "now"),
+    [
+        (T0, END, NOW),
+        (T0 + timedelta(seconds=30), T0 + timedelta(seconds=90), NOW),
+        (T0 - minutes(40), END, END),
+    ],
+)
+def test_the_python_fallback_agrees_with_postgresql(
+    sandboxes: dict[str, Sandbox], grouping: Grouping, start: datetime, end: datetime, now: datetime
+) -> None:
+    """SQLite (the embedded deployment) computes in Python: the same figures to the quantum."""
+    rollup(sandboxes["b"], T0 + minutes(4), 100 / 3)  # a third: float to numeric digits agree
+    sql = gpu_hours(grouping, start, end, now=now)
+    python = _gpu_hours_in_python(grouping, start, end, now=now, only=None, projects=None, tiers=None)
+    assert sql == python and sql
+
+
+PERIOD = {"start": T0.isoformat(), "end": END.isoformat()}
+
+
+def rows(response: Any) -> dict[str, dict[str, Any]]:
+    assert response.status_code == 200, response.content
+    return {row["key"]: row for row in response.json()["results"]}
+
+
+def test_api_gives_each_caller_their_projects_figures(
+    people: Any, catalog: Any, sandboxes: dict[str, Sandbox]
+) -> None:
+    owner, admin = client_for(people["owner"]), client_for(people["admin"])
+    mine = rows(owner.get("/api/v1/utilization/", PERIOD))
+    assert set(mine) == {"vision"}
+    # The open interval of b counts up to the period's end (it is long past).
+    want = gpu_hours("project", T0, END, now=END)[people["project"].pk]
+    assert mine["vision"]["allocated_gpu_hours"] == f"{want.allocated:.9f}"
+    assert mine["vision"]["unmeasured_gpu_hours"] == f"{want.unmeasured:.9f}"
+    assert set(rows(admin.get("/api/v1/utilization/", PERIOD))) == {"vision", "nlp"}
+    # Per tier, a member sees only their projects' part of a shared tier.
+    tiers = rows(owner.get("/api/v1/utilization/", {**PERIOD, "by": "tier"}))
+    assert tiers["dedicated"]["allocated_gpu_hours"] == f"{Decimal(10) / 60:.9f}"
+    by_sandbox_rows = rows(owner.get("/api/v1/utilization/", {**PERIOD, "by": "sandbox", "tier": "mig"}))
+    assert set(by_sandbox_rows) == {str(sandboxes["b"].pk)}
+    # Another project's slug gives nothing, not its figures.
+    assert (
+        rows(client_for(people["outsider"]).get("/api/v1/utilization/", {**PERIOD, "project": "vision"}))
+        == {}
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"by": "user"}, "by"),
+        ({"start": "yesterday"}, "start"),
+        ({"start": "2026-03-02", "end": "2026-03-01"}, "end"),
+        ({"start": "2024-01-01", "end": "2026-01-01"}, "end"),
+        ({"project": "vi\x00sion"}, "project"),
+    ],
+)
+def test_api_names_the_bad_parameter(people: Any, params: dict[str, str], field: str) -> None:
+    response = client_for(people["owner"]).get("/api/v1/utilization/", params)
+    assert response.status_code == 400 and field in response.json(), response.content
+
+
+def test_api_needs_the_read_scope(people: Any) -> None:
+    _, key = ApiToken.issue(people["owner"], "writer", [ApiToken.Scope.WRITE_SANDBOXES])
+    response = Client().get("/api/v1/utilization/", HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert response.status_code == 403 and "read:usage" in response.json()["detail"]

@@ -1,0 +1,74 @@
+"""An invoice as a page: what a project's members and billing viewers read in the portal
+(billing systems read the same invoice from /api/v1/invoices/<id>/)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from django.contrib.auth.decorators import login_required
+from django.db.models import Count, F, Min, Sum
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import render
+from django.urls import reverse
+from django.utils.http import urlencode
+
+from portal.accounts.access import visible_projects
+from portal.billing.models import MICROS_PER_UNIT, Invoice
+
+
+def _money(micros: int | None, currency: str) -> str:
+    return f"{(micros or 0) / MICROS_PER_UNIT:,.2f} {currency}"
+
+
+def _next_month(day: datetime) -> datetime:
+    return day.replace(year=day.year + day.month // 12, month=day.month % 12 + 1)
+
+
+@login_required
+def invoice_detail(request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+    invoice = (
+        Invoice.objects.filter(pk=pk, project__slug=slug, project__in=visible_projects(request.user))
+        .select_related("project")
+        .first()
+    )
+    if invoice is None:
+        raise Http404("No such invoice")
+    # Lines summed per tier, GPU model, share and price: an invoice may hold thousands of
+    # intervals, the page shows what they add up to (the API and CSV give every one).
+    summary = [
+        {**row, "gpu_hours": row["gpu_seconds"] / 1000 / 3600, "cost": _money(row["cost"], invoice.currency)}
+        for row in invoice.lines.values("tier__name", "gpu_model", "milli_gpu", "price_per_gpu_hour_micros")
+        .annotate(
+            intervals=Count("pk"),
+            sandboxes=Count("sandbox_id", distinct=True),
+            gpu_seconds=Sum(F("seconds") * F("milli_gpu")),
+            cost=Sum("cost_micros"),
+            first=Min("started_at"),
+        )
+        .order_by("tier__name", "gpu_model", "milli_gpu", "price_per_gpu_hour_micros")
+    ]
+    for row in summary:
+        row["price"] = _money(row["price_per_gpu_hour_micros"], invoice.currency)
+    credit_notes = list(invoice.credit_notes.all())
+    credited = sum(note.amount_micros for note in credit_notes)
+    start = datetime(invoice.period_start.year, invoice.period_start.month, 1, tzinfo=UTC)
+    period = {
+        "project": invoice.project.slug,
+        "start": start.isoformat(),
+        "end": _next_month(start).isoformat(),
+    }
+    return render(
+        request,
+        "billing/invoice.html",
+        {
+            "invoice": invoice,
+            "project": invoice.project,
+            "summary": summary,
+            "credit_notes": [(note, _money(note.amount_micros, invoice.currency)) for note in credit_notes],
+            "total": _money(invoice.total_micros, invoice.currency),
+            "credited": _money(credited, invoice.currency) if credited else None,
+            "due": _money(invoice.total_micros - credited, invoice.currency),
+            "csv_url": f"{reverse('api-usage-export')}?{urlencode(period)}",
+            "api_url": reverse("api:invoice-detail", args=[invoice.pk]),
+        },
+    )
