@@ -48,19 +48,50 @@ def browser_page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.on("dialog", lambda dialog: dialog.accept())
+        page.on("dialog", accept_dialog)
+        # The pages allow scripts from their own origin only, so axe-core comes as one of
+        # their files (Playwright answers for it), never as an inline script.
+        page.route(
+            f"**{AXE_PATH}", lambda route: route.fulfill(path=str(AXE), content_type="text/javascript")
+        )
+        # Whatever the Content-Security-Policy blocks (a script, a socket, a style) Chromium
+        # reports on the console: every page the tests visit must run under the policy.
+        blocked: list[str] = []
+        page.on(
+            "console",
+            lambda message: (
+                blocked.append(message.text) if "Content Security Policy" in message.text else None
+            ),
+        )
         yield page
         browser.close()
+        assert not blocked, "blocked by the CSP:\n" + "\n".join(blocked[:10])
+
+
+def accept_dialog(dialog: Any) -> None:
+    dialog.accept()  # the pages' confirm() prompts (stop, drain)
 
 
 AXE = Path(__file__).resolve().parents[2] / "node_modules" / "axe-core" / "axe.min.js"
+AXE_PATH = "/__browser-tests__/axe.min.js"
+
+
+def wait_until(page: Any, expression: str, timeout: float = 30_000) -> None:
+    """``page.wait_for_function`` without its ``eval``, which the pages' CSP forbids
+    (no 'unsafe-eval'): ``page.evaluate`` runs through DevTools, outside the policy."""
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still false after {timeout / 1000:.0f} s: {expression}")
+        page.wait_for_timeout(100)
 
 
 def accessibility_problems(page: Any) -> list[str]:
     """axe-core's serious and critical violations on the page as it is now."""
     require_engine(AXE.exists(), f"axe-core at {AXE} (make frontend)")
+    page.wait_for_load_state()  # axe's script tag needs the document's head
     if not page.evaluate("typeof window.axe !== 'undefined'"):
-        page.add_script_tag(path=str(AXE))
+        page.add_script_tag(url=page.evaluate("location.origin") + AXE_PATH)
     violations = page.evaluate("async () => (await axe.run(document)).violations")
     return [
         f"{v['impact']} {v['id']}: {v['help']} — {[n['target'] for n in v['nodes']][:3]}"
@@ -106,12 +137,14 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
 
         page.wait_for_selector("#sandbox-state:text('Running')", timeout=60_000)
         chart = page.locator("#gpu-chart")
-        page.wait_for_function(
-            "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3", timeout=30_000
+        wait_until(
+            page, "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3", timeout=30_000
         )
         first = int(chart.get_attribute("data-samples") or 0)
-        page.wait_for_function(
-            f"Number(document.getElementById('gpu-chart').dataset.samples) > {first + 1}", timeout=30_000
+        wait_until(
+            page,
+            f"Number(document.getElementById('gpu-chart').dataset.samples) > {first + 1}",
+            timeout=30_000,
         )
         assert page.locator("#gpu-chart canvas").count() == 2
         assert "simulated" in page.locator("#chart-status").inner_text()
@@ -123,7 +156,8 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         page.locator(".terminal-status", has_text="Connected").wait_for(timeout=20_000)
         page.locator(".terminal-screen .xterm").click()
         page.keyboard.type("echo h''i\n")  # the quotes keep the echoed command line from matching
-        page.wait_for_function(
+        wait_until(
+            page,
             "[...document.querySelectorAll('.xterm-rows > div')].some(r => r.textContent.trim() === 'hi')",
             timeout=10_000,
         )
@@ -159,9 +193,21 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         shot(page, "notifications")
         page.click("nav >> text=Projects")
         shot(page, "projects")
+        # The month's draft invoice, as the control worker's invoice tick would make it.
+        from django.utils import timezone
+
+        from portal.billing.invoices import do_draft_invoices
+
+        do_draft_invoices(timezone.now().date().replace(day=1))
         page.click("text=Vision")
         page.wait_for_url(f"{base}/projects/vision/")
+        assert "Unmeasured" in page.locator(".split-legend").inner_text()
         shot(page, "project")
+        page.click("a[href*='/invoices/']")
+        page.wait_for_url("**/invoices/*/")
+        assert "Draft invoice" in page.locator("h1").inner_text()
+        assert page.locator("table.grid tbody tr").count() == 1
+        shot(page, "invoice")
 
         # An admin sees the fleet, and that this host's GPUs are simulated.
         page.click("text=Sign out")
@@ -261,7 +307,8 @@ def test_every_sharing_mode_a_lowered_quota_and_a_drain(
         row.locator("button", has_text="Drain").click()
         page.locator(".flash", has_text="drained").wait_for(timeout=10_000)
         # Live figures for every GPU, a MIG layout with a busy slice, the MPS share.
-        page.wait_for_function(
+        wait_until(
+            page,
             "[...document.querySelectorAll('[data-live-gpu]')].every(c => c.textContent.includes('°C'))",
             timeout=30_000,
         )

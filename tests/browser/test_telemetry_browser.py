@@ -28,6 +28,7 @@ from tests.browser.test_portal_browser import (  # noqa: F401 (browser_page: a f
     browser_page,
     shot,
     sign_in,
+    wait_until,
 )
 from tests.e2e.platform import running_platform, wait_for
 from tests.workers.engines import require_engine
@@ -158,11 +159,12 @@ def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Pat
         # --- The sandbox page: history, then live samples; the chart moves. ---
         sign_in(page, base, "olivia", f"/sandboxes/{sandbox.pk}/")
         chart = "#gpu-chart"
-        page.wait_for_function(
-            "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3", timeout=30_000
+        wait_until(
+            page, "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3", timeout=30_000
         )
         samples, points = numbers(page, chart, "samples", "points")
-        page.wait_for_function(
+        wait_until(
+            page,
             f"Number(document.getElementById('gpu-chart').dataset.samples) > {samples + 2} && "
             f"Number(document.getElementById('gpu-chart').dataset.points) > {points}",
             timeout=30_000,
@@ -189,8 +191,10 @@ def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Pat
         )
         # Shown again: the full stream resumes (once the server's hidden-tab pause is over).
         shown = time.monotonic()
-        page.wait_for_function(
-            f"Number(document.getElementById('gpu-chart').dataset.samples) > {hidden_to + 4}", timeout=20_000
+        wait_until(
+            page,
+            f"Number(document.getElementById('gpu-chart').dataset.samples) > {hidden_to + 4}",
+            timeout=20_000,
         )
         print(
             f"samples in 5 s hidden: {hidden_to - hidden_from:.0f}; "
@@ -208,8 +212,10 @@ def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Pat
         )
         page.locator("#alerts-panel [data-alerts-open] li.alert", has_text=text).wait_for(timeout=10_000)
         page.locator("#alerts-panel").scroll_into_view_if_needed()
-        page.wait_for_function(
-            f"Number(document.getElementById('gpu-chart').dataset.samples) > {visible_to + 2}", timeout=30_000
+        wait_until(
+            page,
+            f"Number(document.getElementById('gpu-chart').dataset.samples) > {visible_to + 2}",
+            timeout=30_000,
         )
         shot(page, "telemetry-sandbox")
         publish(
@@ -248,12 +254,12 @@ def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Pat
         page.wait_for_url(f"{base}/console/gpus/{gpu.uuid}/")
 
         # --- The GPU page: an hour of history with its bands, live samples, its alerts. ---
-        page.wait_for_function(
-            "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3", timeout=30_000
+        wait_until(
+            page, "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3", timeout=30_000
         )
         samples, points = numbers(page, chart, "samples", "points")
-        page.wait_for_function(
-            f"Number(document.getElementById('gpu-chart').dataset.points) > {points}", timeout=30_000
+        wait_until(
+            page, f"Number(document.getElementById('gpu-chart').dataset.points) > {points}", timeout=30_000
         )
         assert numbers(page, chart, "history-minutes")[0] >= 60
         facts = page.locator("#gpu-facts").inner_text()
@@ -273,9 +279,9 @@ def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Pat
         page.click("h1 >> text=heatmap")
         page.wait_for_url(f"{base}/console/heatmap/")
         heatmap = "#heatmap"
-        page.wait_for_function(f"Number(document.querySelector('{heatmap}').dataset.rows) === {fleet_size}")
-        page.wait_for_function(
-            f"Number(document.querySelector('{heatmap}').dataset.liveSamples || 0) >= 3", timeout=30_000
+        wait_until(page, f"Number(document.querySelector('{heatmap}').dataset.rows) === {fleet_size}")
+        wait_until(
+            page, f"Number(document.querySelector('{heatmap}').dataset.liveSamples || 0) >= 3", timeout=30_000
         )
         grid = page.locator("canvas.heatmap-grid").bounding_box()
         assert grid is not None
@@ -300,9 +306,7 @@ def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Pat
         page.select_option("select[name=metric]", "util_pct")
         page.locator("[data-legend-max]", has_text="100 %").wait_for()
         draws = page.locator(heatmap).get_attribute("data-draws")
-        page.wait_for_function(
-            f"document.querySelector('{heatmap}').dataset.draws !== '{draws}'", timeout=10_000
-        )
+        wait_until(page, f"document.querySelector('{heatmap}').dataset.draws !== '{draws}'", timeout=10_000)
         print(
             f"heatmap of {fleet_size} GPUs x 61 minutes: "
             f"drawn in {page.locator(heatmap).get_attribute('data-draw-ms')} ms"
