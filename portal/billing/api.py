@@ -16,7 +16,15 @@ from rest_framework import mixins, renderers, serializers, views, viewsets
 from rest_framework.request import Request
 
 from portal.accounts.permissions import api_projects, api_sees_all
-from portal.billing.api_common import ERRORS, FILTER_PARAMETERS, ApiView, NewestFirst, errors, filter_by
+from portal.billing.api_common import (
+    ERRORS,
+    FILTER_PARAMETERS,
+    FILTERS,
+    ApiView,
+    NewestFirst,
+    errors,
+    filter_by,
+)
 from portal.billing.api_sandboxes import SandboxViewSet
 from portal.billing.models import UsageRecord
 
@@ -82,6 +90,7 @@ class UsageRecordViewSet(
 
     serializer_class = UsageRecordSerializer
     pagination_class = NewestFirst
+    filters = FILTERS
     queryset = UsageRecord.objects.none()  # for the schema; get_queryset scopes it
 
     def get_queryset(self) -> QuerySet[UsageRecord]:
@@ -139,6 +148,7 @@ def _csv_rows(qs: QuerySet[UsageRecord]) -> Iterator[str]:
 
 class UsageExportView(ApiView, views.APIView):
     renderer_classes = [renderers.JSONRenderer, CsvRenderer]
+    filters = FILTERS
 
     @extend_schema(
         summary="Usage as CSV",

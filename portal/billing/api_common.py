@@ -3,6 +3,9 @@ the documented error answers."""
 
 from __future__ import annotations
 
+import json
+import unicodedata
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,15 +14,39 @@ from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, inline_serializer
-from rest_framework import exceptions, pagination, serializers
+from rest_framework import exceptions, pagination, parsers, serializers
+from rest_framework.request import Request
+
+MAX_PAGE_SIZE = 1000
+# Query values are slugs, usernames, ISO times and cursors: far shorter than this. A longer
+# one is a mistake or a probe, and is refused rather than sent to the database.
+MAX_PARAM_LENGTH = 255
+MAX_CURSOR_LENGTH = 1000
 
 
-class NewestFirst(pagination.CursorPagination):
+def checked_page_size(request: Request, default: int | None) -> int | None:
+    """``?page_size=`` as a whole number 1..MAX_PAGE_SIZE; DRF would quietly fall back to the
+    default for a bad one, which hides the mistake from the caller."""
+    raw = request.query_params.get("page_size")
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 6 and 1 <= int(raw) <= MAX_PAGE_SIZE):
+        raise exceptions.ValidationError({"page_size": [f"Give a whole number from 1 to {MAX_PAGE_SIZE}."]})
+    return int(raw)
+
+
+class CheckedPageSize(pagination.CursorPagination):
+    page_size_query_param = "page_size"
+    max_page_size = MAX_PAGE_SIZE
+
+    def get_page_size(self, request: Request) -> int | None:
+        return checked_page_size(request, self.page_size)
+
+
+class NewestFirst(CheckedPageSize):
     """Stable cursor pages even while new rows arrive: ordered by start time, then id."""
 
     ordering = ("-started_at", "-id")
-    page_size_query_param = "page_size"
-    max_page_size = 1000
 
 
 class NewestRequestFirst(NewestFirst):
@@ -30,20 +57,164 @@ class BySlug(NewestFirst):
     ordering = ("slug",)  # type: ignore[assignment]
 
 
+def _printable(text: str) -> str:
+    """``text`` safe to echo in an error message: short, no control or surrogate characters."""
+    shown = text[:40].encode("utf-8", "backslashreplace").decode()
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in shown)
+
+
+def text_problem(value: str, *, max_length: int = MAX_PARAM_LENGTH, multiline: bool = False) -> str | None:
+    """Why ``value`` cannot be taken as text (None when it can): too long, a NUL (PostgreSQL
+    refuses it), a lone surrogate (not UTF-8: the database driver and the JSON renderer
+    fail on it), or another control character."""
+    if len(value) > max_length:
+        return f"Too long: {len(value)} characters, at most {max_length}."
+    if "\x00" in value:
+        return "Null characters are not allowed."
+    for char in value:
+        if unicodedata.category(char) == "Cs":
+            return "Not valid Unicode text (a lone surrogate)."
+        if unicodedata.category(char) == "Cc" and not (multiline and char in "\t\n\r"):
+            return f"Control characters (such as {char!r}) are not allowed."
+    return None
+
+
+def check_query(params: Any, allowed: Iterable[str]) -> None:
+    """Refuse unknown, repeated, oversized or non-text query parameters, naming each."""
+    allowed = set(allowed)
+    problems: dict[str, list[str]] = {}
+    for name in params:
+        values = params.getlist(name)
+        shown = _printable(name)
+        if name not in allowed:
+            known = ", ".join(sorted(allowed))
+            problems[shown] = [f"Unknown parameter; this route takes {known}."]
+        elif len(values) > 1:
+            problems[shown] = ["Given more than once; give it once."]
+        else:
+            limit = MAX_CURSOR_LENGTH if name == "cursor" else MAX_PARAM_LENGTH
+            if problem := text_problem(values[0], max_length=limit):
+                problems[shown] = [problem]
+    if problems:
+        raise exceptions.ValidationError(problems)
+
+
+def unknown_fields(data: Any, allowed: Iterable[str]) -> dict[str, list[str]]:
+    """An error per body field the route does not take: ignoring one (``privileged``,
+    ``volumes``...) would let the caller believe it was applied."""
+    if not isinstance(data, Mapping):
+        return {}
+    allowed = sorted(allowed)
+    known = ", ".join(allowed) if allowed else "no fields"
+    return {
+        _printable(str(name)): [f"Unknown field; this request takes {known}."]
+        for name in data
+        if name not in allowed
+    }
+
+
+def repeated_fields(data: Any) -> dict[str, list[str]]:
+    """A form body's fields given more than once (a JSON body cannot repeat: StrictJSONParser)."""
+    if not hasattr(data, "lists"):
+        return {}
+    return {_printable(k): ["Given more than once; give it once."] for k, v in data.lists() if len(v) > 1}
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise exceptions.ValidationError({_printable(key): ["Given more than once; give it once."]})
+        seen[key] = value
+    return seen
+
+
+def _surrogate_free(value: Any, where: str = "non_field_errors") -> None:
+    if isinstance(value, str):
+        if any(unicodedata.category(c) == "Cs" for c in value):
+            raise exceptions.ValidationError({where: ["Not valid Unicode text (a lone surrogate)."]})
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _surrogate_free(key, where)
+            _surrogate_free(item, key if where == "non_field_errors" else where)
+    elif isinstance(value, list):
+        for item in value:
+            _surrogate_free(item, where)
+
+
+class Text(serializers.CharField):
+    """A CharField refusing what ``text_problem`` refuses (NUL, lone surrogates, control
+    characters, oversized), so that such a value is a 400 on its field, never a 500."""
+
+    def __init__(self, *, multiline: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("max_length", MAX_PARAM_LENGTH)
+        self.multiline = multiline
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):  # DRF would turn 12 or 1.5 into "12" or "1.5"
+            self.fail("invalid")
+        value = super().to_internal_value(data)
+        limit = self.max_length or MAX_PARAM_LENGTH
+        if problem := text_problem(value, max_length=limit, multiline=self.multiline):
+            raise serializers.ValidationError(problem)
+        return value
+
+
+def choices_message(choices: Iterable[Any]) -> dict[str, Any]:
+    """A ChoiceField message listing the choices instead of echoing the (maybe huge) input."""
+    return {"invalid_choice": f"Give one of: {', '.join(map(str, choices))}."}
+
+
+class StrictJSONParser(parsers.JSONParser):
+    """JSON bodies without duplicate keys (json.loads keeps the last one silently) and
+    without lone surrogates (``"\\ud800"`` parses, then fails in the database driver)."""
+
+    def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> Any:
+        encoding = (parser_context or {}).get("encoding", "utf-8")
+        try:
+            text = stream.read().decode(encoding) if stream is not None else ""
+            data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise exceptions.ParseError(f"JSON parse error - {_printable(str(exc))}") from exc
+        _surrogate_free(data)
+        return data
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 class ApiView:
     """Mixin for every API view. Scopes (TokenScopes) and rate limits come from
-    REST_FRAMEWORK's defaults, so a view that forgets this mixin is still covered."""
+    REST_FRAMEWORK's defaults, so a view that forgets this mixin is still covered.
+
+    ``filters`` names the query parameters of the list (or the plain view's GET); any other
+    parameter is refused, as is a repeated or malformed one."""
 
     kwargs: dict[str, Any]
+    filters: tuple[str, ...] = ()
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        action = getattr(self, "action", None)
+        allowed = {"format"}  # DRF's format override (?format=json)
+        if action == "list":
+            allowed |= {"cursor", "page_size", *self.filters}
+        elif action is None:  # a plain APIView: its GET takes the filters
+            allowed |= set(self.filters)
+        check_query(request.query_params, allowed)
 
     def get_object(self) -> Any:
-        # An id PostgreSQL cannot hold (or not a number) is simply not found, not a 500.
+        # An id PostgreSQL cannot hold (or not a number) is simply not found, not a 500;
+        # isascii: "²" is a digit to str.isdigit() but not to int().
         pk = str(self.kwargs.get("pk", "0"))
-        if not pk.isdigit() or len(pk) > 18:
+        if not (pk.isascii() and pk.isdigit()) or len(pk) > 18:
             raise exceptions.NotFound()
         return super().get_object()  # type: ignore[misc]
 
 
+FILTERS = ("project", "user", "tier", "start", "end")
 FILTER_PARAMETERS = [
     OpenApiParameter("project", OpenApiTypes.STR, description="Project slug."),
     OpenApiParameter("user", OpenApiTypes.STR, description="Username."),
@@ -58,7 +229,7 @@ FILTER_PARAMETERS = [
 ]
 
 
-def _moment(name: str, raw: str) -> datetime:
+def moment(name: str, raw: str) -> datetime:
     """An aware UTC datetime, or a 400 naming the parameter."""
     try:
         value = parse_datetime(raw)
@@ -87,8 +258,8 @@ def filter_by(
         qs = qs.filter(**{f"{user_field}__username": user})
     if tier and (slug := params.get("tier")):
         qs = qs.filter(tier__slug=slug)
-    start = _moment("start", params["start"]) if params.get("start") else None
-    end = _moment("end", params["end"]) if params.get("end") else None
+    start = moment("start", params["start"]) if params.get("start") else None
+    end = moment("end", params["end"]) if params.get("end") else None
     if start and end and end <= start:
         raise exceptions.ValidationError({"end": ["The end must come after the start."]})
     if start:

@@ -9,10 +9,10 @@ from typing import Any
 from django.db.models import Prefetch, QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
-from rest_framework import exceptions, mixins, pagination, serializers, viewsets
+from rest_framework import exceptions, mixins, serializers, viewsets
 
 from portal.accounts.permissions import api_projects
-from portal.billing.api_common import ERRORS, ApiView
+from portal.billing.api_common import ERRORS, ApiView, CheckedPageSize
 from portal.billing.models import CreditNote, Invoice, InvoiceLine, InvoiceState
 
 
@@ -58,10 +58,8 @@ class InvoiceDetailSerializer(InvoiceSerializer):
         read_only_fields = fields
 
 
-class NewestPeriodFirst(pagination.CursorPagination):
+class NewestPeriodFirst(CheckedPageSize):
     ordering = ("-period_start", "-id")
-    page_size_query_param = "page_size"
-    max_page_size = 1000
 
 
 INVOICE_FILTERS = [
@@ -94,6 +92,7 @@ class InvoiceViewSet(
     ApiView, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet[Invoice]
 ):
     pagination_class = NewestPeriodFirst
+    filters = ("project", "period", "state")
     queryset = Invoice.objects.none()  # for the schema; get_queryset scopes it
 
     def get_serializer_class(self) -> type[serializers.BaseSerializer[Invoice]]:

@@ -7,12 +7,13 @@ field at fault the same way; this module only turns slugs into rows first.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_view
-from rest_framework import exceptions, mixins, serializers, status, viewsets
+from rest_framework import exceptions, mixins, parsers, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -22,10 +23,17 @@ from portal.accounts.permissions import api_can_manage_sandbox, api_projects, ap
 from portal.billing.api_common import (
     ERRORS,
     FILTER_PARAMETERS,
+    FILTERS,
     ApiView,
     NewestRequestFirst,
+    StrictJSONParser,
+    Text,
+    choices_message,
     errors,
     filter_by,
+    repeated_fields,
+    text_problem,
+    unknown_fields,
 )
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
 from portal.sandboxes import actions
@@ -77,27 +85,66 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
 
 class SandboxCreateSerializer(serializers.Serializer[Any]):
     """The request form's fields, with slugs (project, tier) and a name (image) for ids.
-    Ranges and tier rules are the form's and ``check_request_sandbox``'s."""
+    Ranges and tier rules are the form's and ``check_request_sandbox``'s. Any other field
+    (``privileged``, ``volumes``, ``network_mode``...) is refused, never ignored: the platform
+    decides how a sandbox is confined, and a caller must not believe it asked otherwise."""
 
-    project = serializers.CharField(help_text="Project slug (you must be a manager or member).")
-    tier = serializers.CharField(help_text="Tier slug; see /api/v1/prices/.")
-    image = serializers.CharField(help_text="Sandbox image name.")
-    isolation = serializers.ChoiceField(choices=IsolationLevel.choices, default=IsolationLevel.CONTAINER)
+    project = Text(max_length=50, help_text="Project slug (you must be a manager or member).")
+    tier = Text(max_length=40, help_text="Tier slug; see /api/v1/prices/.")
+    image = Text(max_length=40, help_text="Sandbox image name (an allowed image, not a reference).")
+    isolation = serializers.ChoiceField(
+        choices=IsolationLevel.choices,
+        default=IsolationLevel.CONTAINER,
+        error_messages=choices_message(IsolationLevel.values),
+    )
     gpu_count = serializers.IntegerField(required=False, help_text="Dedicated tiers: 1 to the tier's max.")
     mig_profile = serializers.ChoiceField(
-        choices=MIG_PROFILES, required=False, help_text="MIG tiers: the MIG profile."
+        choices=MIG_PROFILES,
+        required=False,
+        help_text="MIG tiers: the MIG profile.",
+        error_messages=choices_message(MIG_PROFILES),
     )
     mps_memory_gib = serializers.IntegerField(required=False, help_text="MPS tiers: memory share, 1-80 GiB.")
     mps_thread_pct = serializers.IntegerField(required=False, help_text="MPS tiers: thread share, 1-100 %.")
     duration_hours = serializers.IntegerField(default=1, help_text="1 to the tier's maximum duration.")
-    run = serializers.ChoiceField(choices=["interactive", "batch"], default="interactive")
-    command = serializers.CharField(
-        required=False, allow_blank=True, help_text="Batch runs: the command, split like a shell."
+    run = serializers.ChoiceField(
+        choices=["interactive", "batch"],
+        default="interactive",
+        error_messages=choices_message(["interactive", "batch"]),
     )
+    command = Text(
+        required=False,
+        allow_blank=True,
+        max_length=2000,
+        help_text="Batch runs: the command, split like a shell.",
+    )
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        problems = {**repeated_fields(data), **unknown_fields(data, self.fields)}
+        if problems:
+            raise exceptions.ValidationError(problems)
+        return super().to_internal_value(data)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs.get("command") and attrs.get("run") != "batch":
+            raise exceptions.ValidationError(
+                {"command": ["Only batch runs take a command: send run=batch, or leave the command out."]}
+            )
+        return attrs
 
 
 class ExtendSerializer(serializers.Serializer[Any]):
-    hours = serializers.ChoiceField(choices=list(EXTEND_CHOICES_H), help_text="Hours to add to the limit.")
+    hours = serializers.ChoiceField(
+        choices=list(EXTEND_CHOICES_H),
+        help_text="Hours to add to the limit.",
+        error_messages=choices_message(EXTEND_CHOICES_H),
+    )
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        problems = {**repeated_fields(data), **unknown_fields(data, self.fields)}
+        if problems:
+            raise exceptions.ValidationError(problems)
+        return super().to_internal_value(data)
 
 
 CREATE_EXAMPLE = OpenApiExample(
@@ -165,6 +212,8 @@ class SandboxViewSet(
 ):
     serializer_class = SandboxSerializer
     pagination_class = NewestRequestFirst
+    parser_classes = [StrictJSONParser, parsers.FormParser, parsers.MultiPartParser]
+    filters = FILTERS
     queryset = Sandbox.objects.none()  # for the schema; get_queryset scopes it
 
     def get_queryset(self) -> QuerySet[Sandbox]:
@@ -172,6 +221,13 @@ class SandboxViewSet(
         if self.action == "list":
             qs = filter_by(self.request.query_params, qs, user_field="owner", time_field="requested_at")
         return qs.select_related("project", "owner", "tier", "host")
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)
+        # The key is stored (PostgreSQL refuses NUL) and echoed in a 422: plain text only.
+        key = request.headers.get(idempotency.HEADER)
+        if key and (problem := text_problem(key, max_length=idempotency.MAX_KEY_LENGTH)):
+            raise exceptions.ValidationError({idempotency.HEADER: [problem]})
 
     def _managed(self) -> Sandbox:
         sandbox = self.get_object()  # 404 outside the caller's projects
@@ -206,7 +262,10 @@ class SandboxViewSet(
                     for k, v in form.errors.items()
                 }
             )
-        sandbox = actions.do_request_sandbox(request.user, form.request_obj)
+        try:
+            sandbox = actions.do_request_sandbox(request.user, form.request_obj)
+        except actions.SandboxRequestError as exc:  # the quota, checked again under its lock
+            raise exceptions.ValidationError({exc.field: [exc.message]}) from exc
         return self._answer(sandbox.pk, status.HTTP_201_CREATED)
 
     @extend_schema(
@@ -221,6 +280,11 @@ class SandboxViewSet(
     @idempotency.idempotent
     def stop(self, request: Request, pk: str | None = None) -> Response:
         sandbox = self._managed()
+        body = request.data
+        if body and not isinstance(body, Mapping):
+            raise exceptions.ValidationError({"non_field_errors": ["Send no body, or {}."]})
+        if problems := {**repeated_fields(body), **unknown_fields(body, ())}:
+            raise exceptions.ValidationError(problems)
         actions.do_request_stop(sandbox.pk, request.user)
         return self._answer(sandbox.pk)
 

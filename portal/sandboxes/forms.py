@@ -10,6 +10,7 @@ from typing import Any
 from django import forms
 
 from portal.accounts.models import Membership, Project
+from portal.billing.api_common import text_problem
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
 from scheduler.gpus import MODELS
@@ -18,12 +19,17 @@ MIG_PROFILES = sorted(
     {p.name for m in MODELS.values() for p in m.mig_profiles}, key=lambda n: (int(n.split("g")[0]), n)
 )
 
+# Django's message echoes the value, however long or odd: name the choices' place instead.
+_CHOOSE = {"invalid_choice": "Choose one of the listed options."}
+
 
 class SandboxRequestForm(forms.Form):
     project = forms.ModelChoiceField(queryset=Project.objects.none())
     tier = forms.ModelChoiceField(queryset=Tier.objects.filter(active=True))
     image = forms.ModelChoiceField(queryset=SandboxImage.objects.filter(active=True))
-    isolation = forms.ChoiceField(choices=IsolationLevel.choices, initial=IsolationLevel.CONTAINER)
+    isolation = forms.ChoiceField(
+        choices=IsolationLevel.choices, initial=IsolationLevel.CONTAINER, error_messages=_CHOOSE
+    )
     gpu_count = forms.IntegerField(
         min_value=1, max_value=8, initial=1, required=False, label="GPUs", help_text="Dedicated tiers"
     )
@@ -32,6 +38,7 @@ class SandboxRequestForm(forms.Form):
         required=False,
         label="MIG profile",
         help_text="MIG tiers",
+        error_messages=_CHOOSE,
     )
     mps_memory_gib = forms.IntegerField(
         min_value=1, max_value=80, initial=10, required=False, label="MPS memory (GiB)", help_text="MPS tiers"
@@ -45,6 +52,7 @@ class SandboxRequestForm(forms.Form):
         initial="interactive",
         required=False,  # absent: interactive
         label="Kind",
+        error_messages=_CHOOSE,
         help_text="Interactive runs until you stop it; batch runs your command and ends with it.",
     )
     command = forms.CharField(
@@ -70,8 +78,31 @@ class SandboxRequestForm(forms.Form):
         self.fields["project"].queryset = projects.distinct()  # type: ignore[attr-defined]
         self.request_obj: SandboxRequest | None = None
 
+    def _refuse_unexpected_fields(self) -> None:
+        """Fields the form does not have (``privileged``, ``volumes``...) are refused, not
+        ignored, and so is a field given twice (Django would quietly take the last)."""
+        extra = sorted(str(k)[:40] for k in self.data if k not in self.fields and k != "csrfmiddlewaretoken")
+        if extra:
+            self.add_error(
+                None,
+                f"Unknown fields: {', '.join(extra)}. This form takes {', '.join(self.fields)}.",
+            )
+        if hasattr(self.data, "lists"):
+            for name, values in self.data.lists():
+                if name in self.fields and len(values) > 1:
+                    self.add_error(name, "Given more than once; give it once.")
+
+    def clean_command(self) -> str:
+        command: str = self.cleaned_data.get("command") or ""
+        # Control characters (escapes, newlines) in a command are a mistake or an attempt to
+        # mislead whoever reads it in the console or the audit log.
+        if problem := text_problem(command, max_length=2000):
+            raise forms.ValidationError(problem)
+        return command
+
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
+        self._refuse_unexpected_fields()
         command: tuple[str, ...] = ()
         if data.get("run") == "batch":
             try:
@@ -98,9 +129,11 @@ class SandboxRequestForm(forms.Form):
         try:
             check_request_sandbox(self.user, req)
         except SandboxRequestError as exc:
-            field = {"mps_memory_mib": "mps_memory_gib", "duration": "duration_hours"}.get(
-                exc.field, exc.field
-            )
-            self.add_error(field if field in self.fields else None, exc.message)
+            self.add_request_error(exc)
         self.request_obj = req
         return data
+
+    def add_request_error(self, exc: SandboxRequestError) -> None:
+        """A refusal from the actions, on the form field it names."""
+        field = {"mps_memory_mib": "mps_memory_gib", "duration": "duration_hours"}.get(exc.field, exc.field)
+        self.add_error(field if field in self.fields else None, exc.message)

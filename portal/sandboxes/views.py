@@ -50,8 +50,12 @@ def sandbox_list(request: HttpRequest) -> HttpResponse:
 def sandbox_new(request: HttpRequest) -> HttpResponse:
     form = SandboxRequestForm(request.POST or None, user=request.user)
     if request.method == "POST" and form.is_valid() and form.request_obj is not None:
-        sandbox = actions.do_request_sandbox(request.user, form.request_obj)
-        return redirect("sandbox-detail", pk=sandbox.pk)
+        try:
+            sandbox = actions.do_request_sandbox(request.user, form.request_obj)
+        except actions.SandboxRequestError as exc:  # the quota, checked again under its lock
+            form.add_request_error(exc)
+        else:
+            return redirect("sandbox-detail", pk=sandbox.pk)
     tier_modes = {str(t.pk): t.sharing_mode for t in Tier.objects.filter(active=True)}
     return render(
         request,

@@ -8,6 +8,7 @@ from which ``list_owned`` rebuilds the agent's picture after a restart.
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -79,6 +80,29 @@ class SandboxSpec:
                 f"{i}={self.mps.memory_mib}M" for i in range(max(1, len(self.device_uuids)))
             )
         return env
+
+
+# Host paths a sandbox must never get read-write, nor any directory holding one: the host's
+# root and system trees, users' homes and the container engines' sockets.
+PROTECTED_HOST_PATHS = (
+    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/proc", "/root", "/sbin", "/sys",
+    "/usr", "/var/lib/docker", "/var/lib/libvirt", "/var/run/docker.sock", "/run/docker.sock",
+    "/run/containerd", "/var/run/libvirt", "/run/libvirt",
+)  # fmt: skip
+
+
+def checked_pipe_dir(path: str) -> str:
+    """The MPS pipe directory the drivers bind read-write, after making sure it is one: an
+    absolute, normalised path that is neither a protected path, inside a system tree, nor an
+    ancestor of one. The agent makes it (var_dir/mps/<gpu>/pipe); this is defence in depth
+    against a forged or corrupted launch message."""
+    if not path.startswith("/") or posixpath.normpath(path) != path or "\0" in path:
+        raise DriverError(f"MPS pipe directory {path!r} is not an absolute, normalised path")
+    for protected in PROTECTED_HOST_PATHS:
+        inside_system = protected not in ("/", "/home") and path.startswith(protected + "/")
+        if path == protected or protected.startswith(path.rstrip("/") + "/") or inside_system:
+            raise DriverError(f"MPS pipe directory {path!r} would expose {protected} to the sandbox")
+    return path
 
 
 @dataclass(frozen=True)

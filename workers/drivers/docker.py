@@ -39,6 +39,7 @@ from workers.drivers.base import (
     SandboxHandle,
     SandboxSpec,
     SandboxStatus,
+    checked_pipe_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,9 @@ def container_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         ]
     if spec.mps is not None:
         # Read-write: clients create and connect to sockets in the pipe directory.
+        pipe_dir = checked_pipe_dir(spec.mps.pipe_dir)
         kwargs["mounts"] = [
-            docker.types.Mount(
-                target=spec.mps.pipe_dir, source=spec.mps.pipe_dir, type="bind", read_only=False
-            )
+            docker.types.Mount(target=pipe_dir, source=pipe_dir, type="bind", read_only=False)
         ]
     return kwargs
 

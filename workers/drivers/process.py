@@ -2,8 +2,8 @@
 
 For hosts without a container engine. The sandbox is ``bwrap --unshare-all`` over a
 read-only view of the host's /usr (and the few /etc files dynamic binaries need), with a
-fresh /proc, a minimal /dev, tmpfs /tmp and home, no network unless the spec allows it,
-a cleared environment and uid 1000 inside its own user namespace.
+fresh /proc, a minimal /dev, tmpfs /tmp and home, no network (a spec asking for one is
+refused: bwrap could only share the host's), a cleared environment and uid 1000 inside its own user namespace.
 
 Process tree, and why each link is there::
 
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.drivers.base import DriverError, SandboxHandle, SandboxSpec, SandboxStatus
+from workers.drivers.base import DriverError, SandboxHandle, SandboxSpec, SandboxStatus, checked_pipe_dir
 
 log = logging.getLogger(__name__)
 
@@ -435,10 +435,22 @@ class ProcessDriver:
             log.warning("cgroups not usable (%s); sandbox %s falls back to rlimits", exc, spec.allocation_id)
             return _rlimits(spec, private_uid)
 
-    def _bwrap_args(self, spec: SandboxSpec, passwd_fd: int, group_fd: int, status_fd: int) -> list[str]:
-        args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+    @staticmethod
+    def _refuse_unsafe(spec: SandboxSpec) -> None:
+        # bwrap has no network of its own to give: --share-net would join the host's network
+        # namespace, and with it every service listening on the host's loopback (the
+        # database, Redis). Refused rather than quietly run without the network it asked for.
         if spec.network:
-            args.append("--share-net")
+            raise DriverError(
+                f"sandbox {spec.allocation_id}: the process driver cannot give a private network "
+                "(only the host's); give network tiers container or vm isolation"
+            )
+        if spec.mps is not None:
+            checked_pipe_dir(spec.mps.pipe_dir)
+
+    def _bwrap_args(self, spec: SandboxSpec, passwd_fd: int, group_fd: int, status_fd: int) -> list[str]:
+        self._refuse_unsafe(spec)
+        args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
         args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
         args += ["--hostname", f"sandbox-{spec.sandbox_id}", "--ro-bind", "/usr", "/usr"]
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -448,8 +460,6 @@ class ProcessDriver:
                 args += ["--ro-bind", top, top]
         for name in _ETC_FILES:
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-        if spec.network:
-            args += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
         args += ["--perms", "0644", "--ro-bind-data", str(passwd_fd), "/etc/passwd"]
         args += ["--perms", "0644", "--ro-bind-data", str(group_fd), "/etc/group"]
         args += ["--proc", "/proc", "--dev", "/dev"]
@@ -486,6 +496,7 @@ class ProcessDriver:
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         if not spec.command:
             raise DriverError(f"sandbox {spec.allocation_id}: the process driver needs a command")
+        self._refuse_unsafe(spec)  # before any cgroup or state file is made
         with self._locked():
             state = self._load(spec.allocation_id)
             if state is not None:
