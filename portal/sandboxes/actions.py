@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -157,6 +158,13 @@ def check_request_sandbox(user: Any, req: SandboxRequest) -> None:
         raise SandboxRequestError(
             "duration", f"The tier {tier.name} allows up to {tier.max_duration} per sandbox."
         )
+    check_quota(req)
+
+
+def check_quota(req: SandboxRequest) -> None:
+    """The project's GPU-hour budget and live-sandbox limit. ``do_request_sandbox`` runs it
+    again under a lock on the project row: two requests checked at the same moment would
+    otherwise both see room for one more."""
     quota = QuotaPolicy.objects.filter(project=req.project).first()
     if quota is not None and quota.max_gpu_hours_month is not None:
         now = timezone.now()
@@ -178,8 +186,14 @@ def check_request_sandbox(user: Any, req: SandboxRequest) -> None:
 
 
 def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
-    """Create the sandbox and queue it; the scheduling cycle is nudged after commit."""
+    """Create the sandbox and queue it; the scheduling cycle is nudged after commit.
+
+    Requests of one project are serialised on its row while the quota is checked again, so
+    concurrent requests cannot together overshoot it (the caller's check_request_sandbox
+    gives the early, unlocked answer the form and preview show)."""
     with transaction.atomic():
+        Project.objects.select_for_update().filter(pk=req.project.pk).exists()
+        check_quota(req)
         sandbox = Sandbox.objects.create(
             project=req.project,
             owner=user,
@@ -215,8 +229,10 @@ def do_place(
 ) -> bool:
     """Book the devices for a queued sandbox and hand it to its host's agent.
 
-    Runs inside the scheduling cycle's lock. The database constraints are the last guard
-    against double booking: on an IntegrityError nothing is written and it stays queued.
+    Runs inside the scheduling cycle's lock, yet checks again under row locks, so a stale
+    or repeated decision cannot book twice: the sandbox must still be queued (its row is
+    locked), and the devices still free and in service (``_book`` locks their GPUs). The
+    database constraints are the last guard. Refused, nothing is written and it stays queued.
     """
     try:
         with transaction.atomic():
@@ -225,36 +241,31 @@ def do_place(
                 return False
             sandbox.borrowed = borrowed
             sandbox.save(update_fields=["borrowed"])
-            _book(sandbox, host_name, grants, "placed")
+            _book(sandbox, host_name, grants, "placed", in_service=True)
     except IntegrityError as exc:
-        log.warning("placement of sandbox %s on %s refused by the database: %s", sandbox_id, host_name, exc)
+        log.warning("placement of sandbox %s on %s refused: %s", sandbox_id, host_name, exc)
         return False
     return True
 
 
-def _book(sandbox: Sandbox, host_name: str, grants: tuple[DeviceGrant, ...], verb: str) -> None:
+class SlotTaken(IntegrityError):
+    """A device a booking wants is gone, out of service or held. An IntegrityError, so every
+    caller handles it as it handles the constraints' own refusals."""
+
+
+def _book(
+    sandbox: Sandbox, host_name: str, grants: tuple[DeviceGrant, ...], verb: str, in_service: bool = False
+) -> None:
     """Give a locked sandbox a new allocation key and these devices, move it to placing and
     send its launch after commit. An IntegrityError (a device taken meanwhile) rolls back."""
-    host = Host.objects.get(name=host_name)
-    gpus = {g.uuid: g for g in Gpu.objects.filter(uuid__in=[g.gpu_uuid for g in grants])}
-    migs = {m.uuid: m for m in MigInstance.objects.filter(uuid__in=[g.mig_uuid for g in grants])}
+    host = Host.objects.filter(name=host_name).first()
+    if host is None:
+        raise SlotTaken(f"host {host_name} is gone")
+    allocations = _claim_devices(sandbox, host, grants, in_service)
     sandbox.host = host
     sandbox.allocation_key = uuid.uuid4().hex
     sandbox.save(update_fields=["host", "allocation_key"])
-    Allocation.objects.bulk_create(
-        Allocation(
-            sandbox=sandbox,
-            gpu=gpus[g.gpu_uuid],
-            mig_instance=migs.get(g.mig_uuid),
-            kind=g.kind,
-            device_uuid=g.device_uuid,
-            milli_gpu=g.milli_gpu,
-            mps_memory_mib=g.mps_memory_mib,
-            mps_thread_pct=g.mps_thread_pct,
-            replica=g.replica,
-        )
-        for g in grants
-    )
+    Allocation.objects.bulk_create(allocations)
     devices = ", ".join(g.device_uuid for g in grants)
     _transition(
         sandbox,
@@ -264,6 +275,63 @@ def _book(sandbox: Sandbox, host_name: str, grants: tuple[DeviceGrant, ...], ver
     )
     sandbox_id = sandbox.pk
     transaction.on_commit(lambda: do_send_launch(sandbox_id))
+
+
+def _claim_devices(
+    sandbox: Sandbox, host: Host, grants: tuple[DeviceGrant, ...], in_service: bool
+) -> list[Allocation]:
+    """The allocations for ``grants``, checked against what is live on their GPUs now.
+
+    The GPU rows are locked first (in id order, so two bookers cannot deadlock): a booking
+    outside the cycle (a plan's relaunch) or a drain waits for ours, and we for theirs, so
+    the live allocations read below stay true until commit. This catches what the unique
+    constraints cannot: a whole GPU booked beside shares of it, MPS shares past the GPU's
+    memory or threads, a MIG instance destroyed meanwhile, and (``in_service``, for the
+    cycle's placements) a GPU drained or lost since the snapshot.
+    """
+    locked = Gpu.objects.select_for_update(no_key=True).filter(uuid__in=[g.gpu_uuid for g in grants])
+    gpus = {g.uuid: g for g in locked.order_by("pk")}
+    migs = {
+        m.uuid: m for m in MigInstance.objects.filter(uuid__in=[g.mig_uuid for g in grants if g.mig_uuid])
+    }
+    held: dict[int, list[Allocation]] = defaultdict(list)
+    for alloc in Allocation.objects.filter(gpu__in=list(gpus.values()), active=True):
+        held[alloc.gpu_id].append(alloc)
+    allocations = []
+    for g in grants:
+        gpu = gpus.get(g.gpu_uuid)
+        if gpu is None or gpu.host_id != host.pk:
+            raise SlotTaken(f"GPU {g.gpu_uuid} is not on {host.name}")
+        if in_service and gpu.state != Gpu.State.AVAILABLE:
+            raise SlotTaken(f"GPU {gpu.uuid} is {gpu.state}")
+        mig = migs.get(g.mig_uuid) if g.mig_uuid else None
+        if g.mig_uuid and (mig is None or mig.gpu_id != gpu.pk):
+            raise SlotTaken(f"MIG instance {g.mig_uuid} is gone")
+        alloc = Allocation(
+            sandbox=sandbox, gpu=gpu, mig_instance=mig, kind=g.kind, device_uuid=g.device_uuid,
+            milli_gpu=g.milli_gpu, mps_memory_mib=g.mps_memory_mib, mps_thread_pct=g.mps_thread_pct,
+            replica=g.replica,
+        )  # fmt: skip
+        _check_fits(gpu, held[gpu.pk], alloc)
+        held[gpu.pk].append(alloc)  # a later grant of this booking must fit beside it
+        allocations.append(alloc)
+    return allocations
+
+
+def _check_fits(gpu: Gpu, live: list[Allocation], alloc: Allocation) -> None:
+    """Raise SlotTaken unless ``alloc`` fits beside the allocations live on ``gpu``."""
+    exclusive = Allocation.Kind.EXCLUSIVE
+    if live and (alloc.kind == exclusive or any(a.kind == exclusive for a in live)):
+        raise SlotTaken(f"GPU {gpu.uuid} is already held")
+    # MPS capacity is a sum over rows, which no constraint can hold: checked here, under
+    # the GPU's row lock. Only on GPUs shared by MPS: that is where the scheduler sums them.
+    if alloc.kind == Allocation.Kind.MPS and gpu.sharing_mode == SharingMode.MPS:
+        shares = [a for a in live if a.kind == Allocation.Kind.MPS] + [alloc]
+        if (
+            sum(a.mps_memory_mib for a in shares) > gpu.memory_mib
+            or sum(a.mps_thread_pct for a in shares) > 100
+        ):
+            raise SlotTaken(f"GPU {gpu.uuid} has no room for another MPS share")
 
 
 def do_send_launch(sandbox_id: int) -> None:

@@ -1,6 +1,7 @@
 """The control worker's scheduling cycle: snapshot the database, ask the pure scheduler,
-commit its decisions. One cycle at a time (a Redis lock held by the caller), one
-transaction per cycle."""
+commit its decisions. One transaction per cycle, and one cycle at a time: the caller holds
+a Redis lock, and ``schedule_once`` takes a PostgreSQL advisory lock besides (see
+``_claim_cycle``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections import defaultdict
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Prefetch, Q
 from django.utils import timezone
 
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 S = SandboxState
 HOLDING = (S.PLACING, S.STARTING, S.RUNNING, S.STOPPING)  # states whose devices are booked
 PREEMPTIBLE_STATES = (S.PLACING, S.STARTING, S.RUNNING)
+# pg_advisory_xact_lock(namespace, key) of the cycle; "GPSC", beside billing's "GPS\0".
+CYCLE_LOCK_KEY = (0x47505343, 0)
 
 
 def _grant(a: Allocation) -> DeviceGrant:
@@ -212,8 +215,27 @@ def build_fairshare(now: float) -> FairShareState:
     return FairShareState(projects=projects, half_life_s=half_life_s)
 
 
+def _claim_cycle() -> bool:
+    """Take the cycle's transaction-scoped advisory lock; False when another cycle holds it.
+
+    The caller's Redis lock is not enough on its own: it expires after 60 s, and a Redis
+    restart forgets it, so a slow cycle could interleave with the next one, both deciding
+    from snapshots that do not see each other's bookings (MPS shares have no constraint to
+    catch that). PostgreSQL releases this lock only when the cycle's transaction ends, or
+    its connection dies. Not waiting is safe: the holder's cycle, or the next tick's, sees
+    the queue. SQLite (the embedded single-process deployment) serialises writers anyway.
+    """
+    if connection.vendor != "postgresql":
+        return True
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", list(CYCLE_LOCK_KEY))
+        row = cursor.fetchone()
+    return bool(row and row[0])
+
+
 def schedule_once(now: float, policy_name: str | None = None) -> tuple[int, int]:
-    """One cycle in one transaction; returns (placed, pending). The caller holds the lock.
+    """One cycle in one transaction; returns (placed, pending), (0, 0) when another cycle
+    holds the advisory lock (it is skipped, not queued behind: see ``_claim_cycle``).
 
     Each placement runs in its own savepoint (inside ``do_place``): one refused by a
     database constraint rolls back alone and its sandbox stays queued for the next cycle.
@@ -222,6 +244,9 @@ def schedule_once(now: float, policy_name: str | None = None) -> tuple[int, int]
     """
     placed = pending = 0
     with transaction.atomic():
+        if not _claim_cycle():  # first, so the snapshot is read under the lock
+            log.info("scheduling cycle skipped: another cycle holds the database lock")
+            return 0, 0
         queue = build_queue()
         if not queue:
             return 0, 0
