@@ -20,12 +20,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import redis
 from celery import signals
 from redis.asyncio import Redis as AsyncRedis
 
 from portal.billing.pricing import cost_micros
 from portal.env import env_int, env_str
-from workers import config, dispatch, moves, terminal_relay
+from workers import config, dispatch, liveness, moves, terminal_relay
 from workers.alerts import AlertTracker
 from workers.celery import app
 from workers.drivers import DRIVER_ISOLATION, make_driver
@@ -64,6 +65,7 @@ class Agent:
         self.driver = driver
         self.var_dir = var_dir
         self.lock = threading.Lock()
+        self._redis: redis.Redis | None = None  # liveness key, written with each heartbeat
         self.running: dict[str, SandboxSpec] = {}  # allocation id -> spec
         self.started_ms: dict[str, int] = {}
         self.stopped: set[str] = set()  # allocation ids stopped: a late launch must not revive them
@@ -125,16 +127,26 @@ class Agent:
                 self._report_job = self._reporter.submit(self._build_report)
             ready, self._report_ready = self._report_ready, None
         owned, owned_ms = ready if ready is not None else (None, None)
+        now_ms = _now_ms()
+        try:
+            liveness.note_alive(self._liveness_redis(), self.host, now_ms)
+        except redis.RedisError as exc:  # the beat below still goes (or fails) on its own
+            log.warning("liveness not written: %s", exc)
         dispatch.to_control(
             "agent_heartbeat",
             self.host,
-            _now_ms(),
+            now_ms,
             self.backend.name,
             self.driver.name,
             owned,
             owned_ms,
             self.alerts.version,
         )
+
+    def _liveness_redis(self) -> redis.Redis:
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(config.redis_url(), socket_timeout=2)
+        return self._redis
 
     def _build_report(self) -> None:
         taken_ms = _now_ms()

@@ -32,7 +32,7 @@ from portal.fleet.reconcile import do_reconcile_host, from_ms  # noqa: E402
 from portal.sandboxes import actions  # noqa: E402
 from portal.sandboxes.culling import do_cull_idle  # noqa: E402
 from portal.sandboxes.models import Sandbox, SandboxState  # noqa: E402
-from portal.sandboxes.scheduling import schedule_once  # noqa: E402
+from portal.sandboxes.scheduling import HOLDING, schedule_once  # noqa: E402
 from portal.telemetry.alerts import (  # noqa: E402
     alert_policy,
     do_close_host_alerts,
@@ -44,7 +44,7 @@ from portal.telemetry.alerts import (  # noqa: E402
 from portal.telemetry.alerts import secret as alert_secret  # noqa: E402
 from portal.telemetry.models import Alert  # noqa: E402
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups  # noqa: E402
-from workers import dispatch  # noqa: E402
+from workers import dispatch, liveness  # noqa: E402
 from workers.celery import app  # noqa: E402
 from workers.config import CONTROL_HEARTBEAT_KEY  # noqa: E402
 
@@ -59,14 +59,21 @@ def _redis() -> redis.Redis:
 
 @app.task(name="workers.control.schedule_cycle", ignore_result=True)
 def schedule_cycle() -> None:
-    """Run one cycle unless another worker is running one (it will see our queue too)."""
+    """Run one cycle unless another worker is running one (it will see our queue too).
+
+    The Redis lock spares a second worker the work; ``schedule_once`` makes the guarantee
+    with a PostgreSQL advisory lock, since this one can expire mid-cycle (or be forgotten
+    by a restarted Redis)."""
     lock = _redis().lock(CYCLE_LOCK, timeout=60, blocking=False)
     if not lock.acquire():
         return
     try:
         schedule_once(time.time())
     finally:
-        lock.release()
+        try:
+            lock.release()
+        except redis.exceptions.LockError:  # expired meanwhile: the cycle committed all the same
+            log.warning("the scheduling cycle outlived its Redis lock (%s s)", lock.timeout)
 
 
 @app.task(name="workers.control.tick", ignore_result=True)
@@ -95,20 +102,36 @@ def mark_lost_hosts(now: datetime) -> int:
     and its sandboxes are lost with it (failed, or requeued when their tier says so). If
     it comes back, reconciliation stops the copies it still runs."""
     cutoff = now - timedelta(seconds=settings.AGENT_HEARTBEAT_S * MISSED_BEATS_LOST)
+    silent = list(
+        Host.objects.filter(state=Host.State.UP, last_heartbeat_at__lt=cutoff).values_list("name", flat=True)
+    )
+    if not silent:
+        return 0
+    try:  # beats still queued behind this tick (see workers/liveness.py)
+        beating = liveness.alive_since(_redis(), silent, int(cutoff.timestamp() * 1000))
+    except redis.RedisError as exc:
+        log.warning("agent liveness unreadable, judging hosts by the database alone: %s", exc)
+        beating = set()
+    for name in sorted(beating):
+        log.info("host %s: no heartbeat processed lately, but its agent beats: not lost", name)
     with transaction.atomic():
         lost = list(
-            Host.objects.select_for_update().filter(state=Host.State.UP, last_heartbeat_at__lt=cutoff)
+            Host.objects.select_for_update().filter(
+                state=Host.State.UP, last_heartbeat_at__lt=cutoff, name__in=set(silent) - beating
+            )
         )
         for host in lost:
             log.warning("host %s missed %d heartbeats: marked lost", host.name, MISSED_BEATS_LOST)
             host.state = Host.State.LOST
             host.save(update_fields=["state"])
             Gpu.objects.filter(host=host, state=Gpu.State.AVAILABLE).update(state=Gpu.State.UNAVAILABLE)
-    for host in lost:
-        placed = (SandboxState.PLACING, SandboxState.STARTING, SandboxState.RUNNING, SandboxState.STOPPING)
-        on_host = Sandbox.objects.filter(host=host, state__in=placed).values_list("pk", flat=True)
-        for sandbox_id in list(on_host):
-            actions.do_lose(sandbox_id, f"host {host.name} lost (missed {MISSED_BEATS_LOST} heartbeats)", now)
+            # In the host's transaction: nobody sees a lost host whose sandboxes still run
+            # (and bill), and a crash here leaves the host up, to be judged again next tick.
+            on_host = Sandbox.objects.filter(host=host, state__in=HOLDING).values_list("pk", flat=True)
+            for sandbox_id in list(on_host):
+                actions.do_lose(
+                    sandbox_id, f"host {host.name} lost (missed {MISSED_BEATS_LOST} heartbeats)", now
+                )
     return len(lost)
 
 

@@ -49,8 +49,22 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, every: flo
 
 
 class Platform:
-    def __init__(self, var_dir: Path, log_dir: Path, heartbeat_s: int = 1) -> None:
+    def __init__(
+        self,
+        var_dir: Path,
+        log_dir: Path,
+        heartbeat_s: int = 1,
+        *,
+        database_url: str | None = None,
+        redis_url: str | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """``database_url``/``redis_url`` point the processes at other servers than the test
+        database and Redis (fault tests restart their own); ``extra_env`` is added to each."""
         self.heartbeat_s = heartbeat_s
+        self.database_url = database_url
+        self.redis_url = redis_url
+        self.extra_env = extra_env or {}
         self.host = f"e2e-{uuid.uuid4().hex[:6]}"
         self.var_dir = var_dir
         self.log_dir = log_dir
@@ -62,13 +76,14 @@ class Platform:
     def env(self, **extra: str) -> dict[str, str]:
         return {
             **os.environ,
-            "DATABASE_URL": database_url(),
-            "REDIS_URL": settings.REDIS_URL,
+            "DATABASE_URL": self.database_url or database_url(),
+            "REDIS_URL": self.redis_url or settings.REDIS_URL,
             "GPUSHARE_VAR_DIR": str(self.var_dir),
             "SECRET_KEY": settings.SECRET_KEY,
             "AGENT_HEARTBEAT_S": str(self.heartbeat_s),
             "CYCLE_INTERVAL_S": "1",
             "SANDBOX_STOP_GRACE_S": "2",
+            **self.extra_env,
             **extra,
         }
 
@@ -84,8 +99,14 @@ class Platform:
             start_new_session=True,
         )
 
-    def start_workers(self, sim_gpus: str = "H100-80GB:2:mig=1", driver: str = "docker") -> None:
-        celery = [sys.executable, "-m", "celery", "-A", "workers"]
+    def start_workers(
+        self,
+        sim_gpus: str = "H100-80GB:2:mig=1",
+        driver: str = "docker",
+        celery_argv: list[str] | None = None,
+    ) -> None:
+        """``celery_argv`` replaces ``python -m celery`` (a wrapper that patches something first)."""
+        celery = [*(celery_argv or [sys.executable, "-m", "celery"]), "-A", "workers"]
         self.start(
             "control",
             [
@@ -196,23 +217,46 @@ class Platform:
                 container.remove(force=True)
 
 
+def _has_inventory(platform: Platform) -> bool:
+    if platform.database_url is None:
+        from portal.fleet.models import Host
+
+        return Host.objects.filter(name=platform.host, gpus__isnull=False).exists()
+    import psycopg  # another database than the test one: asked directly
+
+    with psycopg.connect(platform.database_url, connect_timeout=5) as conn:
+        row = conn.execute(
+            "SELECT 1 FROM fleet_gpu g JOIN fleet_host h ON g.host_id = h.id WHERE h.name = %s LIMIT 1",
+            (platform.host,),
+        ).fetchone()
+    return row is not None
+
+
 @contextmanager
 def running_platform(
-    tmp_path: Path, web: bool = False, heartbeat_s: int = 1, **workers: str
+    tmp_path: Path,
+    web: bool = False,
+    heartbeat_s: int = 1,
+    *,
+    database_url: str | None = None,
+    redis_url: str | None = None,
+    extra_env: dict[str, str] | None = None,
+    **workers: Any,
 ) -> Iterator[Platform]:
     (tmp_path / "logs").mkdir(exist_ok=True)
-    platform = Platform(tmp_path / "var", tmp_path / "logs", heartbeat_s)
+    platform = Platform(
+        tmp_path / "var",
+        tmp_path / "logs",
+        heartbeat_s,
+        database_url=database_url,
+        redis_url=redis_url,
+        extra_env=extra_env,
+    )
     try:
         platform.start_workers(**workers)
         if web:
             platform.start_web()
-        from portal.fleet.models import Host
-
-        wait_for(
-            lambda: Host.objects.filter(name=platform.host, gpus__isnull=False).exists(),
-            60,
-            "the agent's inventory",
-        )
+        wait_for(lambda: _has_inventory(platform), 60, "the agent's inventory")
         yield platform
     except BaseException:
         sys.stderr.write(platform.logs())

@@ -182,6 +182,33 @@ def test_a_lost_host_loses_its_sandboxes(people: Any, catalog: Any, fleet: Any, 
     assert sandbox.state == "failed" and f"host {host.name} lost" in sandbox.failure
 
 
+def test_a_host_whose_agent_still_beats_is_not_lost_while_its_beats_wait_in_the_queue(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """The control workers were away: the database saw no beat for minutes, but the agent's
+    liveness key is fresh (its beats are queued behind this tick). Lost only when both are."""
+    import redis
+    from django.conf import settings
+
+    from workers import liveness
+    from workers.control import mark_lost_hosts
+
+    sandbox = placed(people, catalog)
+    host = Host.objects.get(name=host_of(sandbox))
+    now = timezone.now()
+    Host.objects.filter(pk=host.pk).update(last_heartbeat_at=now - timedelta(minutes=5))
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    liveness.note_alive(client, host.name, int(now.timestamp() * 1000) - 1000)
+    mark_lost_hosts(now)
+    host.refresh_from_db()
+    assert host.state == "up"
+    liveness.note_alive(client, host.name, int(now.timestamp() * 1000) - 5 * 60 * 1000)
+    assert mark_lost_hosts(now) >= 1
+    host.refresh_from_db()
+    sandbox.refresh_from_db()
+    assert host.state == "lost" and sandbox.state == "failed"
+
+
 def test_the_utilization_window_is_stored_for_idle_culling(
     people: Any, catalog: Any, fleet: Any, sent_tasks: Any
 ) -> None:
