@@ -1,0 +1,237 @@
+"""Simulated portal users for tests/bench/test_load.py, run by the ``locust`` CLI.
+
+Locust runs in its own process (gevent patches everything it imports); the test writes the
+users' credentials to the JSON file named by ``LOAD_CREDENTIALS``:
+``{"users": [{"username", "password", "token", "projects": [{"slug", "id"}]}],
+"tiers": {"mps": id, "timeslice": id}, "image": {"id", "name"}}``.
+
+Each user signs in through the login form once, then browses the pages (with the htmx
+requests the pages make), requests sandboxes through the form or the API, stops them
+again (at most two live at a time, so no project quota is ever the answer) and reads the
+API as a billing script would. Requests are named by route, so the statistics group per
+route. Any answer but the expected one is a failure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import re
+import uuid
+from typing import Any
+from urllib.parse import urlencode
+
+from locust import between, task
+from locust.contrib.fasthttp import FastHttpUser, ResponseContextManager
+
+with open(os.environ["LOAD_CREDENTIALS"]) as _file:
+    CONFIG: dict[str, Any] = json.load(_file)
+_ACCOUNTS = itertools.cycle(CONFIG["users"])
+MAX_LIVE = 2  # per user: with every project's quota far higher, no request is refused
+FORM = {"Content-Type": "application/x-www-form-urlencoded"}
+HTMX = {"HX-Request": "true"}
+CSRF_INPUT = re.compile(r'name="csrfmiddlewaretoken" value="([^"]+)"')
+DETAIL = re.compile(r"/sandboxes/(\d+)/$")
+
+
+def expect(response: ResponseContextManager, *codes: int) -> bool:
+    if response.status_code in codes:
+        response.success()
+        return True
+    body = (response.text or "")[:200].replace("\n", " ") if response.status_code else ""
+    response.failure(f"{response.status_code} (expected {'/'.join(map(str, codes))}): {body}")
+    return False
+
+
+class PortalUser(FastHttpUser):
+    wait_time = between(1, 5)
+
+    def on_start(self) -> None:
+        account = next(_ACCOUNTS)
+        self.username: str = account["username"]
+        self.password: str = account["password"]
+        self.api = {"Authorization": f"Bearer {account['token']}"}
+        self.projects: list[dict[str, Any]] = account["projects"]
+        self.live: list[int] = []  # requested, not stopped by this user
+        self.seen: list[int] = []  # every sandbox this user requested, newest last
+        self.sign_in()
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def csrf(self) -> str:
+        return next((c.value or "" for c in self.client.cookiejar if c.name == "csrftoken"), "")
+
+    def form_post(self, path: str, name: str, fields: dict[str, str], *codes: int, htmx: bool = False) -> Any:
+        body = urlencode({**fields, "csrfmiddlewaretoken": self.csrf()})
+        headers = {**FORM, **(HTMX if htmx else {})}
+        with self.client.post(
+            path, data=body, headers=headers, name=name, allow_redirects=False, catch_response=True
+        ) as response:
+            return response if expect(response, *codes) else None
+
+    def get(self, path: str, name: str, headers: dict[str, str] | None = None) -> None:
+        with self.client.get(path, name=name, headers=headers, catch_response=True) as response:
+            expect(response, 200)
+
+    def api_get(self, path: str, name: str) -> None:
+        with self.client.get(path, name=name, headers=self.api, catch_response=True) as response:
+            expect(response, 200)
+
+    def sign_in(self) -> None:
+        with self.client.get("/login/", name="/login/", catch_response=True) as page:
+            if not expect(page, 200):
+                return
+            token = CSRF_INPUT.search(page.text or "")
+        fields = {"username": self.username, "password": self.password}
+        if token:
+            fields["csrfmiddlewaretoken"] = token.group(1)
+        with self.client.post(
+            "/login/",
+            data=urlencode(fields),
+            headers=FORM,
+            name="/login/",
+            allow_redirects=False,
+            catch_response=True,
+        ) as response:
+            if expect(response, 302) and "/login/" in (response.headers.get("Location") or ""):
+                response.failure(f"{self.username} was sent back to the login page")
+
+    def sandbox_fields(self, tier: str) -> dict[str, str]:
+        fields = {"image": CONFIG["image"]["name"], "isolation": "process", "duration_hours": "1"}
+        if tier == "mps":
+            fields.update(mps_memory_gib="10", mps_thread_pct=str(random.choice((10, 20, 25))))
+        return {"tier": tier, **fields}
+
+    def make_room(self) -> None:
+        while len(self.live) >= MAX_LIVE:
+            self.stop_one()
+
+    # --- pages ----------------------------------------------------------------------------------
+
+    @task(10)
+    def sandbox_list(self) -> None:
+        self.get("/sandboxes/", "/sandboxes/")
+
+    @task(8)
+    def sandbox_rows(self) -> None:  # the list's htmx refresh
+        self.get("/sandboxes/", "/sandboxes/ (htmx rows)", HTMX)
+
+    @task(6)
+    def sandbox_detail(self) -> None:
+        if not self.seen:
+            return self.sandbox_list()
+        self.get(f"/sandboxes/{random.choice(self.seen[-5:])}/", "/sandboxes/[id]/")
+
+    @task(10)
+    def sandbox_status(self) -> None:  # the detail page's htmx poll
+        if not self.seen:
+            return self.sandbox_rows()
+        sandbox = self.live[-1] if self.live else self.seen[-1]
+        self.get(f"/sandboxes/{sandbox}/status/", "/sandboxes/[id]/status/", HTMX)
+
+    @task(3)
+    def project_list(self) -> None:
+        self.get("/projects/", "/projects/")
+
+    @task(3)
+    def project_detail(self) -> None:
+        self.get(f"/projects/{random.choice(self.projects)['slug']}/", "/projects/[slug]/")
+
+    @task(2)
+    def notifications(self) -> None:
+        self.get("/notifications/", "/notifications/")
+
+    @task(3)
+    def request_form(self) -> None:
+        self.get("/sandboxes/new/", "/sandboxes/new/")
+
+    @task(4)
+    def preview(self) -> None:  # the form's live answer, as the user changes a field
+        fields = self.sandbox_fields(random.choice(("mps", "timeslice")))
+        fields.update(
+            project=str(random.choice(self.projects)["id"]),
+            tier=str(CONFIG["tiers"][fields["tier"]]),
+            image=str(CONFIG["image"]["id"]),
+        )
+        self.form_post("/sandboxes/preview/", "/sandboxes/preview/", fields, 200, htmx=True)
+
+    # --- requests and stops -----------------------------------------------------------------------
+
+    @task(2)
+    def request_with_form(self) -> None:
+        self.make_room()
+        fields = self.sandbox_fields(random.choice(("mps", "timeslice")))
+        fields.update(
+            project=str(random.choice(self.projects)["id"]),
+            tier=str(CONFIG["tiers"][fields["tier"]]),
+            image=str(CONFIG["image"]["id"]),
+            run="interactive",
+        )
+        response = self.form_post("/sandboxes/new/", "/sandboxes/new/", fields, 302)
+        if response is not None:
+            found = DETAIL.search(response.headers.get("Location") or "")
+            if found:
+                self.live.append(int(found.group(1)))
+                self.seen.append(int(found.group(1)))
+
+    @task(2)
+    def request_with_api(self) -> None:
+        self.make_room()
+        body = self.sandbox_fields(random.choice(("mps", "timeslice")))
+        body["project"] = random.choice(self.projects)["slug"]
+        payload: dict[str, Any] = {k: int(v) if v.isdigit() else v for k, v in body.items()}
+        headers = {**self.api, "Idempotency-Key": str(uuid.uuid4())}
+        with self.client.post(
+            "/api/v1/sandboxes/",
+            json=payload,
+            headers=headers,
+            name="/api/v1/sandboxes/",
+            catch_response=True,
+        ) as response:
+            if expect(response, 201):
+                sandbox = int(json.loads(response.text or "{}")["id"])
+                self.live.append(sandbox)
+                self.seen.append(sandbox)
+
+    @task(3)
+    def stop(self) -> None:
+        if self.live:
+            self.stop_one()
+
+    def stop_one(self) -> None:
+        sandbox = self.live.pop(0)
+        if random.random() < 0.5:
+            self.form_post(f"/sandboxes/{sandbox}/stop/", "/sandboxes/[id]/stop/", {}, 302)
+            return
+        headers = {**self.api, "Idempotency-Key": str(uuid.uuid4())}
+        with self.client.post(
+            f"/api/v1/sandboxes/{sandbox}/stop/",
+            headers=headers,
+            name="/api/v1/sandboxes/[id]/stop/",
+            catch_response=True,
+        ) as response:
+            expect(response, 200)
+
+    # --- the API, as a billing script reads it ------------------------------------------------------
+
+    @task(4)
+    def api_sandboxes(self) -> None:
+        self.api_get("/api/v1/sandboxes/", "/api/v1/sandboxes/")
+
+    @task(2)
+    def api_usage(self) -> None:
+        self.api_get(f"/api/v1/usage/?project={random.choice(self.projects)['slug']}", "/api/v1/usage/")
+
+    @task(1)
+    def api_utilization(self) -> None:
+        self.api_get("/api/v1/utilization/?by=project", "/api/v1/utilization/")
+
+    @task(1)
+    def api_prices(self) -> None:
+        self.api_get("/api/v1/prices/", "/api/v1/prices/")
+
+    @task(1)
+    def api_invoices(self) -> None:
+        self.api_get("/api/v1/invoices/", "/api/v1/invoices/")
