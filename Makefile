@@ -31,7 +31,7 @@ run: install frontend
 	$(PY) -m portal.launcher
 
 test: install frontend
-	GPUSHARE_VAR_DIR=$(TEST_VAR_DIR) $(PY) -m pytest $(PYTEST_ARGS)
+	GPUSHARE_VAR_DIR=$(TEST_VAR_DIR) bash scripts/run-tests.sh $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
