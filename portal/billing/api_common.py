@@ -120,6 +120,20 @@ def repeated_fields(data: Any) -> dict[str, list[str]]:
     return {_printable(k): ["Given more than once; give it once."] for k, v in data.lists() if len(v) > 1}
 
 
+def refuse_unexpected_fields(data: Any, allowed: Iterable[str]) -> None:
+    """A 400 naming every field the route does not take or that is given twice."""
+    if problems := {**repeated_fields(data), **unknown_fields(data, allowed)}:
+        raise exceptions.ValidationError(problems)
+
+
+class StrictSerializer(serializers.Serializer[Any]):
+    """A request body serializer that refuses fields it does not have, or has twice."""
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        refuse_unexpected_fields(data, self.fields)
+        return super().to_internal_value(data)
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for key, value in pairs:

@@ -27,13 +27,13 @@ from portal.billing.api_common import (
     ApiView,
     NewestRequestFirst,
     StrictJSONParser,
+    StrictSerializer,
     Text,
     choices_message,
     errors,
     filter_by,
-    repeated_fields,
+    refuse_unexpected_fields,
     text_problem,
-    unknown_fields,
 )
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
 from portal.sandboxes import actions
@@ -83,7 +83,7 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
         return obj.max_duration.total_seconds() / 3600
 
 
-class SandboxCreateSerializer(serializers.Serializer[Any]):
+class SandboxCreateSerializer(StrictSerializer):
     """The request form's fields, with slugs (project, tier) and a name (image) for ids.
     Ranges and tier rules are the form's and ``check_request_sandbox``'s. Any other field
     (``privileged``, ``volumes``, ``network_mode``...) is refused, never ignored: the platform
@@ -119,12 +119,6 @@ class SandboxCreateSerializer(serializers.Serializer[Any]):
         help_text="Batch runs: the command, split like a shell.",
     )
 
-    def to_internal_value(self, data: Any) -> dict[str, Any]:
-        problems = {**repeated_fields(data), **unknown_fields(data, self.fields)}
-        if problems:
-            raise exceptions.ValidationError(problems)
-        return super().to_internal_value(data)
-
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if attrs.get("command") and attrs.get("run") != "batch":
             raise exceptions.ValidationError(
@@ -133,18 +127,12 @@ class SandboxCreateSerializer(serializers.Serializer[Any]):
         return attrs
 
 
-class ExtendSerializer(serializers.Serializer[Any]):
+class ExtendSerializer(StrictSerializer):
     hours = serializers.ChoiceField(
         choices=list(EXTEND_CHOICES_H),
         help_text="Hours to add to the limit.",
         error_messages=choices_message(EXTEND_CHOICES_H),
     )
-
-    def to_internal_value(self, data: Any) -> dict[str, Any]:
-        problems = {**repeated_fields(data), **unknown_fields(data, self.fields)}
-        if problems:
-            raise exceptions.ValidationError(problems)
-        return super().to_internal_value(data)
 
 
 CREATE_EXAMPLE = OpenApiExample(
@@ -283,8 +271,7 @@ class SandboxViewSet(
         body = request.data
         if body and not isinstance(body, Mapping):
             raise exceptions.ValidationError({"non_field_errors": ["Send no body, or {}."]})
-        if problems := {**repeated_fields(body), **unknown_fields(body, ())}:
-            raise exceptions.ValidationError(problems)
+        refuse_unexpected_fields(body, ())
         actions.do_request_stop(sandbox.pk, request.user)
         return self._answer(sandbox.pk)
 
