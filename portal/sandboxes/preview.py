@@ -36,7 +36,7 @@ PREVIEW_ID = -1  # no sandbox has it: the request being written
 
 @dataclass
 class Preview:
-    verdict: str  # "now" | "waits" | "refused"
+    verdict: str  # "now" | "waits" | "refused" | "incomplete" (the form is not filled in yet)
     message: str
     host: str = ""
     position: int = 0  # 1 = first of the requests that wait

@@ -84,6 +84,9 @@ def sandbox_preview(request: HttpRequest) -> HttpResponse:
     tier = Tier.objects.filter(pk=tier_id, active=True).first() if tier_id.isdigit() else None
     if form.is_valid() and form.request_obj is not None:
         answer = preview_request(request.user, form.request_obj)
+    elif unchosen := [form[n].label.lower() for n in CHOICES_FIRST if form.has_error(n, code="required")]:
+        # A form not filled in yet (the preview also runs when the page loads) is not refused.
+        answer = Preview("incomplete", f"Choose {_listed(unchosen)} to see whether it would start now.")
     else:
         problems = [
             f"{form[name].label}: {error}" if name in form.fields else str(error)
@@ -92,6 +95,15 @@ def sandbox_preview(request: HttpRequest) -> HttpResponse:
         ]
         answer = Preview("refused", "; ".join(problems))
     return render(request, "sandboxes/_preview.html", {"preview": answer, "tier": tier})
+
+
+CHOICES_FIRST = ("project", "tier", "image")
+
+
+def _listed(words: list[str]) -> str:
+    """ "a project, a tier and an image" """
+    named = [f"{'an' if w[0] in 'aeiou' else 'a'} {w}" for w in words]
+    return ", ".join(named[:-1]) + (" and " if len(named) > 1 else "") + named[-1]
 
 
 def _whole_seconds(delta: timedelta) -> timedelta:

@@ -96,3 +96,17 @@ def test_the_preview_endpoint_answers_the_form(
     from django.test import Client
 
     assert Client().post("/sandboxes/preview/", form).status_code == 302  # to the login page
+
+
+def test_a_form_not_filled_in_yet_is_not_called_refused(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """The preview runs when the page loads, before anything is chosen."""
+    owner = client_for(people["owner"])
+    page = owner.post("/sandboxes/preview/", {"isolation": "container", "duration_hours": "1"})
+    text = page.content.decode()
+    assert "verdict-incomplete" in text and "refused" not in text
+    assert "Choose a project, a tier and an image to see whether it would start now." in text
+    form = request_form(people, catalog)
+    del form["image"]
+    assert "Choose an image to see whether" in owner.post("/sandboxes/preview/", form).content.decode()
