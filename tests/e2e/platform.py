@@ -107,23 +107,7 @@ class Platform:
     ) -> None:
         """``celery_argv`` replaces ``python -m celery`` (a wrapper that patches something first)."""
         celery = [*(celery_argv or [sys.executable, "-m", "celery"]), "-A", "workers"]
-        self.start(
-            "control",
-            [
-                *celery,
-                "worker",
-                "-Q",
-                "control",
-                "-n",
-                f"control-{self.host}@%h",
-                "-P",
-                "threads",
-                "-c",
-                "2",
-                "--loglevel=INFO",
-            ],
-            GPUSHARE_ROLE="control",
-        )
+        self.start_control("control", celery)
         self.start(
             "agent",
             [
@@ -151,6 +135,16 @@ class Platform:
             [*celery, "beat", "-s", str(self.var_dir / "beat-schedule"), "--loglevel=INFO"],
             GPUSHARE_ROLE="beat",
         )
+
+    def start_control(self, name: str, celery: list[str] | None = None) -> None:
+        """A control worker (queue ``control``) called ``name``; several may run at once."""
+        celery = celery or [sys.executable, "-m", "celery", "-A", "workers"]
+        self.start(
+            name,
+            [*celery, "worker", "-Q", "control", "-n", f"{name}-{self.host}@%h", "-P", "threads",
+             "-c", "2", "--loglevel=INFO"],
+            GPUSHARE_ROLE="control",
+        )  # fmt: skip
 
     def start_web(self) -> str:
         self.port = free_port()

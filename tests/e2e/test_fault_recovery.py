@@ -1,9 +1,9 @@
 """Faults with the real processes, each against servers the test owns and breaks: Redis
-restarted mid-flow, PostgreSQL restarted, the control worker killed mid-cycle, a host
-agent killed, every message delivered twice. Requests go through the REST API with running
-and queued sandboxes in flight when the fault hits; afterwards ``converge`` checks that
-the platform settled on the truth: no orphan container, no usage second lost or counted
-twice, every request in a true state (tests/e2e/faults_support.py).
+restarted mid-flow, PostgreSQL restarted, the control worker killed mid-cycle, two control
+workers at once, a host agent killed, every message delivered twice. Requests go through
+the REST API with running and queued sandboxes in flight when the fault hits; afterwards
+``converge`` checks that the platform settled on the truth: no orphan container, no usage
+second lost or counted twice, every request in a true state (tests/e2e/faults_support.py).
 
 Heartbeats, hence reconcile reports, come every second unless a test says otherwise.
 """
@@ -11,9 +11,11 @@ Heartbeats, hence reconcile reports, come every second unless a test says otherw
 from __future__ import annotations
 
 import random
+import re
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from tests.e2e.faults_support import (
     states,
     wait_states,
 )
-from tests.e2e.platform import Platform, database_url, running_platform
+from tests.e2e.platform import Platform, database_url, running_platform, wait_for
 from tests.factories import ImageFactory, TierFactory
 from tests.workers.engines import require_engine
 
@@ -164,6 +166,43 @@ def test_control_worker_killed_mid_cycle_places_nothing_twice(
             "GROUP BY gpu_id HAVING count(*) > 1",
         )
         assert not doubled
+
+
+def test_two_control_workers_place_each_request_once(
+    api_key: str, docker_client: Any, redis_server: PrivateRedis, tmp_path: Path
+) -> None:
+    """Two control workers on the one queue, requests arriving together: both run cycles
+    (ticks and nudges go to whichever is free), the Redis and PostgreSQL locks keep them to
+    one cycle at a time, and every request is placed once or waits."""
+    db = database_url()
+    # Redis hands each message to the worker waiting longest, so two workers alternate; with
+    # ticks and beats both at 1 Hz one worker would get every tick. Beats every 2 s mix them.
+    with running_platform(
+        tmp_path, web=True, heartbeat_s=2, redis_url=redis_server.url, sim_gpus=GPUS
+    ) as platform:
+        platform.start_control("control-2")
+        api = api_of(platform, api_key)
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            ids = list(pool.map(lambda _: api.request(), range(12)))
+        wait_states(db, lambda s: count(db, ids, "running") == 3, 60, "three to run", platform.logs)
+
+        def cycles(name: str) -> int:  # each tick ends by running a cycle (or finding it locked)
+            log = (platform.log_dir / f"{name}.log").read_text(errors="replace")
+            return len(re.findall(r"workers\.control\.(?:tick|schedule_cycle)\[[^]]+\] succeeded", log))
+
+        wait_for(lambda: cycles("control") and cycles("control-2"), 30, "both workers to run cycles")
+        settle(platform, db, docker_client, "with two control workers")
+        final = states(db, ids)
+        assert count(db, ids, "running") == 3 and count(db, ids, "queued") == 9, final
+        twice = query(
+            db,
+            "SELECT sandbox_id FROM sandboxes_sandboxevent WHERE to_state = 'placing' "
+            "GROUP BY sandbox_id HAVING count(*) > 1",
+        )
+        assert not twice
+        assert not query(
+            db, "SELECT gpu_id FROM sandboxes_allocation WHERE active GROUP BY gpu_id HAVING count(*) > 1"
+        )
 
 
 def test_agent_killed_and_back_within_the_timeout_readopts_its_sandboxes(
