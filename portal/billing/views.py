@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 from django.contrib.auth.decorators import login_required
 from django.db.models import Count, F, Min, Sum
 from django.http import Http404, HttpRequest, HttpResponse
@@ -13,15 +11,12 @@ from django.urls import reverse
 from django.utils.http import urlencode
 
 from portal.accounts.access import visible_projects
+from portal.billing.invoices import period_bounds
 from portal.billing.models import MICROS_PER_UNIT, Invoice
 
 
 def _money(micros: int | None, currency: str) -> str:
     return f"{(micros or 0) / MICROS_PER_UNIT:,.2f} {currency}"
-
-
-def _next_month(day: datetime) -> datetime:
-    return day.replace(year=day.year + day.month // 12, month=day.month % 12 + 1)
 
 
 @login_required
@@ -51,12 +46,8 @@ def invoice_detail(request: HttpRequest, slug: str, pk: int) -> HttpResponse:
         row["price"] = _money(row["price_per_gpu_hour_micros"], invoice.currency)
     credit_notes = list(invoice.credit_notes.all())
     credited = sum(note.amount_micros for note in credit_notes)
-    start = datetime(invoice.period_start.year, invoice.period_start.month, 1, tzinfo=UTC)
-    period = {
-        "project": invoice.project.slug,
-        "start": start.isoformat(),
-        "end": _next_month(start).isoformat(),
-    }
+    start, end = period_bounds(invoice.period_start)
+    period = {"project": invoice.project.slug, "start": start.isoformat(), "end": end.isoformat()}
     return render(
         request,
         "billing/invoice.html",
