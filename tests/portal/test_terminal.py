@@ -23,6 +23,9 @@ from tests.portal.helpers import client_for, place_all, request
 from workers.terminal_relay import relay
 
 pytestmark = pytest.mark.django_db(transaction=True)
+# How long a test waits for a message through Redis and the relay's threads: generous, as
+# CI runs the suite beside the ledger test on two cores; a message on time ends the wait.
+WAIT_S = 30
 
 
 class EchoShell:
@@ -84,21 +87,21 @@ def test_keystrokes_reach_the_shell_and_its_output_comes_back(
     async def run() -> tuple[bytes, str]:
         connected, _ = await comm.connect()
         assert connected
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + WAIT_S
         while not any(t[1] == "open_terminal" for t in sent_tasks) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         [(queue_name, _task, (session, key, handle))] = [t for t in sent_tasks if t[1] == "open_terminal"]
         assert queue_name == host_queue and key == sandbox.allocation_key
         assert handle == {"driver": "docker", "ref": "c1"}
         agent = asyncio.create_task(relay(get_channel_layer(), shell, session, idle_s=30))
-        assert json.loads(await comm.receive_from(timeout=5)) == {"type": "opened"}
+        assert json.loads(await comm.receive_from(timeout=WAIT_S)) == {"type": "opened"}
         await comm.send_to(text_data=json.dumps({"type": "resize", "rows": 30, "cols": 100}))
         await comm.send_to(text_data=json.dumps({"type": "input", "data": "echo hi\n"}))
-        output = await comm.receive_from(timeout=5)
+        output = await comm.receive_from(timeout=WAIT_S)
         await comm.send_to(text_data=json.dumps({"type": "input", "data": "exit\n"}))
         seen = b""
         while True:
-            message = await comm.receive_output(timeout=5)
+            message = await comm.receive_output(timeout=WAIT_S)
             if message["type"] == "websocket.close":
                 break
             if message.get("text"):
@@ -145,8 +148,8 @@ def test_who_may_open_a_terminal(
             quiet = await comm.receive_nothing(timeout=0.3)
             await comm.disconnect()
             return quiet, None
-        first = json.loads(await comm.receive_from(timeout=3))
-        closed = await comm.receive_output(timeout=3)
+        first = json.loads(await comm.receive_from(timeout=WAIT_S))
+        closed = await comm.receive_output(timeout=WAIT_S)
         return first, closed
 
     first, closed = asyncio.run(run())
