@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import Celery
 
 from portal.accounts.models import ApiToken
 from tests.e2e.faults_support import (
@@ -168,6 +169,9 @@ def test_control_worker_killed_mid_cycle_places_nothing_twice(
         assert not doubled
 
 
+CYCLE_DONE = re.compile(r"workers\.control\.(?:tick|schedule_cycle)\[[^]]+\] succeeded")
+
+
 def test_two_control_workers_place_each_request_once(
     api_key: str, docker_client: Any, redis_server: PrivateRedis, tmp_path: Path
 ) -> None:
@@ -175,22 +179,26 @@ def test_two_control_workers_place_each_request_once(
     (ticks and nudges go to whichever is free), the Redis and PostgreSQL locks keep them to
     one cycle at a time, and every request is placed once or waits."""
     db = database_url()
-    # Redis hands each message to the worker waiting longest, so two workers alternate; with
-    # ticks and beats both at 1 Hz one worker would get every tick. Beats every 2 s mix them.
-    with running_platform(
-        tmp_path, web=True, heartbeat_s=2, redis_url=redis_server.url, sim_gpus=GPUS
-    ) as platform:
+    with running_platform(tmp_path, web=True, redis_url=redis_server.url, sim_gpus=GPUS) as platform:
         platform.start_control("control-2")
+
+        def log_of(name: str) -> str:
+            return (platform.log_dir / f"{name}.log").read_text(errors="replace")
+
+        def cycles(name: str) -> int:  # a tick ends by running a cycle (or finding it locked)
+            return len(CYCLE_DONE.findall(log_of(name)))
+
+        wait_for(lambda: " ready." in log_of("control-2"), 60, "the second control worker")
         api = api_of(platform, api_key)
         with ThreadPoolExecutor(max_workers=12) as pool:
             ids = list(pool.map(lambda _: api.request(), range(12)))
+        # Each request nudged a cycle; a burst more, as a busy portal sends, while both wait on
+        # the queue: Redis hands each to the worker that has waited longest, so both get some.
+        with Celery(broker=redis_server.url) as broker:
+            for _ in range(20):
+                broker.send_task("workers.control.schedule_cycle", queue="control")
         wait_states(db, lambda s: count(db, ids, "running") == 3, 60, "three to run", platform.logs)
-
-        def cycles(name: str) -> int:  # each tick ends by running a cycle (or finding it locked)
-            log = (platform.log_dir / f"{name}.log").read_text(errors="replace")
-            return len(re.findall(r"workers\.control\.(?:tick|schedule_cycle)\[[^]]+\] succeeded", log))
-
-        wait_for(lambda: cycles("control") and cycles("control-2"), 30, "both workers to run cycles")
+        wait_for(lambda: cycles("control") and cycles("control-2"), 60, "both workers to run cycles")
         settle(platform, db, docker_client, "with two control workers")
         final = states(db, ids)
         assert count(db, ids, "running") == 3 and count(db, ids, "queued") == 9, final
