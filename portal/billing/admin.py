@@ -6,6 +6,7 @@ from django.db import models
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from portal.admin_base import ReadOnlyModelAdmin
 from portal.billing import invoices, webhooks
 from portal.billing.models import (
     CreditNote,
@@ -116,21 +117,12 @@ class InvoiceAdmin(admin.ModelAdmin):
 
 
 @admin.register(CreditNote)
-class CreditNoteAdmin(admin.ModelAdmin):
+class CreditNoteAdmin(ReadOnlyModelAdmin):
     """Insert-only; issued through portal.billing.invoices.do_credit (bounded by the
     invoice's total), not through this form."""
 
     list_display = ("number", "invoice", "amount_micros", "reason", "created_at", "created_by")
     search_fields = ("number", "invoice__number")
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 RECENT_DELIVERIES = 20
