@@ -21,7 +21,7 @@ from celery import signals
 django.setup()
 
 from django.conf import settings  # noqa: E402
-from django.db import transaction  # noqa: E402
+from django.db import connection, transaction  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
 from portal.fleet.health import do_health_event  # noqa: E402
@@ -61,9 +61,15 @@ def _redis() -> redis.Redis:
 def schedule_cycle() -> None:
     """Run one cycle unless another worker is running one (it will see our queue too).
 
-    The Redis lock spares a second worker the work; ``schedule_once`` makes the guarantee
-    with a PostgreSQL advisory lock, since this one can expire mid-cycle (or be forgotten
-    by a restarted Redis)."""
+    On PostgreSQL ``schedule_once`` alone decides, with a transaction-scoped advisory lock:
+    it costs a second worker one query, and it dies with a killed worker's connection. A
+    Redis lock in front of it would outlive a worker killed mid-cycle and hold every cycle
+    off until it expired (60 s), which the fault tests saw. Other databases (SQLite in the
+    embedded deployment, one control process with a thread pool) have no such lock, so a
+    Redis one serialises the cycles there."""
+    if connection.vendor == "postgresql":
+        schedule_once(time.time())
+        return
     lock = _redis().lock(CYCLE_LOCK, timeout=60, blocking=False)
     if not lock.acquire():
         return

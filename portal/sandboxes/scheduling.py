@@ -1,7 +1,7 @@
 """The control worker's scheduling cycle: snapshot the database, ask the pure scheduler,
-commit its decisions. One transaction per cycle, and one cycle at a time: the caller holds
-a Redis lock, and ``schedule_once`` takes a PostgreSQL advisory lock besides (see
-``_claim_cycle``)."""
+commit its decisions. One transaction per cycle, and one cycle at a time: on PostgreSQL
+``schedule_once`` takes an advisory lock (see ``_claim_cycle``); on SQLite the control
+worker's task holds a Redis lock (workers/control.py)."""
 
 from __future__ import annotations
 
@@ -218,12 +218,13 @@ def build_fairshare(now: float) -> FairShareState:
 def _claim_cycle() -> bool:
     """Take the cycle's transaction-scoped advisory lock; False when another cycle holds it.
 
-    The caller's Redis lock is not enough on its own: it expires after 60 s, and a Redis
-    restart forgets it, so a slow cycle could interleave with the next one, both deciding
-    from snapshots that do not see each other's bookings (MPS shares have no constraint to
-    catch that). PostgreSQL releases this lock only when the cycle's transaction ends, or
-    its connection dies. Not waiting is safe: the holder's cycle, or the next tick's, sees
-    the queue. SQLite (the embedded single-process deployment) serialises writers anyway.
+    Two cycles at once would decide from snapshots that do not see each other's bookings
+    (MPS shares have no constraint to catch that). A Redis lock cannot promise this: it
+    expires, a Redis restart forgets it, and one held by a killed worker blocks until it
+    expires. PostgreSQL releases this lock when the cycle's transaction ends or its
+    connection dies. Not waiting is safe: the holder's cycle, or the next tick's, sees the
+    queue. SQLite (the embedded single-process deployment) serialises writers anyway, and
+    the control worker's Redis lock keeps its threads' cycles apart.
     """
     if connection.vendor != "postgresql":
         return True
