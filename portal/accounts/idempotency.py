@@ -26,6 +26,7 @@ from rest_framework.response import Response
 from rest_framework.utils.encoders import JSONEncoder
 
 from portal.accounts.models import IdempotencyKey
+from portal.billing.api_common import text_problem
 
 HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -81,8 +82,11 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
         key = request.headers.get(HEADER)
         if key is None or not request.user.is_authenticated:
             return view(self, request, *args, **kwargs)
-        if not key or len(key) > MAX_KEY_LENGTH:
+        if not key:
             raise exceptions.ValidationError({HEADER: [f"Give 1 to {MAX_KEY_LENGTH} characters."]})
+        # The key is stored (PostgreSQL refuses NUL) and echoed in a 422: plain text only.
+        if problem := text_problem(key, max_length=MAX_KEY_LENGTH):
+            raise exceptions.ValidationError({HEADER: [problem]})
         method, path, body_hash = request.method or "POST", request.path[:255], _body_hash(request)
         expired = timezone.now() - IdempotencyKey.TTL
         IdempotencyKey.objects.filter(user=request.user, key=key, created_at__lt=expired).delete()

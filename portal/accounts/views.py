@@ -23,6 +23,7 @@ from portal.accounts.members import (
 )
 from portal.accounts.models import Membership, Project
 from portal.billing.models import UsageRecord
+from portal.billing.pricing import format_money
 from portal.billing.utilization import GpuHours, gpu_hours
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
@@ -106,7 +107,7 @@ def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
     now = timezone.now()
     month = UsageRecord.objects.filter(project=project, started_at__gte=month_start(now))
     charged = [
-        f"{(micros or 0) / 1_000_000:.2f} {currency}"
+        format_money(micros, currency)
         for currency, micros in month.values("currency")
         .annotate(c=Sum("cost_micros"))
         .values_list("currency", "c")
@@ -119,7 +120,7 @@ def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
     )
     for invoice in invoices:
         credited = getattr(invoice, "credited", None)
-        invoice.credited_display = f"{credited / 1_000_000:.2f} {invoice.currency}" if credited else "—"  # type: ignore[attr-defined]
+        invoice.credited_display = format_money(credited, invoice.currency) if credited else "—"  # type: ignore[attr-defined]
     return render(
         request,
         "accounts/project_detail.html",

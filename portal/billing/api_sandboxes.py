@@ -33,7 +33,6 @@ from portal.billing.api_common import (
     errors,
     filter_by,
     refuse_unexpected_fields,
-    text_problem,
 )
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
 from portal.sandboxes import actions
@@ -210,13 +209,6 @@ class SandboxViewSet(
             qs = filter_by(self.request.query_params, qs, user_field="owner", time_field="requested_at")
         return qs.select_related("project", "owner", "tier", "host")
 
-    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        super().initial(request, *args, **kwargs)
-        # The key is stored (PostgreSQL refuses NUL) and echoed in a 422: plain text only.
-        key = request.headers.get(idempotency.HEADER)
-        if key and (problem := text_problem(key, max_length=idempotency.MAX_KEY_LENGTH)):
-            raise exceptions.ValidationError({idempotency.HEADER: [problem]})
-
     def _managed(self) -> Sandbox:
         sandbox = self.get_object()  # 404 outside the caller's projects
         if not api_can_manage_sandbox(self.request, sandbox):
@@ -242,7 +234,9 @@ class SandboxViewSet(
     def create(self, request: Request) -> Response:
         shape = SandboxCreateSerializer(data=request.data)
         shape.is_valid(raise_exception=True)
-        form = SandboxRequestForm(_form_data(request, dict(shape.validated_data)), user=request.user)
+        form = SandboxRequestForm(
+            _form_data(request, dict(shape.validated_data)), user=request.user, for_create=True
+        )
         if not form.is_valid() or form.request_obj is None:
             raise exceptions.ValidationError(
                 {
@@ -252,7 +246,7 @@ class SandboxViewSet(
             )
         try:
             sandbox = actions.do_request_sandbox(request.user, form.request_obj)
-        except actions.SandboxRequestError as exc:  # the quota, checked again under its lock
+        except actions.SandboxRequestError as exc:  # the quota, checked under the project's lock
             raise exceptions.ValidationError({exc.field: [exc.message]}) from exc
         return self._answer(sandbox.pk, status.HTTP_201_CREATED)
 

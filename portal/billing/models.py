@@ -10,7 +10,7 @@ from django.db import models
 from django.utils import timezone
 
 from portal.accounts.models import Project
-from portal.billing.pricing import MICROS_PER_UNIT, cost_micros
+from portal.billing.pricing import MICROS_PER_UNIT, cost_micros, format_money
 from portal.catalog.models import Tier
 
 __all__ = [
@@ -169,7 +169,7 @@ class Invoice(models.Model):
 
     @property
     def total_display(self) -> str:
-        return f"{self.total_micros / MICROS_PER_UNIT:.2f} {self.currency}"
+        return format_money(self.total_micros, self.currency)
 
 
 class InvoiceLine(models.Model):

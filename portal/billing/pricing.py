@@ -5,6 +5,11 @@ from __future__ import annotations
 MICROS_PER_UNIT = 1_000_000
 
 
+def format_money(micros: int | None, currency: str) -> str:
+    """An amount as bills show it: to the cent, thousands grouped ("1,234.56 EUR")."""
+    return f"{(micros or 0) / MICROS_PER_UNIT:,.2f} {currency}"
+
+
 def cost_micros(price_per_gpu_hour_micros: int, milli_gpu: int, duration_us: int) -> int:
     """price/GPU-h x share x duration, in integer micro-units, rounded half up.
 

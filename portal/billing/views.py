@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from django.contrib.auth.decorators import login_required
 from django.db.models import Count, F, Min, Sum
 from django.http import Http404, HttpRequest, HttpResponse
@@ -12,11 +14,8 @@ from django.utils.http import urlencode
 
 from portal.accounts.access import visible_projects
 from portal.billing.invoices import period_bounds
-from portal.billing.models import MICROS_PER_UNIT, Invoice
-
-
-def _money(micros: int | None, currency: str) -> str:
-    return f"{(micros or 0) / MICROS_PER_UNIT:,.2f} {currency}"
+from portal.billing.models import Invoice
+from portal.billing.pricing import format_money
 
 
 @login_required
@@ -28,10 +27,16 @@ def invoice_detail(request: HttpRequest, slug: str, pk: int) -> HttpResponse:
     )
     if invoice is None:
         raise Http404("No such invoice")
+    money = partial(format_money, currency=invoice.currency)
     # Lines summed per tier, GPU model, share and price: an invoice may hold thousands of
     # intervals, the page shows what they add up to (the API and CSV give every one).
     summary = [
-        {**row, "gpu_hours": row["gpu_seconds"] / 1000 / 3600, "cost": _money(row["cost"], invoice.currency)}
+        {
+            **row,
+            "gpu_hours": row["gpu_seconds"] / 1000 / 3600,
+            "cost": money(row["cost"]),
+            "price": money(row["price_per_gpu_hour_micros"]),
+        }
         for row in invoice.lines.values("tier__name", "gpu_model", "milli_gpu", "price_per_gpu_hour_micros")
         .annotate(
             intervals=Count("pk"),
@@ -42,8 +47,6 @@ def invoice_detail(request: HttpRequest, slug: str, pk: int) -> HttpResponse:
         )
         .order_by("tier__name", "gpu_model", "milli_gpu", "price_per_gpu_hour_micros")
     ]
-    for row in summary:
-        row["price"] = _money(row["price_per_gpu_hour_micros"], invoice.currency)
     credit_notes = list(invoice.credit_notes.all())
     credited = sum(note.amount_micros for note in credit_notes)
     start, end = period_bounds(invoice.period_start)
@@ -55,10 +58,10 @@ def invoice_detail(request: HttpRequest, slug: str, pk: int) -> HttpResponse:
             "invoice": invoice,
             "project": invoice.project,
             "summary": summary,
-            "credit_notes": [(note, _money(note.amount_micros, invoice.currency)) for note in credit_notes],
-            "total": _money(invoice.total_micros, invoice.currency),
-            "credited": _money(credited, invoice.currency) if credited else None,
-            "due": _money(invoice.total_micros - credited, invoice.currency),
+            "credit_notes": [(note, money(note.amount_micros)) for note in credit_notes],
+            "total": money(invoice.total_micros),
+            "credited": money(credited) if credited else None,
+            "due": money(invoice.total_micros - credited),
             "csv_url": f"{reverse('api-usage-export')}?{urlencode(period)}",
             "api_url": reverse("api:invoice-detail", args=[invoice.pk]),
         },

@@ -122,8 +122,10 @@ def _locked(sandbox_id: int) -> Sandbox | None:
 # --- request -------------------------------------------------------------------------------
 
 
-def check_request_sandbox(user: Any, req: SandboxRequest) -> None:
-    """Permission, tier rules and quota; raises SandboxRequestError naming the field."""
+def check_request_sandbox(user: Any, req: SandboxRequest, *, quota: bool = True) -> None:
+    """Permission, tier rules and (``quota``) the quota; raises SandboxRequestError naming the
+    field. A caller about to ``do_request_sandbox`` passes ``quota=False``: that checks the
+    quota under the project's lock, and a check here would sum the month's usage twice."""
     if (
         not user.is_staff
         and not Membership.objects.filter(user=user, project=req.project)
@@ -158,7 +160,8 @@ def check_request_sandbox(user: Any, req: SandboxRequest) -> None:
         raise SandboxRequestError(
             "duration", f"The tier {tier.name} allows up to {tier.max_duration} per sandbox."
         )
-    check_quota(req)
+    if quota:
+        check_quota(req)
 
 
 def check_quota(req: SandboxRequest) -> None:
@@ -189,8 +192,8 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
     """Create the sandbox and queue it; the scheduling cycle is nudged after commit.
 
     Requests of one project are serialised on its row while the quota is checked again, so
-    concurrent requests cannot together overshoot it (the caller's check_request_sandbox
-    gives the early, unlocked answer the form and preview show)."""
+    concurrent requests cannot together overshoot it (the preview's check_request_sandbox
+    gives the early, unlocked answer)."""
     with transaction.atomic():
         Project.objects.select_for_update().filter(pk=req.project.pk).exists()
         check_quota(req)

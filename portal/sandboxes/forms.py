@@ -10,7 +10,7 @@ from typing import Any
 from django import forms
 
 from portal.accounts.models import Membership, Project
-from portal.billing.api_common import text_problem
+from portal.billing.api_common import repeated_fields, text_problem, unknown_fields
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
 from scheduler.gpus import MODELS
@@ -63,9 +63,12 @@ class SandboxRequestForm(forms.Form):
         widget=forms.TextInput(attrs={"placeholder": "python train.py --epochs 3"}),
     )
 
-    def __init__(self, *args: Any, user: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, user: Any, for_create: bool = False, **kwargs: Any) -> None:
+        """``for_create``: the request goes on to ``do_request_sandbox``, which checks the
+        quota itself (under the project's lock), so ``clean`` leaves it out."""
         super().__init__(*args, **kwargs)
         self.user = user
+        self.for_create = for_create
         projects = (
             Project.objects.all()
             if user.is_staff
@@ -81,16 +84,14 @@ class SandboxRequestForm(forms.Form):
     def _refuse_unexpected_fields(self) -> None:
         """Fields the form does not have (``privileged``, ``volumes``...) are refused, not
         ignored, and so is a field given twice (Django would quietly take the last)."""
-        extra = sorted(str(k)[:40] for k in self.data if k not in self.fields and k != "csrfmiddlewaretoken")
-        if extra:
+        if extra := sorted(unknown_fields(self.data, [*self.fields, "csrfmiddlewaretoken"])):
             self.add_error(
                 None,
                 f"Unknown fields: {', '.join(extra)}. This form takes {', '.join(self.fields)}.",
             )
-        if hasattr(self.data, "lists"):
-            for name, values in self.data.lists():
-                if name in self.fields and len(values) > 1:
-                    self.add_error(name, "Given more than once; give it once.")
+        for name, messages in repeated_fields(self.data).items():
+            if name in self.fields:
+                self.add_error(name, messages)
 
     def clean_command(self) -> str:
         command: str = self.cleaned_data.get("command") or ""
@@ -127,7 +128,7 @@ class SandboxRequestForm(forms.Form):
             command=command,
         )
         try:
-            check_request_sandbox(self.user, req)
+            check_request_sandbox(self.user, req, quota=not self.for_create)
         except SandboxRequestError as exc:
             self.add_request_error(exc)
         self.request_obj = req

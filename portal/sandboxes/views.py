@@ -48,11 +48,11 @@ def sandbox_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def sandbox_new(request: HttpRequest) -> HttpResponse:
-    form = SandboxRequestForm(request.POST or None, user=request.user)
+    form = SandboxRequestForm(request.POST or None, user=request.user, for_create=True)
     if request.method == "POST" and form.is_valid() and form.request_obj is not None:
         try:
             sandbox = actions.do_request_sandbox(request.user, form.request_obj)
-        except actions.SandboxRequestError as exc:  # the quota, checked again under its lock
+        except actions.SandboxRequestError as exc:  # the quota, checked under the project's lock
             form.add_request_error(exc)
         else:
             return redirect("sandbox-detail", pk=sandbox.pk)
