@@ -7,7 +7,9 @@ instead of letting a green run hide that nothing was exercised.
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 
 import pytest
 
@@ -18,3 +20,13 @@ def require_engine(available: bool, what: str) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{what} is not available, and CI=true requires it", pytrace=False)
     pytest.skip(f"{what} is not available")
+
+
+def require_module(name: str, what: str) -> ModuleType:
+    """Import ``name`` for a whole test module, or skip (fail in CI) the module without it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{what} is not installed, and CI=true requires it", pytrace=False)
+        pytest.skip(f"{what} is not installed", allow_module_level=True)

@@ -47,8 +47,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import libvirt
+from workers.drivers import DriverUnavailable, install_command
 
+try:
+    import libvirt
+except ImportError as exc:  # an optional extra: the pure builders below work without it
+    _LIBVIRT_MISSING: ImportError | None = exc
+else:
+    _LIBVIRT_MISSING = None
 from workers.drivers.base import (
     LABEL_PREFIX,
     DriverError,
@@ -78,15 +84,10 @@ _KVM_GET_API_VERSION = 0xAE00
 _KVM_CREATE_VM = 0xAE01
 _KVM_API_VERSION = 12
 _POLL_S = 0.2
-_LIVE_STATES = frozenset(
-    {
-        libvirt.VIR_DOMAIN_RUNNING,
-        libvirt.VIR_DOMAIN_BLOCKED,
-        libvirt.VIR_DOMAIN_PAUSED,
-        libvirt.VIR_DOMAIN_SHUTDOWN,  # shutting down: still running
-        libvirt.VIR_DOMAIN_PMSUSPENDED,
-    }
-)
+# virDomainState values (libvirt's stable C ABI; numbers, so this module imports without
+# libvirt-python): running, blocked, paused, shutdown (shutting down: still running),
+# pmsuspended.
+_LIVE_STATES = frozenset({1, 2, 3, 4, 7})
 
 PciResolver = Callable[[str], str]  # GPU UUID -> "0000:3b:00.0"
 
@@ -438,6 +439,13 @@ class LibvirtDriver:
         console_log_dir: Path | None = None,
         network_name: str = "default",
     ) -> None:
+        if _LIBVIRT_MISSING is not None:
+            raise DriverUnavailable(
+                "libvirt",
+                f"libvirt-python is not installed ({_LIBVIRT_MISSING})",
+                "make install-libvirt (it builds against the libvirt headers: "
+                f"{install_command('libvirt-dev pkg-config')})",
+            )
         self.host = host
         self.uri = uri or os.environ.get("LIBVIRT_URI") or DEFAULT_URI
         self.image = image or GuestImage.from_env()
@@ -660,6 +668,8 @@ class LibvirtDriver:
 
 def libvirt_available(uri: str | None = None) -> bool:
     """True when libvirt at ``uri`` (else LIBVIRT_URI, else qemu:///system) answers."""
+    if _LIBVIRT_MISSING is not None:
+        return False
     libvirt.registerErrorHandler(_quiet, None)
     try:
         conn = libvirt.open(uri or os.environ.get("LIBVIRT_URI") or DEFAULT_URI)
