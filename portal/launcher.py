@@ -8,35 +8,63 @@ them all cleanly, then the embedded Redis. Production runs these as separate ser
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from portal.demo import DEMO_HOSTS, DEMO_USERS
-from workers import config
+from workers import config, selftest
+from workers.selftest import SelfTest
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
+SANDBOX_IMAGE = selftest.SANDBOX_IMAGE
+LOG_LEVEL = (os.environ.get("LOG_LEVEL") or "info").upper()
+
+
 def _celery(*args: str) -> list[str]:
-    return [PY, "-m", "celery", "-A", "workers", *args, "--loglevel=INFO"]
+    return [PY, "-m", "celery", "-A", "workers", *args, f"--loglevel={LOG_LEVEL}"]
 
 
-SANDBOX_IMAGE = "gpushare/sandbox-base:1"
+def ensure_bubblewrap() -> str:
+    """bubblewrap for the process driver: installed with apt-get when we are root and it is
+    missing. Returns "" when bwrap is there, else what stopped us (the self-test says what
+    to do)."""
+    if shutil.which("bwrap"):
+        return ""
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return "bubblewrap is not installed"
+    print("gpushare: installing bubblewrap for process sandboxes (apt-get install bubblewrap)…", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "bubblewrap"]
+
+    def run(argv: list[str]) -> bool:
+        return subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, check=False).returncode == 0  # noqa: S603
+
+    # A fresh machine's package lists may be missing or stale: update once and try again.
+    if run(install) or (run(["apt-get", "update", "-q"]) and run(install)):
+        return ""
+    return "apt-get could not install bubblewrap"
 
 
 def choose_driver() -> tuple[str, str]:
     """The agents' sandbox driver, and a line for the operator when it is not Docker."""
     kind = config.sandbox_driver_kind()
+    if kind == "process":
+        ensure_bubblewrap()
     if kind != "auto":
         return kind, ""
     from workers.drivers.docker import docker_available
 
     if not docker_available():
+        ensure_bubblewrap()
         return "process", "no Docker engine reachable: sandboxes run as bubblewrap processes"
     import docker
 
@@ -46,11 +74,25 @@ def choose_driver() -> tuple[str, str]:
         print(f"gpushare: building the sandbox image {SANDBOX_IMAGE} (once)…", flush=True)
         built = subprocess.run(["bash", str(ROOT / "scripts" / "build-sandbox-image.sh")], check=False)  # noqa: S603, S607
         if built.returncode != 0:
+            ensure_bubblewrap()
             return "process", f"could not build {SANDBOX_IMAGE}: sandboxes run as bubblewrap processes"
     return "docker", ""
 
 
-def commands(port: int, host: str, driver: str) -> list[tuple[str, list[str], dict[str, str]]]:
+def self_tests(driver: str) -> dict[str, SelfTest]:
+    """Each demo agent's self-test (one sandbox launched and stopped), run side by side."""
+    var = config.var_dir()
+    with ThreadPoolExecutor(max_workers=len(DEMO_HOSTS)) as pool:
+        futures = {
+            host: pool.submit(selftest.run, driver, host, var / "agents" / host / "sandboxes")
+            for host in DEMO_HOSTS
+        }
+        return {host: future.result() for host, future in futures.items()}
+
+
+def commands(
+    port: int, host: str, driver: str, agents: list[str]
+) -> list[tuple[str, list[str], dict[str, str]]]:
     var = config.var_dir()
     procs: list[tuple[str, list[str], dict[str, str]]] = [
         (
@@ -65,6 +107,9 @@ def commands(port: int, host: str, driver: str) -> list[tuple[str, list[str], di
                 "--port",
                 str(port),
                 "--no-access-log",
+                # uvicorn's INFO is a line per WebSocket opened and closed: debug only.
+                "--log-level",
+                "debug" if LOG_LEVEL == "DEBUG" else "warning",
             ],
             {},
         ),
@@ -75,7 +120,7 @@ def commands(port: int, host: str, driver: str) -> list[tuple[str, list[str], di
         ),
         ("beat", _celery("beat", "-s", str(var / "celerybeat-schedule")), {"GPUSHARE_ROLE": "beat"}),
     ]
-    for name, spec in DEMO_HOSTS.items():
+    for name in agents:
         procs.append(
             (
                 f"agent:{name}",
@@ -83,13 +128,34 @@ def commands(port: int, host: str, driver: str) -> list[tuple[str, list[str], di
                 {
                     "GPUSHARE_ROLE": "agent",
                     "GPUSHARE_HOST": name,
-                    "GPUSHARE_SIM_GPUS": spec,
+                    "GPUSHARE_SIM_GPUS": DEMO_HOSTS[name],
                     "GPU_BACKEND": "simulated",
                     "SANDBOX_DRIVER": driver,
+                    "AGENT_SELFTEST": "false",  # main() ran it before starting the agent
                 },
             )
         )
     return procs
+
+
+def banner(port: int, bind: str, tests: dict[str, SelfTest]) -> str:
+    logins = ", ".join(f"{u} / {p}" for u, p in DEMO_USERS.items())
+    lines = [
+        "",
+        f"  gpushare is starting on http://{bind}:{port}/  (health: /healthz)",
+        f"  demo logins: {logins}",
+    ]
+    for host, result in tests.items():
+        state = "agent started" if result.ok else "agent NOT started"
+        lines.append(f"  simulated host {host}: {state}; {result.describe()}")
+    if not all(result.ok for result in tests.values()):
+        lines.append("  Sandboxes wait in the queue until a host's agent runs: fix the above and restart.")
+    lines += [
+        "  logs: warnings, errors and one line per sandbox transition (LOG_LEVEL=debug: everything)",
+        "  Ctrl-C stops everything.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def _pump(name: str, stream: object) -> None:
@@ -111,7 +177,9 @@ def main() -> int:
     driver, why = choose_driver()
     if why:
         print(f"gpushare: {why}", flush=True)
-    for name, argv, extra in commands(port, bind, driver):
+    tests = self_tests(driver)
+    agents = [host for host, result in tests.items() if result.ok]
+    for name, argv, extra in commands(port, bind, driver, agents):
         proc = subprocess.Popen(  # noqa: S603 - argv from commands() above, no shell
             argv,
             env={**os.environ, **extra},
@@ -122,13 +190,7 @@ def main() -> int:
         )
         threading.Thread(target=_pump, args=(name, proc.stdout), daemon=True).start()
         running.append((name, proc))
-    logins = ", ".join(f"{u} / {p}" for u, p in DEMO_USERS.items())
-    print(
-        f"\n  gpushare is starting on http://{bind}:{port}/  (health: /healthz)\n"
-        f"  demo logins: {logins}\n  simulated hosts: {', '.join(DEMO_HOSTS)} (sandbox driver: {driver})\n"
-        "  Ctrl-C stops everything.\n",
-        flush=True,
-    )
+    print(banner(port, bind, tests), flush=True)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())

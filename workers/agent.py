@@ -25,11 +25,11 @@ from celery import signals
 from redis.asyncio import Redis as AsyncRedis
 
 from portal.billing.pricing import cost_micros
-from portal.env import env_int, env_str
-from workers import config, dispatch, liveness, moves, terminal_relay
+from portal.env import env_bool, env_int, env_str
+from workers import config, dispatch, liveness, moves, selftest, terminal_relay
 from workers.alerts import AlertTracker
 from workers.celery import app
-from workers.drivers import DRIVER_ISOLATION, make_driver
+from workers.drivers import DRIVER_ISOLATION, DriverUnavailable, make_driver
 from workers.drivers.base import DriverError, MpsShare, SandboxDriver, SandboxHandle, SandboxSpec
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend, GpuInfo, GpuSample
@@ -576,6 +576,29 @@ def open_terminal(session: str, allocation_id: str, handle: dict[str, Any] | Non
 @app.task(name="workers.agent.stop_sandbox", ignore_result=True)
 def stop_sandbox(allocation_id: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:
     get_agent().stop(allocation_id, sandbox_id, handle)
+
+
+# A worker that exits with this code refused to start for its configuration (sysexits
+# EX_CONFIG): systemd's unit does not restart it in a loop (RestartPreventExitStatus).
+EXIT_CANNOT_LAUNCH = 78
+
+
+@signals.worker_init.connect
+def _self_test(**_: Any) -> None:
+    """Before the first task: launch and stop one sandbox; a driver that cannot launch
+    must not take sandboxes (each would fail with the same message), so the agent exits."""
+    try:
+        agent = get_agent()
+    except DriverUnavailable as exc:
+        log.error("agent cannot start: %s\n    to fix: %s", exc, exc.remedy)
+        raise SystemExit(EXIT_CANNOT_LAUNCH) from exc
+    if not env_bool("AGENT_SELFTEST", True):
+        return
+    result = selftest.try_driver(agent.driver, agent.host)
+    if not result.ok:
+        log.error("agent %s cannot start: %s", agent.host, result.describe())
+        raise SystemExit(EXIT_CANNOT_LAUNCH)
+    log.info("agent %s: %s", agent.host, result.describe())
 
 
 @signals.worker_ready.connect

@@ -7,9 +7,11 @@ touches the database, so a GPU host needs only the broker URL.
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 
 from portal.env import env_choice, env_int
 from workers import config
@@ -67,6 +69,20 @@ app.conf.update(
         },
     },
 )
+
+# Celery logs every task received and succeeded, and beat every message it sends, at INFO:
+# several lines a second that bury the banner, the warnings and the sandbox transitions.
+# They stay available with LOG_LEVEL=debug (--loglevel=DEBUG).
+CHATTY_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.beat")
+
+
+@signals.after_setup_logger.connect
+def _quiet_task_lines(loglevel: int | str = logging.INFO, **_: Any) -> None:
+    level = logging.getLevelName(loglevel) if isinstance(loglevel, str) else loglevel
+    if not isinstance(level, int) or level > logging.DEBUG:
+        for name in CHATTY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
 
 if ROLE == "control":
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")

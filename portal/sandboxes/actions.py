@@ -99,6 +99,7 @@ def _transition(
         data=data or {},
     )
     notify.on_transition(sandbox, to, message, actor)
+    previous = sandbox.state
     if getattr(actor, "is_authenticated", False) and actor.pk != sandbox.owner_id:
         audit.record(actor, f"sandbox.{to}", sandbox, {"state": sandbox.state}, {"state": to}, message)
     sandbox.state = to
@@ -113,6 +114,9 @@ def _transition(
         sandbox.moving_plan_id = None  # lost or ended mid-move: the plan no longer owns it
         fields.append("moving_plan")
     sandbox.save(update_fields=fields)
+    # The operator's one line per transition (``make run`` shows it), once it is true.
+    line = f"sandbox {sandbox.pk}: {previous} → {to}" + (f": {message}" if message else "")
+    transaction.on_commit(lambda: log.info("%s", line))
 
 
 def _locked(sandbox_id: int) -> Sandbox | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Any
 
@@ -226,3 +227,20 @@ def test_a_batch_run_launches_its_own_command(people: Any, catalog: Any, fleet: 
     place_all()
     interactive.refresh_from_db()
     assert not interactive.batch and launch_spec(interactive).command == tuple(catalog["image"].command)
+
+
+def test_each_transition_is_one_log_line_once_committed(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """What `make run` shows of a sandbox: one line per transition, none for a rolled-back one."""
+    with caplog.at_level(logging.INFO, logger="portal.sandboxes.actions"):
+        sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+        place_all()
+        with transaction.atomic():
+            locked = Sandbox.objects.select_for_update().get(pk=sandbox.pk)
+            actions._transition(locked, "failed", message="never committed")
+            transaction.set_rollback(True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "portal.sandboxes.actions"]
+    assert lines[0] == f"sandbox {sandbox.pk}: requested → queued: waiting for the scheduler"
+    assert lines[1].startswith(f"sandbox {sandbox.pk}: queued → placing")
+    assert not any("never committed" in line for line in lines)

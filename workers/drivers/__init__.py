@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from workers.drivers.base import SandboxDriver
@@ -12,12 +14,37 @@ DRIVER_KINDS = ("docker", "process", "libvirt", "auto")
 DRIVER_ISOLATION = {"docker": "container", "process": "process", "libvirt": "vm"}
 
 
+class DriverUnavailable(RuntimeError):
+    """The driver cannot be used on this host at all: what is missing, and how to get it."""
+
+    def __init__(self, driver: str, reason: str, remedy: str) -> None:
+        super().__init__(f"{driver}: {reason}")
+        self.driver = driver
+        self.reason = reason
+        self.remedy = remedy
+
+
+def install_command(package: str) -> str:
+    """The command that installs a distribution package here (with sudo unless root)."""
+    sudo = "" if os.geteuid() == 0 else "sudo "
+    for tool, command in (
+        ("apt-get", f"apt-get install -y {package}"),
+        ("dnf", f"dnf install -y {package}"),
+        ("zypper", f"zypper install -y {package}"),
+        ("pacman", f"pacman -S --noconfirm {package}"),
+    ):
+        if shutil.which(tool):
+            return sudo + command
+    return f"install the '{package}' package with your distribution's package manager"
+
+
 def make_driver(kind: str, host: str, state_dir: Path) -> SandboxDriver:
     """``docker``, ``process``, ``libvirt``, or ``auto``: docker when an engine answers, else
     process (``auto`` never picks libvirt: VMs are an isolation level an admin chooses).
 
     Drivers are imported here, not at module level, so a host without the docker SDK
-    (or libvirt) can still run the process driver.
+    (or libvirt-python, an optional extra) can still run the process driver. A driver whose
+    software is missing raises DriverUnavailable naming what to install.
     """
     if kind not in DRIVER_KINDS:
         raise ValueError(f"unknown sandbox driver {kind!r}; expected one of {DRIVER_KINDS}")
@@ -30,6 +57,9 @@ def make_driver(kind: str, host: str, state_dir: Path) -> SandboxDriver:
 
         if kind == "docker" or docker_available():
             return DockerDriver(host=host)
+    if shutil.which("bwrap") is None:
+        missing = "bubblewrap (bwrap) is not installed"
+        raise DriverUnavailable("process", missing, install_command("bubblewrap"))
     from workers.drivers.process import ProcessDriver
 
     return ProcessDriver(state_dir, host=host)
