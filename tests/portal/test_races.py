@@ -37,14 +37,13 @@ from tests.conftest import seed_host
 from tests.portal.helpers import request
 from workers import control
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        django_settings.DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql",
-        reason="the cycle's advisory lock and row locks are PostgreSQL's",
-    ),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+ON_POSTGRESQL = django_settings.DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql"
+# What only PostgreSQL has: the cycle's advisory lock that a second cycle finds taken and
+# skips, and connections that die with their worker. On SQLite (the embedded default) a
+# cycle's BEGIN IMMEDIATE serialises cycles and requests instead: the races below that do
+# not name these run there too.
+postgres_only = pytest.mark.skipif(not ON_POSTGRESQL, reason="the cycle's advisory lock is PostgreSQL's")
 T = TypeVar("T")
 REQUESTS = 200
 FREE_GPUS = 10
@@ -212,10 +211,11 @@ def test_200_requests_for_the_last_10_slots_place_10_and_queue_the_rest(
     assert_no_device_booked_twice()
     assert Allocation.objects.filter(active=True).count() == FREE_GPUS + 2  # and the two busy ones
     assert Gpu.objects.exclude(allocations__active=True).count() == 0
-    # Cycles started at once did meet: a direct one found the database lock taken.
-    assert [r.getMessage() for r in caplog.records].count(SKIPPED) >= 1
+    if ON_POSTGRESQL:  # cycles started at once did meet: a direct one found the lock taken
+        assert [r.getMessage() for r in caplog.records].count(SKIPPED) >= 1
 
 
+@postgres_only
 def test_two_cycles_at_once_run_one_at_a_time_and_never_place_twice(
     last_slots: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
@@ -340,6 +340,7 @@ def test_concurrent_requests_cannot_overshoot_the_live_sandbox_quota(
     assert Sandbox.objects.filter(project=people["project"]).count() == 5
 
 
+@postgres_only
 def test_a_worker_killed_mid_cycle_holds_nothing_back(last_slots: dict[str, Any]) -> None:
     """A control worker killed inside a cycle leaves its advisory lock with a connection the
     kernel then closes: PostgreSQL ends that transaction, and the next cycle runs at once.
