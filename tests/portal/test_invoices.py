@@ -176,7 +176,6 @@ def test_finalize_numbers_sequentially_and_freezes(sandbox: Any, people: Any, se
         first.delete()
 
 
-@pytest.mark.skipif(connection.vendor != "postgresql", reason="the triggers are PostgreSQL's")
 def test_database_refuses_to_change_a_finalized_invoice(sandbox: Any, people: Any) -> None:
     usage(sandbox, at(2026, 10, 3, 9), at(2026, 10, 3, 10), "a")
     do_draft_invoices(OCT, at(2026, 11, 5))
@@ -187,10 +186,15 @@ def test_database_refuses_to_change_a_finalized_invoice(sandbox: Any, people: An
     line = done.lines.get()
     statements = [
         ("UPDATE billing_invoice SET total_micros = 0 WHERE id = %s", done.pk),
-        ("DELETE FROM billing_invoice WHERE id = %s", done.pk),
         ("UPDATE billing_invoiceline SET cost_micros = 0 WHERE id = %s", line.pk),
-        ("DELETE FROM billing_invoiceline WHERE id = %s", line.pk),
     ]
+    # SQLite's triggers refuse UPDATE only (Django's test teardown empties its tables with
+    # DELETE; the models refuse deletes there): see migration billing 0002.
+    if connection.vendor == "postgresql":
+        statements += [
+            ("DELETE FROM billing_invoice WHERE id = %s", done.pk),
+            ("DELETE FROM billing_invoiceline WHERE id = %s", line.pk),
+        ]
     for sql, pk in statements:
         with (
             pytest.raises(DatabaseError, match="finalized"),
@@ -201,10 +205,10 @@ def test_database_refuses_to_change_a_finalized_invoice(sandbox: Any, people: An
     with pytest.raises(DatabaseError, match="finalized"), transaction.atomic():
         InvoiceLine.objects.bulk_create([InvoiceLine(**{**_line_values(line), "cost_micros": 5})])
     note = do_credit(done, 1, "goodwill", people["admin"])
-    for sql in (
-        "UPDATE billing_creditnote SET amount_micros = 2 WHERE id = %s",
-        "DELETE FROM billing_creditnote WHERE id = %s",
-    ):
+    refused = ["UPDATE billing_creditnote SET amount_micros = 2 WHERE id = %s"]
+    if connection.vendor == "postgresql":
+        refused.append("DELETE FROM billing_creditnote WHERE id = %s")
+    for sql in refused:
         with (
             pytest.raises(DatabaseError, match="insert-only"),
             transaction.atomic(),
