@@ -14,6 +14,7 @@ NVML) is not run here.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -510,11 +511,16 @@ def populate_billing(who: dict[str, Any], tiers: dict[str, Any]) -> None:
     do_finalize(Invoice.objects.get(project=who["project"]), who["admin"], datetime(2026, 11, 5, tzinfo=UTC))
 
 
+# Production's database: the embedded pass (SQLite) has its own upgrade test below.
+postgres_only = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="a production deployment's PostgreSQL (pg_dump, upgrade)"
+)
+
+
+@postgres_only
 @pytest.mark.django_db(transaction=True)
 def test_backup_and_restore(tmp_path: Path, people: Any, catalog: Any, sent_tasks: Any) -> None:
     pg_dump, pg_restore = need("pg_dump"), need("pg_restore")
-    if connection.vendor != "postgresql":
-        require_engine(False, "PostgreSQL (DATABASE_URL)")
     import psycopg
 
     populate_billing(people, catalog)
@@ -586,22 +592,51 @@ print(sorted(planned))
 """
 
 
+def migrate_to_old_release(env: dict[str, str]) -> None:
+    subprocess.run(
+        [sys.executable, "-c", MIGRATE_TO_OLD_RELEASE, json.dumps(OLD_RELEASE)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=180,
+    )
+
+
+def test_make_run_upgrades_the_embedded_database_of_the_previous_release(tmp_path: Path) -> None:
+    """`git pull && make run` on a laptop: the launcher's migrate brings the SQLite file of
+    the previous release up to date, its rows intact (SQLite has its own trigger migrations)."""
+    sqlite_file = tmp_path / "gpushare.sqlite3"
+    url = f"sqlite:///{sqlite_file}"
+    env = prod_env(tmp_path, url)
+    migrate_to_old_release(env)
+    assert migrate_check(tmp_path, url).returncode != 0  # migrations to apply
+    upgrade = subprocess.run(  # what portal/launcher.py runs first
+        [sys.executable, "manage.py", "migrate", "--noinput"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=180,
+    )  # fmt: skip
+    for app, old in OLD_RELEASE.items():
+        assert f"Applying {app}." in upgrade.stdout and f"Applying {app}.{old}" not in upgrade.stdout
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(sqlite_file)) as conn:
+        rows = conn.execute(
+            "SELECT p.slug, q.weight, q.max_gpu_hours_month FROM quotas_quotapolicy q "
+            "JOIN accounts_project p ON p.id = q.project_id ORDER BY p.slug"
+        ).fetchall()
+    assert rows == [("nlp", 0.5, None), ("vision", 2.0, None)]
+    check = migrate_check(tmp_path, url)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@postgres_only
 @pytest.mark.django_db(transaction=True)
 def test_upgrade_from_the_previous_release(tmp_path: Path) -> None:
-    if connection.vendor != "postgresql":
-        require_engine(False, "PostgreSQL (DATABASE_URL)")
     import psycopg
 
     with scratch_database("gpushare_upgrade") as name:
         url = pg_url(name)
         env = prod_env(tmp_path, url)
-        subprocess.run(
-            [sys.executable, "-c", MIGRATE_TO_OLD_RELEASE, json.dumps(OLD_RELEASE)],
-            cwd=ROOT,
-            env=env,
-            check=True,
-            timeout=180,
-        )
+        migrate_to_old_release(env)
         pending = migrate_check(tmp_path, url)
         assert pending.returncode != 0  # the old release's schema: migrations to apply
         # The upgrade step: the migrate unit's first command, as `systemctl start` runs it.
