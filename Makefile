@@ -4,10 +4,20 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 UV_VERSION := 0.13.9
-# Tests own this folder (SQLite file, embedded Redis) unless DATABASE_URL / REDIS_URL are set.
+# Tests own this folder (SQLite file, embedded Redis) in the embedded pass.
 TEST_VAR_DIR ?= var/test
+# The PostgreSQL pass's servers: this machine's, a database and a Redis database the suite
+# may empty (never Redis database 0).
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/gpushare
+TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+# Where scripts/setup-test-env.sh builds the VM guest (QEMU's unprivileged user can read it there).
+VM_IMAGES ?= /var/lib/libvirt/images/gpushare
+VM_KERNEL ?= $(VM_IMAGES)/vmlinuz
+VM_INITRD ?= $(VM_IMAGES)/initramfs.cpio.gz
+# The VMs run under TCG, as in CI; auto picks KVM where /dev/kvm can run guests.
+LIBVIRT_DOMAIN_TYPE ?= qemu
 
-.PHONY: run test lint bench install frontend image clean
+.PHONY: run test setup-test lint bench install install-libvirt frontend image clean
 
 install: $(VENV)/.installed
 
@@ -15,6 +25,15 @@ $(VENV)/.installed: requirements/dev.lock
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
 	$(VENV)/bin/uv pip install -q -p $(PY) -r requirements/dev.lock
+	touch $@
+
+# The libvirt sandbox driver's binding (VM isolation): only hosts that run VMs need it, and
+# it builds against the libvirt headers (Debian: libvirt-dev pkg-config).
+install-libvirt: $(VENV)/.installed-libvirt
+
+$(VENV)/.installed-libvirt: $(VENV)/.installed requirements/libvirt.lock
+	@pkg-config --exists libvirt || { echo "install-libvirt: the libvirt headers are missing: apt-get install -y libvirt-dev pkg-config"; exit 1; }
+	$(VENV)/bin/uv pip install -q -p $(PY) -r requirements/libvirt.lock
 	touch $@
 
 frontend: static/dist/app.js
@@ -30,22 +49,25 @@ image:
 run: install frontend
 	$(PY) -m portal.launcher
 
-test: install frontend
-	GPUSHARE_VAR_DIR=$(TEST_VAR_DIR) bash scripts/run-tests.sh $(PYTEST_ARGS)
+# Everything the suite needs on this machine (packages, engines, images): idempotent.
+setup-test:
+	VM_KERNEL=$(VM_KERNEL) bash scripts/setup-test-env.sh
+
+# The whole suite, twice where it touches the database: on PostgreSQL + Redis, and on the
+# embedded default (SQLite + embedded Redis) that `make run` uses. CI=true: an engine that
+# is missing fails its tests instead of skipping them (setup-test installed them all).
+test: setup-test
+	$(MAKE) --no-print-directory install-libvirt frontend
+	CI=$${CI:-true} TEST_DATABASE_URL=$(TEST_DATABASE_URL) TEST_REDIS_URL=$(TEST_REDIS_URL) \
+		GPUSHARE_VAR_DIR=$(TEST_VAR_DIR) VM_KERNEL=$(VM_KERNEL) VM_INITRD=$(VM_INITRD) \
+		LIBVIRT_DOMAIN_TYPE=$(LIBVIRT_DOMAIN_TYPE) bash scripts/run-tests.sh $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	DEBUG=true $(VENV)/bin/mypy .
 
-# Where .ci/run builds the VM guest (QEMU's unprivileged user can read it there).
-VM_IMAGES ?= /var/lib/libvirt/images/gpushare
-VM_KERNEL ?= $(VM_IMAGES)/vmlinuz
-VM_INITRD ?= $(VM_IMAGES)/initramfs.cpio.gz
-# The benchmarked VMs run under TCG, as in CI; auto picks KVM where /dev/kvm can run guests.
-LIBVIRT_DOMAIN_TYPE ?= qemu
-
-bench: install
+bench: install-libvirt
 	$(PY) -m scheduler.bench --out BENCHMARKS.md
 	GPUSHARE_VAR_DIR=var/test BENCH_OUT=BENCHMARKS.md VM_KERNEL=$(VM_KERNEL) VM_INITRD=$(VM_INITRD) \
 		LIBVIRT_DOMAIN_TYPE=$(LIBVIRT_DOMAIN_TYPE) \

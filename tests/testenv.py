@@ -17,3 +17,26 @@ os.environ.setdefault("ALLOWED_HOSTS", "localhost,127.0.0.1,testserver")
 os.environ.setdefault("STATIC_MANIFEST", "false")
 # Connections opened by consumer threads must close, or the test database cannot be dropped.
 os.environ.setdefault("DB_CONN_MAX_AGE", "0")
+
+
+# The embedded pass of `make test` (scripts/run-tests.sh, GPUSHARE_TEST_BACKEND=embedded) runs
+# again, on SQLite with the embedded Redis, every test that touches the database; the rest
+# (the scheduler core, drivers, pure helpers) does not depend on the backend and ran once.
+_DATABASE_FIXTURES = frozenset(
+    {"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback", "live_server"}
+)
+
+
+def _touches_database(item: object) -> bool:
+    marker = getattr(item, "get_closest_marker", lambda name: None)("django_db")
+    return marker is not None or bool(_DATABASE_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+def pytest_collection_modifyitems(config: object, items: list[object]) -> None:
+    if os.environ.get("GPUSHARE_TEST_BACKEND") != "embedded":
+        return
+    keep = [item for item in items if _touches_database(item)]
+    dropped = [item for item in items if not _touches_database(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)  # type: ignore[attr-defined]
+        items[:] = keep
