@@ -26,11 +26,18 @@ PY = sys.executable
 
 
 SANDBOX_IMAGE = selftest.SANDBOX_IMAGE
-LOG_LEVEL = (os.environ.get("LOG_LEVEL") or "info").upper()
+# What the terminal shows: warnings, errors and the sandbox transitions (their logger stays
+# at INFO, portal/settings.py); LOG_LEVEL=debug shows every line of every process.
+LOG_LEVEL = (os.environ.get("LOG_LEVEL") or "warning").upper()
+DEBUG_LOGS = LOG_LEVEL == "DEBUG"
 
 
 def _celery(*args: str) -> list[str]:
-    return [PY, "-m", "celery", "-A", "workers", *args, f"--loglevel={LOG_LEVEL}"]
+    quiet = [] if DEBUG_LOGS else ["--quiet"]  # no start-up banner with its task list
+    # The agents run as root where the process driver gives each sandbox its own uid: Celery's
+    # warning about root, once per process, says nothing the operator can act on here.
+    root = ["-W", "ignore:You're running the worker with superuser privileges"] if os.geteuid() == 0 else []
+    return [PY, *root, "-m", "celery", "-A", "workers", *args, *quiet, f"--loglevel={LOG_LEVEL}"]
 
 
 def ensure_bubblewrap() -> str:
@@ -109,7 +116,7 @@ def commands(
                 "--no-access-log",
                 # uvicorn's INFO is a line per WebSocket opened and closed: debug only.
                 "--log-level",
-                "debug" if LOG_LEVEL == "DEBUG" else "warning",
+                "debug" if DEBUG_LOGS else "warning",
             ],
             {},
         ),
@@ -182,7 +189,7 @@ def main() -> int:
     for name, argv, extra in commands(port, bind, driver, agents):
         proc = subprocess.Popen(  # noqa: S603 - argv from commands() above, no shell
             argv,
-            env={**os.environ, **extra},
+            env={**os.environ, "LOG_LEVEL": LOG_LEVEL, **extra},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

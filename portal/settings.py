@@ -312,10 +312,17 @@ LOGIN_LOCKOUT_SECONDS = env_int("LOGIN_LOCKOUT_SECONDS", 900, minimum=1)
 # unset, REMOTE_ADDR. Only set it behind a proxy that overwrites it, or clients pick their own.
 CLIENT_IP_HEADER = env_str("CLIENT_IP_HEADER", "")
 
+LOG_LEVEL = env_choice("LOG_LEVEL", ("debug", "info", "warning", "error", "critical"), "info").upper()
+_TRANSITIONS_LEVEL = LOG_LEVEL if LOG_LEVEL in ("DEBUG", "ERROR", "CRITICAL") else "INFO"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    # One line per sandbox transition (portal.sandboxes.actions) whatever the level, unless
+    # only errors are wanted: what an operator follows in `make run`'s terminal.
+    "loggers": {
+        "portal.sandboxes.actions": {"level": _TRANSITIONS_LEVEL},
+    },
 }
