@@ -37,7 +37,7 @@ def _celery(*args: str) -> list[str]:
     # The agents run as root where the process driver gives each sandbox its own uid: Celery's
     # warning about root, once per process, says nothing the operator can act on here.
     root = ["-W", "ignore:You're running the worker with superuser privileges"] if os.geteuid() == 0 else []
-    return [PY, *root, "-m", "celery", "-A", "workers", *args, *quiet, f"--loglevel={LOG_LEVEL}"]
+    return [PY, *root, "-m", "celery", *quiet, "-A", "workers", *args, f"--loglevel={LOG_LEVEL}"]
 
 
 def ensure_bubblewrap() -> str:

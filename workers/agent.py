@@ -34,7 +34,7 @@ from workers.drivers.base import DriverError, MpsShare, SandboxDriver, SandboxHa
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend, GpuInfo, GpuSample
 from workers.gpu.mig import MigManager
-from workers.gpu.mps import MpsError, MpsManager
+from workers.gpu.mps import MpsError, MpsManager, mps_root
 from workers.rollups import MinuteRollups
 from workers.telemetry import (
     FLEET_GROUP,
@@ -71,7 +71,7 @@ class Agent:
         self.stopped: set[str] = set()  # allocation ids stopped: a late launch must not revive them
         self._stop = threading.Event()
         self._gpus: list[GpuInfo] = []
-        self.mps = MpsManager(var_dir)
+        self.mps = MpsManager(mps_root(host, var_dir))
         self.mig = MigManager(backend)
         self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
         self._reporter = ThreadPoolExecutor(1, thread_name_prefix="agent-report")
@@ -313,7 +313,13 @@ class Agent:
         try:
             pipe = self.mps.pipe_dir(device)
             if self.backend.simulated:
-                pipe.mkdir(parents=True, exist_ok=True)  # no daemon without a GPU; the mount is real
+                # No daemon without a GPU; the mount is real, and the sandbox's uid must be
+                # able to traverse down to it (mkdir's mode is cut by the umask).
+                pipe.mkdir(parents=True, exist_ok=True)
+                for directory in (pipe, *pipe.parents):
+                    if directory == self.mps.root.parent:
+                        break
+                    directory.chmod(0o755)
             else:
                 self.mps.start(device)
         except (MpsError, OSError) as exc:

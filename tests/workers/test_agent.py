@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from workers.agent import Agent
 from workers.drivers.base import MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
-from workers.gpu.mps import MpsError
+from workers.gpu.mps import MpsError, mps_root
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
 
@@ -56,12 +59,35 @@ def agent(tmp_path: Path) -> tuple[Agent, RecordingDriver, str]:
     return a, driver, backend.list_gpus()[0].uuid
 
 
-def test_simulated_gpu_gets_a_pipe_dir_without_a_daemon(tmp_path: Path, sent_tasks: Any) -> None:
+def test_simulated_gpu_gets_a_pipe_dir_without_a_daemon(
+    tmp_path: Path, sent_tasks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MPS_DIR", str(tmp_path / "mps"))
     a, driver, device = agent(tmp_path)
     a.launch(spec(device))
     [launched] = driver.launched
     assert launched.mps is not None and Path(launched.mps.pipe_dir) == tmp_path / "mps" / device / "pipe"
     assert Path(launched.mps.pipe_dir).is_dir() and launched.mps.thread_pct == 30
+    # Every directory down to the pipe is traversable by the sandbox's unprivileged uid.
+    for directory in (Path(launched.mps.pipe_dir), *Path(launched.mps.pipe_dir).parents):
+        if directory == tmp_path:
+            break
+        assert directory.stat().st_mode & 0o005 == 0o005, directory
+
+
+def test_a_root_agent_keeps_mps_pipes_under_run_whatever_its_var_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkout under /root (0700) hid the pipe directory from the sandbox's uid: bwrap
+    failed with 'Can't find source path …/pipe: Permission denied' and MPS never ran."""
+    monkeypatch.delenv("MPS_DIR", raising=False)
+    root = mps_root("sim-a100-b", tmp_path)
+    if os.geteuid() == 0:
+        assert root == Path("/run/gpushare/sim-a100-b/mps")
+    else:
+        assert root == tmp_path / "mps"
+    monkeypatch.setenv("MPS_DIR", "/srv/mps")
+    assert mps_root("h", tmp_path) == Path("/srv/mps")
 
 
 def test_real_gpu_starts_the_daemon_or_fails_the_launch(

@@ -155,7 +155,7 @@ def var_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def manager(var_dir: Path, control_binary: Path) -> MpsManager:
-    return MpsManager(var_dir, control_binary=str(control_binary))
+    return MpsManager(var_dir / "mps", control_binary=str(control_binary))
 
 
 def control_log(manager: MpsManager, uuid: str) -> list[str]:
@@ -186,7 +186,7 @@ def test_start_is_idempotent_also_for_a_new_manager(manager: MpsManager, control
     manager.start(GPU_A)
     assert manager.start(GPU_A) is False
     # An agent restart: a fresh manager finds the daemon through its pid file.
-    again = MpsManager(manager.root.parent, control_binary=str(control_binary))
+    again = MpsManager(manager.root, control_binary=str(control_binary))
     assert again.running(GPU_A) and again.start(GPU_A) is False
     assert [line for line in control_log(manager, GPU_A) if line.startswith("START")] != []
     assert len([line for line in control_log(manager, GPU_A) if line.startswith("START")]) == 1
@@ -258,10 +258,10 @@ def test_errors_are_mps_errors(manager: MpsManager, var_dir: Path, monkeypatch: 
     monkeypatch.setenv("FAKE_MPS_FAIL", "no CUDA-capable device is detected")
     with pytest.raises(MpsError, match=r"-d for GPU-0d6b.* exited 1: Failed to start .* no CUDA-capable"):
         manager.start(GPU_A)
-    missing = MpsManager(var_dir, control_binary=str(var_dir / "nope"))
+    missing = MpsManager(var_dir / "mps", control_binary=str(var_dir / "nope"))
     with pytest.raises(MpsError, match="not found: is the NVIDIA driver installed"):
         missing.start(GPU_B)
-    deep = MpsManager(var_dir / ("x" * 80), control_binary=str(var_dir / "nope"))
+    deep = MpsManager(var_dir / ("x" * 80) / "mps", control_binary=str(var_dir / "nope"))
     with pytest.raises(MpsError, match="too long for a UNIX socket"):
         deep.start(GPU_A)
 

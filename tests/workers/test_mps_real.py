@@ -43,7 +43,7 @@ def device_uuid() -> str:
 @pytest.fixture
 def manager(device_uuid: str) -> Iterator[MpsManager]:
     var_dir = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))  # short: socket paths are limited
-    manager = MpsManager(var_dir)
+    manager = MpsManager(var_dir / "mps")
     yield manager
     manager.stop(device_uuid)
     shutil.rmtree(var_dir, ignore_errors=True)

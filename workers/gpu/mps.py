@@ -2,7 +2,7 @@
 
 Each device gets its own ``nvidia-cuda-mps-control`` daemon, started with
 ``CUDA_VISIBLE_DEVICES`` set to that device's UUID and its own pipe and log directories
-(``<var_dir>/mps/<uuid>/{pipe,log}``), so a client can only reach the daemon of the device it
+(``<mps_root>/<uuid>/{pipe,log}``, see ``mps_root``), so a client can only reach the daemon of the device it
 was given, and stopping one device's daemon leaves the others alone. Sandboxes get the pipe
 directory (``MpsShare.pipe_dir``); the drivers mount it and set ``CUDA_MPS_*`` from the share.
 
@@ -40,6 +40,18 @@ STOP_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 15.0
 
 
+def mps_root(host: str, var_dir: Path) -> Path:
+    """Where a host's MPS pipe and log directories live: ``MPS_DIR`` when set; else, for an
+    agent running as root, ``/run/gpushare/<host>/mps``: sandboxes run as unprivileged uids
+    that must traverse every directory above the pipe directory bwrap binds (a checkout under
+    /root, 0700, would hide it), and a short path keeps ``<pipe>/control`` within a UNIX
+    socket's 107 bytes. A non-root agent's sandboxes run as its own uid: ``<var_dir>/mps``."""
+    configured = os.environ.get("MPS_DIR")
+    if configured:
+        return Path(configured)
+    return Path("/run/gpushare", host, "mps") if os.geteuid() == 0 else var_dir / "mps"
+
+
 class MpsError(RuntimeError):
     """An MPS daemon did not start, stop or answer as asked."""
 
@@ -54,11 +66,11 @@ class MpsManager:
 
     def __init__(
         self,
-        var_dir: Path | str,
+        root: Path | str,
         control_binary: str = CONTROL_BINARY,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.root = Path(var_dir) / "mps"
+        self.root = Path(root)  # mps_root(): holds <uuid>/pipe and <uuid>/log per device
         self.control_binary = control_binary
         self._clock = clock
         self._lock = threading.RLock()
