@@ -6,6 +6,7 @@ unix socket, the simulated GPU backend when NVML finds no GPU.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import dj_database_url
@@ -324,5 +325,11 @@ LOGGING = {
     # only errors are wanted: what an operator follows in `make run`'s terminal.
     "loggers": {
         "portal.sandboxes.actions": {"level": _TRANSITIONS_LEVEL},
+        # Django's default config gives "django" a handler of its own when DEBUG: every
+        # request warning would print twice, once bare.
+        "django": {"handlers": [], "propagate": True},
     },
 }
+# Under ASGI, WhiteNoise's file responses (DEBUG serving from static/) are synchronous
+# iterators; Django warns once per process that it consumes them for the async server.
+warnings.filterwarnings("ignore", message="StreamingHttpResponse must consume synchronous iterators")
