@@ -1,8 +1,20 @@
-"""ASGI entry point: Django for HTTP, Channels for WebSockets (origin and session checked)."""
+"""ASGI entry point: Django for HTTP, Channels for WebSockets (origin and session checked).
+
+Two rules sit in front of both, decided here once for any ASGI server (uvicorn, daphne):
+- The client's address and scheme come from ``X-Forwarded-For``/``X-Forwarded-Proto`` only
+  when the connection comes from one of ``TRUSTED_PROXIES`` (uvicorn's own middleware, which
+  takes the right-most address not a trusted proxy). Servers are started with their own
+  proxy handling off (``--no-proxy-headers``), so nobody else's headers are believed: with
+  uvicorn's default, anyone on the machine's loopback could pick their address per request.
+- A WebSocket is accepted only from the page's own origin, compared by scheme, host and
+  port (or from one of ``CSRF_TRUSTED_ORIGINS``), as Django's CSRF check compares forms.
+"""
 
 from __future__ import annotations
 
 import os
+from typing import Any
+from urllib.parse import urlsplit
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
@@ -16,13 +28,58 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from channels.security.websocket import WebsocketDenier  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.http.request import split_domain_port, validate_host  # noqa: E402
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware  # noqa: E402
 
 from portal.telemetry.routing import websocket_urlpatterns  # noqa: E402
 
-application = ProtocolTypeRouter(
-    {
-        "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
-    }
-)
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _origin(url: str) -> tuple[str, str, str] | None:
+    """(scheme, host, port) of an origin, the default port spelled out; None if malformed."""
+    try:
+        parts = urlsplit(url.strip().lower())
+        port = str(parts.port) if parts.port is not None else _DEFAULT_PORTS.get(parts.scheme, "")
+    except ValueError:
+        return None
+    if parts.scheme not in _DEFAULT_PORTS or not parts.hostname or parts.path not in ("", "/"):
+        return None
+    return parts.scheme, parts.hostname, port
+
+
+def same_origin(scope: dict[str, Any]) -> bool:
+    """True when the socket's Origin is the page's own origin or a trusted one."""
+    headers = {name.lower(): value.decode("latin-1") for name, value in scope.get("headers", [])}
+    origin, host = headers.get(b"origin"), headers.get(b"host")
+    if not origin or not host or not validate_host(split_domain_port(host)[0], settings.ALLOWED_HOSTS):
+        return False
+    scheme = "https" if scope.get("scheme") in ("wss", "https") else "http"
+    allowed = {_origin(f"{scheme}://{host}"), *(_origin(o) for o in settings.CSRF_TRUSTED_ORIGINS)}
+    asked = _origin(origin)
+    return asked is not None and asked in allowed
+
+
+class SameOriginValidator:
+    def __init__(self, application: Any) -> None:
+        self.application = application
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> Any:
+        if scope["type"] == "websocket" and not same_origin(scope):
+            return await WebsocketDenier()(scope, receive, send)
+        return await self.application(scope, receive, send)
+
+
+def build(trusted_proxies: list[str]) -> Any:
+    router = ProtocolTypeRouter(
+        {
+            "http": django_asgi_app,
+            "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        }
+    )
+    return ProxyHeadersMiddleware(router, trusted_hosts=trusted_proxies) if trusted_proxies else router
+
+
+application = build(settings.TRUSTED_PROXIES)

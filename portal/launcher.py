@@ -114,6 +114,10 @@ def commands(
                 "--port",
                 str(port),
                 "--no-access-log",
+                # Whose X-Forwarded-For to believe is TRUSTED_PROXIES' (portal/asgi.py): by
+                # default uvicorn believes anyone on loopback, who could pick an address per
+                # request and walk past the sign-in throttle.
+                "--no-proxy-headers",
                 # uvicorn's INFO is a line per WebSocket opened and closed: debug only.
                 "--log-level",
                 "debug" if DEBUG_LOGS else "warning",

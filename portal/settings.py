@@ -211,7 +211,16 @@ REST_FRAMEWORK = {
         "sustained": _api_rate("API_RATE_SUSTAINED", "10000/hour"),
     },
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
+    "DEFAULT_PAGINATION_CLASS": "portal.billing.api_common.CheckedPageSize",
+    # Anonymous rate limits key on the socket's address (already the client's behind a
+    # trusted proxy): DRF would otherwise key on X-Forwarded-For as the client sent it.
+    "NUM_PROXIES": 0,
+    # Every route parses JSON strictly (duplicate keys, NaN, lone surrogates, deep nesting).
+    "DEFAULT_PARSER_CLASSES": [
+        "portal.billing.api_common.StrictJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "PAGE_SIZE": 100,
 }
 SPECTACULAR_SETTINGS = {
@@ -263,8 +272,8 @@ ALERT_WEBHOOK_SECRET = env_str("ALERT_WEBHOOK_SECRET", "")
 METRICS_TOKEN = env_str("METRICS_TOKEN", "")
 
 # --- HTTPS, cookies and headers (README "Security"). Production assumes TLS at a reverse
-# proxy that sets X-Forwarded-Proto (and strips it from clients).
-SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# proxy in TRUSTED_PROXIES that sets X-Forwarded-Proto: portal.asgi turns it into the
+# request's scheme (no SECURE_PROXY_SSL_HEADER: Django would believe it from anyone).
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
 # Probes and Prometheus scrape from inside the network over plain HTTP; a redirect to https
 # would break them (/metrics still wants its bearer token).
@@ -303,15 +312,19 @@ CONTENT_SECURITY_POLICY = {
     },
 }
 
-# --- Login throttling (portal.accounts.throttle): failures counted per username and per
-# client address in a window of LOGIN_LOCKOUT_SECONDS; at the limit the login answers 429
-# without checking the password until the window ends. Invalid API tokens count per address.
+# --- Login throttling (portal.accounts.throttle): failures counted in a window of
+# LOGIN_LOCKOUT_SECONDS per browser that signed in as the user before (device cookie), else per
+# (username, address), per address, and per username from untrusted browsers; at a limit the
+# login answers 429 without checking the password until the window ends. Invalid API tokens
+# count per address.
 LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
 LOGIN_IP_FAILURE_LIMIT = env_int("LOGIN_IP_FAILURE_LIMIT", 50, minimum=1)
+LOGIN_USERNAME_FAILURE_LIMIT = env_int("LOGIN_USERNAME_FAILURE_LIMIT", 100, minimum=1)
 LOGIN_LOCKOUT_SECONDS = env_int("LOGIN_LOCKOUT_SECONDS", 900, minimum=1)
-# The header the reverse proxy puts the client address in (e.g. X-Forwarded-For, X-Real-IP);
-# unset, REMOTE_ADDR. Only set it behind a proxy that overwrites it, or clients pick their own.
-CLIENT_IP_HEADER = env_str("CLIENT_IP_HEADER", "")
+# The reverse proxies whose X-Forwarded-For and X-Forwarded-Proto are believed (addresses or
+# networks, e.g. 127.0.0.1 for nginx on the same machine): portal.asgi takes the client's
+# address and https from them; from anyone else, those headers are ignored. Unset: none.
+TRUSTED_PROXIES = env_list("TRUSTED_PROXIES", [])
 
 LOG_LEVEL = env_choice("LOG_LEVEL", ("debug", "info", "warning", "error", "critical"), "info").upper()
 _TRANSITIONS_LEVEL = LOG_LEVEL if LOG_LEVEL in ("DEBUG", "ERROR", "CRITICAL") else "INFO"

@@ -1,53 +1,82 @@
 """Throttling of password guessing: the login pages and invalid API tokens.
 
-Failures are counted in Django's cache (Redis, shared by every ASGI server) per username
-and per client address, in a fixed window of ``LOGIN_LOCKOUT_SECONDS`` that starts at the
-first failure. At ``LOGIN_FAILURE_LIMIT`` failures for a username, or
-``LOGIN_IP_FAILURE_LIMIT`` from one address, further attempts are refused before the
-password is checked (so a lucky guess in the locked window gains nothing) until the
-window ends. A successful login clears its username's count; the address's count runs
-out on its own, so one valid account cannot reset a guessing run against the others.
+Failures are counted in Django's cache (Redis, shared by every ASGI server) in a fixed window
+of ``LOGIN_LOCKOUT_SECONDS`` that starts at the first failure. Refused attempts are refused
+before the password is checked, so a lucky guess in a locked window gains nothing. The
+address is the socket's, or the client a trusted proxy names (``TRUSTED_PROXIES``, applied
+in ``portal.asgi``): a client cannot pick its own with a forged ``X-Forwarded-For``.
+
+Counting by username alone would let anyone lock anyone out: five wrong passwords for a
+known name, from anywhere, and its owner could not sign in. So (OWASP's "device cookies"):
+
+- a browser that signed in as a user before carries a signed device cookie for that user;
+  its attempts for that user count against that cookie only (``LOGIN_FAILURE_LIMIT``), so
+  nobody else's failures lock it, and its own never lock anybody else;
+- any other attempt counts against its (username, address) pair (``LOGIN_FAILURE_LIMIT``),
+  its address (``LOGIN_IP_FAILURE_LIMIT``, a guessing run over many names), and the
+  username as tried from untrusted browsers (``LOGIN_USERNAME_FAILURE_LIMIT``, guessing from
+  many addresses), which locks out untrusted browsers only.
+
+A successful login clears its pair's or cookie's count; the other counts run out on their own.
+Invalid API tokens count per address.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from typing import Any
 
 from django.conf import settings
 from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
 from django.contrib.auth.views import LoginView
+from django.core import signing
 from django.core.cache import cache
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse
 from rest_framework.request import Request
 
 LOCKED_OUT = "Too many failed sign-in attempts. Wait {minutes} minutes and try again."
+DEVICE_COOKIE = "gpushare_device"
+DEVICE_COOKIE_AGE = 365 * 24 * 3600
+_DEVICE_SALT = "portal.accounts.throttle.device"
 
 
 def client_ip(request: HttpRequest | Request) -> str:
-    """The client's address: from ``CLIENT_IP_HEADER`` when configured (set by the reverse
-    proxy), else the socket's. For X-Forwarded-For the last entry is the one our proxy
-    appended; earlier ones are whatever the client sent."""
-    header = settings.CLIENT_IP_HEADER
-    if header:
-        value = request.headers.get(header, "")
-        last = value.rsplit(",", 1)[-1].strip()
-        if last:
-            return last
+    """The client's address: the socket's, which ``portal.asgi`` has already replaced with
+    the client a trusted proxy names. No header is read here."""
     return str(request.META.get("REMOTE_ADDR") or "unknown")
 
 
-def _key(kind: str, value: str) -> str:
+def _key(kind: str, *values: str) -> str:
     # Hashed: usernames and addresses are attacker-chosen text, keys must stay short and plain.
-    return f"auth-failures:{kind}:{hashlib.sha256(value.encode()).hexdigest()[:32]}"
+    digest = hashlib.sha256("\0".join(values).encode()).hexdigest()[:32]
+    return f"auth-failures:{kind}:{digest}"
+
+
+def _device(request: HttpRequest | Request, username: str) -> str | None:
+    """The device cookie's id when it was issued to this browser for ``username``."""
+    raw = request.COOKIES.get(DEVICE_COOKIE, "")
+    try:
+        signed = signing.loads(raw, salt=_DEVICE_SALT, max_age=DEVICE_COOKIE_AGE)
+    except signing.BadSignature:
+        return None
+    if isinstance(signed, dict) and signed.get("user") == username.casefold():
+        return str(signed.get("device", ""))
+    return None
 
 
 def _limits(request: HttpRequest | Request, username: str | None, scope: str) -> list[tuple[str, int]]:
-    limits = [(_key(f"{scope}-ip", client_ip(request)), settings.LOGIN_IP_FAILURE_LIMIT)]
+    """The counters an attempt is judged by, with their limits."""
+    if username and scope == "login" and (device := _device(request, username)):
+        return [(_key("device", device), settings.LOGIN_FAILURE_LIMIT)]
+    address = client_ip(request)
+    limits = [(_key(f"{scope}-ip", address), settings.LOGIN_IP_FAILURE_LIMIT)]
     if username:
-        limits.append((_key(f"{scope}-user", username.casefold()), settings.LOGIN_FAILURE_LIMIT))
+        name = username.casefold()
+        limits.append((_key(f"{scope}-pair", name, address), settings.LOGIN_FAILURE_LIMIT))
+        limits.append((_key(f"{scope}-user", name), settings.LOGIN_USERNAME_FAILURE_LIMIT))
     return limits
 
 
@@ -67,8 +96,25 @@ def record_failure(request: HttpRequest | Request, username: str | None = None, 
             cache.add(key, 1, timeout=settings.LOGIN_LOCKOUT_SECONDS)
 
 
-def clear_username(username: str, scope: str = "login") -> None:
-    cache.delete(_key(f"{scope}-user", username.casefold()))
+def clear_success(request: HttpRequest, username: str) -> None:
+    """A signed-in browser starts afresh: its pair's or its cookie's failures are forgotten
+    (not its address's nor the username's: those count what others tried)."""
+    device = _device(request, username)
+    name = username.casefold()
+    cache.delete(_key("device", device) if device else _key("login-pair", name, client_ip(request)))
+
+
+def remember_device(response: HttpResponse, username: str) -> None:
+    """Mark the browser that signed in as ``username``: its later attempts are its own."""
+    device = secrets.token_hex(12)
+    response.set_cookie(
+        DEVICE_COOKIE,
+        signing.dumps({"user": username.casefold(), "device": device}, salt=_DEVICE_SALT),
+        max_age=DEVICE_COOKIE_AGE,
+        secure=settings.SESSION_COOKIE_SECURE,
+        httponly=True,
+        samesite="Lax",
+    )
 
 
 def lockout_message() -> str:
@@ -103,8 +149,11 @@ class ThrottledLoginView(LoginView):
     form_class = ThrottledAuthenticationForm
 
     def form_valid(self, form: AuthenticationForm) -> HttpResponse:
-        clear_username(form.cleaned_data["username"])
-        return super().form_valid(form)
+        username = form.cleaned_data["username"]
+        clear_success(self.request, username)
+        response = super().form_valid(form)
+        remember_device(response, username)
+        return response
 
     def form_invalid(self, form: AuthenticationForm) -> HttpResponse:
         response = super().form_invalid(form)

@@ -25,6 +25,7 @@ from portal.accounts.models import Membership, Project
 from portal.billing.models import UsageRecord
 from portal.billing.pricing import format_money
 from portal.billing.utilization import GpuHours, gpu_hours
+from portal.inputs import whole_number
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes.models import LIVE_STATES, Allocation
@@ -155,10 +156,10 @@ def project_members(request: HttpRequest, slug: str) -> HttpResponse:
                 request, f"{added.user.get_username()} joined {project.name} as {added.get_role_display()}."
             )
         elif action == "role":
-            changed = do_change_role(project, int(request.POST.get("membership") or 0), role)
+            changed = do_change_role(project, whole_number(request.POST.get("membership")) or 0, role)
             messages.success(request, f"{changed.user.get_username()} is now {changed.get_role_display()}.")
         elif action == "remove":
-            do_remove_member(project, int(request.POST.get("membership") or 0))
+            do_remove_member(project, whole_number(request.POST.get("membership")) or 0)
             messages.success(request, "Member removed.")
         else:
             raise MembershipError(f"Unknown action {action!r}.")

@@ -9,13 +9,17 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.db.models import QuerySet
+from django.http import QueryDict
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, inline_serializer
 from rest_framework import exceptions, pagination, parsers, serializers
 from rest_framework.request import Request
+
+from portal.inputs import whole_number
 
 MAX_PAGE_SIZE = 1000
 # Query values are slugs, usernames, ISO times and cursors: far shorter than this. A longer
@@ -30,17 +34,59 @@ def checked_page_size(request: Request, default: int | None) -> int | None:
     raw = request.query_params.get("page_size")
     if raw is None:
         return default
-    if not (raw.isascii() and raw.isdigit() and len(raw) <= 6 and 1 <= int(raw) <= MAX_PAGE_SIZE):
+    size = whole_number(raw, 1, MAX_PAGE_SIZE)
+    if size is None:
         raise exceptions.ValidationError({"page_size": [f"Give a whole number from 1 to {MAX_PAGE_SIZE}."]})
-    return int(raw)
+    return size
 
 
 class CheckedPageSize(pagination.CursorPagination):
+    """Cursor pages whose size and cursor are checked: DRF decodes a cursor's base64 but
+    hands its position straight to the database, so a forged one ("p=yesterday" on a time
+    ordering, a number past bigint) was a 500. A position its ordering field cannot hold is
+    the documented 404 "Invalid cursor"."""
+
     page_size_query_param = "page_size"
     max_page_size = MAX_PAGE_SIZE
+    _model: Any = None
 
     def get_page_size(self, request: Request) -> int | None:
         return checked_page_size(request, self.page_size)
+
+    def paginate_queryset(self, queryset: Any, request: Request, view: Any = None) -> Any:
+        self._model = queryset.model
+        return super().paginate_queryset(queryset, request, view)
+
+    def decode_cursor(self, request: Request) -> pagination.Cursor | None:
+        cursor = super().decode_cursor(request)
+        if cursor is None or cursor.position is None:
+            return cursor
+        try:
+            position = _cursor_position(self._model, self.ordering[0].lstrip("-"), str(cursor.position))
+        except (ValidationError, FieldDoesNotExist, ValueError, TypeError, OverflowError):
+            raise exceptions.NotFound(self.invalid_cursor_message) from None
+        return pagination.Cursor(offset=cursor.offset, reverse=cursor.reverse, position=position)
+
+
+_BIGINT = 2**63
+
+
+def _cursor_position(model: Any, path: str, raw: str) -> Any:
+    """``raw`` as a value of the field at ``path`` (``project__slug``...), or an error."""
+    *relations, name = path.split("__")
+    for relation in relations:
+        model = model._meta.get_field(relation).related_model
+    field = model._meta.get_field(name)
+    if name.endswith("_id") or field.is_relation:
+        field = field.target_field
+    if text_problem(raw, max_length=MAX_PARAM_LENGTH):
+        raise ValueError(raw)
+    value = field.to_python(raw)
+    if value is None or (isinstance(value, int) and not -_BIGINT <= value < _BIGINT):
+        raise ValueError(raw)
+    if isinstance(value, datetime):  # PostgreSQL refuses offsets it does not know
+        value = value.replace(tzinfo=UTC) if timezone.is_naive(value) else value.astimezone(UTC)
+    return value
 
 
 class NewestFirst(CheckedPageSize):
@@ -63,10 +109,15 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in shown)
 
 
+# Unicode's bidirectional controls (embeddings, overrides, isolates, marks): they reorder
+# what a reader sees, so "echo \u202egnp.exe" shows as "echo exe.png" (Trojan Source).
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
 def text_problem(value: str, *, max_length: int = MAX_PARAM_LENGTH, multiline: bool = False) -> str | None:
     """Why ``value`` cannot be taken as text (None when it can): too long, a NUL (PostgreSQL
     refuses it), a lone surrogate (not UTF-8: the database driver and the JSON renderer
-    fail on it), or another control character."""
+    fail on it), another control character, or a bidirectional control."""
     if len(value) > max_length:
         return f"Too long: {len(value)} characters, at most {max_length}."
     if "\x00" in value:
@@ -76,6 +127,8 @@ def text_problem(value: str, *, max_length: int = MAX_PARAM_LENGTH, multiline: b
             return "Not valid Unicode text (a lone surrogate)."
         if unicodedata.category(char) == "Cc" and not (multiline and char in "\t\n\r"):
             return f"Control characters (such as {char!r}) are not allowed."
+        if char in BIDI_CONTROLS:
+            return f"Bidirectional text controls (such as U+{ord(char):04X}) are not allowed."
     return None
 
 
@@ -143,17 +196,27 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return seen
 
 
-def _surrogate_free(value: Any, where: str = "non_field_errors") -> None:
-    if isinstance(value, str):
-        if any(unicodedata.category(c) == "Cs" for c in value):
-            raise exceptions.ValidationError({where: ["Not valid Unicode text (a lone surrogate)."]})
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _surrogate_free(key, where)
-            _surrogate_free(item, key if where == "non_field_errors" else where)
-    elif isinstance(value, list):
-        for item in value:
-            _surrogate_free(item, where)
+MAX_JSON_DEPTH = 32  # request bodies are flat objects; deeper nesting is a probe
+
+
+def _checked_json(data: Any) -> None:
+    """Refuse lone surrogates (``"\\ud800"`` parses, then fails in the database driver) and
+    nesting deeper than MAX_JSON_DEPTH, walking the document without recursion (a deep one
+    would raise RecursionError: a 500). An error names the top-level field it is under."""
+    stack: list[tuple[Any, str, int]] = [(data, "non_field_errors", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise exceptions.ValidationError({where: [f"Nested more than {MAX_JSON_DEPTH} levels deep."]})
+        if isinstance(value, str):
+            if any(unicodedata.category(c) == "Cs" for c in value):
+                raise exceptions.ValidationError({where: ["Not valid Unicode text (a lone surrogate)."]})
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                field = _printable(key) if depth == 0 else where
+                stack += [(key, where, depth + 1), (item, field, depth + 1)]
+        elif isinstance(value, list):
+            stack += [(item, where, depth + 1) for item in value]
 
 
 class Text(serializers.CharField):
@@ -175,14 +238,39 @@ class Text(serializers.CharField):
         return value
 
 
+class WholeNumber(serializers.IntegerField):
+    """An integer field that takes integers: a JSON number without a fraction, or, in a form
+    body (where every value is text), plain ASCII digits. DRF's IntegerField would also take
+    ``"1"``, ``1.0`` or ``true`` from JSON, which the README promises to refuse."""
+
+    def __init__(self, *, choices: Iterable[int] | None = None, **kwargs: Any) -> None:
+        self.allowed = tuple(choices) if choices is not None else None
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> int:
+        form_body = isinstance(getattr(self.root, "initial_data", None), QueryDict)
+        if form_body and isinstance(data, str):
+            number = whole_number(data)
+        elif isinstance(data, int) and not isinstance(data, bool):
+            number = data
+        else:
+            number = None
+        if number is None:
+            self.fail("invalid")
+        value = int(super().to_internal_value(number))
+        if self.allowed is not None and value not in self.allowed:
+            raise serializers.ValidationError(f"Give one of: {', '.join(map(str, self.allowed))}.")
+        return value
+
+
 def choices_message(choices: Iterable[Any]) -> dict[str, Any]:
     """A ChoiceField message listing the choices instead of echoing the (maybe huge) input."""
     return {"invalid_choice": f"Give one of: {', '.join(map(str, choices))}."}
 
 
 class StrictJSONParser(parsers.JSONParser):
-    """JSON bodies without duplicate keys (json.loads keeps the last one silently) and
-    without lone surrogates (``"\\ud800"`` parses, then fails in the database driver)."""
+    """JSON bodies without duplicate keys (json.loads keeps the last one silently), lone
+    surrogates or deep nesting (see ``_checked_json``)."""
 
     def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> Any:
         encoding = (parser_context or {}).get("encoding", "utf-8")
@@ -191,7 +279,9 @@ class StrictJSONParser(parsers.JSONParser):
             data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError) as exc:
             raise exceptions.ParseError(f"JSON parse error - {_printable(str(exc))}") from exc
-        _surrogate_free(data)
+        except RecursionError:  # thousands of nested brackets: Python's parser gives up
+            raise exceptions.ParseError(f"JSON nested more than {MAX_JSON_DEPTH} levels deep.") from None
+        _checked_json(data)
         return data
 
 
@@ -220,10 +310,8 @@ class ApiView:
         check_query(request.query_params, allowed)
 
     def get_object(self) -> Any:
-        # An id PostgreSQL cannot hold (or not a number) is simply not found, not a 500;
-        # isascii: "²" is a digit to str.isdigit() but not to int().
-        pk = str(self.kwargs.get("pk", "0"))
-        if not (pk.isascii() and pk.isdigit()) or len(pk) > 18:
+        # An id PostgreSQL cannot hold (or not a number) is simply not found, not a 500.
+        if whole_number(str(self.kwargs.get("pk", "0"))) is None:
             raise exceptions.NotFound()
         return super().get_object()  # type: ignore[misc]
 

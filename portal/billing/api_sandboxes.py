@@ -13,7 +13,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_view
-from rest_framework import exceptions, mixins, parsers, serializers, status, viewsets
+from rest_framework import exceptions, mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -26,15 +26,15 @@ from portal.billing.api_common import (
     FILTERS,
     ApiView,
     NewestRequestFirst,
-    StrictJSONParser,
     StrictSerializer,
     Text,
+    WholeNumber,
     choices_message,
     errors,
     filter_by,
     refuse_unexpected_fields,
 )
-from portal.catalog.models import IsolationLevel, SandboxImage, Tier
+from portal.catalog.models import IsolationLevel, SandboxImage, SharingMode, Tier
 from portal.sandboxes import actions
 from portal.sandboxes.forms import MIG_PROFILES, SandboxRequestForm
 from portal.sandboxes.models import Sandbox
@@ -96,16 +96,16 @@ class SandboxCreateSerializer(StrictSerializer):
         default=IsolationLevel.CONTAINER,
         error_messages=choices_message(IsolationLevel.values),
     )
-    gpu_count = serializers.IntegerField(required=False, help_text="Dedicated tiers: 1 to the tier's max.")
+    gpu_count = WholeNumber(required=False, help_text="Dedicated tiers: 1 to the tier's max.")
     mig_profile = serializers.ChoiceField(
         choices=MIG_PROFILES,
         required=False,
         help_text="MIG tiers: the MIG profile.",
         error_messages=choices_message(MIG_PROFILES),
     )
-    mps_memory_gib = serializers.IntegerField(required=False, help_text="MPS tiers: memory share, 1-80 GiB.")
-    mps_thread_pct = serializers.IntegerField(required=False, help_text="MPS tiers: thread share, 1-100 %.")
-    duration_hours = serializers.IntegerField(default=1, help_text="1 to the tier's maximum duration.")
+    mps_memory_gib = WholeNumber(required=False, help_text="MPS tiers: memory share, 1-80 GiB.")
+    mps_thread_pct = WholeNumber(required=False, help_text="MPS tiers: thread share, 1-100 %.")
+    duration_hours = WholeNumber(default=1, help_text="1 to the tier's maximum duration.")
     run = serializers.ChoiceField(
         choices=["interactive", "batch"],
         default="interactive",
@@ -127,11 +127,7 @@ class SandboxCreateSerializer(StrictSerializer):
 
 
 class ExtendSerializer(StrictSerializer):
-    hours = serializers.ChoiceField(
-        choices=list(EXTEND_CHOICES_H),
-        help_text="Hours to add to the limit.",
-        error_messages=choices_message(EXTEND_CHOICES_H),
-    )
+    hours = WholeNumber(choices=EXTEND_CHOICES_H, help_text="Hours to add to the limit.")
 
 
 CREATE_EXAMPLE = OpenApiExample(
@@ -163,6 +159,27 @@ BATCH_EXAMPLE = OpenApiExample(
 )
 
 
+# The fields that shape a request in each sharing mode; the others do not apply to it.
+MODE_FIELDS: dict[str, tuple[str, ...]] = {
+    SharingMode.DEDICATED: ("gpu_count",),
+    SharingMode.MIG: ("mig_profile",),
+    SharingMode.MPS: ("mps_memory_gib", "mps_thread_pct"),
+    SharingMode.TIMESLICE: (),
+}
+
+
+def _fields_the_mode_does_not_take(data: dict[str, Any], mode: str) -> dict[str, list[str]]:
+    """An error for each field of another sharing mode: a time-slice request with
+    ``mps_memory_gib`` would otherwise be placed without it, and its caller believe it got it."""
+    takes = MODE_FIELDS.get(mode, ())
+    return {
+        name: [f"A {mode} tier does not take {name}; it takes {', '.join(takes) or 'none of these'}."]
+        for fields in MODE_FIELDS.values()
+        for name in fields
+        if name not in takes and data.get(name) is not None
+    }
+
+
 def _form_data(request: Request, data: dict[str, Any]) -> dict[str, Any]:
     """The form's POST data, slugs turned into ids; an unknown slug is a 400 on its field."""
     project = api_requestable_projects(request).filter(slug=data["project"]).first()
@@ -179,6 +196,8 @@ def _form_data(request: Request, data: dict[str, Any]) -> dict[str, Any]:
     }
     if problems:
         raise exceptions.ValidationError(problems)
+    if misplaced := _fields_the_mode_does_not_take(data, tier.sharing_mode):  # type: ignore[union-attr]
+        raise exceptions.ValidationError(misplaced)
     form_data = {k: v for k, v in data.items() if v is not None}
     form_data.update(project=project.pk, tier=tier.pk, image=image.pk)  # type: ignore[union-attr]
     return form_data
@@ -199,7 +218,6 @@ class SandboxViewSet(
 ):
     serializer_class = SandboxSerializer
     pagination_class = NewestRequestFirst
-    parser_classes = [StrictJSONParser, parsers.FormParser, parsers.MultiPartParser]
     filters = FILTERS
     queryset = Sandbox.objects.none()  # for the schema; get_queryset scopes it
 

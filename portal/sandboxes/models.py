@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
@@ -129,6 +131,12 @@ class Sandbox(models.Model):
     @property
     def is_live(self) -> bool:
         return self.state in LIVE_STATES
+
+    @property
+    def command_line(self) -> str:
+        """The batch command as a shell would read it back: each argv item quoted where it
+        needs it, so ``["sh", "-c", "exit 0"]`` shows as ``sh -c 'exit 0'``, not ``sh -c exit 0``."""
+        return shlex.join(self.command)
 
     @property
     def request_summary(self) -> str:

@@ -16,6 +16,7 @@ from django.views.decorators.http import require_POST
 from portal.accounts.access import can_manage_sandbox, visible_projects
 from portal.billing.ledger import running_cost_micros
 from portal.catalog.models import Tier
+from portal.inputs import whole_number
 from portal.sandboxes import actions
 from portal.sandboxes.consumers import TERMINAL_ISOLATION
 from portal.sandboxes.forms import SandboxRequestForm
@@ -80,8 +81,8 @@ def notifications(request: HttpRequest) -> HttpResponse:
 def sandbox_preview(request: HttpRequest) -> HttpResponse:
     """The request form's live answer (htmx): would it start now, or wait, and why."""
     form = SandboxRequestForm(request.POST, user=request.user)
-    tier_id = request.POST.get("tier", "")
-    tier = Tier.objects.filter(pk=tier_id, active=True).first() if tier_id.isdigit() else None
+    tier_id = whole_number(request.POST.get("tier"))
+    tier = Tier.objects.filter(pk=tier_id, active=True).first() if tier_id is not None else None
     if form.is_valid() and form.request_obj is not None:
         answer = preview_request(request.user, form.request_obj)
     elif unchosen := [form[n].label.lower() for n in CHOICES_FIRST if form.has_error(n, code="required")]:
@@ -158,13 +159,13 @@ def sandbox_extend(request: HttpRequest, pk: int) -> HttpResponse:
     sandbox = _get_sandbox_for_user(request, pk)
     if not can_manage_sandbox(request.user, sandbox):
         raise PermissionDenied("Only the owner, a project manager or an admin can extend this sandbox.")
-    hours = request.POST.get("hours", "")
+    hours = whole_number(request.POST.get("hours"))
     problem = ""
-    if not hours.isdigit() or int(hours) not in EXTEND_CHOICES_H:
+    if hours not in EXTEND_CHOICES_H:
         problem = f"Extend by one of {', '.join(map(str, EXTEND_CHOICES_H))} hours."
     else:
         try:
-            actions.do_extend(sandbox.pk, request.user, timedelta(hours=int(hours)))
+            actions.do_extend(sandbox.pk, request.user, timedelta(hours=hours))
         except actions.SandboxRequestError as exc:
             problem = exc.message
     if request.headers.get("HX-Request"):

@@ -47,6 +47,7 @@ from portal.billing.ledger import running_cost_micros
 from portal.billing.models import UsageRecord
 from portal.catalog.models import Tier
 from portal.fleet.models import Gpu, Host, MigInstance
+from portal.inputs import whole_number
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
 from portal.telemetry.models import Alert
 from workers.telemetry import read_latest
@@ -280,7 +281,7 @@ class FleetCollector(Collector):
         for message in self.latest.values():
             for sandbox_id, figures in (message.get("sandboxes") or {}).items():
                 seen[sandbox_id].append((bool(message.get("parent")), figures))
-        ids = [int(s) for s in seen if s.isdigit()]
+        ids = [n for s in seen if (n := whole_number(s)) is not None]
         rows = {
             str(row["pk"]): row
             for row in Sandbox.objects.filter(pk__in=ids).values(

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import transaction
 
 from portal.fleet.models import Gpu
+from portal.inputs import whole_number
 from portal.sandboxes.models import Sandbox
 from portal.telemetry.models import GpuRollup, SandboxRollup
 
@@ -73,14 +74,12 @@ def do_store_rollups(host: str, payload: dict[str, Any]) -> tuple[int, int]:
     boxes = payload.get("sandboxes", {})
     gpu_ids = dict(Gpu.objects.filter(uuid__in=list(gpus), host__name=host).values_list("uuid", "pk"))
     known = set(
-        Sandbox.objects.filter(pk__in=[int(s) for s in boxes if str(s).isdigit()]).values_list(
-            "pk", flat=True
-        )
+        Sandbox.objects.filter(
+            pk__in=[n for s in boxes if (n := whole_number(str(s))) is not None]
+        ).values_list("pk", flat=True)
     )
     gpu_rows = [_gpu_row(gpu_ids[u], minute, f) for u, f in gpus.items() if u in gpu_ids]
-    box_rows = [
-        _sandbox_row(int(s), minute, f) for s, f in boxes.items() if str(s).isdigit() and int(s) in known
-    ]
+    box_rows = [_sandbox_row(n, minute, f) for s, f in boxes.items() if (n := whole_number(str(s))) in known]
     skipped = len(gpus) - len(gpu_rows) + len(boxes) - len(box_rows)
     if skipped:
         log.info("rollups from %s for %s: %d unknown GPUs or sandboxes skipped", host, minute, skipped)

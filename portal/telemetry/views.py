@@ -17,6 +17,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from portal.fleet.models import Gpu
+from portal.inputs import whole_number
 from portal.sandboxes.models import Sandbox
 from portal.telemetry.access import may_watch_fleet, may_watch_gpu, may_watch_sandbox
 from portal.telemetry.models import Alert, GpuRollup, SandboxRollup
@@ -46,11 +47,11 @@ def _forbidden() -> JsonResponse:
 
 
 def _minutes(request: HttpRequest) -> int:
-    raw = request.GET.get("minutes", str(DEFAULT_MINUTES))
     limit = settings.TELEMETRY_RETENTION_DAYS * 24 * 60
-    if not raw.isdigit() or not 1 <= int(raw) <= limit:
+    minutes = whole_number(request.GET.get("minutes", str(DEFAULT_MINUTES)), 1, limit)
+    if minutes is None:
         raise BadParameter("minutes", f"A whole number of minutes from 1 to {limit} (the retention).")
-    return int(raw)
+    return minutes
 
 
 def _since(minutes: int) -> datetime:
@@ -202,7 +203,7 @@ def alerts(request: HttpRequest) -> JsonResponse:
     uuid = request.GET.get("gpu")
     scope: QuerySet[Alert]
     if sandbox_id is not None:
-        if not sandbox_id.isdigit():
+        if whole_number(sandbox_id) is None:
             return _bad(BadParameter("sandbox", "A sandbox id."))
         if not may_watch_sandbox(request.user, sandbox_id):
             return _forbidden()

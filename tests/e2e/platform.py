@@ -159,6 +159,7 @@ class Platform:
                 "127.0.0.1",
                 "--port",
                 str(self.port),
+                "--no-proxy-headers",  # as every gpushare web server runs (portal/asgi.py)
             ],
         )
         import urllib.request

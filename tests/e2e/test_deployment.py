@@ -152,7 +152,9 @@ def test_unit_command_lines_match_the_code() -> None:
 
     web = exec_start("gpushare-web.service")
     assert web[1:4] == ["-m", "uvicorn", ASGI_APPLICATION.replace(".application", ":application")]
-    assert "--proxy-headers" in web and option(web, "--host") == "127.0.0.1"
+    # uvicorn believes no proxy itself: portal/asgi.py does, for TRUSTED_PROXIES only.
+    assert "--no-proxy-headers" in web and option(web, "--host") == "127.0.0.1"
+    assert unit_env("gpushare-web.service")["TRUSTED_PROXIES"] == "127.0.0.1"
     assert [a[1:] for a in map(shlex.split, unit("gpushare-migrate.service")["ExecStart"])] == [
         ["manage.py", "migrate", "--noinput"],
         ["manage.py", "collectstatic", "--noinput"],
@@ -323,11 +325,12 @@ def test_the_portal_behind_the_reverse_proxy(tmp_path: Path) -> None:
     conf = render_nginx(tmp_path, http_port, https_port, web_port)
     subprocess.run([nginx, "-t", "-c", str(conf)], check=True, capture_output=True, timeout=30)
     web = locally(exec_start("gpushare-web.service"), **{"${WEB_WORKERS}": "1", "8000": str(web_port)})
+    web_env = {**env, "TRUSTED_PROXIES": unit_env("gpushare-web.service")["TRUSTED_PROXIES"]}
     control = locally(exec_start("gpushare-control.service"), **{"%H": socket.gethostname(), "-c 4": "-c 1"})
     control[control.index("-n") + 1] = f"control-deploy-{uuid.uuid4().hex[:6]}@%h"
     with (
         process([nginx, "-c", str(conf), "-g", "daemon off;"], env, tmp_path / "nginx.log"),
-        process(web, env, tmp_path / "web.log"),
+        process(web, web_env, tmp_path / "web.log"),
         process(
             control,
             {**env, "GPUSHARE_ROLE": unit_env("gpushare-control.service")["GPUSHARE_ROLE"]},

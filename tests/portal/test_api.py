@@ -54,8 +54,10 @@ def api(user: Any, scopes: list[str]) -> Client:
 
 
 def create_body(**fields: Any) -> dict[str, Any]:
+    """A dedicated request; another tier's fields replace ``gpu_count`` (it would not apply)."""
+    shape = {"gpu_count": 1} if fields.get("tier", "dedicated") == "dedicated" else {}
     return {"project": "vision", "tier": "dedicated", "image": "busybox", "isolation": "container",
-            "gpu_count": 1, "duration_hours": 1, **fields}  # fmt: skip
+            "duration_hours": 1, **shape, **fields}  # fmt: skip
 
 
 def post(client: Client, path: str, body: dict[str, Any] | None = None, key: str | None = None) -> Any:
@@ -143,6 +145,14 @@ def test_batch_runs_carry_their_command(world: dict[str, Any]) -> None:
         ({"gpu_count": "two"}, "gpu_count"),
         ({"tier": "mps", "mps_thread_pct": 0, "mps_memory_gib": 10}, "mps_thread_pct"),
         ({"tier": "mig", "mig_profile": "9g.1tb"}, "mig_profile"),
+        # Finding 6 of the outside probe: fields that do not apply, and strings for numbers,
+        # were taken (201) and ignored or converted.
+        ({"tier": "timeslice", "mps_memory_gib": 10}, "mps_memory_gib"),
+        ({"tier": "timeslice", "mig_profile": "1g.10gb"}, "mig_profile"),
+        ({"tier": "mig", "mig_profile": "1g.10gb", "gpu_count": 1}, "gpu_count"),
+        ({"gpu_count": "1"}, "gpu_count"),
+        ({"duration_hours": 1.0}, "duration_hours"),
+        ({"duration_hours": True}, "duration_hours"),
     ],
 )
 def test_bad_requests_name_the_field(world: dict[str, Any], fields: dict[str, Any], field: str) -> None:
@@ -174,6 +184,9 @@ def test_stop_and_extend(world: dict[str, Any]) -> None:
     assert too_much.status_code == 400 and "hours" in too_much.json()
     odd = post(client, f"/api/v1/sandboxes/{created['id']}/extend/", {"hours": 3})
     assert odd.status_code == 400 and "hours" in odd.json()
+    for text in ("1", "²", 1.0):  # a string or a float for a number is refused, not converted
+        typed = post(client, f"/api/v1/sandboxes/{created['id']}/extend/", {"hours": text})
+        assert typed.status_code == 400 and "hours" in typed.json(), (text, typed.json())
     stopped = post(client, f"/api/v1/sandboxes/{created['id']}/stop/")
     assert stopped.status_code == 200 and stopped.json()["state"] == "stopped"
 

@@ -72,7 +72,7 @@ def communicator(user: Any, sandbox_id: int) -> WebsocketCommunicator:
     return WebsocketCommunicator(
         application,
         f"/ws/sandboxes/{sandbox_id}/terminal/",
-        headers=[(b"origin", b"http://localhost"), (b"cookie", cookie)],
+        headers=[(b"host", b"localhost"), (b"origin", b"http://localhost"), (b"cookie", cookie)],
     )
 
 

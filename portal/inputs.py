@@ -1,0 +1,17 @@
+"""Parsing what people type into query strings and form fields, the one way.
+
+``str.isdigit`` is no test for a number: it accepts "²", "٣" and other Unicode digits that
+``int`` refuses (a 500), and it accepts a thousand digits that overflow a database column.
+"""
+
+from __future__ import annotations
+
+MAX_DIGITS = 18  # a PostgreSQL bigint holds any 18-digit number
+
+
+def whole_number(raw: str | None, low: int = 0, high: int = 10**MAX_DIGITS - 1) -> int | None:
+    """``raw`` as an int within ``[low, high]`` when it is plain ASCII digits, else None."""
+    if raw is None or not raw or len(raw) > MAX_DIGITS or not (raw.isascii() and raw.isdigit()):
+        return None
+    number = int(raw)
+    return number if low <= number <= high else None
