@@ -39,7 +39,11 @@ def receive_samples(session: str, sandbox_id: int, count: int) -> list[dict[str,
         comm = WebsocketCommunicator(
             application,
             f"/ws/sandboxes/{sandbox_id}/",
-            headers=[(b"host", b"localhost"), (b"origin", b"http://localhost"), (b"cookie", f"sessionid={session}".encode())],
+            headers=[
+                (b"host", b"localhost"),
+                (b"origin", b"http://localhost"),
+                (b"cookie", f"sessionid={session}".encode()),
+            ],
         )
         connected, _ = await comm.connect()
         assert connected

@@ -87,7 +87,9 @@ def _ws_close_code(user: Any, path: str) -> tuple[bool, Any]:
 
     async def run() -> tuple[bool, Any]:
         comm = WebsocketCommunicator(
-            application, path, headers=[(b"host", b"localhost"), (b"origin", b"http://localhost"), (b"cookie", cookie)]
+            application,
+            path,
+            headers=[(b"host", b"localhost"), (b"origin", b"http://localhost"), (b"cookie", cookie)],
         )
         connected, _ = await comm.connect()
         output = await comm.receive_output(timeout=3) if connected else None
@@ -111,7 +113,9 @@ def test_websocket_admits_members_and_admins(people: Any, sandbox: Any) -> None:
 
         async def run() -> bool:
             comm = WebsocketCommunicator(
-                application, path, headers=[(b"host", b"localhost"), (b"origin", b"http://localhost"), (b"cookie", cookie)]
+                application,
+                path,
+                headers=[(b"host", b"localhost"), (b"origin", b"http://localhost"), (b"cookie", cookie)],
             )
             connected, _ = await comm.connect()
             quiet = await comm.receive_nothing(timeout=0.3)  # not closed on us
