@@ -246,6 +246,9 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
 }
 
+# An open WebSocket asks again whether its user may still watch (or type) every this many
+# seconds, and closes once the answer is no (portal/accounts/streams.py).
+STREAM_RECHECK_S = env_int("STREAM_RECHECK_S", 5, minimum=1)
 # Seconds without an agent heartbeat before /healthz calls it stale (3 missed beats).
 AGENT_HEARTBEAT_S = env_int("AGENT_HEARTBEAT_S", 5, minimum=1)
 CYCLE_INTERVAL_S = env_int("CYCLE_INTERVAL_S", 2, minimum=1)

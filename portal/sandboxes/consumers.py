@@ -1,10 +1,11 @@
 """The web terminal's WebSocket: the browser's side of ``workers.terminal_relay``.
 
-Checked once, at connect: the user must be allowed to manage the sandbox (its owner, a
+Checked at connect and again every ``STREAM_RECHECK_S`` while it is open
+(portal/accounts/streams.py): the user must be allowed to manage the sandbox (its owner, a
 manager of its project, an admin) and the sandbox must be a running container or process
-sandbox. A refused connection is accepted, told why in a ``closed`` message, and closed
-with 4403 (not allowed) or 4409 (not possible now). Every opened terminal is recorded in
-the sandbox's history.
+sandbox; once that stops being true, the terminal is closed. A refused connection is
+accepted, told why in a ``closed`` message, and closed with 4403 (not allowed) or 4409 (not
+possible now). Every opened terminal is recorded in the sandbox's history.
 
 Browser -> server: JSON text ``{"type": "input", "data": "..."}`` or
 ``{"type": "resize", "rows": R, "cols": C}``. Server -> browser: the pty's bytes as binary
@@ -24,6 +25,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.utils import timezone
 
 from portal.accounts.access import can_manage_sandbox
+from portal.accounts.streams import Recheck
 from portal.console import audit
 from portal.sandboxes.models import Sandbox, SandboxEvent, SandboxState
 from workers import dispatch
@@ -41,6 +43,7 @@ class Refusal:
 
 class SandboxTerminal(AsyncWebsocketConsumer):
     session = ""
+    _recheck: Recheck | None = None
 
     async def connect(self) -> None:
         await self.accept()
@@ -53,6 +56,18 @@ class SandboxTerminal(AsyncWebsocketConsumer):
         await self.channel_layer.group_add(term_out_group(self.session), self.channel_name)
         host, key, handle = verdict
         await asyncio.to_thread(dispatch.to_host, host, "open_terminal", self.session, key, handle)
+        self._recheck = Recheck(self.scope, self._still_allowed, self._revoked)
+        self._recheck.start()
+
+    def _still_allowed(self, user: Any) -> bool:
+        sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
+        sandbox = Sandbox.objects.filter(pk=sandbox_id, state=SandboxState.RUNNING).first()
+        return sandbox is not None and can_manage_sandbox(user, sandbox)
+
+    async def _revoked(self) -> None:
+        reason = "The sandbox is no longer running, or you may no longer use its terminal."
+        await self.send(text_data=json.dumps({"type": "closed", "reason": reason}))
+        await self.close(code=FORBIDDEN)
 
     def authorize(self, user: Any) -> Refusal | tuple[str, str, dict[str, Any] | None]:
         sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
@@ -102,6 +117,8 @@ class SandboxTerminal(AsyncWebsocketConsumer):
         await self.channel_layer.group_send(term_in_group(self.session), event)
 
     async def disconnect(self, code: int) -> None:
+        if self._recheck is not None:
+            await self._recheck.stop()
         if self.session:
             await self.channel_layer.group_send(term_in_group(self.session), {"type": "term.close"})
             await self.channel_layer.group_discard(term_out_group(self.session), self.channel_name)

@@ -32,5 +32,17 @@ def may_watch_gpu(user: Any, uuid: str) -> bool:
     ).exists()
 
 
+def sandboxes_seen_on_gpu(user: Any, uuid: str) -> set[int] | None:
+    """The sandboxes on this GPU (or its MIG devices) whose own figures ``user`` may see: those
+    of their projects. None for admins, who see every tenant's."""
+    if user.is_staff:
+        return None
+    return set(
+        Allocation.objects.filter(
+            Q(device_uuid=uuid) | Q(gpu__uuid=uuid), active=True, sandbox__project__in=visible_projects(user)
+        ).values_list("sandbox_id", flat=True)
+    )
+
+
 def may_watch_fleet(user: Any) -> bool:
     return user is not None and user.is_authenticated and user.is_staff

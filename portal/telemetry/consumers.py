@@ -1,5 +1,8 @@
-"""WebSocket consumers for live samples. Permission is checked once, at subscribe;
-a refused subscription is accepted and closed with 4403 so the browser sees why.
+"""WebSocket consumers for live samples. Permission is checked at subscribe and again every
+``STREAM_RECHECK_S`` while the socket is open (portal/accounts/streams.py); a refused or
+revoked subscription is closed with 4403 so the browser sees why. On a shared GPU a member
+sees only the figures of their own projects' sandboxes: the samples' ``sandboxes`` and the
+sandbox alerts of co-tenants are left out (``only`` below).
 
 A slow client never builds a backlog: the channel-layer handlers only replace the newest
 unsent sample of each device and wake a sender task, which writes what is newest whenever
@@ -21,7 +24,8 @@ from typing import Any
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from portal.telemetry.access import may_watch_fleet, may_watch_gpu, may_watch_sandbox
+from portal.accounts.streams import Recheck
+from portal.telemetry.access import may_watch_fleet, may_watch_gpu, may_watch_sandbox, sandboxes_seen_on_gpu
 from workers.telemetry import FLEET_GROUP, gpu_group, sandbox_group
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,8 @@ DEVICE_UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,79}")
 
 class _SampleConsumer(AsyncJsonWebsocketConsumer):
     group: str = ""
+    # Sandbox ids (as the samples key them) whose figures this user may see; None: all.
+    only: frozenset[str] | None = None
 
     def init_stream(self) -> None:
         # device uuid (or "host:<name>" for a fleet batch) -> the newest unsent sample
@@ -48,6 +54,7 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
         self._interval_s = 0.0
         self._interval_changed = asyncio.Event()
         self._sender: asyncio.Task[None] | None = None
+        self._recheck: Recheck | None = None
         self.coalesced = 0  # samples replaced before they were sent (for tests and logs)
 
     def start_sender(self) -> None:
@@ -63,8 +70,20 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
         self.group = group
         self.start_sender()
         await self.channel_layer.group_add(group, self.channel_name)
+        self._recheck = Recheck(self.scope, lambda user: self.authorize(user) == group, self._revoked)
+        self._recheck.start()
+
+    async def _revoked(self) -> None:
+        log.info(
+            "closing %s for %s: no longer allowed", self.group, getattr(self.scope.get("user"), "pk", None)
+        )
+        await self.channel_layer.group_discard(self.group, self.channel_name)
+        self.group = ""
+        await self.close(code=FORBIDDEN)
 
     async def disconnect(self, code: int) -> None:
+        if self._recheck is not None:
+            await self._recheck.stop()
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
         if self._sender is not None:
@@ -89,12 +108,21 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
         self._wake.set()
 
     async def gpu_sample(self, event: dict[str, Any]) -> None:
+        only = self.only
+        if only is not None and any(key not in only for key in event.get("sandboxes", {})):
+            event = {**event, "sandboxes": {k: v for k, v in event["sandboxes"].items() if k in only}}
         self._keep_newest(event["gpu"], event)
 
     async def fleet_samples(self, event: dict[str, Any]) -> None:
         self._keep_newest(f"host:{event['host']}", event)
 
     async def alert_changed(self, event: dict[str, Any]) -> None:
+        if (
+            self.only is not None
+            and event.get("sandbox") is not None
+            and str(event["sandbox"]) not in self.only
+        ):
+            return  # a co-tenant's sandbox alert
         self._alerts.append(event)
         self._wake.set()
 
@@ -143,10 +171,14 @@ class SandboxSamples(_SampleConsumer):
 
 class GpuSamples(_SampleConsumer):
     def authorize(self, user: Any) -> str | None:
+        """Also (re)sets whose sandbox figures this user sees on the GPU (every re-check:
+        a sandbox of theirs may have joined or left it)."""
         uuid = self.scope["url_route"]["kwargs"]["uuid"]
-        if not DEVICE_UUID.fullmatch(uuid):
+        if not DEVICE_UUID.fullmatch(uuid) or not may_watch_gpu(user, uuid):
             return None
-        return gpu_group(uuid) if may_watch_gpu(user, uuid) else None
+        seen = sandboxes_seen_on_gpu(user, uuid)
+        self.only = None if seen is None else frozenset(str(pk) for pk in seen)
+        return gpu_group(uuid)
 
 
 class FleetSamples(_SampleConsumer):

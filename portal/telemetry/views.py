@@ -11,11 +11,12 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.decorators import login_required
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
+from portal.accounts.access import visible_projects
 from portal.fleet.models import Gpu
 from portal.inputs import whole_number
 from portal.sandboxes.models import Sandbox
@@ -214,6 +215,10 @@ def alerts(request: HttpRequest) -> JsonResponse:
         if not may_watch_gpu(request.user, uuid):
             return _forbidden()
         scope = Alert.objects.filter(gpu__uuid=uuid)
+        if not request.user.is_staff:  # the GPU's own alerts and their projects' sandboxes' only
+            scope = scope.filter(
+                Q(sandbox__isnull=True) | Q(sandbox__project__in=visible_projects(request.user))
+            )
     else:
         if not may_watch_fleet(request.user):
             return _forbidden()
