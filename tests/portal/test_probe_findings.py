@@ -170,13 +170,13 @@ def test_finding_3_unicode_digits_are_refused_where_numbers_are_typed(
 def test_finding_3_deeply_nested_json_is_a_400(people: Any, cotenants: dict[str, Any]) -> None:
     _token, key = ApiToken.issue(people["owner"], "probe", ["write:sandboxes"])
     client = client_for(people["owner"])
-    auth = {"HTTP_AUTHORIZATION": f"Bearer {key}"}
+    auth = {"Authorization": f"Bearer {key}"}
     nested: Any = 1
     for _ in range(40):
         nested = [nested]
     for body in ("[" * 100_000 + "]" * 100_000, json.dumps({"command": nested})):
         for path in ("/api/v1/sandboxes/", f"/api/v1/sandboxes/{cotenants['theirs'].pk}/extend/"):
-            response = client.generic("POST", path, body, content_type="application/json", **auth)
+            response = client.generic("POST", path, body, content_type="application/json", headers=auth)
             assert response.status_code == 400, (path, response.status_code, response.content[:200])
 
 
