@@ -136,6 +136,27 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Password reset mails (Django's views): SMTP when EMAIL_HOST is set, else the console
+# backend, which writes each mail to the web process's output (make run's terminal).
+EMAIL_HOST = env_str("EMAIL_HOST", "")
+EMAIL_BACKEND = (
+    "django.core.mail.backends.smtp.EmailBackend"
+    if EMAIL_HOST
+    else "django.core.mail.backends.console.EmailBackend"
+)
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_USE_SSL = env_bool("EMAIL_USE_SSL", False)
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "gpushare <noreply@localhost>")
+if EMAIL_USE_TLS and EMAIL_USE_SSL:
+    raise ConfigError(
+        "EMAIL_USE_TLS and EMAIL_USE_SSL are both set: STARTTLS or TLS from the start, not both"
+    )
+PASSWORD_RESET_TIMEOUT = env_int("PASSWORD_RESET_TIMEOUT", 3 * 3600, minimum=300)
+
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "sandbox-list"
 LOGOUT_REDIRECT_URL = "login"
@@ -323,6 +344,8 @@ CONTENT_SECURITY_POLICY = {
 LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
 LOGIN_IP_FAILURE_LIMIT = env_int("LOGIN_IP_FAILURE_LIMIT", 50, minimum=1)
 LOGIN_USERNAME_FAILURE_LIMIT = env_int("LOGIN_USERNAME_FAILURE_LIMIT", 100, minimum=1)
+# Password reset mails one client address may ask for in the window.
+PASSWORD_RESET_LIMIT = env_int("PASSWORD_RESET_LIMIT", 5, minimum=1)
 LOGIN_LOCKOUT_SECONDS = env_int("LOGIN_LOCKOUT_SECONDS", 900, minimum=1)
 # The reverse proxies whose X-Forwarded-For and X-Forwarded-Proto are believed (addresses or
 # networks, e.g. 127.0.0.1 for nginx on the same machine): portal.asgi takes the client's

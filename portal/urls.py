@@ -5,8 +5,9 @@ from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 from rest_framework.routers import DefaultRouter
 
+from portal.accounts import token_views
 from portal.accounts import views as accounts
-from portal.accounts.throttle import ThrottledLoginView
+from portal.accounts.throttle import ThrottledLoginView, ThrottledPasswordResetView
 from portal.billing.api import SandboxViewSet, UsageExportView, UsageRecordViewSet
 from portal.billing.api_catalog import PriceViewSet, ProjectViewSet, QuotaViewSet
 from portal.billing.api_invoices import InvoiceViewSet
@@ -33,10 +34,25 @@ urlpatterns = [
     path("metrics", metrics, name="metrics"),
     path("login/", ThrottledLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    # Django's own password views with the portal's templates (templates/registration/).
+    path("account/password/", auth_views.PasswordChangeView.as_view(), name="password_change"),
+    path("account/password/done/", auth_views.PasswordChangeDoneView.as_view(), name="password_change_done"),
+    path("password-reset/", ThrottledPasswordResetView.as_view(), name="password_reset"),
+    path("password-reset/sent/", auth_views.PasswordResetDoneView.as_view(), name="password_reset_done"),
+    path(
+        "password-reset/<uidb64>/<token>/",
+        auth_views.PasswordResetConfirmView.as_view(),
+        name="password_reset_confirm",
+    ),
+    path(
+        "password-reset/done/", auth_views.PasswordResetCompleteView.as_view(), name="password_reset_complete"
+    ),
     path("sandboxes/", sandboxes.sandbox_list, name="sandbox-list"),
     path("sandboxes/new/", sandboxes.sandbox_new, name="sandbox-new"),
     path("sandboxes/preview/", sandboxes.sandbox_preview, name="sandbox-preview"),
     path("notifications/", sandboxes.notifications, name="notifications"),
+    path("account/tokens/", token_views.api_tokens, name="api-tokens"),
+    path("account/tokens/<int:pk>/revoke/", token_views.api_token_revoke, name="api-token-revoke"),
     path("projects/", accounts.project_list, name="project-list"),
     path("projects/<slug:slug>/", accounts.project_detail, name="project-detail"),
     path("projects/<slug:slug>/members/", accounts.project_members, name="project-members"),

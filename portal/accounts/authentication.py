@@ -28,9 +28,13 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
         if throttle.is_blocked(request, scope="api-token"):
             raise exceptions.Throttled(settings.LOGIN_LOCKOUT_SECONDS, "Too many invalid API tokens.")
         token = ApiToken.find(key)
-        if token is None:
+        if token is None or not token.user.is_active or token.state == "revoked":
             throttle.record_failure(request, scope="api-token")
             raise exceptions.AuthenticationFailed("Invalid or revoked API token.")
+        if token.state == "expired":
+            throttle.record_failure(request, scope="api-token")
+            when = token.expires_at.strftime("%Y-%m-%d %H:%M UTC") if token.expires_at else ""
+            raise exceptions.AuthenticationFailed(f"This API token expired on {when}: make a new one.")
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
         return token.user, token
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import models
@@ -51,7 +51,16 @@ def _hash_token(key: str) -> str:
 
 
 class ApiToken(models.Model):
-    """A bearer token. Only its SHA-256 is stored; the key is shown once, at creation."""
+    """A bearer token. Only its SHA-256 is stored; the key is shown once, at creation.
+
+    Made only by ``portal.accounts.tokens.do_issue_token`` (the token page): never by hand,
+    where a row without a key could be saved. A token ends at ``expires_at`` or when revoked.
+
+    Why not djangorestframework-api-key: its keys authenticate nobody (a permission class,
+    no ``request.user``), while every route here acts for a user and within their projects;
+    its user link, scopes and authentication would be ours anyway, and its own hash format
+    would have broken every token already handed out to billing systems.
+    """
 
     PREFIX = "gps_"
 
@@ -66,27 +75,55 @@ class ApiToken(models.Model):
     key_prefix = models.CharField(max_length=12)  # lets a user tell tokens apart
     scopes = models.JSONField(default=list)
     created_at = models.DateTimeField(default=timezone.now)
+    # None only for tokens made before tokens expired; new ones always carry an end.
+    expires_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    revoked_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=~models.Q(key_hash=""),
+                name="%(app_label)s_%(class)s_has_a_key",
+                violation_error_message="A token needs a key: make tokens on the API tokens page.",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.key_prefix}…)"
 
+    @property
+    def state(self) -> str:
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and self.expires_at <= timezone.now():
+            return "expired"
+        return "active"
+
     @classmethod
-    def issue(cls, user: object, name: str, scopes: list[str]) -> tuple[ApiToken, str]:
+    def issue(
+        cls, user: object, name: str, scopes: list[str], expires_at: datetime | None = None
+    ) -> tuple[ApiToken, str]:
+        """A new token and its key (the only time the key exists outside its holder)."""
         key = cls.PREFIX + secrets.token_urlsafe(32)
         token = cls.objects.create(
-            user=user, name=name, key_hash=_hash_token(key), key_prefix=key[:12], scopes=scopes
+            user=user,
+            name=name,
+            key_hash=_hash_token(key),
+            key_prefix=key[:12],
+            scopes=scopes,
+            expires_at=expires_at,
         )
         return token, key
 
     @classmethod
     def find(cls, key: str) -> ApiToken | None:
-        return (
-            cls.objects.select_related("user")
-            .filter(key_hash=_hash_token(key), revoked_at__isnull=True, user__is_active=True)
-            .first()
-        )
+        """The token with this key, whatever its state (the caller says why it is refused)."""
+        return cls.objects.select_related("user").filter(key_hash=_hash_token(key)).first()
 
 
 class IdempotencyKey(models.Model):

@@ -29,8 +29,8 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.admin.forms import AdminAuthenticationForm
-from django.contrib.auth.forms import AuthenticationForm
-from django.contrib.auth.views import LoginView
+from django.contrib.auth.forms import AuthenticationForm, PasswordResetForm
+from django.contrib.auth.views import LoginView, PasswordResetView
 from django.core import signing
 from django.core.cache import cache
 from django.core.exceptions import ValidationError
@@ -72,7 +72,10 @@ def _limits(request: HttpRequest | Request, username: str | None, scope: str) ->
     if username and scope == "login" and (device := _device(request, username)):
         return [(_key("device", device), settings.LOGIN_FAILURE_LIMIT)]
     address = client_ip(request)
-    limits = [(_key(f"{scope}-ip", address), settings.LOGIN_IP_FAILURE_LIMIT)]
+    per_address = (
+        settings.PASSWORD_RESET_LIMIT if scope == "password-reset" else settings.LOGIN_IP_FAILURE_LIMIT
+    )
+    limits = [(_key(f"{scope}-ip", address), per_address)]
     if username:
         name = username.casefold()
         limits.append((_key(f"{scope}-pair", name, address), settings.LOGIN_FAILURE_LIMIT))
@@ -141,6 +144,21 @@ class ThrottledAuthenticationForm(AuthenticationForm):
 
 class ThrottledAdminAuthenticationForm(ThrottledAuthenticationForm, AdminAuthenticationForm):
     """The admin's sign-in form (staff only) with the same throttle."""
+
+
+class ThrottledPasswordResetView(PasswordResetView):
+    """Django's reset: the same page whether the address is known or not (no account is
+    revealed), and at most PASSWORD_RESET_LIMIT mails per client address in the window, so
+    the form cannot be used to flood an inbox or probe the mail server."""
+
+    def form_valid(self, form: PasswordResetForm) -> HttpResponse:
+        if is_blocked(self.request, scope="password-reset"):
+            form.add_error(None, "Too many reset requests from here. Wait and try again.")
+            response = self.form_invalid(form)
+            response.status_code = 429
+            return response
+        record_failure(self.request, scope="password-reset")  # every request counts
+        return super().form_valid(form)
 
 
 class ThrottledLoginView(LoginView):

@@ -5,14 +5,13 @@ Screenshots go to docs/screenshots/ (the README shows them).
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.browser.pages import shot, sign_in, wait_until
 from tests.e2e.platform import running_platform
 from tests.workers.engines import require_engine
 
@@ -23,89 +22,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.django_db(transaction=True),
 ]
-CHROMIUM = "/usr/bin/chromium"
-SHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
-# Flags that keep headless Chromium from reaching for the network on a closed machine.
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-@pytest.fixture
-def browser_page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    require_engine(os.path.exists(CHROMIUM), "Chromium at /usr/bin/chromium")
-    from playwright.sync_api import sync_playwright
-
-    # Playwright's sync API keeps an event loop in this thread; the test's own ORM calls
-    # are still plain synchronous ones.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.on("dialog", accept_dialog)
-        # The pages allow scripts from their own origin only, so axe-core comes as one of
-        # their files (Playwright answers for it), never as an inline script.
-        page.route(
-            f"**{AXE_PATH}", lambda route: route.fulfill(path=str(AXE), content_type="text/javascript")
-        )
-        # Whatever the Content-Security-Policy blocks (a script, a socket, a style) Chromium
-        # reports on the console: every page the tests visit must run under the policy.
-        blocked: list[str] = []
-        page.on(
-            "console",
-            lambda message: (
-                blocked.append(message.text) if "Content Security Policy" in message.text else None
-            ),
-        )
-        yield page
-        browser.close()
-        assert not blocked, "blocked by the CSP:\n" + "\n".join(blocked[:10])
-
-
-def accept_dialog(dialog: Any) -> None:
-    dialog.accept()  # the pages' confirm() prompts (stop, drain)
-
-
-AXE = Path(__file__).resolve().parents[2] / "node_modules" / "axe-core" / "axe.min.js"
-AXE_PATH = "/__browser-tests__/axe.min.js"
-
-
-def wait_until(page: Any, expression: str, timeout: float = 30_000) -> None:
-    """``page.wait_for_function`` without its ``eval``, which the pages' CSP forbids
-    (no 'unsafe-eval'): ``page.evaluate`` runs through DevTools, outside the policy."""
-    deadline = time.monotonic() + timeout / 1000
-    while not page.evaluate(expression):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still false after {timeout / 1000:.0f} s: {expression}")
-        page.wait_for_timeout(100)
-
-
-def accessibility_problems(page: Any) -> list[str]:
-    """axe-core's serious and critical violations on the page as it is now."""
-    require_engine(AXE.exists(), f"axe-core at {AXE} (make frontend)")
-    page.wait_for_load_state()  # axe's script tag needs the document's head
-    if not page.evaluate("typeof window.axe !== 'undefined'"):
-        page.add_script_tag(url=page.evaluate("location.origin") + AXE_PATH)
-    violations = page.evaluate("async () => (await axe.run(document)).violations")
-    return [
-        f"{v['impact']} {v['id']}: {v['help']} — {[n['target'] for n in v['nodes']][:3]}"
-        for v in violations
-        if v["impact"] in ("serious", "critical")
-    ]
-
-
-def shot(page: Any, name: str) -> None:
-    """Screenshot for the docs, after checking the page with axe-core."""
-    problems = accessibility_problems(page)
-    assert not problems, f"{name}: " + "\n".join(problems)
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
 def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Path, browser_page: Any) -> None:
@@ -244,14 +160,6 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         shot(page, "plans")
         page.goto(f"{base}/console/fleet/")
         assert page.locator(".mig-layout .slice", has_text="7g.80gb").count() == 1
-
-
-def sign_in(page: Any, base: str, username: str, then: str) -> None:
-    page.goto(f"{base}/login/?next={then}")
-    page.fill("input[name=username]", username)
-    page.fill("input[name=password]", "correct-horse-battery")
-    page.click("button[type=submit]")
-    page.wait_for_url(f"{base}{then}")
 
 
 def test_every_sharing_mode_a_lowered_quota_and_a_drain(

@@ -22,14 +22,7 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from tests.browser.test_portal_browser import (  # noqa: F401 (browser_page: a fixture)
-    SHOTS,
-    accessibility_problems,
-    browser_page,
-    shot,
-    sign_in,
-    wait_until,
-)
+from tests.browser.pages import SHOTS, accessibility_problems, shot, sign_in, wait_until
 from tests.e2e.platform import running_platform, wait_for
 from tests.workers.engines import require_engine
 
@@ -128,7 +121,7 @@ def numbers(page: Any, selector: str, *names: str) -> list[float]:
     return [float(page.locator(selector).get_attribute(f"data-{n}") or 0) for n in names]
 
 
-def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Path, browser_page: Any) -> None:  # noqa: F811
+def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Path, browser_page: Any) -> None:
     from portal.fleet.models import Gpu
     from portal.sandboxes.models import Sandbox
     from portal.telemetry.models import Alert, SandboxRollup

@@ -1,0 +1,91 @@
+"""API tokens, self-service: every token is made and revoked here, and both are audited.
+
+``check_issue_token`` says what a user may ask for (``admin`` scope for staff only, an
+expiry from the offered choices); ``do_issue_token`` makes the token and returns its key,
+which is then shown once and never stored; ``do_revoke_token`` ends one (its owner, or
+staff for anyone's).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from portal.accounts.models import ApiToken
+from portal.console import audit
+
+EXPIRY_DAYS = (7, 30, 90, 365)  # a token always ends; a year at most
+DEFAULT_EXPIRY_DAYS = 90
+
+
+class TokenError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def scopes_for(user: Any) -> list[tuple[str, str]]:
+    """The scopes ``user`` may give a token: ``admin`` reaches every project, staff only."""
+    return [(value, label) for value, label in ApiToken.Scope.choices if user.is_staff or value != "admin"]
+
+
+def check_issue_token(user: Any, name: str, scopes: list[str], expiry_days: int) -> None:
+    allowed = {value for value, _ in scopes_for(user)}
+    if not name.strip():
+        raise TokenError("name", "Give the token a name, such as the script that will use it.")
+    if not scopes:
+        raise TokenError("scopes", "Choose at least one scope.")
+    if refused := [s for s in scopes if s not in allowed]:
+        raise TokenError("scopes", f"You may not give a token {', '.join(refused)}.")
+    if expiry_days not in EXPIRY_DAYS:
+        raise TokenError("expiry_days", f"Choose one of {', '.join(map(str, EXPIRY_DAYS))} days.")
+
+
+def do_issue_token(user: Any, name: str, scopes: list[str], expiry_days: int) -> tuple[ApiToken, str]:
+    """A token of ``user``'s, and its key (show it once; it is not kept)."""
+    check_issue_token(user, name, scopes, expiry_days)
+    with transaction.atomic():
+        token, key = ApiToken.issue(
+            user, name.strip(), sorted(set(scopes)), expires_at=timezone.now() + timedelta(days=expiry_days)
+        )
+        audit.record(
+            user,
+            "api_token.created",
+            token,
+            None,
+            {"name": token.name, "scopes": token.scopes, "expires_at": token.expires_at.isoformat()},  # type: ignore[union-attr]
+            f"{user.get_username()} made API token {token.key_prefix}…",
+        )
+    return token, key
+
+
+def tokens_visible_to(user: Any) -> Any:
+    """The tokens ``user`` may list and revoke: their own; staff, everyone's."""
+    tokens = ApiToken.objects.select_related("user", "revoked_by")
+    return tokens if user.is_staff else tokens.filter(user=user)
+
+
+def do_revoke_token(actor: Any, token_id: int) -> ApiToken | None:
+    """Revoke one of the tokens ``actor`` may see (None when there is none such: a 404).
+    Revoking a revoked token changes nothing."""
+    with transaction.atomic():
+        token = tokens_visible_to(actor).select_for_update(of=("self",)).filter(pk=token_id).first()
+        if token is None or token.revoked_at is not None:
+            return token
+        token.revoked_at = timezone.now()
+        token.revoked_by = actor
+        token.save(update_fields=["revoked_at", "revoked_by"])
+        owner = token.user.get_username()
+        audit.record(
+            actor,
+            "api_token.revoked",
+            token,
+            {"revoked_at": None},
+            {"revoked_at": token.revoked_at.isoformat()},
+            f"{actor.get_username()} revoked {owner}'s API token {token.key_prefix}…",
+        )
+    return token

@@ -1,0 +1,71 @@
+"""What the browser tests share: Chromium's flags, axe-core, screenshots for the docs,
+signing in. The ``browser_page`` fixture is in conftest.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.workers.engines import require_engine
+
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+# Flags that keep headless Chromium from reaching for the network on a closed machine.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def accept_dialog(dialog: Any) -> None:
+    dialog.accept()  # the pages' confirm() prompts (stop, drain)
+
+
+AXE = Path(__file__).resolve().parents[2] / "node_modules" / "axe-core" / "axe.min.js"
+AXE_PATH = "/__browser-tests__/axe.min.js"
+
+
+def wait_until(page: Any, expression: str, timeout: float = 30_000) -> None:
+    """``page.wait_for_function`` without its ``eval``, which the pages' CSP forbids
+    (no 'unsafe-eval'): ``page.evaluate`` runs through DevTools, outside the policy."""
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still false after {timeout / 1000:.0f} s: {expression}")
+        page.wait_for_timeout(100)
+
+
+def accessibility_problems(page: Any) -> list[str]:
+    """axe-core's serious and critical violations on the page as it is now."""
+    require_engine(AXE.exists(), f"axe-core at {AXE} (make frontend)")
+    page.wait_for_load_state()  # axe's script tag needs the document's head
+    if not page.evaluate("typeof window.axe !== 'undefined'"):
+        page.add_script_tag(url=page.evaluate("location.origin") + AXE_PATH)
+    violations = page.evaluate("async () => (await axe.run(document)).violations")
+    return [
+        f"{v['impact']} {v['id']}: {v['help']} — {[n['target'] for n in v['nodes']][:3]}"
+        for v in violations
+        if v["impact"] in ("serious", "critical")
+    ]
+
+
+def shot(page: Any, name: str) -> None:
+    """Screenshot for the docs, after checking the page with axe-core."""
+    problems = accessibility_problems(page)
+    assert not problems, f"{name}: " + "\n".join(problems)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def sign_in(page: Any, base: str, username: str, then: str) -> None:
+    page.goto(f"{base}/login/?next={then}")
+    page.fill("input[name=username]", username)
+    page.fill("input[name=password]", "correct-horse-battery")
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{base}{then}")
