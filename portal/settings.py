@@ -270,6 +270,9 @@ SPECTACULAR_SETTINGS = {
 # An open WebSocket asks again whether its user may still watch (or type) every this many
 # seconds, and closes once the answer is no (portal/accounts/streams.py).
 STREAM_RECHECK_S = env_int("STREAM_RECHECK_S", 5, minimum=1)
+# What the portal keeps of one batch sandbox's output (the newest bytes; the page, the
+# download and the API read it). Agents keep SANDBOX_OUTPUT_MAX_BYTES on the host.
+BATCH_OUTPUT_MAX_BYTES = env_int("BATCH_OUTPUT_MAX_BYTES", 10 * 2**20, minimum=65536)
 # Seconds without an agent heartbeat before /healthz calls it stale (3 missed beats).
 AGENT_HEARTBEAT_S = env_int("AGENT_HEARTBEAT_S", 5, minimum=1)
 CYCLE_INTERVAL_S = env_int("CYCLE_INTERVAL_S", 2, minimum=1)

@@ -61,6 +61,7 @@ urlpatterns = [
     path("sandboxes/<int:pk>/status/", sandboxes.sandbox_status, name="sandbox-status"),
     path("sandboxes/<int:pk>/stop/", sandboxes.sandbox_stop, name="sandbox-stop"),
     path("sandboxes/<int:pk>/extend/", sandboxes.sandbox_extend, name="sandbox-extend"),
+    path("sandboxes/<int:pk>/output.txt", sandboxes.sandbox_output_download, name="sandbox-output"),
     path("console/fleet/", console.fleet, name="console-fleet"),
     path("console/plans/", console.plans, name="console-plans"),
     path("console/queue/", console.queue, name="console-queue"),

@@ -28,6 +28,7 @@ from portal.billing.pricing import cost_micros
 from portal.env import env_bool, env_int, env_str
 from workers import config, dispatch, liveness, moves, selftest, terminal_relay
 from workers.alerts import AlertTracker
+from workers.batch_output import OutputPump
 from workers.celery import app
 from workers.drivers import DRIVER_ISOLATION, DriverUnavailable, make_driver
 from workers.drivers.base import DriverError, MpsShare, SandboxDriver, SandboxHandle, SandboxSpec
@@ -67,6 +68,7 @@ class Agent:
         self.lock = threading.Lock()
         self._redis: redis.Redis | None = None  # liveness key, written with each heartbeat
         self.running: dict[str, SandboxSpec] = {}  # allocation id -> spec
+        self.handles: dict[str, SandboxHandle] = {}  # allocation id -> what the driver made
         self.started_ms: dict[str, int] = {}
         self.stopped: set[str] = set()  # allocation ids stopped: a late launch must not revive them
         self._stop = threading.Event()
@@ -85,6 +87,7 @@ class Agent:
         self.rollups = MinuteRollups()
         self.alerts = AlertTracker(host)
         self._last_xid: dict[str, int] = {}  # GPU uuid -> the last XID it reported
+        self.output = OutputPump(driver, self.handles.get)
 
     # --- inventory and liveness ------------------------------------------------------------
 
@@ -239,6 +242,7 @@ class Agent:
             stopped_meanwhile = spec.allocation_id in self.stopped
             if not stopped_meanwhile:
                 self.running[spec.allocation_id] = spec
+                self.handles[spec.allocation_id] = handle
                 self.started_ms[spec.allocation_id] = started
         if stopped_meanwhile:  # the stop overtook this launch: undo it, report nothing
             self.driver.stop(handle, grace_s=0)
@@ -257,11 +261,14 @@ class Agent:
         plan's report says it stopped (and the control plane relaunches it elsewhere)."""
         with self.lock:
             self.stopped.add(allocation_id)  # a late launch must not revive it
+            spec = self.running.get(allocation_id)
         if handle is not None:
+            self.output.flush(spec, handle)  # a batch's last lines, before its files go
             self.driver.stop(handle, grace_s=float(env_int("SANDBOX_STOP_GRACE_S", 5, minimum=0)))
         self.backend.forget_load(allocation_id)
         with self.lock:
             self.running.pop(allocation_id, None)
+            self.handles.pop(allocation_id, None)
             self.started_ms.pop(allocation_id, None)
             self._util.pop(allocation_id, None)
 
@@ -481,6 +488,8 @@ class Agent:
         live = {f"gpu:{g.uuid}" for g in self._gpus} | {f"sandbox:{s.sandbox_id}" for s in running.values()}
         changes += self.alerts.forget(live, now)
         await store_latest(latest, self.host, newest)
+        for piece in await asyncio.to_thread(self.output.collect, running):
+            await publish(layer, sandbox_group(piece["sandbox"]), piece)
         if changes:
             await self._publish_alerts(layer, changes)
 

@@ -6,6 +6,7 @@ and is idempotent because the ``actions`` it calls are.
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from portal.fleet.reconcile import do_reconcile_host, from_ms  # noqa: E402
 from portal.sandboxes import actions  # noqa: E402
 from portal.sandboxes.culling import do_cull_idle  # noqa: E402
 from portal.sandboxes.models import Sandbox, SandboxState  # noqa: E402
+from portal.sandboxes.output import do_store_output  # noqa: E402
 from portal.sandboxes.scheduling import HOLDING, schedule_once  # noqa: E402
 from portal.telemetry.alerts import (  # noqa: E402
     alert_policy,
@@ -220,6 +222,12 @@ def sandbox_launch_failed(sandbox_id: int, allocation_key: str, message: str) ->
 @app.task(name="workers.control.sandbox_stopped", ignore_result=True)
 def sandbox_stopped(allocation_key: str, ended_ms: int, message: str = "stopped") -> None:
     actions.do_mark_stopped(allocation_key, from_ms(ended_ms), message)
+
+
+@app.task(name="workers.control.sandbox_output", ignore_result=True)
+def sandbox_output(allocation_key: str, start: int, data_b64: str, total: int) -> None:
+    """A piece of a batch's output (workers/batch_output.py), kept for its owner."""
+    do_store_output(allocation_key, int(start), base64.b64decode(data_b64), int(total))
 
 
 # --- telemetry ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any, TypedDict
 
 from channels_redis.core import RedisChannelLayer
 
+from workers.batch_output import OutputMessage
 from workers.gpu.base import GpuSample
 
 FLEET_GROUP = "fleet"
@@ -120,7 +121,9 @@ def make_layer(redis_url: str) -> RedisChannelLayer:
 
 
 async def publish(
-    layer: RedisChannelLayer, group: str, message: GpuSampleMessage | AlertMessage | FleetSamplesMessage
+    layer: RedisChannelLayer,
+    group: str,
+    message: GpuSampleMessage | AlertMessage | FleetSamplesMessage | OutputMessage,
 ) -> None:
     await layer.group_send(group, dict(message))
 

@@ -298,6 +298,8 @@ class ApiView:
 
     kwargs: dict[str, Any]
     filters: tuple[str, ...] = ()
+    # Query parameters of other actions, by action name (e.g. {"output": ("offset", "limit")}).
+    action_parameters: dict[str, tuple[str, ...]] = {}
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)  # type: ignore[misc]
@@ -307,6 +309,7 @@ class ApiView:
             allowed |= {"cursor", "page_size", *self.filters}
         elif action is None:  # a plain APIView: its GET takes the filters
             allowed |= set(self.filters)
+        allowed |= set(self.action_parameters.get(action or "", ()))
         check_query(request.query_params, allowed)
 
     def get_object(self) -> Any:

@@ -12,7 +12,8 @@ from datetime import timedelta
 from typing import Any
 
 from django.db.models import QuerySet
-from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_view
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import exceptions, mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -35,9 +36,11 @@ from portal.billing.api_common import (
     refuse_unexpected_fields,
 )
 from portal.catalog.models import IsolationLevel, SandboxImage, SharingMode, Tier
+from portal.inputs import whole_number
 from portal.sandboxes import actions
 from portal.sandboxes.forms import MIG_PROFILES, SandboxRequestForm
-from portal.sandboxes.models import Sandbox
+from portal.sandboxes.models import ENDED_STATES, Sandbox
+from portal.sandboxes.output import read_output
 from portal.sandboxes.views import EXTEND_CHOICES_H
 
 
@@ -124,6 +127,19 @@ class SandboxCreateSerializer(StrictSerializer):
                 {"command": ["Only batch runs take a command: send run=batch, or leave the command out."]}
             )
         return attrs
+
+
+class OutputSerializer(serializers.Serializer[Any]):
+    start = serializers.IntegerField(help_text="Offset of the text's first byte in all the run printed.")
+    end = serializers.IntegerField(help_text="Offset just past the text: the next call's `offset`.")
+    kept_from = serializers.IntegerField(help_text="The oldest byte still kept; earlier ones are gone.")
+    total = serializers.IntegerField(help_text="Bytes the run printed so far, kept or not.")
+    missing = serializers.IntegerField(help_text="Bytes between start and end the host did not keep.")
+    text = serializers.CharField(help_text="stdout and stderr together, UTF-8 (undecodable bytes replaced).")
+    complete = serializers.BooleanField(help_text="The sandbox has ended: no more output will come.")
+
+
+OUTPUT_LIMIT = 1024 * 1024
 
 
 class ExtendSerializer(StrictSerializer):
@@ -218,6 +234,7 @@ class SandboxViewSet(
 ):
     serializer_class = SandboxSerializer
     pagination_class = NewestRequestFirst
+    action_parameters = {"output": ("offset", "limit")}
     filters = FILTERS
     queryset = Sandbox.objects.none()  # for the schema; get_queryset scopes it
 
@@ -267,6 +284,38 @@ class SandboxViewSet(
         except actions.SandboxRequestError as exc:  # the quota, checked under the project's lock
             raise exceptions.ValidationError({exc.field: [exc.message]}) from exc
         return self._answer(sandbox.pk, status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="A batch run's output",
+        description="stdout and stderr together, as the run printed them; the newest "
+        "BATCH_OUTPUT_MAX_BYTES are kept, during the run and after it. Without `offset`: the last "
+        "`limit` bytes; with it: from there on (follow a running batch by passing the previous "
+        "answer's `end`). Scope read:usage.",
+        parameters=[
+            OpenApiParameter("offset", OpenApiTypes.INT, description="Byte offset to read from."),
+            OpenApiParameter("limit", OpenApiTypes.INT, description=f"Bytes at most, 1 to {OUTPUT_LIMIT}."),
+        ],
+        responses={200: OutputSerializer, **errors(400, 401, 403, 404, 429)},
+    )
+    @action(detail=True, methods=["get"])
+    def output(self, request: Request, pk: str | None = None) -> Response:
+        sandbox = self.get_object()  # 404 outside the caller's projects
+        problems: dict[str, list[str]] = {}
+        raw_offset, raw_limit = request.query_params.get("offset"), request.query_params.get("limit")
+        offset = whole_number(raw_offset) if raw_offset is not None else None
+        limit = whole_number(raw_limit, 1, OUTPUT_LIMIT) if raw_limit is not None else 256 * 1024
+        if raw_offset is not None and offset is None:
+            problems["offset"] = ["A whole number of bytes, 0 or more."]
+        if limit is None:
+            problems["limit"] = [f"A whole number of bytes from 1 to {OUTPUT_LIMIT}."]
+        if problems:
+            raise exceptions.ValidationError(problems)
+        view = read_output(sandbox, offset, limit or OUTPUT_LIMIT)
+        body = {
+            "start": view.start, "end": view.end, "kept_from": view.kept_from, "total": view.total,
+            "missing": view.missing, "text": view.text, "complete": sandbox.state in ENDED_STATES,
+        }  # fmt: skip
+        return Response(body)
 
     @extend_schema(
         summary="Stop a sandbox",

@@ -266,3 +266,39 @@ class Notification(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} for {self.user}: {self.message}"
+
+
+class OutputChunk(models.Model):
+    """A piece of a batch sandbox's output (stdout and stderr together), as its agent read it.
+
+    ``start`` and ``end`` are offsets into everything that allocation printed; a sandbox keeps
+    the newest ``BATCH_OUTPUT_MAX_BYTES`` (older chunks are deleted as new ones arrive), and a
+    start past the previous chunk's end marks bytes the host dropped. Written by
+    ``portal.sandboxes.output.do_store_output`` only."""
+
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="output_chunks")
+    allocation_key = models.CharField(max_length=40)
+    start = models.BigIntegerField()
+    end = models.BigIntegerField()
+    data = models.BinaryField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["allocation_key", "start"],
+                name="%(app_label)s_%(class)s_one_per_offset",
+                violation_error_message="This piece of output is stored already.",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(end__gt=models.F("start"), start__gte=0),
+                name="%(app_label)s_%(class)s_not_empty",
+                violation_error_message="A piece of output holds at least one byte.",
+            ),
+        ]
+        indexes = [
+            # output_tail() and trimming: one allocation's chunks by offset, newest last.
+            models.Index(fields=["allocation_key", "end"], name="output_by_allocation_end"),
+        ]
+
+    def __str__(self) -> str:
+        return f"output of sandbox {self.sandbox_id} [{self.start}, {self.end})"

@@ -35,4 +35,5 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         milli_gpu=sum(a.milli_gpu for a in allocations),
         price_per_gpu_hour_micros=tier.price_per_gpu_hour_micros,
         tier=tier.slug,
+        batch=sandbox.batch,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -21,6 +22,7 @@ from portal.sandboxes import actions
 from portal.sandboxes.consumers import TERMINAL_ISOLATION
 from portal.sandboxes.forms import SandboxRequestForm
 from portal.sandboxes.models import Notification, Sandbox
+from portal.sandboxes.output import read_output
 from portal.sandboxes.preview import Preview, preview_request
 
 EXTEND_CHOICES_H = (1, 2, 4, 8)  # hours a user may add to a sandbox's time limit at once
@@ -140,7 +142,23 @@ def sandbox_detail(request: HttpRequest, pk: int) -> HttpResponse:
         and sandbox.isolation in TERMINAL_ISOLATION
         and can_manage_sandbox(request.user, sandbox)
     )
+    if sandbox.batch:  # its output's tail; the page follows it live from there
+        context["output"] = read_output(sandbox, None, PAGE_OUTPUT_BYTES)
     return render(request, "sandboxes/detail.html", context)
+
+
+PAGE_OUTPUT_BYTES = 64 * 1024
+
+
+@login_required
+def sandbox_output_download(request: HttpRequest, pk: int) -> HttpResponse:
+    """All the kept output of a batch, as a text file (its bytes as the run printed them)."""
+    sandbox = _get_sandbox_for_user(request, pk)
+    view = read_output(sandbox, 0, settings.BATCH_OUTPUT_MAX_BYTES * 2)
+    response = HttpResponse(view.data, content_type="text/plain; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="sandbox-{sandbox.pk}-output.txt"'
+    response["X-Content-Type-Options"] = "nosniff"
+    return response
 
 
 @login_required

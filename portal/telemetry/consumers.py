@@ -31,11 +31,15 @@ from workers.telemetry import FLEET_GROUP, gpu_group, sandbox_group
 log = logging.getLogger(__name__)
 FORBIDDEN = 4403
 ALERT_BACKLOG = 100  # alerts kept for a client that is not reading; older ones are dropped
+# Pieces of a batch's output kept for a client that is not reading (up to 256 KiB each); a
+# page that misses some sees the gap in the offsets and reads it from the API.
+OUTPUT_BACKLOG = 16
 MAX_INTERVAL_MS = 60_000
 STREAM_HANDLERS = {
     "gpu.sample": "gpu_sample",
     "fleet.samples": "fleet_samples",
     "alert.changed": "alert_changed",
+    "sandbox.output": "sandbox_output",
 }
 # GPU-… and MIG-… UUIDs, simulated ones included; anything else is no group name to add.
 DEVICE_UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,79}")
@@ -50,6 +54,7 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
         # device uuid (or "host:<name>" for a fleet batch) -> the newest unsent sample
         self._latest: dict[str, dict[str, Any]] = {}
         self._alerts: deque[dict[str, Any]] = deque(maxlen=ALERT_BACKLOG)
+        self._outputs: deque[dict[str, Any]] = deque(maxlen=OUTPUT_BACKLOG)
         self._wake = asyncio.Event()
         self._interval_s = 0.0
         self._interval_changed = asyncio.Event()
@@ -126,6 +131,10 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
         self._alerts.append(event)
         self._wake.set()
 
+    async def sandbox_output(self, event: dict[str, Any]) -> None:
+        self._outputs.append(event)  # only on a sandbox's own group: its watchers may read it
+        self._wake.set()
+
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         """``{"action": "interval", "ms": N}``: at most one sample per device every N ms
         (a hidden tab asks for fewer); anything else is answered with an error message."""
@@ -147,6 +156,8 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
                 self._wake.clear()
                 while self._alerts:
                     await self.send_json(self._alerts.popleft())
+                while self._outputs:
+                    await self.send_json(self._outputs.popleft())
                 batch, self._latest = self._latest, {}
                 for message in batch.values():
                     await self.send_json(message)

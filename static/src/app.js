@@ -8,6 +8,7 @@ import { mountFleetLive } from "./fleet-live.js";
 import { mountHeatmap } from "./heatmap.js";
 import { mountAlerts } from "./alerts.js";
 import { wireAutosubmit } from "./autosubmit.js";
+import { mountBatchOutput } from "./batch-output.js";
 
 window.htmx = htmx;
 
@@ -24,4 +25,6 @@ document.addEventListener("DOMContentLoaded", () => {
   if (heatmap) mountHeatmap(heatmap);
   document.querySelectorAll("[data-alerts]").forEach((panel) => mountAlerts(panel));
   document.querySelectorAll("[data-autosubmit]").forEach((field) => wireAutosubmit(field));
+  const output = document.getElementById("batch-output");
+  if (output) mountBatchOutput(output);
 });

@@ -100,8 +100,7 @@ def driver(request: pytest.FixtureRequest, bwrap: None, tmp_path: Path) -> Itera
 
 
 def log_of(driver: ProcessDriver, handle: SandboxHandle) -> str:
-    path = driver.state_dir / f"{handle.allocation_id}.log"
-    return path.read_text() if path.exists() else ""
+    return driver.read_output(handle, 0, 1 << 20).data.decode(errors="replace")
 
 
 def wait_for_log(driver: ProcessDriver, handle: SandboxHandle, text: str) -> str:

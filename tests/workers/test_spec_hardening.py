@@ -80,7 +80,7 @@ def test_protected_paths_are_no_pipe_dir(path: str) -> None:
 DOCKER_KEYS = {
     "image", "command", "name", "hostname", "labels", "environment", "user", "working_dir", "cap_drop",
     "security_opt", "read_only", "tmpfs", "mem_limit", "memswap_limit", "nano_cpus", "pids_limit", "init",
-    "restart_policy", "auto_remove", "network_mode", "device_requests", "mounts",
+    "restart_policy", "auto_remove", "network_mode", "device_requests", "mounts", "log_config",
 }  # fmt: skip
 
 

@@ -12,6 +12,8 @@ import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from workers.drivers.output import OutputChunk
+
 LABEL_PREFIX = "io.gpushare"
 
 
@@ -44,6 +46,7 @@ class SandboxSpec:
     milli_gpu: int = 0
     price_per_gpu_hour_micros: int = 0
     tier: str = ""  # the tier's slug: its alert thresholds apply to this sandbox
+    batch: bool = False  # a batch run: the agent ships its output to its owner
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,6 +147,12 @@ class SandboxDriver(Protocol):
     def list_owned(self) -> list[SandboxHandle]: ...
 
     def exec_terminal(self, handle: SandboxHandle) -> Terminal: ...
+
+    def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
+        """At most ``limit`` bytes of the sandbox's stdout and stderr from ``offset`` (into
+        all it wrote) on. The host keeps the last ``SANDBOX_OUTPUT_MAX_BYTES`` of it: a chunk
+        starting beyond ``offset`` says the bytes in between were dropped."""
+        ...
 
 
 class Terminal(Protocol):

@@ -41,6 +41,8 @@ from workers.drivers.base import (
     SandboxStatus,
     checked_pipe_dir,
 )
+from workers.drivers.docker_logs import ContainerLogReader, log_config
+from workers.drivers.output import OutputChunk, cap_bytes
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ def _tmpfs_mib(spec: SandboxSpec) -> int:
     return max(16, spec.memory_limit_mib // 4)
 
 
-def container_kwargs(spec: SandboxSpec) -> dict[str, Any]:
+def container_kwargs(spec: SandboxSpec, output_cap: int | None = None) -> dict[str, Any]:
     """The ``containers.create`` arguments for ``spec`` (pure, so it is unit-testable)."""
     tmpfs_size = f"size={_tmpfs_mib(spec)}m"
     kwargs: dict[str, Any] = {
@@ -91,6 +93,10 @@ def container_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "init": True,  # reap zombies and forward signals, so stop's grace period works
         "restart_policy": {"Name": "no"},
         "auto_remove": False,  # status() must still see the exit code after exit
+        # The engine keeps the container's output: at most the cap of it on this host's disk.
+        "log_config": docker.types.LogConfig(
+            **log_config(output_cap if output_cap is not None else cap_bytes())
+        ),
     }
     if not spec.network:
         kwargs["network_mode"] = "none"
@@ -210,6 +216,7 @@ class DockerDriver:
     def __init__(self, client: docker.DockerClient | None = None, host: str = "") -> None:
         self._client = client
         self.host = host
+        self._logs = ContainerLogReader()
 
     @property
     def client(self) -> docker.DockerClient:
@@ -289,6 +296,7 @@ class DockerDriver:
             return self._handle(container)
 
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
+        self._logs.forget(handle.allocation_id)
         with _engine_errors(f"stop sandbox {handle.allocation_id}"):
             try:
                 container = self.client.containers.get(handle.ref)
@@ -303,6 +311,15 @@ class DockerDriver:
             except docker.errors.APIError as exc:
                 if exc.status_code != 409:  # 409: a concurrent removal is in progress
                     raise
+
+    def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
+        """The container's output from ``offset`` on (workers/drivers/docker_logs.py)."""
+        with _engine_errors(f"read the output of sandbox {handle.allocation_id}"):
+            try:
+                container = self.client.containers.get(handle.ref)
+            except docker.errors.NotFound:
+                return OutputChunk(start=offset, data=b"", total=offset)
+            return self._logs.read(container, handle.allocation_id, offset, limit)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         with _engine_errors(f"inspect sandbox {handle.allocation_id}"):

@@ -62,6 +62,7 @@ from workers.drivers.base import (
     SandboxSpec,
     SandboxStatus,
 )
+from workers.drivers.output import OutputChunk
 
 log = logging.getLogger(__name__)
 
@@ -458,6 +459,8 @@ class LibvirtDriver:
         self.network_name = network_name
         self._conn: Any = None
         self._conn_lock = threading.Lock()
+        # allocation id -> (bytes of its console rotated away, the file's size when last read)
+        self._console_bases: dict[str, tuple[int, int]] = {}
 
     @property
     def conn(self) -> Any:
@@ -584,6 +587,29 @@ class LibvirtDriver:
         if log_path is not None:
             with contextlib.suppress(OSError):
                 log_path.unlink()
+        with self._conn_lock:
+            self._console_bases.pop(handle.allocation_id, None)
+
+    def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
+        """The guest's serial console (the command's output, after the guest's own boot
+        lines) from ``offset`` on. virtlogd writes and rotates the file (its ``max_size`` and
+        ``max_backups`` bound it on disk); a rotation starts the file afresh, and what went
+        before is counted, not read again."""
+        log_path = self.console_log(handle.allocation_id)
+        try:
+            with open(log_path or "", "rb") as console:
+                size = os.fstat(console.fileno()).st_size
+                with self._conn_lock:
+                    base, seen = self._console_bases.get(handle.allocation_id, (0, 0))
+                    if size < seen:  # rotated under us
+                        base += seen
+                    self._console_bases[handle.allocation_id] = (base, size)
+                begin = max(offset, base)
+                console.seek(begin - base)
+                data = console.read(limit)
+        except OSError:
+            return OutputChunk(start=offset, data=b"", total=offset)
+        return OutputChunk(start=begin, data=data, total=base + size)
 
     @staticmethod
     def _shutdown(dom: Any, grace_s: float) -> None:

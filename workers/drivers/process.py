@@ -51,6 +51,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import termios
 import threading
 import time
@@ -59,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workers.drivers import output
 from workers.drivers.base import DriverError, SandboxHandle, SandboxSpec, SandboxStatus, checked_pipe_dir
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,8 @@ _GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:{NOBODY_UID}:\n"
 _JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
 _JOIN_AND_WAIT = _JOIN + '"$@"'
 _JOIN_AND_EXEC = _JOIN + 'exec "$@"'
+# Run by path with -I -S: the writer imports nothing of the project (nor celery's app).
+_OUTPUT_WRITER = str(Path(output.__file__).resolve())
 
 
 def bwrap_available() -> bool:
@@ -352,6 +356,7 @@ class ProcessDriver:
         run_as: int | None = None,
         mps_uid: int = SANDBOX_UID,
         gpus_dir: Path = Path("/proc/driver/nvidia/gpus"),
+        output_cap: int | None = None,
     ) -> None:
         if limits not in ("auto", "cgroup", "rlimit"):
             raise ValueError(f"limits must be auto, cgroup or rlimit, not {limits!r}")
@@ -361,6 +366,7 @@ class ProcessDriver:
         self.run_as = run_as
         self.mps_uid = mps_uid
         self.gpus_dir = gpus_dir
+        self.output_cap = output.cap_bytes() if output_cap is None else output_cap
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._thread_lock = threading.Lock()
 
@@ -379,6 +385,22 @@ class ProcessDriver:
         with self._thread_lock, open(self.state_dir / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
+
+    def _output_dir(self, allocation_id: str) -> Path:
+        return self._path(allocation_id, "output")
+
+    @staticmethod
+    def _output_text(output_dir: Path) -> str:
+        """The first bytes the sandbox (or bwrap, failing) wrote, as text."""
+        # The writer may not have flushed bwrap's last words yet when the wrapper is gone.
+        deadline = time.monotonic() + 1.0
+        while not output.read_segments(output_dir, 0, 1).data and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        return output.read_segments(output_dir, 0, 65536).data.decode(errors="replace")
+
+    def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> output.OutputChunk:
+        """The sandbox's output from ``offset`` on (see workers/drivers/output.py)."""
+        return output.read_segments(self._output_dir(handle.allocation_id), offset, limit)
 
     def _load(self, allocation_id: str) -> dict[str, Any] | None:
         try:
@@ -507,7 +529,7 @@ class ProcessDriver:
 
     def _spawn(self, spec: SandboxSpec) -> SandboxHandle:
         limits = self._choose_limits(spec)
-        log_path = self._path(spec.allocation_id, "log")
+        output_dir = self._output_dir(spec.allocation_id)
         status_path = self._path(spec.allocation_id, "status")
         drop = []
         if os.geteuid() == 0:
@@ -525,17 +547,30 @@ class ProcessDriver:
                 "/bin/sh", "-c", _JOIN_AND_WAIT, "gpushare-sandbox", *limits.procs_files, "--",
                 *drop, *limits.prlimit, *self._bwrap_args(spec, *fds),
             ]  # fmt: skip
-            with open(log_path, "ab") as out:
-                proc = subprocess.Popen(  # noqa: S603 - argv built here, no shell input
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    pass_fds=fds,
-                    cwd="/",
-                    env={"PATH": _BASE_PATH},
-                )
+            # stdout and stderr go through a pipe to the capped writer (workers/drivers/
+            # output.py), never straight to a file: a tenant printing without end would fill
+            # the host's disk. The writer has a session of its own, so it outlives the agent.
+            read_end, write_end = os.pipe()
+            fds += [read_end, write_end]
+            subprocess.Popen(  # noqa: S603 - argv built here, no shell input
+                [sys.executable, "-I", "-S", _OUTPUT_WRITER, str(output_dir), str(self.output_cap)],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd="/",
+                env={"PATH": _BASE_PATH},
+            )
+            proc = subprocess.Popen(  # noqa: S603 - argv built here, no shell input
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=write_end,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=fds[:3],
+                cwd="/",
+                env={"PATH": _BASE_PATH},
+            )
         except OSError as exc:
             _remove_cgroups(limits.cgroups)
             raise DriverError(f"cannot start sandbox {spec.allocation_id}: {exc}") from exc
@@ -544,12 +579,12 @@ class ProcessDriver:
                 os.close(fd)
         started = time.time()
         stat = _proc_stat(proc.pid)
-        info = self._wait_for_setup(spec.allocation_id, proc, log_path)
+        info = self._wait_for_setup(spec.allocation_id, proc, output_dir)
         if stat is None or info is None:
             _remove_cgroups(limits.cgroups)
-            tail = log_path.read_text(errors="replace")[-2000:].strip() if log_path.exists() else ""
-            for path in (log_path, status_path):
-                path.unlink(missing_ok=True)
+            tail = self._output_text(output_dir)[-2000:].strip()
+            status_path.unlink(missing_ok=True)
+            shutil.rmtree(output_dir, ignore_errors=True)
             raise DriverError(f"sandbox {spec.allocation_id} failed to start: {tail or 'no output'}")
         self._children[spec.allocation_id] = proc
         state = {
@@ -575,7 +610,7 @@ class ProcessDriver:
         return self._handle(state)
 
     def _wait_for_setup(
-        self, allocation_id: str, proc: subprocess.Popen[bytes], log_path: Path
+        self, allocation_id: str, proc: subprocess.Popen[bytes], output_dir: Path
     ) -> dict[str, Any] | None:
         """bwrap's first status document once the sandbox is set up; None if setup failed.
 
@@ -595,7 +630,7 @@ class ProcessDriver:
                 if init is not None and any(pid != info["child-pid"] for pid in members):
                     return {**info, "child-start-ticks": init[1]}
                 if any("exit-code" in doc for doc in docs):
-                    lines = log_path.read_text(errors="replace").splitlines()
+                    lines = self._output_text(output_dir).splitlines()
                     failed = any(x.startswith("bwrap: ") for x in lines)
                     return None if failed else {**info, "child-start-ticks": -1}
             if wrapper_done:
@@ -621,8 +656,9 @@ class ProcessDriver:
             if current is None or current["pid"] != state["pid"]:
                 return  # a concurrent stop got there first
             _remove_cgroups(tuple(state["cgroups"]))
-            for suffix in ("json", "status", "log"):
+            for suffix in ("json", "status"):
                 self._path(handle.allocation_id, suffix).unlink(missing_ok=True)
+            shutil.rmtree(self._output_dir(handle.allocation_id), ignore_errors=True)
             self._children.pop(handle.allocation_id, None)
             log.info("stopped sandbox %s", handle.allocation_id)
 

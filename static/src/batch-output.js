@@ -1,0 +1,55 @@
+// A batch's output on its page: the tail the server rendered, then every piece the agent
+// streams on the sandbox's socket ("sandbox.output"). A piece that does not follow on from
+// what is shown (the socket dropped some, or the page opened mid-stream) is fetched from the
+// API from where the page stands. Output is text: it goes into the <pre> as text, never HTML.
+import { liveSocket } from "./live.js";
+
+const KEEP_CHARS = 256 * 1024; // the page keeps the last quarter-MiB; the download has all
+
+export function mountBatchOutput(card) {
+  const pre = card.querySelector("pre.output");
+  const status = card.querySelector(".output-status");
+  const api = card.dataset.api;
+  let end = Number(card.dataset.end) || 0;
+  let fetching = null;
+  pre.scrollTop = pre.scrollHeight; // the tail is what matters: start at the newest line
+
+  function append(text, dropped) {
+    const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+    let shown = pre.textContent + (dropped > 0 ? `\n[… ${dropped} bytes not kept …]\n` : "") + text;
+    if (shown.length > KEEP_CHARS) shown = shown.slice(shown.length - KEEP_CHARS);
+    pre.textContent = shown;
+    if (atBottom) pre.scrollTop = pre.scrollHeight;
+  }
+
+  async function catchUp() {
+    if (fetching) return fetching;
+    fetching = (async () => {
+      try {
+        const answer = await fetch(`${api}?offset=${end}`, { credentials: "same-origin" });
+        if (!answer.ok) return;
+        const body = await answer.json();
+        if (typeof body.text !== "string" || typeof body.end !== "number") return;
+        append(body.text, Math.max(0, body.start - end) + (body.missing || 0));
+        end = Math.max(end, body.end);
+      } finally {
+        fetching = null;
+      }
+    })();
+    return fetching;
+  }
+
+  liveSocket(card.dataset.ws).onMessage((msg) => {
+    if (msg.type !== "sandbox.output" || String(msg.sandbox) !== card.dataset.sandbox) return;
+    if (typeof msg.text !== "string" || typeof msg.start !== "number" || typeof msg.end !== "number") return;
+    const pieceEnd = msg.end;
+    if (pieceEnd <= end) return; // shown already
+    if (msg.start > end && !(msg.dropped > 0 && msg.start - msg.dropped === end)) {
+      catchUp(); // something in between never reached this page
+      return;
+    }
+    append(msg.text, msg.dropped || 0);
+    end = pieceEnd;
+    if (status) status.textContent = "Live.";
+  });
+}

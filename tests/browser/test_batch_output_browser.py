@@ -1,0 +1,74 @@
+"""A batch printing 300 MB, through the whole platform (process driver, 1 MiB host cap): the
+host keeps at most the cap, and its owner reads the tail on the page (live) and through the
+API, during the run and after it (issue 16's acceptance for finding 2)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from portal.accounts.models import ApiToken
+from portal.sandboxes.models import Sandbox
+from tests.browser.pages import shot, sign_in
+from tests.e2e.platform import running_platform, wait_for
+from tests.workers.engines import require_engine
+from workers.drivers.process import bwrap_available
+
+pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.bwrap, pytest.mark.slow,
+              pytest.mark.django_db(transaction=True)]  # fmt: skip
+CAP = 1 << 20
+PRINTED = 300_000_000
+COMMAND = (
+    f'sh -c \'head -c {PRINTED} /dev/zero | tr "\\0" x; echo; echo still training: epoch 1 of 2;'
+    " sleep 4; echo done: loss 0.031'"
+)
+
+
+def host_output_bytes(var_dir: Path) -> int:
+    return sum(p.stat().st_size for p in var_dir.glob("agents/*/sandboxes/*.output/*") if p.is_file())
+
+
+def test_a_batch_printing_300_mb(people: Any, catalog: Any, tmp_path: Path, browser_page: Any) -> None:
+    require_engine(bwrap_available(), "bubblewrap")
+    page = browser_page
+    extra = {"SANDBOX_OUTPUT_MAX_BYTES": str(CAP)}
+    with running_platform(
+        tmp_path, web=True, sim_gpus="A100-80GB:1", driver="process", extra_env=extra
+    ) as platform:
+        base = f"http://127.0.0.1:{platform.port}"
+        sign_in(page, base, "olivia", "/sandboxes/new/")
+        page.select_option("select[name=project]", label="Vision")
+        page.select_option("select[name=tier]", label="Dedicated")
+        page.select_option("select[name=image]", label="busybox")
+        page.select_option("select[name=isolation]", "process")
+        page.select_option("select[name=run]", "batch")
+        page.fill("input[name=command]", COMMAND)
+        page.click("form.request-form button[type=submit]")
+        page.wait_for_url("**/sandboxes/*/")
+        sandbox = Sandbox.objects.get(owner=people["owner"], batch=True)
+        _token, key = ApiToken.issue(people["owner"], "ci", ["read:usage"])
+        api = Client(HTTP_AUTHORIZATION=f"Bearer {key}")
+
+        def output() -> dict[str, Any]:
+            return dict(api.get(f"/api/v1/sandboxes/{sandbox.pk}/output/").json())
+
+        # During the run: the tail through the API, the page following it live.
+        during = wait_for(lambda: "still training" in (o := output())["text"] and o, 120, "the tail, mid-run")
+        assert Sandbox.objects.get(pk=sandbox.pk).state == "running" and during["complete"] is False
+        assert during["total"] >= PRINTED and during["kept_from"] > 0  # the flood was not all kept
+        assert host_output_bytes(platform.var_dir) <= CAP
+        page.locator("pre.output", has_text="still training").wait_for(timeout=30_000)
+
+        # After it: the same tail, the end of it too, on the page and through the API.
+        wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "stopped", 60, "the batch to end")
+        after = wait_for(lambda: "done: loss" in (o := output())["text"] and o, 30, "the last line")
+        assert after["complete"] is True and after["text"].rstrip().endswith("done: loss 0.031")
+        time.sleep(1)
+        page.reload()
+        page.locator("pre.output", has_text="done: loss 0.031").wait_for(timeout=10_000)
+        shot(page, "batch-output")
+        assert host_output_bytes(platform.var_dir) == 0  # the host let go of it at the stop
