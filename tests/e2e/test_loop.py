@@ -20,6 +20,7 @@ from portal.billing.models import UsageRecord, cost_micros
 from portal.sandboxes.models import Sandbox
 from tests.e2e.platform import running_platform, wait_for
 from tests.workers.engines import require_engine
+from workers.drivers import uids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -102,7 +103,8 @@ def test_request_place_launch_stream_stop_bill(
         assert "no-new-privileges" in host_config["SecurityOpt"]
         assert host_config["NetworkMode"] == "none"
         assert f"NVIDIA_VISIBLE_DEVICES={alloc.device_uuid}" in attrs["Config"]["Env"]
-        assert attrs["Config"]["User"] == "1000:1000"
+        uid = uids.sandbox_uid(dedicated)  # its own, from the range no host account uses
+        assert attrs["Config"]["User"] == f"{uid}:{uid}"
         mig_alloc = Sandbox.objects.get(pk=mig).allocations.get()
         mig_key = Sandbox.objects.get(pk=mig).allocation_key
         [mig_container] = docker_client.containers.list(

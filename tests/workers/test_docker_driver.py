@@ -17,7 +17,7 @@ import docker.errors
 import pytest
 
 from tests.workers.engines import require_engine
-from workers.drivers import make_driver
+from workers.drivers import make_driver, uids
 from workers.drivers.base import DriverError, MpsShare, SandboxSpec
 from workers.drivers.docker import (
     DockerDriver,
@@ -59,7 +59,8 @@ def test_kwargs_lock_the_container_down() -> None:
     kw = container_kwargs(spec)
     assert kw["name"] == f"gpushare-{spec.allocation_id}"
     assert kw["labels"] == spec.labels()
-    assert kw["user"] == "1000:1000"
+    uid = uids.sandbox_uid(spec.sandbox_id)
+    assert kw["user"] == f"{uid}:{uid}" and uid >= uids.SANDBOX_UID_BASE  # no host account's uid
     assert kw["cap_drop"] == ["ALL"]
     assert kw["security_opt"] == ["no-new-privileges"]
     assert kw["read_only"] is True
@@ -201,7 +202,8 @@ def test_launch_applies_confinement(driver: DockerDriver, client: docker.DockerC
     assert handle.allocation_id == spec.allocation_id and handle.sandbox_id == 42
     assert container.name == f"gpushare-{spec.allocation_id}"
     assert spec.labels().items() <= config["Labels"].items()
-    assert config["User"] == "1000:1000"
+    uid = uids.sandbox_uid(spec.sandbox_id)
+    assert config["User"] == f"{uid}:{uid}"
     assert hostcfg["CapDrop"] == ["ALL"]
     assert "no-new-privileges" in hostcfg["SecurityOpt"]
     assert hostcfg["ReadonlyRootfs"] is True
@@ -228,7 +230,7 @@ def test_launch_applies_confinement(driver: DockerDriver, client: docker.DockerC
     stdout, stderr = cast(tuple[bytes | None, bytes | None], streams)  # demux=True: a pair
     text = (stdout or b"").decode()
     assert code != 0  # the root filesystem is read-only
-    assert text.splitlines()[0] == "1000"
+    assert text.splitlines()[0] == str(uid)
     assert re.search(r"CapEff:\s+0+\n", text)
     assert re.search(r"NoNewPrivs:\s+1", text)
     assert "Read-only file system" in (stderr or b"").decode()
@@ -349,8 +351,9 @@ def test_terminal_runs_a_shell(driver: DockerDriver, host: str) -> None:
     try:
         terminal.resize(40, 120)
         terminal.write(b"echo h''i; id -u\n")  # the quotes keep the echoed line from matching
-        out = read_until(terminal, rb"hi\r?\n1000\r?\n")
-        assert re.search(rb"hi\r?\n1000\r?\n", out), out
+        uid = str(uids.sandbox_uid(handle.sandbox_id)).encode()
+        out = read_until(terminal, rb"hi\r?\n" + uid + rb"\r?\n")
+        assert re.search(rb"hi\r?\n" + uid + rb"\r?\n", out), out
         terminal.write(b"exit\n")
         with pytest.raises(EOFError):
             read_until_eof(terminal)

@@ -16,13 +16,9 @@ import pytest
 
 from tests.workers.engines import require_engine
 from workers.drivers.base import DriverError, MpsShare, SandboxHandle, SandboxSpec
-from workers.drivers.process import (
-    ProcessDriver,
-    ProcessTerminal,
-    _cgroup_mounts,
-    _gpu_device_nodes,
-    bwrap_available,
-)
+from workers.drivers.cgroups import cgroup_mounts
+from workers.drivers.process import ProcessDriver, _gpu_device_nodes, bwrap_available
+from workers.drivers.process_terminal import ProcessTerminal
 
 READY = "READY"
 
@@ -256,7 +252,7 @@ def test_limits_are_applied(driver: ProcessDriver) -> None:
         assert re.search(rf"Max address space\s+{96 * 2**20}\s", limits), limits
         assert re.search(r"Max processes\s+15\s", limits), limits  # + wrapper, bwrap x2
     else:
-        v2, v1 = _cgroup_mounts()
+        v2, v1 = cgroup_mounts()
         if v2 is not None:
             unified = Path(v2 + cgroups[""])
             assert (unified / "memory.max").read_text().strip() == str(96 * 2**20)
@@ -332,7 +328,7 @@ def test_stop_is_graceful_then_forceful_and_idempotent(driver: ProcessDriver) ->
         driver.stop(handle)  # again: no error
     assert all(gone(pid) for pid in inside)
     assert list(driver.state_dir.glob("t*")) == []
-    v2, v1 = _cgroup_mounts()
+    v2, v1 = cgroup_mounts()
     for mount in [v2, *v1.values()]:
         if mount is not None:
             assert not Path(mount, "gpushare", polite.allocation_id).exists()

@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from workers.drivers import uids
 from workers.drivers.base import DriverError, MpsShare, SandboxSpec, checked_pipe_dir
-from workers.drivers.docker import SANDBOX_USER, container_kwargs
+from workers.drivers.docker import container_kwargs, sandbox_user
 from workers.drivers.libvirt import GuestImage, domain_xml
 from workers.drivers.process import ProcessDriver
 
@@ -95,7 +96,8 @@ def test_docker_kwargs_never_grant_host_privileges(spec: SandboxSpec) -> None:
     # Only keys we know: no privileged, cap_add, devices, volumes, binds, pid/ipc/userns modes.
     assert set(kwargs) <= DOCKER_KEYS, set(kwargs) - DOCKER_KEYS
     assert kwargs["cap_drop"] == ["ALL"] and kwargs["security_opt"] == ["no-new-privileges"]
-    assert kwargs["read_only"] is True and kwargs["user"] == SANDBOX_USER
+    uid = sandbox_user(spec)
+    assert kwargs["read_only"] is True and kwargs["user"] == f"{uid}:{uid}" and uid >= uids.SANDBOX_UID_BASE
     # No network: "none"; with one: the engine's default (bridge) network, never the host's.
     assert kwargs.get("network_mode") == (None if spec.network else "none")
     requests = kwargs.get("device_requests", [])
@@ -113,7 +115,8 @@ def test_docker_kwargs_never_grant_host_privileges(spec: SandboxSpec) -> None:
 # --- bubblewrap ------------------------------------------------------------------------------
 
 _ARITY = {
-    "--unshare-all": 0, "--die-with-parent": 0, "--new-session": 0, "--clearenv": 0,
+    "--unshare-all": 0, "--unshare-user": 0, "--disable-userns": 0, "--seccomp": 1,
+    "--die-with-parent": 0, "--new-session": 0, "--clearenv": 0,
     "--uid": 1, "--gid": 1, "--hostname": 1, "--tmpfs": 1, "--proc": 1, "--dev": 1, "--size": 1,
     "--perms": 1, "--chdir": 1, "--json-status-fd": 1,
     "--ro-bind": 2, "--ro-bind-try": 2, "--bind": 2, "--dev-bind-try": 2, "--symlink": 2, "--setenv": 2,
@@ -122,8 +125,9 @@ _ARITY = {
 _RO_SOURCES = {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/sys"}
 
 
-def bwrap_options(argv: list[str]) -> list[tuple[str, list[str]]]:
-    """(option, arguments) up to ``--``; an option this test does not know fails it."""
+def bwrap_options(argv: list[str]) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """(option, arguments) up to ``--``, and the command after it; an option this test does
+    not know fails it. Parsed by arity: an option's value may itself be "--"."""
     assert argv[0] == "bwrap"
     options, i = [], 1
     while argv[i] != "--":
@@ -131,7 +135,7 @@ def bwrap_options(argv: list[str]) -> list[tuple[str, list[str]]]:
         assert option in _ARITY, f"unexpected bwrap option {option}"
         options.append((option, argv[i + 1 : i + 1 + _ARITY[option]]))
         i += 1 + _ARITY[option]
-    return options
+    return options, argv[i + 1 :]
 
 
 @settings(max_examples=300, deadline=None)
@@ -140,13 +144,15 @@ def test_bwrap_never_shares_the_host(spec: SandboxSpec) -> None:
     driver = ProcessDriver(Path("/nonexistent/state"), gpus_dir=Path("/nonexistent/gpus"))
     if spec.network or not _pipe_is_safe(spec):
         with pytest.raises(DriverError):
-            driver._bwrap_args(spec, 3, 4, 5)
+            driver._bwrap_args(spec, 3, 4, 5, 6)
         return
-    argv = driver._bwrap_args(spec, 3, 4, 5)
-    options = bwrap_options(argv)
+    argv = driver._bwrap_args(spec, 3, 4, 5, 6)
+    options, command = bwrap_options(argv)
     flags = [name for name, _ in options]
     assert "--unshare-all" in flags and "--clearenv" in flags  # net, pid, ipc, uts, user, cgroup
-    assert argv[argv.index("--") + 1 :] == list(spec.command)
+    # No user namespace of its own inside, and the seccomp filter from the driver's fd.
+    assert "--disable-userns" in flags and ("--seccomp", ["6"]) in options
+    assert command == list(spec.command)
     for name, args in options:
         if name in ("--bind", "--dev-bind-try"):  # read-write
             source = args[0]

@@ -1,6 +1,8 @@
 """Docker sandbox driver: one locked-down container per allocation.
 
-Every container runs as uid 1000 with all capabilities dropped, no-new-privileges, a
+Every container runs as an unprivileged uid of its own, from the range no host account uses
+(workers/drivers/uids.py: the engine maps no user namespace, so it is the host's uid too),
+with all capabilities dropped, no-new-privileges, a
 read-only root (writable size-limited tmpfs at /tmp and /home/sandbox), memory, CPU and
 pids limits, and no network unless the spec allows it. GPUs are handed over with a device
 request by GPU or MIG UUID, which the NVIDIA container runtime turns into device nodes;
@@ -33,6 +35,7 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
+from workers.drivers import uids
 from workers.drivers.base import (
     LABEL_PREFIX,
     DriverError,
@@ -46,7 +49,6 @@ from workers.drivers.output import OutputChunk, cap_bytes
 
 log = logging.getLogger(__name__)
 
-SANDBOX_USER = "1000:1000"
 SANDBOX_HOME = "/home/sandbox"
 SANDBOX_TMP = "/tmp"  # noqa: S108 - the container's own tmpfs, not the host's /tmp
 BUILD_HINT = "build it with scripts/build-sandbox-image.sh (or load it with docker load)"
@@ -67,24 +69,33 @@ def _tmpfs_mib(spec: SandboxSpec) -> int:
     return max(16, spec.memory_limit_mib // 4)
 
 
+def sandbox_user(spec: SandboxSpec) -> int:
+    """The container's uid: its own; under MPS, its GPU's (one MPS server serves one uid)."""
+    if spec.mps is not None and spec.device_uuids:
+        return uids.mps_uid(spec.device_uuids[0])
+    return uids.sandbox_uid(spec.sandbox_id)
+
+
 def container_kwargs(spec: SandboxSpec, output_cap: int | None = None) -> dict[str, Any]:
     """The ``containers.create`` arguments for ``spec`` (pure, so it is unit-testable)."""
     tmpfs_size = f"size={_tmpfs_mib(spec)}m"
+    uid = sandbox_user(spec)
     kwargs: dict[str, Any] = {
         "image": spec.image,
         "command": list(spec.command) or None,
         "name": container_name(spec.allocation_id),
         "hostname": f"sandbox-{spec.sandbox_id}",
         "labels": spec.labels(),
-        "environment": {**spec.env, **spec.gpu_env()},
-        "user": SANDBOX_USER,
+        # HOME by name: the sandbox's uid has no entry in the image's /etc/passwd.
+        "environment": {"HOME": SANDBOX_HOME, "USER": "sandbox", **spec.env, **spec.gpu_env()},
+        "user": f"{uid}:{uid}",
         "working_dir": SANDBOX_HOME,
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges"],
         "read_only": True,
         "tmpfs": {
             SANDBOX_TMP: f"rw,nosuid,nodev,mode=1777,{tmpfs_size}",
-            SANDBOX_HOME: f"rw,nosuid,nodev,mode=0700,uid=1000,gid=1000,{tmpfs_size}",
+            SANDBOX_HOME: f"rw,nosuid,nodev,mode=0700,uid={uid},gid={uid},{tmpfs_size}",
         },
         "mem_limit": f"{spec.memory_limit_mib}m",
         "memswap_limit": f"{spec.memory_limit_mib}m",  # equal to mem_limit: no swap
@@ -380,7 +391,7 @@ class DockerDriver:
                 cmd=["/bin/sh"],
                 stdin=True,
                 tty=True,
-                user=SANDBOX_USER,
+                user=str(container.attrs["Config"].get("User") or "nobody"),  # the sandbox's own uid
                 workdir=SANDBOX_HOME,
                 environment={"TERM": "xterm-256color"},
             )["Id"]

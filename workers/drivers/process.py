@@ -3,7 +3,10 @@
 For hosts without a container engine. The sandbox is ``bwrap --unshare-all`` over a
 read-only view of the host's /usr (and the few /etc files dynamic binaries need), with a
 fresh /proc, a minimal /dev, tmpfs /tmp and home, no network (a spec asking for one is
-refused: bwrap could only share the host's), a cleared environment and uid 1000 inside its own user namespace.
+refused: bwrap could only share the host's), a cleared environment and uid 1000 inside its
+own user namespace, in which no further user namespace can be made (``--disable-userns``),
+under a seccomp filter like Docker's default (workers/drivers/seccomp.py), with every
+capability dropped from its bounding set and NO_NEW_PRIVS set (bwrap does both).
 
 Process tree, and why each link is there::
 
@@ -19,19 +22,15 @@ Process tree, and why each link is there::
 * When the agent runs as root, bwrap runs as an unprivileged host uid through
   ``setpriv``: otherwise the sandbox's uid 1000 maps to host root, and every root-owned
   file bound into the sandbox would count as the sandbox user's own. Each sandbox gets
-  its own uid (``_UID_BASE + sandbox_id``), so sandboxes cannot touch one another's
-  processes or files and RLIMIT_NPROC counts one sandbox; except under MPS, whose server
-  serves one uid at a time, so every MPS client runs as ``mps_uid`` (1000, the uid the
-  docker driver uses: run the MPS control daemon as that uid). ``run_as`` pins one uid.
+  its own uid from a range no host account uses (workers/drivers/uids.py), so sandboxes
+  cannot touch one another's processes or files and RLIMIT_NPROC counts one sandbox;
+  except under MPS, whose server serves one uid at a time: a GPU's MPS clients share that
+  GPU's uid, from the same range.
 * bwrap's ``--json-status-fd`` gives the sandbox's pid namespace and, later, the exit
   code, in a file that outlives the agent.
 
-Limits: cgroup v2 (memory.max, memory.swap.max, cpu.max, pids.max) or cgroup v1 (memory,
-memsw, CFS quota, pids) under ``<mount>/gpushare/<allocation>``, whichever the host mounts
-with those controllers and lets us write. Otherwise ``prlimit`` (RLIMIT_AS, RLIMIT_NPROC):
-weaker, since RLIMIT_AS caps address space rather than memory, RLIMIT_NPROC counts every
-process of the host uid, so it is only set when the sandbox has a uid of its own, and
-nothing caps CPU; the log line says which applied.
+Limits: cgroups, else rlimits (workers/drivers/cgroups.py); the log line says which applied.
+The web terminal's shell enters the sandbox with the same confinement (enter_sandbox.py).
 
 GPU isolation here is by device node where the driver exposes a minor number for the GPU
 UUID, and by ``CUDA_VISIBLE_DEVICES`` only for MIG devices (all GPU nodes are bound).
@@ -40,28 +39,25 @@ UUID, and by ``CUDA_VISIBLE_DEVICES`` only for MIG devices (all GPU nodes are bo
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
 import os
 import re
-import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
-import termios
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.drivers import output
+from workers.drivers import DriverUnavailable, output, procfs, seccomp, uids
 from workers.drivers.base import DriverError, SandboxHandle, SandboxSpec, SandboxStatus, checked_pipe_dir
+from workers.drivers.cgroups import Limits, make_cgroups, oom_kills, remove_cgroups, rlimits
+from workers.drivers.process_terminal import ProcessTerminal
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +65,7 @@ SANDBOX_UID = 1000
 SANDBOX_HOME = "/home/sandbox"
 SANDBOX_TMP = "/tmp"  # noqa: S108 - the sandbox's own tmpfs, not the host's /tmp
 NOBODY_UID = 65534
-# Host uids for sandboxes, one per sandbox id: far above login users, and above the
-# subordinate ranges (/etc/subuid) that user-namespace tools usually hand out.
-_UID_BASE = 1_000_000_000
-_UID_SPAN = 1_000_000
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-_CGROUP_PARENT = "gpushare"
-_CPU_PERIOD_US = 100_000
-# The wrapper shell, outer bwrap and bwrap's init live in the sandbox's pids cgroup too.
-_WRAPPER_PIDS = 3
 _START_TIMEOUT_S = 10.0
 _POLL_S = 0.05
 _BASE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
@@ -93,13 +81,13 @@ _PASSWD = (
     f"nobody:x:{NOBODY_UID}:{NOBODY_UID}:nobody:/nonexistent:/bin/false\n"
 )
 _GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:{NOBODY_UID}:\n"
-# Joins every cgroup.procs file given before "--", then runs the rest. The sandbox
-# variant stays as the parent (see the module docstring); the terminal variant execs.
-_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
-_JOIN_AND_WAIT = _JOIN + '"$@"'
-_JOIN_AND_EXEC = _JOIN + 'exec "$@"'
+# Joins every cgroup.procs file given before "--", then runs the rest, and stays as its
+# parent (see the module docstring).
+_JOIN_AND_WAIT = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; "$@"'
 # Run by path with -I -S: the writer imports nothing of the project (nor celery's app).
 _OUTPUT_WRITER = str(Path(output.__file__).resolve())
+# The terminal's way into a sandbox, with the batch's confinement (run by path, -I).
+_ENTER_SANDBOX = str(Path(__file__).with_name("enter_sandbox.py").resolve())
 
 
 def bwrap_available() -> bool:
@@ -113,43 +101,6 @@ def bwrap_available() -> bool:
         return probed.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
-
-
-# --- /proc helpers -----------------------------------------------------------------------
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks) of ``pid``, or None when it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and parentheses: split after its last ")".
-    rest = raw[raw.rfind(")") + 2 :].split()
-    return rest[0], int(rest[19])
-
-
-def _alive(pid: int, start_ticks: int) -> bool:
-    stat = _proc_stat(pid)
-    return stat is not None and stat[1] == start_ticks and stat[0] not in ("Z", "X")
-
-
-def _pids_in_namespace(pidns: str) -> list[int]:
-    """Host pids of the processes in the pid namespace ``pid:[inode]``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if os.readlink(entry / "ns" / "pid") == pidns:
-                pids.append(int(entry.name))
-    return pids
-
-
-def _signal_all(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
 
 
 def _gpu_device_nodes(uuids: tuple[str, ...], gpus_dir: Path) -> list[str]:
@@ -171,176 +122,6 @@ def _gpu_device_nodes(uuids: tuple[str, ...], gpus_dir: Path) -> list[str]:
     return [*common, *nodes, "/dev/nvidia-caps"]
 
 
-# --- cgroups -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Limits:
-    mode: str  # "cgroup-v2" | "cgroup-v1" | "rlimit"
-    cgroups: tuple[str, ...]  # directories made for this sandbox
-    procs_files: tuple[str, ...]  # cgroup.procs files the wrapper joins
-    prlimit: tuple[str, ...]  # prlimit prefix for the rlimit fallback
-
-
-def _cgroup_mounts() -> tuple[str | None, dict[str, str]]:
-    """(cgroup2 mount with memory+cpu+pids, or None; v1 controller -> mount point)."""
-    v2: str | None = None
-    v1: dict[str, str] = {}
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        _, target, fstype, options, *_ = line.split()
-        if fstype == "cgroup2":
-            controllers = Path(target, "cgroup.controllers")
-            with contextlib.suppress(OSError):
-                if {"memory", "cpu", "pids"} <= set(controllers.read_text().split()):
-                    v2 = target
-        elif fstype == "cgroup":
-            for option in options.split(","):
-                if option in ("memory", "cpu", "pids"):
-                    v1[option] = target
-    return v2, v1
-
-
-def _make_cgroups(spec: SandboxSpec) -> _Limits:
-    """Create and fill the sandbox's cgroups; OSError when the host will not let us."""
-    memory = spec.memory_limit_mib * 1024 * 1024
-    quota = max(1000, round(spec.cpu_limit * _CPU_PERIOD_US))
-    pids = spec.pids_limit + _WRAPPER_PIDS
-    v2, v1 = _cgroup_mounts()
-    made: list[Path] = []
-    try:
-        if v2 is not None:
-            parent = Path(v2, _CGROUP_PARENT)
-            parent.mkdir(exist_ok=True)
-            # Controllers must be enabled on every level above the leaf.
-            for level in (Path(v2), parent):
-                (level / "cgroup.subtree_control").write_text("+memory +cpu +pids")
-            leaf = parent / spec.allocation_id
-            leaf.mkdir(exist_ok=True)
-            made.append(leaf)
-            (leaf / "memory.max").write_text(str(memory))
-            if (leaf / "memory.swap.max").exists():
-                (leaf / "memory.swap.max").write_text("0")
-            (leaf / "cpu.max").write_text(f"{quota} {_CPU_PERIOD_US}")
-            (leaf / "pids.max").write_text(str(pids))
-            return _Limits("cgroup-v2", (str(leaf),), (str(leaf / "cgroup.procs"),), ())
-        if {"memory", "cpu", "pids"} <= v1.keys():
-            leaves = {c: Path(v1[c], _CGROUP_PARENT, spec.allocation_id) for c in v1}
-            for leaf in dict.fromkeys(leaves.values()):  # co-mounted controllers share one
-                leaf.mkdir(parents=True, exist_ok=True)
-                made.append(leaf)
-            # The memory limit goes first: memsw may never be below it.
-            (leaves["memory"] / "memory.limit_in_bytes").write_text(str(memory))
-            if (leaves["memory"] / "memory.memsw.limit_in_bytes").exists():
-                (leaves["memory"] / "memory.memsw.limit_in_bytes").write_text(str(memory))
-            (leaves["cpu"] / "cpu.cfs_period_us").write_text(str(_CPU_PERIOD_US))
-            (leaves["cpu"] / "cpu.cfs_quota_us").write_text(str(quota))
-            (leaves["pids"] / "pids.max").write_text(str(pids))
-            dirs = tuple(str(d) for d in made)
-            return _Limits("cgroup-v1", dirs, tuple(f"{d}/cgroup.procs" for d in dirs), ())
-        raise OSError(errno.ENOTSUP, "no cgroup hierarchy with memory, cpu and pids")
-    except OSError:
-        _remove_cgroups(tuple(str(d) for d in made))
-        raise
-
-
-def _rlimits(spec: SandboxSpec, private_uid: bool) -> _Limits:
-    prlimit = ["prlimit", f"--as={spec.memory_limit_mib * 1024 * 1024}"]
-    if private_uid:
-        prlimit.append(f"--nproc={spec.pids_limit + _WRAPPER_PIDS}")
-    else:
-        # RLIMIT_NPROC counts every process of the host uid: on a shared uid it would
-        # count other sandboxes (and containers) too and fail launches at random.
-        log.warning("sandbox %s has no pids limit: its host uid is shared", spec.allocation_id)
-    return _Limits("rlimit", (), (), tuple(prlimit))
-
-
-def _oom_kills(dirs: tuple[str, ...]) -> int:
-    """Processes the kernel killed at the memory limit: ``oom_kill`` in cgroup v2's
-    memory.events or v1's memory.oom_control (kernels from 4.13 count it there)."""
-    kills = 0
-    for d in dirs:
-        for name in ("memory.events", "memory.oom_control"):
-            with contextlib.suppress(OSError):
-                for line in Path(d, name).read_text().splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        kills += int(value)
-    return kills
-
-
-def _remove_cgroups(dirs: tuple[str, ...]) -> None:
-    for d in dirs:
-        procs = Path(d, "cgroup.procs")
-        for _ in range(40):
-            if not procs.exists():
-                break
-            with contextlib.suppress(OSError, ValueError):
-                _signal_all([int(p) for p in procs.read_text().split()], signal.SIGKILL)
-            try:
-                Path(d).rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(_POLL_S)  # EBUSY until the killed processes are gone
-        else:
-            log.warning("could not remove cgroup %s", d)
-
-
-# --- terminal ----------------------------------------------------------------------------
-
-
-class ProcessTerminal:
-    """A shell inside the sandbox's namespaces on a pty.
-
-    ``read`` returns ``b""`` when nothing arrived within the timeout and raises
-    ``EOFError`` once the shell has gone.
-    """
-
-    def __init__(self, master_fd: int, proc: subprocess.Popen[bytes]) -> None:
-        self._fd = master_fd
-        self._proc = proc
-        self._closed = False
-
-    def write(self, data: bytes) -> None:
-        if self._closed:
-            raise EOFError("terminal is closed")
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(self._fd, view) :]
-            except OSError as exc:
-                raise EOFError(f"terminal lost: {exc}") from exc
-
-    def read(self, timeout_s: float = 0.1) -> bytes:
-        if self._closed:
-            raise EOFError("terminal is closed")
-        ready, _, _ = select.select([self._fd], [], [], timeout_s)
-        if not ready:
-            return b""
-        try:
-            data = os.read(self._fd, 65536)
-        except OSError as exc:  # EIO: every slave end closed, the shell has exited
-            raise EOFError("shell exited") from exc
-        if not data:
-            raise EOFError("shell exited")
-        return data
-
-    def resize(self, rows: int, cols: int) -> None:
-        fcntl.ioctl(self._fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        os.close(self._fd)  # hangs up the pty: the shell gets SIGHUP
-        try:
-            self._proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-
-
 # --- driver ------------------------------------------------------------------------------
 
 
@@ -353,8 +134,6 @@ class ProcessDriver:
         host: str = "",
         *,
         limits: str = "auto",
-        run_as: int | None = None,
-        mps_uid: int = SANDBOX_UID,
         gpus_dir: Path = Path("/proc/driver/nvidia/gpus"),
         output_cap: int | None = None,
     ) -> None:
@@ -363,8 +142,8 @@ class ProcessDriver:
         self.state_dir = Path(state_dir)
         self.host = host
         self.limits = limits
-        self.run_as = run_as
-        self.mps_uid = mps_uid
+        if os.geteuid() == 0 and (problem := uids.check_range()):
+            raise DriverUnavailable("process", problem, "set SANDBOX_UID_BASE for every agent of this host")
         self.gpus_dir = gpus_dir
         self.output_cap = output.cap_bytes() if output_cap is None else output_cap
         self._children: dict[str, subprocess.Popen[bytes]] = {}
@@ -441,21 +220,21 @@ class ProcessDriver:
         child = self._children.get(state["allocation_id"])
         if child is not None:
             child.poll()  # reap our own exited wrapper so it does not linger as a zombie
-        return _alive(state["pid"], state["start_ticks"])
+        return procfs.alive(state["pid"], state["start_ticks"])
 
     # -- launch --
 
-    def _choose_limits(self, spec: SandboxSpec) -> _Limits:
-        private_uid = os.geteuid() == 0 and spec.mps is None and self.run_as is None
+    def _choose_limits(self, spec: SandboxSpec) -> Limits:
+        private_uid = os.geteuid() == 0 and spec.mps is None
         if self.limits == "rlimit":
-            return _rlimits(spec, private_uid)
+            return rlimits(spec, private_uid)
         try:
-            return _make_cgroups(spec)
+            return make_cgroups(spec)
         except OSError as exc:
             if self.limits == "cgroup":
                 raise DriverError(f"cannot create cgroups for {spec.allocation_id}: {exc}") from exc
             log.warning("cgroups not usable (%s); sandbox %s falls back to rlimits", exc, spec.allocation_id)
-            return _rlimits(spec, private_uid)
+            return rlimits(spec, private_uid)
 
     @staticmethod
     def _refuse_unsafe(spec: SandboxSpec) -> None:
@@ -470,9 +249,12 @@ class ProcessDriver:
         if spec.mps is not None:
             checked_pipe_dir(spec.mps.pipe_dir)
 
-    def _bwrap_args(self, spec: SandboxSpec, passwd_fd: int, group_fd: int, status_fd: int) -> list[str]:
+    def _bwrap_args(
+        self, spec: SandboxSpec, passwd_fd: int, group_fd: int, status_fd: int, seccomp_fd: int
+    ) -> list[str]:
         self._refuse_unsafe(spec)
-        args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+        args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--seccomp", str(seccomp_fd)]
+        args += ["--die-with-parent", "--new-session"]
         args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
         args += ["--hostname", f"sandbox-{spec.sandbox_id}", "--ro-bind", "/usr", "/usr"]
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -508,12 +290,11 @@ class ProcessDriver:
         base = {"PATH": _BASE_PATH, "HOME": SANDBOX_HOME, "USER": "sandbox"}
         return {**base, **spec.env, **spec.gpu_env()}
 
-    def _host_uid(self, spec: SandboxSpec) -> int:
-        if spec.mps is not None:
-            return self.mps_uid
-        if self.run_as is not None:
-            return self.run_as
-        return _UID_BASE + spec.sandbox_id % _UID_SPAN
+    @staticmethod
+    def _host_uid(spec: SandboxSpec) -> int:
+        if spec.mps is not None and spec.device_uuids:
+            return uids.mps_uid(spec.device_uuids[0])
+        return uids.sandbox_uid(spec.sandbox_id)
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         if not spec.command:
@@ -537,12 +318,14 @@ class ProcessDriver:
             drop = ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--"]
         fds: list[int] = []
         try:
-            for content in (_PASSWD, _GROUP):
-                fd = os.memfd_create("gpushare-etc", 0)  # bwrap copies it: no file on disk
+            for content in (_PASSWD.encode(), _GROUP.encode(), None, seccomp.bpf_program()):
+                if content is None:
+                    fds.append(os.open(status_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+                    continue
+                fd = os.memfd_create("gpushare-sandbox", 0)  # bwrap reads it: no file on disk
                 fds.append(fd)
-                os.write(fd, content.encode())
+                os.write(fd, content)
                 os.lseek(fd, 0, os.SEEK_SET)
-            fds.append(os.open(status_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
             argv = [
                 "/bin/sh", "-c", _JOIN_AND_WAIT, "gpushare-sandbox", *limits.procs_files, "--",
                 *drop, *limits.prlimit, *self._bwrap_args(spec, *fds),
@@ -567,21 +350,21 @@ class ProcessDriver:
                 stdout=write_end,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                pass_fds=fds[:3],
+                pass_fds=fds[:4],
                 cwd="/",
                 env={"PATH": _BASE_PATH},
             )
         except OSError as exc:
-            _remove_cgroups(limits.cgroups)
+            remove_cgroups(limits.cgroups)
             raise DriverError(f"cannot start sandbox {spec.allocation_id}: {exc}") from exc
         finally:
             for fd in fds:
                 os.close(fd)
         started = time.time()
-        stat = _proc_stat(proc.pid)
+        stat = procfs.proc_stat(proc.pid)
         info = self._wait_for_setup(spec.allocation_id, proc, output_dir)
         if stat is None or info is None:
-            _remove_cgroups(limits.cgroups)
+            remove_cgroups(limits.cgroups)
             tail = self._output_text(output_dir)[-2000:].strip()
             status_path.unlink(missing_ok=True)
             shutil.rmtree(output_dir, ignore_errors=True)
@@ -625,8 +408,8 @@ class ProcessDriver:
             docs = self._status_lines(allocation_id)
             if docs and "child-pid" in docs[0]:
                 info = docs[0]
-                members = _pids_in_namespace(f"pid:[{info['pid-namespace']}]")
-                init = _proc_stat(info["child-pid"])
+                members = procfs.pids_in_namespace(f"pid:[{info['pid-namespace']}]")
+                init = procfs.proc_stat(info["child-pid"])
                 if init is not None and any(pid != info["child-pid"] for pid in members):
                     return {**info, "child-start-ticks": init[1]}
                 if any("exit-code" in doc for doc in docs):
@@ -655,7 +438,7 @@ class ProcessDriver:
             current = self._load(handle.allocation_id)
             if current is None or current["pid"] != state["pid"]:
                 return  # a concurrent stop got there first
-            _remove_cgroups(tuple(state["cgroups"]))
+            remove_cgroups(tuple(state["cgroups"]))
             for suffix in ("json", "status"):
                 self._path(handle.allocation_id, suffix).unlink(missing_ok=True)
             shutil.rmtree(self._output_dir(handle.allocation_id), ignore_errors=True)
@@ -666,9 +449,9 @@ class ProcessDriver:
     def _sandbox_members(state: dict[str, Any]) -> list[int]:
         # Namespace inodes are reused once a namespace dies: trust the recorded one only
         # while the namespace's init, which holds it, is the process we recorded.
-        if not _alive(state["child_pid"], state["child_start_ticks"]):
+        if not procfs.alive(state["child_pid"], state["child_start_ticks"]):
             return []
-        return _pids_in_namespace(state["pidns"])
+        return procfs.pids_in_namespace(state["pidns"])
 
     def _terminate(self, state: dict[str, Any], grace_s: float) -> None:
         # SIGTERM goes to the sandbox's own processes, not to the wrapper's group: the
@@ -676,14 +459,14 @@ class ProcessDriver:
         # command no chance to clean up. The namespace's init (bwrap) ignores it, then
         # exits with the command's status.
         members = self._sandbox_members(state)
-        _signal_all([p for p in members if p != state["child_pid"]], signal.SIGTERM)
+        procfs.signal_all([p for p in members if p != state["child_pid"]], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and self._running(state):
             time.sleep(_POLL_S)
         if self._running(state):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(state["pid"], signal.SIGKILL)
-            _signal_all(self._sandbox_members(state), signal.SIGKILL)
+            procfs.signal_all(self._sandbox_members(state), signal.SIGKILL)
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline and self._running(state):
                 time.sleep(_POLL_S)
@@ -701,7 +484,7 @@ class ProcessDriver:
             None,
         )  # fmt: skip
         reason = None
-        if _oom_kills(tuple(state.get("cgroups") or ())):
+        if oom_kills(tuple(state.get("cgroups") or ())):
             reason = "out of memory: killed at the memory limit"
         return SandboxStatus(state="exited", exit_code=code, started_at_ms=started, reason=reason)
 
@@ -735,11 +518,8 @@ class ProcessDriver:
         spec = SandboxSpec.from_json(state["spec"])
         uid = str(SANDBOX_UID)
         argv = [
-            "/bin/sh", "-c", _JOIN_AND_EXEC, "gpushare-terminal", *state["procs_files"], "--",
-            *state["prlimit"],
-            # setsid --ctty makes the pty the shell's controlling terminal (job control, ^C).
-            "setsid", "--ctty", "nsenter", "--target", str(state["child_pid"]), "--all",
-            "--setuid", uid, "--setgid", uid, f"--wdns={SANDBOX_HOME}", "--", "/bin/sh", "-i",
+            *state["prlimit"], sys.executable, "-I", _ENTER_SANDBOX, str(state["child_pid"]), uid, uid,
+            SANDBOX_HOME, *state["procs_files"], "--", "/bin/sh", "-i",
         ]  # fmt: skip
         env = {**self._sandbox_env(spec), "TERM": "xterm-256color"}
         master, slave = os.openpty()
