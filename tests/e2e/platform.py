@@ -191,7 +191,8 @@ class Platform:
         )
 
     def stop(self) -> None:
-        """Stop the processes, then remove any container this run's agent left behind."""
+        """Stop the processes, then any sandbox this run's agent left behind (they outlive
+        agents on purpose: containers, and process sandboxes under the var dir)."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -210,6 +211,17 @@ class Platform:
                 all=True, filters={"label": f"io.gpushare.host={self.host}"}
             ):
                 container.remove(force=True)
+        stop_process_sandboxes(self.var_dir)
+
+
+def stop_process_sandboxes(var_dir: Path) -> None:
+    """Every process sandbox an agent made under ``var_dir`` (their state files say which)."""
+    from workers.drivers.process import ProcessDriver
+
+    for state_dir in var_dir.glob("agents/*/sandboxes"):
+        driver = ProcessDriver(state_dir)
+        for handle in driver.list_owned():
+            driver.stop(handle, grace_s=0)
 
 
 def _has_inventory(platform: Platform) -> bool:

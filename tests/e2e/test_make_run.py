@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.platform import free_port, wait_for
+from tests.e2e.platform import free_port, stop_process_sandboxes, wait_for
 from tests.workers.engines import require_engine
 from workers.drivers.process import bwrap_available
 
@@ -102,6 +102,7 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
     if running.proc is not None and running.proc.poll() is None:
         os.killpg(running.proc.pid, signal.SIGKILL)
         running.proc.wait()
+    stop_process_sandboxes(base / "var")  # they outlive make run, as they outlive agents
 
 
 def test_it_comes_up_with_both_agents_self_tested(launcher: Launcher) -> None:
