@@ -3,7 +3,8 @@
 #
 # The image is a busybox-static rootfs imported with `docker import`: sandbox hosts often
 # have no registry access, and the docker driver only needs a shell, coreutils and a
-# non-root `sandbox` user (uid 1000, the uid the driver runs containers as).
+# `sandbox` user for images run by hand. The driver runs each container as its own uid from
+# SANDBOX_UID_BASE up (workers/drivers/uids.py), with HOME=/home/sandbox on a tmpfs it owns.
 #
 # Usage: scripts/build-sandbox-image.sh [--force] [--image NAME:TAG]
 # Idempotent: does nothing when the image already exists, unless --force.
