@@ -12,8 +12,10 @@ from django import forms
 from portal.accounts.models import Membership, Project
 from portal.billing.api_common import repeated_fields, text_problem, unknown_fields
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
+from portal.fleet.models import Host
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
 from scheduler.gpus import MODELS
+from workers.drivers import DRIVER_ISOLATION
 
 MIG_PROFILES = sorted(
     {p.name for m in MODELS.values() for p in m.mig_profiles}, key=lambda n: (int(n.split("g")[0]), n)
@@ -21,6 +23,16 @@ MIG_PROFILES = sorted(
 
 # Django's message echoes the value, however long or odd: name the choices' place instead.
 _CHOOSE = {"invalid_choice": "Choose one of the listed options."}
+
+
+def isolation_the_fleet_gives() -> str:
+    """The first of container, process and VM that a host that is up gives: the form's
+    default, so that where no host runs Docker (``make run`` on a machine without it) the
+    form does not open on an isolation nothing can run."""
+    drivers = set(Host.objects.filter(state=Host.State.UP).values_list("driver", flat=True))
+    given = {DRIVER_ISOLATION[driver] for driver in drivers if driver in DRIVER_ISOLATION}
+    preferred = (IsolationLevel.CONTAINER, IsolationLevel.PROCESS, IsolationLevel.VM)
+    return next((level.value for level in preferred if level in given), IsolationLevel.CONTAINER.value)
 
 
 class SandboxRequestForm(forms.Form):
@@ -69,6 +81,8 @@ class SandboxRequestForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.user = user
         self.for_create = for_create
+        if not self.is_bound:
+            self.fields["isolation"].initial = isolation_the_fleet_gives()
         projects = (
             Project.objects.all()
             if user.is_staff

@@ -110,3 +110,25 @@ def test_a_form_not_filled_in_yet_is_not_called_refused(
     form = request_form(people, catalog)
     del form["image"]
     assert "Choose an image to see whether" in owner.post("/sandboxes/preview/", form).content.decode()
+
+
+@pytest.mark.parametrize(
+    ("drivers", "chosen"),
+    [
+        (("docker", "process"), "container"),
+        (("process",), "process"),
+        (("libvirt",), "vm"),
+        ((), "container"),
+    ],
+)
+def test_the_form_opens_on_an_isolation_a_host_gives(
+    people: Any, drivers: tuple[str, ...], chosen: str
+) -> None:
+    """make run on a machine without Docker has only bubblewrap hosts: a form opening on
+    *container* would have a newcomer's first request wait for a host that never comes."""
+    from tests.conftest import seed_host
+
+    for number, driver in enumerate(drivers):
+        seed_host(f"h{number}", "A100-80GB:1", driver=driver)
+    page = client_for(people["owner"]).get("/sandboxes/new/").content.decode()
+    assert f'<option value="{chosen}" selected>' in page
