@@ -48,15 +48,20 @@ FORM_FIELDS = [
     "project", "tier", "image", "isolation", "gpu_count", "mig_profile", "mps_memory_gib",
     "mps_thread_pct", "duration_hours", "run", "command", "hours", "action", "role", "username",
     "membership", "reason", "host", "gpu", "profile", "target", "fingerprint", "plan", "name", "slug",
-    "price_per_gpu_hour", "sharing_mode", "max_gpus", "password", "next", "privileged",
+    "price_per_gpu_hour", "sharing_mode", "max_gpus", "password", "next", "privileged", "scopes",
+    "expiry_days", "old_password", "new_password1", "new_password2", "email",
 ]  # fmt: skip
 # URL kwargs of the URLconf -> a value that exists in the world below (or a plausible one).
-KWARGS = {"pk": "{sandbox}", "slug": "vision", "uuid": "{gpu}", "kind": "tier"}
+KWARGS = {
+    "pk": "{sandbox}", "slug": "vision", "uuid": "{gpu}", "kind": "tier",
+    "uidb64": "MQ", "token": "set-password",  # a reset link's parts (Django's own view)
+}  # fmt: skip
 POSTED = {
     "sandbox-new", "sandbox-preview", "project-members", "sandbox-stop", "sandbox-extend",
     "console-catalog-new", "console-catalog-edit", "console-start-mig-relayout",
     "console-start-consolidation", "console-drain-gpu", "console-undrain-gpu", "console-plans",
-    "login", "logout",
+    "login", "logout", "api-tokens", "api-token-revoke", "password_change", "password_reset",
+    "password_reset_confirm",
 }  # fmt: skip
 
 
