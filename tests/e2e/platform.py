@@ -141,8 +141,10 @@ class Platform:
         celery = celery or [sys.executable, "-m", "celery", "-A", "workers"]
         self.start(
             name,
+            # DEBUG: Celery's line per task, which INFO leaves out now; the fault tests count
+            # the cycles each worker ran from them.
             [*celery, "worker", "-Q", "control", "-n", f"{name}-{self.host}@%h", "-P", "threads",
-             "-c", "2", "--loglevel=INFO"],
+             "-c", "2", "--loglevel=DEBUG"],
             GPUSHARE_ROLE="control",
         )  # fmt: skip
 
