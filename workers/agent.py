@@ -71,6 +71,9 @@ class Agent:
         self.handles: dict[str, SandboxHandle] = {}  # allocation id -> what the driver made
         self.started_ms: dict[str, int] = {}
         self.stopped: set[str] = set()  # allocation ids stopped: a late launch must not revive them
+        # Allocation id -> sandbox id of launches under way: a driver lists a sandbox only once
+        # it is set up, and a report taken meanwhile must still say it is coming.
+        self.launching: dict[str, int] = {}
         self._stop = threading.Event()
         self._gpus: list[GpuInfo] = []
         self.mps = MpsManager(mps_root(host, var_dir))
@@ -153,10 +156,12 @@ class Agent:
 
     def _build_report(self) -> None:
         taken_ms = _now_ms()
+        with self.lock:  # before listing: a launch leaves this only once the driver lists it
+            launching = dict(self.launching)
         try:
             handles = self.driver.list_owned()  # listed once, for both uses
             self.refresh_pid_owners(handles)
-            owned = self.owned_report(handles)
+            owned = self.owned_report(handles, launching)
         except DriverError as exc:  # the engine is down: beat anyway, reconcile next time
             log.warning("cannot list sandboxes for the report: %s", exc)
             return
@@ -185,10 +190,14 @@ class Agent:
             return sample.mem_by_owner[allocation_id]
         return sum(m for k, m in sample.mem_by_owner.items() if self._pid_owner.get(k) == allocation_id)
 
-    def owned_report(self, handles: list[SandboxHandle]) -> list[dict[str, Any]]:
+    def owned_report(
+        self, handles: list[SandboxHandle], launching: dict[str, int] | None = None
+    ) -> list[dict[str, Any]]:
         """Every sandbox the driver owns on this host (``handles``, found by labels or names,
         so they survive a restart of this agent), with its state and whether this agent
-        tracks it."""
+        tracks it; and those still being launched (``launching``), as ``created``: without
+        them a report taken during a launch and read once the sandbox runs would call it
+        vanished (the driver's start time precedes the report, its listing does not)."""
         with self.lock:
             tracked = set(self.running)
         for gone in set(self._util) - tracked:
@@ -211,6 +220,17 @@ class Agent:
                     "util": self.util_over_window(handle.allocation_id),
                 }
             )
+        listed = {entry["allocation_id"] for entry in report}
+        for allocation_id, sandbox_id in (launching or {}).items():
+            if allocation_id not in listed:
+                report.append(
+                    {
+                        "allocation_id": allocation_id,
+                        "sandbox_id": sandbox_id,
+                        "state": "created",
+                        "tracked": True,
+                    }
+                )
         return report
 
     # --- sandboxes ---------------------------------------------------------------------------
@@ -232,13 +252,18 @@ class Agent:
             if with_pipe is None:
                 return
             spec = with_pipe
+        with self.lock:
+            self.launching[spec.allocation_id] = spec.sandbox_id
         try:
             handle = self.driver.launch(spec)
         except DriverError as exc:
+            with self.lock:
+                self.launching.pop(spec.allocation_id, None)
             dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, str(exc))
             return
         started = self.driver.status(handle).started_at_ms or _now_ms()
         with self.lock:
+            self.launching.pop(spec.allocation_id, None)  # the driver lists it from now on
             stopped_meanwhile = spec.allocation_id in self.stopped
             if not stopped_meanwhile:
                 self.running[spec.allocation_id] = spec

@@ -125,6 +125,23 @@ route("GET", "/api/v1/invoices/", **signed_in(200, anonymous=401))
 route("GET", "/api/v1/invoices/{invoice}/", **signed_in(200, anonymous=401, outsider=404))
 route("GET", "/api/schema/", **signed_in(200, anonymous=200))
 route("GET", "/api/docs/", **signed_in(200, anonymous=200))
+# A batch's output: whoever may see the sandbox.
+route("GET", "/sandboxes/{sandbox}/output.txt", **signed_in(200, outsider=404))
+route("GET", "/api/v1/sandboxes/{sandbox}/output/", **signed_in(200, anonymous=401, outsider=404))
+# Accounts: your own password and tokens; a token is revoked by its owner (member) or staff,
+# and does not exist for anyone else. Resetting a password needs no sign-in.
+route("GET", "/account/password/", **signed_in(200))
+route("GET", "/account/password/done/", **signed_in(200))
+route("GET", "/account/tokens/", **signed_in(200))
+route(
+    "POST",
+    "/account/tokens/{token}/revoke/",
+    **signed_in(404, member=(302, "elsewhere"), admin=(302, "elsewhere")),
+)
+route("GET", "/password-reset/", all=200)
+route("GET", "/password-reset/sent/", all=200)
+route("GET", "/password-reset/{reset}/", all=200)  # a link that is not valid: says so
+route("GET", "/password-reset/done/", all=200)
 route("POST", "/logout/", all=(302, LOGIN))  # last: it signs the caller out
 
 
@@ -149,9 +166,10 @@ def world(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> dict[str, A
     invoice = Invoice.objects.create(
         project=people["project"], period_start=date(2026, 11, 1), currency="EUR"
     )
+    token, _key = ApiToken.issue(people["member"], "matrix", [ApiToken.Scope.READ_USAGE])
     return {
         "users": users, "people": people, "catalog": catalog, "usage": usage.pk, "gpu": gpu.uuid,
-        "invoice": invoice.pk,
+        "invoice": invoice.pk, "token": token.pk,
     }  # fmt: skip
 
 
@@ -184,6 +202,8 @@ def test_each_caller_gets_what_the_matrix_says(world: dict[str, Any], persona: s
             usage=world["usage"],
             tier=world["catalog"]["dedicated"].pk,
             invoice=world["invoice"],
+            token=world["token"],
+            reset="MQ/not-a-token",
         )
         data = {"reason": "matrix", "hours": "1"} if method == "POST" else None
         if data and path.startswith("/api/"):  # the API refuses fields a route does not take
@@ -227,6 +247,8 @@ def test_every_route_is_in_the_matrix() -> None:
         .replace("{sandbox}", "<int:pk>")
         .replace("{usage}", "<int:pk>")
         .replace("{invoice}", "<int:pk>")
+        .replace("{token}", "<int:pk>")
+        .replace("{reset}", "<uidb64>/<token>")
         .replace("{gpu}", "<str:uuid>")
         .replace("catalog/tiers/new", "catalog/<str:kind>/new")
         .replace("catalog/quotas/new", "catalog/<str:kind>/new")

@@ -112,6 +112,25 @@ def test_a_report_taken_before_the_start_does_not_count_as_vanished(
     assert sandbox.state == "running"
 
 
+def test_a_sandbox_still_being_launched_when_the_report_was_taken_is_not_vanished(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """The agent reports a launch under way as ``created`` (the driver lists it only once set
+    up); read after the sandbox was marked running, that report must leave it running."""
+    sandbox = placed(people, catalog)
+    report = [
+        {
+            "allocation_id": sandbox.allocation_key,
+            "sandbox_id": sandbox.pk,
+            "state": "created",
+            "tracked": True,
+        }
+    ]
+    assert not do_reconcile_host(host_of(sandbox), later(), report)
+    sandbox.refresh_from_db()
+    assert sandbox.state == "running"
+
+
 def test_a_lost_launch_report_is_recovered(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
     sandbox = placed(people, catalog, running=False)
     assert sandbox.state == "starting"

@@ -122,3 +122,42 @@ def test_a_launch_for_another_isolation_level_is_refused(tmp_path: Path, sent_ta
     assert driver.launched == []
     [(_, _task, (sandbox_id, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
     assert (sandbox_id, key) == (7, "a1") and message == "host h runs process sandboxes, not vm"
+
+
+class SlowListingDriver(RecordingDriver):
+    """Lists a sandbox only once its launch returns, as the process driver does (its state
+    file is written after the sandbox is set up); the report is taken mid-launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed: list[SandboxHandle] = []
+        self.report_mid_launch: list[dict[str, Any]] = []
+        self.agent: Agent | None = None
+
+    def launch(self, spec: SandboxSpec) -> SandboxHandle:
+        assert self.agent is not None
+        self.agent._build_report()  # a heartbeat's report, taken while this sandbox is set up
+        self.report_mid_launch = self.agent._report_ready[0] if self.agent._report_ready else []
+        handle = super().launch(spec)
+        self.listed.append(handle)
+        return handle
+
+    def list_owned(self) -> list[SandboxHandle]:
+        return list(self.listed)
+
+
+def test_a_report_taken_during_a_launch_says_the_sandbox_is_coming(tmp_path: Path) -> None:
+    """Without it, a report taken while bwrap set the sandbox up, and read by control once the
+    sandbox ran, called it vanished: failed after two seconds (seen under load in CI)."""
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
+    driver = SlowListingDriver()
+    a = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
+    driver.agent = a
+    a.inventory()
+    a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))
+    assert driver.report_mid_launch == [
+        {"allocation_id": "a1", "sandbox_id": 7, "state": "created", "tracked": True}
+    ]
+    a._build_report()
+    assert a._report_ready is not None
+    assert [(e["allocation_id"], e["state"]) for e in a._report_ready[0]] == [("a1", "running")]
