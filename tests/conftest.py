@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,6 +32,19 @@ def _redis_for_tests() -> None:
             returncode=2,
         )
     client.flushdb()
+
+
+@pytest.fixture(autouse=True)
+def _a_channel_layer_per_test() -> Iterator[None]:
+    """Each test gets its own channel layer. Tests drive consumers with ``asyncio.run``, one
+    event loop each, while Channels caches the layer per process: a receive left waiting when
+    an earlier test's loop ended keeps the layer's lock held, bound to that dead loop, and
+    every later receive fails ("bound to a different event loop"; seen on the embedded pass)."""
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
+    yield
+    channel_layers.backends.clear()
 
 
 @pytest.fixture
