@@ -261,6 +261,10 @@ class Agent:
                 self.launching.pop(spec.allocation_id, None)
             dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, str(exc))
             return
+        except BaseException:  # a bug, not a refusal: the task fails, the entry must not stay
+            with self.lock:
+                self.launching.pop(spec.allocation_id, None)
+            raise
         started = self.driver.status(handle).started_at_ms or _now_ms()
         with self.lock:
             self.launching.pop(spec.allocation_id, None)  # the driver lists it from now on

@@ -161,3 +161,20 @@ def test_a_report_taken_during_a_launch_says_the_sandbox_is_coming(tmp_path: Pat
     a._build_report()
     assert a._report_ready is not None
     assert [(e["allocation_id"], e["state"]) for e in a._report_ready[0]] == [("a1", "running")]
+
+
+def test_a_launch_that_crashes_is_no_longer_reported_as_coming(tmp_path: Path) -> None:
+    class CrashingDriver(RecordingDriver):
+        def launch(self, spec: SandboxSpec) -> SandboxHandle:
+            raise OSError("a bug in the driver")
+
+        def list_owned(self) -> list[SandboxHandle]:
+            return []
+
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
+    a = Agent("h", backend, CrashingDriver(), tmp_path)  # type: ignore[arg-type]
+    a.inventory()
+    with pytest.raises(OSError):
+        a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))
+    a._build_report()
+    assert a.launching == {} and a._report_ready is not None and a._report_ready[0] == []
