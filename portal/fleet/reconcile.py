@@ -119,6 +119,18 @@ def _reconcile_owned(
     repairs: Repairs,
 ) -> None:
     running = entry.get("state") == "running"
+    if (
+        sandbox is not None
+        and not running
+        and sandbox.state in ENDED
+        and sandbox.host_id == host.pk
+        and sandbox.ended_at is not None
+        and sandbox.ended_at > taken_at - timedelta(seconds=STOP_RESEND_S)
+    ):
+        # An exited run whose end was recorded moments ago: the clean-up stop went with it
+        # (below) and the agent has not carried it out yet. Not an orphan; past
+        # STOP_RESEND_S it is one, and is stopped again.
+        return
     if sandbox is None or sandbox.state in (*ENDED, S.QUEUED) or sandbox.host_id != host.pk:
         # Nothing in the database owns it (any more): stop it and free the GPU.
         log.warning("orphan sandbox %s on %s: stopping it", key, host.name)

@@ -55,9 +55,11 @@ def _minutes(request: HttpRequest) -> int:
     return minutes
 
 
-def _since(minutes: int) -> datetime:
-    now = timezone.now().replace(second=0, microsecond=0)
-    return now - timedelta(minutes=minutes)
+def _since(minutes: int, until: datetime | None = None) -> datetime:
+    """The first minute of a window of ``minutes`` ending now, or at ``until`` (an ended
+    sandbox's window ends where its figures do, not at today's empty minutes)."""
+    end = (until or timezone.now()).replace(second=0, microsecond=0)
+    return end - timedelta(minutes=minutes)
 
 
 def _epoch_s(at: datetime) -> int:
@@ -110,10 +112,12 @@ def sandbox_history(request: HttpRequest, pk: int) -> JsonResponse:
         minutes = _minutes(request)
     except BadParameter as exc:
         return _bad(exc)
-    currency = Sandbox.objects.filter(pk=sandbox_id).values_list("tier__currency", flat=True).first()
+    currency, ended_at = Sandbox.objects.filter(pk=sandbox_id).values_list(
+        "tier__currency", "ended_at"
+    ).first() or ("", None)
     rows: list[dict[str, Any]] = [
         dict(r)
-        for r in SandboxRollup.objects.filter(sandbox_id=sandbox_id, minute__gte=_since(minutes))
+        for r in SandboxRollup.objects.filter(sandbox_id=sandbox_id, minute__gte=_since(minutes, ended_at))
         .order_by("minute")
         .values()
     ]

@@ -6,20 +6,34 @@ import { liveSocket } from "./live.js";
 
 const KEEP_CHARS = 256 * 1024; // the page keeps the last quarter-MiB; the download has all
 
+// Sizes as the server's template writes them (Django's filesizeformat: 1024 a step).
+function size(bytes) {
+  const units = ["bytes", "KB", "MB", "GB", "TB"];
+  let value = bytes;
+  let unit = 0;
+  while (value >= 1024 && unit < units.length - 1) { value /= 1024; unit += 1; }
+  return unit ? `${value.toFixed(1)} ${units[unit]}` : `${value} bytes`;
+}
+
 export function mountBatchOutput(card) {
   const pre = card.querySelector("pre.output");
   const status = card.querySelector(".output-status");
+  const summary = card.querySelector(".output-summary");
+  const download = card.querySelector(".output-download");
   const api = card.dataset.api;
   let end = Number(card.dataset.end) || 0;
   let fetching = null;
   pre.scrollTop = pre.scrollHeight; // the tail is what matters: start at the newest line
 
-  function append(text, dropped) {
+  function append(text, dropped, newEnd) {
     const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
     let shown = pre.textContent + (dropped > 0 ? `\n[… ${dropped} bytes not kept …]\n` : "") + text;
     if (shown.length > KEEP_CHARS) shown = shown.slice(shown.length - KEEP_CHARS);
     pre.textContent = shown;
     if (atBottom) pre.scrollTop = pre.scrollHeight;
+    // The facts line was the server's when the page loaded ("Nothing printed yet."): keep it true.
+    if (summary) summary.textContent = `${size(newEnd)} printed so far; showing the last ${size(shown.length)}.`;
+    if (download) download.hidden = false;
   }
 
   async function catchUp() {
@@ -30,7 +44,7 @@ export function mountBatchOutput(card) {
         if (!answer.ok) return;
         const body = await answer.json();
         if (typeof body.text !== "string" || typeof body.end !== "number") return;
-        append(body.text, Math.max(0, body.start - end) + (body.missing || 0));
+        append(body.text, Math.max(0, body.start - end) + (body.missing || 0), Math.max(end, body.end));
         end = Math.max(end, body.end);
       } finally {
         fetching = null;
@@ -39,6 +53,7 @@ export function mountBatchOutput(card) {
     return fetching;
   }
 
+  if (!card.dataset.ws) return; // an ended run: what the server rendered is all there is
   liveSocket(card.dataset.ws).onMessage((msg) => {
     if (msg.type !== "sandbox.output" || String(msg.sandbox) !== card.dataset.sandbox) return;
     if (typeof msg.text !== "string" || typeof msg.start !== "number" || typeof msg.end !== "number") return;
@@ -48,7 +63,7 @@ export function mountBatchOutput(card) {
       catchUp(); // something in between never reached this page
       return;
     }
-    append(msg.text, msg.dropped || 0);
+    append(msg.text, msg.dropped || 0, pieceEnd);
     end = pieceEnd;
     if (status) status.textContent = "Live.";
   });

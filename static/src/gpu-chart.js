@@ -128,9 +128,21 @@ function bandPlugin(track, bands) {
   return { hooks: { drawAxes: [draw] } };
 }
 
+const MIN_SPAN_S = 300;
+
+function timeRange(u, min, max) {
+  if (!finite(min) || !finite(max)) {
+    const now = Date.now() / 1000;
+    return [now - MIN_SPAN_S, now];
+  }
+  return max - min < MIN_SPAN_S ? [max - MIN_SPAN_S, max] : [min, max];
+}
+
 function makeChart(el, spec, track, width) {
   const axes = [{}];
-  const scales = { x: { time: true } };
+  // At least five minutes across: uPlot spreads a lone point (a short sandbox's one rollup)
+  // over years of axis otherwise.
+  const scales = { x: { time: true, range: timeRange } };
   spec.axes.forEach((a, i) => {
     axes.push({ scale: a.scale, label: a.label, side: i ? 1 : 3, grid: { show: i === 0 }, size: 56 });
     scales[a.scale] = { range: a.range };
@@ -272,7 +284,9 @@ export function mountGpuCharts(root) {
     for (const name of Object.keys(charts)) charts[name].setSize({ width: widthOf(boxes[name]), height: 240 });
   });
 
-  const status = statusLine(document.getElementById("chart-status"));
+  // An ended sandbox's page has no stream (data-ws): its status line stays the server's.
+  const live = Boolean(root.dataset.ws);
+  const status = statusLine(live ? document.getElementById("chart-status") : null);
   const what = kind === "sandbox" ? "this sandbox's GPU" : "this GPU";
   let samples = 0;
   let dirty = false;
@@ -317,14 +331,18 @@ export function mountGpuCharts(root) {
     if (!document.hidden) redraw();
   });
 
-  const socket = liveSocket(root.dataset.ws);
-  socket.onStatus((s) => status.conn(describeStatus(s, what)));
-  socket.onMessage((msg) => { if (validSample(msg)) push(msg); });
+  if (live) {
+    const socket = liveSocket(root.dataset.ws);
+    socket.onStatus((s) => status.conn(describeStatus(s, what)));
+    socket.onMessage((msg) => { if (validSample(msg)) push(msg); });
+  }
 
   if (root.dataset.history) {
     getJson(root.dataset.history).then((body) => {
       applyHistory(kind, body, tracks, memTotal);
       root.dataset.historyMinutes = String(tracks.heat.hx.length);
+      const note = document.getElementById("chart-status");
+      if (!live && note && !tracks.heat.hx.length) note.textContent += " No minute of its figures was kept (a run shorter than a one-minute rollup leaves none).";
       dirty = true;
       redraw();
     }).catch((err) => {

@@ -62,6 +62,9 @@ def test_a_batch_printing_300_mb(people: Any, catalog: Any, tmp_path: Path, brow
         assert during["total"] >= PRINTED and during["kept_from"] > 0  # the flood was not all kept
         assert host_output_bytes(platform.var_dir) <= CAP
         page.locator("pre.output", has_text="still training").wait_for(timeout=30_000)
+        # The facts line follows the stream: the page opened before anything was printed.
+        facts = page.locator(".output-facts").inner_text()
+        assert "Nothing printed yet" not in facts and "printed so far" in facts, facts
 
         # After it: the same tail, the end of it too, on the page and through the API.
         wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "stopped", 60, "the batch to end")
@@ -70,5 +73,8 @@ def test_a_batch_printing_300_mb(people: Any, catalog: Any, tmp_path: Path, brow
         time.sleep(1)
         page.reload()
         page.locator("pre.output", has_text="done: loss 0.031").wait_for(timeout=10_000)
+        # Ended: no live stream, and the chart says so rather than "Live: connected".
+        chart_status = page.locator("#chart-status").inner_text()
+        assert chart_status.startswith("Ended"), chart_status
         shot(page, "batch-output")
         assert host_output_bytes(platform.var_dir) == 0  # the host let go of it at the stop

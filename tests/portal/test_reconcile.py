@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from portal.billing.models import UsageRecord
 from portal.fleet.models import Gpu, Host
-from portal.fleet.reconcile import LAUNCH_RESEND_S, do_reconcile_host
+from portal.fleet.reconcile import LAUNCH_RESEND_S, STOP_RESEND_S, do_reconcile_host
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox
 from tests.portal.helpers import place_all, request
@@ -72,6 +72,26 @@ def test_orphans_are_stopped(people: Any, catalog: Any, fleet: Any, sent_tasks: 
     repairs = do_reconcile_host(host_of(sandbox), later(), report)
     assert sorted(repairs.orphans_stopped) == sorted([sandbox.allocation_key, "never-heard-of"])
     assert sorted(stops(sent_tasks)) == sorted(repairs.orphans_stopped)
+
+
+def test_an_exited_run_waiting_for_its_clean_up_is_no_orphan(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """A batch that exits by itself is recorded stopped and its clean-up stop sent; the
+    agent's next report may still list it, exited: no orphan warning for the normal end of a
+    run (make run's terminal printed one after every batch), but it is one once the stop
+    should long have been carried out."""
+    sandbox = placed(people, catalog)
+    host = host_of(sandbox)
+    do_reconcile_host(host, later(), [entry(sandbox, state="exited", exit_code=0)])
+    sandbox.refresh_from_db()
+    assert sandbox.state == "stopped" and stops(sent_tasks) == [sandbox.allocation_key]
+    sent_tasks.clear()
+    exited = [entry(sandbox, state="exited", exit_code=0)]
+    assert not do_reconcile_host(host, later(5), exited)
+    assert not stops(sent_tasks)
+    overdue = do_reconcile_host(host, later(STOP_RESEND_S + 5), exited)
+    assert overdue.orphans_stopped == [sandbox.allocation_key]
 
 
 def test_a_vanished_sandbox_fails_and_frees_its_gpu(

@@ -74,6 +74,20 @@ def test_rollups_are_stored_once_and_purged_after_the_retention(sandbox: Any, se
     assert GpuRollup.objects.count() == 1 and SandboxRollup.objects.count() == 1
 
 
+def test_an_ended_sandboxs_history_is_its_last_hour_not_the_clocks(people: Any, sandbox: Any) -> None:
+    """A sandbox that ended yesterday still shows what it recorded: its window ends at its
+    end (the page's chart asked for the last 60 minutes of today and drew nothing)."""
+    from portal.sandboxes.models import Sandbox
+
+    gpu = sandbox.allocations.get().gpu
+    for back in (26 * 60, 24 * 60 + 50, 24 * 60 + 5):
+        do_store_rollups(gpu.host.name, minute_payload(this_minute(back), gpu.uuid, sandbox.pk))
+    Sandbox.objects.filter(pk=sandbox.pk).update(state="stopped", ended_at=this_minute(24 * 60))
+    member = client_for(people["member"])
+    history = member.get(f"/telemetry/sandboxes/{sandbox.pk}/history/?minutes=60").json()
+    assert history["t"] == [int(this_minute(m).timestamp()) for m in (24 * 60 + 50, 24 * 60 + 5)]
+
+
 def test_history_endpoints_follow_the_streams_permissions(people: Any, sandbox: Any) -> None:
     gpu = sandbox.allocations.get().gpu
     for back in (3, 2, 1):
