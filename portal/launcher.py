@@ -52,13 +52,20 @@ def ensure_bubblewrap() -> str:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "bubblewrap"]
 
+    errors: list[str] = []
+
     def run(argv: list[str]) -> bool:
-        return subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, check=False).returncode == 0  # noqa: S603
+        # stderr kept for a failure only: a working install still prints debconf's notes.
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)  # noqa: S603 (our own argv)
+        errors.append(done.stderr.strip())
+        return done.returncode == 0
 
     # A fresh machine's package lists may be missing or stale: update once and try again.
     if run(install) or (run(["apt-get", "update", "-q"]) and run(install)):
         return ""
-    return "apt-get could not install bubblewrap"
+    problem = "apt-get could not install bubblewrap: " + (errors[-1].splitlines() or ["no message"])[-1]
+    print(f"gpushare: {problem}", flush=True)  # the agents' self-test then says what to do
+    return problem
 
 
 def choose_driver() -> tuple[str, str]:
