@@ -1,10 +1,15 @@
 // A batch's output on its page: the tail the server rendered, then every piece the agent
 // streams on the sandbox's socket ("sandbox.output"). A piece that does not follow on from
 // what is shown (the socket dropped some, or the page opened mid-stream) is fetched from the
-// API from where the page stands. Output is text: it goes into the <pre> as text, never HTML.
+// API from where the page stands. The API reads the control plane's copy, which lags the
+// agent's socket: a fetch that comes back short of what the socket announced is tried again,
+// and once the run has ended the page reads until the API says the output is complete (the
+// last lines are shipped to the control plane at the stop, not on the socket).
+// Output is text: it goes into the <pre> as text, never HTML.
 import { liveSocket } from "./live.js";
 
 const KEEP_CHARS = 256 * 1024; // the page keeps the last quarter-MiB; the download has all
+const ENDED = ["stopped", "failed", "preempted", "expired"]; // portal/sandboxes/models.py ENDED_STATES
 
 // Sizes as the server's template writes them (Django's filesizeformat: 1024 a step).
 function size(bytes) {
@@ -21,8 +26,10 @@ export function mountBatchOutput(card) {
   const summary = card.querySelector(".output-summary");
   const download = card.querySelector(".output-download");
   const api = card.dataset.api;
-  let end = Number(card.dataset.end) || 0;
+  let end = Number(card.dataset.end) || 0; // offset just past what the page shows
+  let announced = end; // the furthest offset a socket piece reached
   let fetching = null;
+  let retry = null;
   pre.scrollTop = pre.scrollHeight; // the tail is what matters: start at the newest line
 
   function append(text, dropped, newEnd) {
@@ -36,31 +43,63 @@ export function mountBatchOutput(card) {
     if (download) download.hidden = false;
   }
 
-  async function catchUp() {
+  // Fetch from where the page stands; resolves to the API's answer (null on failure).
+  function catchUp() {
     if (fetching) return fetching;
     fetching = (async () => {
       try {
         const answer = await fetch(`${api}?offset=${end}`, { credentials: "same-origin" });
-        if (!answer.ok) return;
+        if (!answer.ok) return null;
         const body = await answer.json();
-        if (typeof body.text !== "string" || typeof body.end !== "number") return;
-        append(body.text, Math.max(0, body.start - end) + (body.missing || 0), Math.max(end, body.end));
-        end = Math.max(end, body.end);
+        if (typeof body.text !== "string" || typeof body.end !== "number") return null;
+        if (body.end > end) {
+          append(body.text, Math.max(0, body.start - end) + (body.missing || 0), body.end);
+          end = body.end;
+        }
+        return body;
+      } catch (err) {
+        return null;
       } finally {
         fetching = null;
+        if (announced > end && !retry) retry = setTimeout(() => { retry = null; catchUp(); }, 1000);
       }
     })();
     return fetching;
   }
 
+  // Once the run has ended: read until the API has all of it.
+  async function readToTheEnd() {
+    for (let attempt = 0; attempt < 30; attempt += 1) {
+      const body = await catchUp();
+      if (body && body.complete && body.end >= body.total) {
+        if (status) status.textContent = "The run has ended.";
+        return;
+      }
+      await new Promise((resolve) => { setTimeout(resolve, 1000); });
+    }
+  }
+
   if (!card.dataset.ws) return; // an ended run: what the server rendered is all there is
+  const stateBox = document.getElementById("status"); // htmx polls the state into it
+  if (stateBox) {
+    const watcher = new MutationObserver(() => {
+      const state = document.getElementById("sandbox-state");
+      if (state && ENDED.some((s) => state.classList.contains(`state-${s}`))) {
+        watcher.disconnect();
+        readToTheEnd();
+      }
+    });
+    watcher.observe(stateBox, { childList: true, subtree: true });
+  }
   liveSocket(card.dataset.ws).onMessage((msg) => {
     if (msg.type !== "sandbox.output" || String(msg.sandbox) !== card.dataset.sandbox) return;
     if (typeof msg.text !== "string" || typeof msg.start !== "number" || typeof msg.end !== "number") return;
     const pieceEnd = msg.end;
+    announced = Math.max(announced, pieceEnd);
     if (pieceEnd <= end) return; // shown already
-    if (msg.start > end && !(msg.dropped > 0 && msg.start - msg.dropped === end)) {
-      catchUp(); // something in between never reached this page
+    const follows = msg.start === end || (msg.dropped > 0 && msg.start - msg.dropped === end);
+    if (fetching || !follows) {
+      catchUp(); // a gap or an overlap (the socket dropped some, or a fetch is on its way): read from the API
       return;
     }
     append(msg.text, msg.dropped || 0, pieceEnd);

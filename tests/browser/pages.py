@@ -3,9 +3,13 @@ signing in. The ``browser_page`` fixture is in conftest.py."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from django.conf import settings
 
 from tests.workers.engines import require_engine
 
@@ -69,3 +73,23 @@ def sign_in(page: Any, base: str, username: str, then: str) -> None:
     page.fill("input[name=password]", "correct-horse-battery")
     page.click("button[type=submit]")
     page.wait_for_url(f"{base}{then}")
+
+
+def publish(group: str, message: dict[str, Any]) -> None:
+    """Send a message to a channel-layer group as an agent would. In a thread of its own:
+    Playwright's sync API keeps an event loop in this one."""
+    from workers.telemetry import make_layer
+    from workers.telemetry import publish as send
+
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(send(make_layer(settings.REDIS_URL), group, message))  # type: ignore[arg-type]
+        except BaseException as exc:  # re-raised in the test's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    assert not failure, failure

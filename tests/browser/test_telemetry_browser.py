@@ -8,21 +8,18 @@ fleet with a live column. Screenshots go to docs/screenshots/telemetry-*.png.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import random
-import threading
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.utils import timezone
 
-from tests.browser.pages import SHOTS, accessibility_problems, shot, sign_in, wait_until
+from tests.browser.pages import SHOTS, accessibility_problems, publish, shot, sign_in, wait_until
 from tests.e2e.platform import running_platform, wait_for
 from tests.workers.engines import require_engine
 
@@ -34,26 +31,6 @@ pytestmark = [
     pytest.mark.django_db(transaction=True),
 ]
 RACKS, PER_RACK = 25, 8  # beside the platform's 3 GPUs: a fleet of 203
-
-
-def publish(group: str, message: dict[str, Any]) -> None:
-    """Send a message to a channel-layer group as an agent would. In a thread of its own:
-    Playwright's sync API keeps an event loop in this one."""
-    from workers.telemetry import make_layer
-    from workers.telemetry import publish as send
-
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(send(make_layer(settings.REDIS_URL), group, message))  # type: ignore[arg-type]
-        except BaseException as exc:  # re-raised in the test's thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(10)
-    assert not failure, failure
 
 
 def alert(
