@@ -35,6 +35,19 @@ def host_output_bytes(var_dir: Path) -> int:
     return sum(p.stat().st_size for p in var_dir.glob("agents/*/sandboxes/*.output/*") if p.is_file())
 
 
+def request_batch(page: Any, base: str, command: str) -> None:
+    """Olivia asks for a batch on a whole GPU, as a process sandbox, through the form."""
+    sign_in(page, base, "olivia", "/sandboxes/new/")
+    page.select_option("select[name=project]", label="Vision")
+    page.select_option("select[name=tier]", label="Dedicated")
+    page.select_option("select[name=image]", label="busybox")
+    page.select_option("select[name=isolation]", "process")
+    page.select_option("select[name=run]", "batch")
+    page.fill("input[name=command]", command)
+    page.click("form.request-form button[type=submit]")
+    page.wait_for_url("**/sandboxes/*/")
+
+
 def test_a_batch_printing_300_mb(people: Any, catalog: Any, tmp_path: Path, browser_page: Any) -> None:
     require_engine(bwrap_available(), "bubblewrap")
     page = browser_page
@@ -43,15 +56,7 @@ def test_a_batch_printing_300_mb(people: Any, catalog: Any, tmp_path: Path, brow
         tmp_path, web=True, sim_gpus="A100-80GB:1", driver="process", extra_env=extra
     ) as platform:
         base = f"http://127.0.0.1:{platform.port}"
-        sign_in(page, base, "olivia", "/sandboxes/new/")
-        page.select_option("select[name=project]", label="Vision")
-        page.select_option("select[name=tier]", label="Dedicated")
-        page.select_option("select[name=image]", label="busybox")
-        page.select_option("select[name=isolation]", "process")
-        page.select_option("select[name=run]", "batch")
-        page.fill("input[name=command]", COMMAND)
-        page.click("form.request-form button[type=submit]")
-        page.wait_for_url("**/sandboxes/*/")
+        request_batch(page, base, COMMAND)
         sandbox = Sandbox.objects.get(owner=people["owner"], batch=True)
         _token, key = ApiToken.issue(people["owner"], "ci", ["read:usage"])
         api = Client(HTTP_AUTHORIZATION=f"Bearer {key}")
@@ -95,15 +100,7 @@ def test_the_page_catches_up_when_the_socket_runs_ahead_of_the_api(
     page = browser_page
     with running_platform(tmp_path, web=True, sim_gpus="A100-80GB:1", driver="process") as platform:
         base = f"http://127.0.0.1:{platform.port}"
-        sign_in(page, base, "olivia", "/sandboxes/new/")
-        page.select_option("select[name=project]", label="Vision")
-        page.select_option("select[name=tier]", label="Dedicated")
-        page.select_option("select[name=image]", label="busybox")
-        page.select_option("select[name=isolation]", "process")
-        page.select_option("select[name=run]", "batch")
-        page.fill("input[name=command]", "sleep 300")  # prints nothing: the test speaks for it
-        page.click("form.request-form button[type=submit]")
-        page.wait_for_url("**/sandboxes/*/")
+        request_batch(page, base, "sleep 300")  # prints nothing: the test speaks for it
         sandbox = Sandbox.objects.get(owner=people["owner"], batch=True)
         wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "running", 60, "the batch to run")
         page.reload()  # the page's socket joins once the sandbox runs
