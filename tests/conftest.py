@@ -34,6 +34,16 @@ def _redis_for_tests() -> None:
     client.flushdb()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fast_password_hashing() -> None:
+    """Users made in this process get one-iteration PBKDF2 hashes (tests/hashers.py)."""
+    from django.contrib.auth.hashers import get_hashers, get_hashers_by_algorithm
+
+    settings.PASSWORD_HASHERS = ["tests.hashers.FastPBKDF2PasswordHasher"]
+    get_hashers.cache_clear()  # both are cached; a plain assignment sends no setting_changed
+    get_hashers_by_algorithm.cache_clear()
+
+
 @pytest.fixture(autouse=True)
 def _a_channel_layer_per_test() -> Iterator[None]:
     """Each test gets its own channel layer. Tests drive consumers with ``asyncio.run``, one

@@ -104,7 +104,9 @@ def test_the_page_catches_up_when_the_socket_runs_ahead_of_the_api(
         sandbox = Sandbox.objects.get(owner=people["owner"], batch=True)
         wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "running", 60, "the batch to run")
         page.reload()  # the page's socket joins once the sandbox runs
-        wait_until(page, "document.getElementById('chart-status').textContent.startsWith('Live')")
+        # A sample on the page's socket: it has joined the sandbox's group (open is not enough).
+        sampled = "Number(document.getElementById('gpu-chart').dataset.samples || 0) > 0"
+        wait_until(page, sampled, timeout=30_000)
         key, group = Sandbox.objects.get(pk=sandbox.pk).allocation_key, f"sandbox.{sandbox.pk}"
 
         def piece(start: int, text: str) -> dict[str, Any]:
