@@ -35,13 +35,15 @@ def _redis_for_tests() -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _fast_password_hashing() -> None:
-    """Users made in this process get one-iteration PBKDF2 hashes (tests/hashers.py)."""
-    from django.contrib.auth.hashers import get_hashers, get_hashers_by_algorithm
+def _fast_password_hashing() -> Iterator[None]:
+    """Users made in this process get one-iteration PBKDF2 hashes (tests/hashers.py).
+    override_settings, not an assignment: its setting_changed empties Django's hasher caches."""
+    from django.test import override_settings
 
-    settings.PASSWORD_HASHERS = ["tests.hashers.FastPBKDF2PasswordHasher"]
-    get_hashers.cache_clear()  # both are cached; a plain assignment sends no setting_changed
-    get_hashers_by_algorithm.cache_clear()
+    fast = override_settings(PASSWORD_HASHERS=["tests.hashers.FastPBKDF2PasswordHasher"])
+    fast.enable()
+    yield
+    fast.disable()
 
 
 @pytest.fixture(autouse=True)
