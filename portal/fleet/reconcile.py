@@ -110,6 +110,11 @@ def do_reconcile_host(host_name: str, taken_at: datetime, owned: list[dict[str, 
     return repairs
 
 
+def _stop_overdue(sent_at: datetime | None, taken_at: datetime) -> bool:
+    """A stop sent at ``sent_at`` should have been carried out by a report at ``taken_at``."""
+    return sent_at is not None and sent_at < taken_at - timedelta(seconds=STOP_RESEND_S)
+
+
 def _reconcile_owned(
     host: Host,
     key: str,
@@ -124,12 +129,11 @@ def _reconcile_owned(
         and not running
         and sandbox.state in ENDED
         and sandbox.host_id == host.pk
-        and sandbox.ended_at is not None
-        and sandbox.ended_at > taken_at - timedelta(seconds=STOP_RESEND_S)
+        and not _stop_overdue(sandbox.ended_at, taken_at)
     ):
         # An exited run whose end was recorded moments ago: the clean-up stop went with it
-        # (below) and the agent has not carried it out yet. Not an orphan; past
-        # STOP_RESEND_S it is one, and is stopped again.
+        # (below) and the agent has not carried it out yet. Not an orphan; once the stop is
+        # overdue it is one, and is stopped again.
         return
     if sandbox is None or sandbox.state in (*ENDED, S.QUEUED) or sandbox.host_id != host.pk:
         # Nothing in the database owns it (any more): stop it and free the GPU.
@@ -156,8 +160,7 @@ def _reconcile_owned(
         _stop_after_commit(host.name, key, sandbox.pk, entry.get("handle"))
         repairs.exited.append(sandbox.pk)
     elif sandbox.state == S.STOPPING:
-        asked = sandbox.stop_requested_at
-        if asked is not None and asked < taken_at - timedelta(seconds=STOP_RESEND_S):
+        if _stop_overdue(sandbox.stop_requested_at, taken_at):
             log.warning("sandbox %s still on %s after its stop: stop sent again", sandbox.pk, host.name)
             _stop_after_commit(host.name, key, sandbox.pk, entry.get("handle"))
             repairs.orphans_stopped.append(key)

@@ -9,7 +9,8 @@
 import { liveSocket } from "./live.js";
 
 const KEEP_CHARS = 256 * 1024; // the page keeps the last quarter-MiB; the download has all
-const ENDED = ["stopped", "failed", "preempted", "expired"]; // portal/sandboxes/models.py ENDED_STATES
+const RETRY_MS = 1000;
+const MAX_FRUITLESS = 30; // fetches in a row that bring nothing new before the page gives up
 
 // Sizes as the server's template writes them (Django's filesizeformat: 1024 a step).
 function size(bytes) {
@@ -28,8 +29,10 @@ export function mountBatchOutput(card) {
   const api = card.dataset.api;
   let end = Number(card.dataset.end) || 0; // offset just past what the page shows
   let announced = end; // the furthest offset a socket piece reached
+  let ended = false; // the run is over: read until the API says complete
   let fetching = null;
   let retry = null;
+  let fruitless = 0;
   pre.scrollTop = pre.scrollHeight; // the tail is what matters: start at the newest line
 
   function append(text, dropped, newEnd) {
@@ -43,40 +46,40 @@ export function mountBatchOutput(card) {
     if (download) download.hidden = false;
   }
 
-  // Fetch from where the page stands; resolves to the API's answer (null on failure).
-  function catchUp() {
-    if (fetching) return fetching;
-    fetching = (async () => {
-      try {
-        const answer = await fetch(`${api}?offset=${end}`, { credentials: "same-origin" });
-        if (!answer.ok) return null;
-        const body = await answer.json();
-        if (typeof body.text !== "string" || typeof body.end !== "number") return null;
-        if (body.end > end) {
-          append(body.text, Math.max(0, body.start - end) + (body.missing || 0), body.end);
-          end = body.end;
-        }
-        return body;
-      } catch (err) {
-        return null;
-      } finally {
-        fetching = null;
-        if (announced > end && !retry) retry = setTimeout(() => { retry = null; catchUp(); }, 1000);
-      }
-    })();
-    return fetching;
+  // Whether the page still lacks output the API will have: announced on the socket, or (the
+  // run over) anything until the API says complete.
+  function behind(body) {
+    if (announced > end) return true;
+    return ended && !(body && body.complete && body.end >= body.total);
   }
 
-  // Once the run has ended: read until the API has all of it.
-  async function readToTheEnd() {
-    for (let attempt = 0; attempt < 30; attempt += 1) {
-      const body = await catchUp();
-      if (body && body.complete && body.end >= body.total) {
-        if (status) status.textContent = "The run has ended.";
-        return;
+  // Fetch from where the page stands; while the page is behind, ask again every RETRY_MS
+  // (giving up after MAX_FRUITLESS answers in a row that brought nothing).
+  function catchUp() {
+    if (fetching) return;
+    fetching = (async () => {
+      let body = null;
+      try {
+        const answer = await fetch(`${api}?offset=${end}`, { credentials: "same-origin" });
+        if (answer.ok) body = await answer.json();
+        if (body && (typeof body.text !== "string" || typeof body.end !== "number")) body = null;
+      } catch (err) {
+        body = null;
       }
-      await new Promise((resolve) => { setTimeout(resolve, 1000); });
-    }
+      fetching = null;
+      if (body && body.end > end) {
+        append(body.text, Math.max(0, body.start - end) + (body.missing || 0), body.end);
+        end = body.end;
+        fruitless = 0;
+      } else {
+        fruitless += 1;
+      }
+      if (!behind(body)) {
+        if (ended && status) status.textContent = "The run has ended.";
+      } else if (!retry && fruitless < MAX_FRUITLESS) {
+        retry = setTimeout(() => { retry = null; catchUp(); }, RETRY_MS);
+      }
+    })();
   }
 
   if (!card.dataset.ws) return; // an ended run: what the server rendered is all there is
@@ -84,9 +87,11 @@ export function mountBatchOutput(card) {
   if (stateBox) {
     const watcher = new MutationObserver(() => {
       const state = document.getElementById("sandbox-state");
-      if (state && ENDED.some((s) => state.classList.contains(`state-${s}`))) {
+      if (state && state.hasAttribute("data-ended")) {
         watcher.disconnect();
-        readToTheEnd();
+        ended = true;
+        fruitless = 0;
+        catchUp();
       }
     });
     watcher.observe(stateBox, { childList: true, subtree: true });

@@ -16,7 +16,7 @@ import pytest
 from django.utils import timezone
 
 from portal.fleet.models import Gpu
-from portal.sandboxes.models import Notification
+from portal.sandboxes.models import Notification, Sandbox
 from portal.telemetry.alerts import alert_policy, do_record_alerts
 from portal.telemetry.models import Alert, AlertPolicy, GpuRollup, SandboxRollup
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
@@ -77,8 +77,6 @@ def test_rollups_are_stored_once_and_purged_after_the_retention(sandbox: Any, se
 def test_an_ended_sandboxs_history_is_its_last_hour_not_the_clocks(people: Any, sandbox: Any) -> None:
     """A sandbox that ended yesterday still shows what it recorded: its window ends at its
     end (the page's chart asked for the last 60 minutes of today and drew nothing)."""
-    from portal.sandboxes.models import Sandbox
-
     gpu = sandbox.allocations.get().gpu
     for back in (26 * 60, 24 * 60 + 50, 24 * 60 + 5):
         do_store_rollups(gpu.host.name, minute_payload(this_minute(back), gpu.uuid, sandbox.pk))
