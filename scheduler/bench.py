@@ -16,7 +16,7 @@ from pathlib import Path
 from scheduler.cluster import GpuState, HostState, MigSlot, Request, Snapshot
 from scheduler.cycle import run_cycle
 from scheduler.gpus import MODELS
-from scheduler.policies import get_policy
+from scheduler.placement import get_policy
 
 MODES = ("dedicated", "mig", "mps", "timeslice")
 BEGIN, END = "<!-- bench:cycle:begin -->", "<!-- bench:cycle:end -->"
@@ -121,7 +121,7 @@ def write_section(path: Path, section: str) -> None:
 
 
 def live_cycle_section() -> str:
-    from scheduler.bench_cycle import measure_live
+    from scheduler.research.bench_cycle import measure_live
 
     rows = [measure_live(fill=fill) for fill in (0.5, 3.0)]
     lines = [
@@ -144,7 +144,7 @@ def live_cycle_section() -> str:
 
 
 def mig_relayout_section() -> str:
-    from scheduler.bench_defrag import mig_replay_table, run_mig_replay
+    from scheduler.research.bench_defrag import mig_replay_table, run_mig_replay
 
     return "\n".join(
         [
@@ -153,7 +153,7 @@ def mig_relayout_section() -> str:
             "",
             "64 H100-80GB in MIG mode, a seeded stream of 8,000 requests for 1g-7g profiles",
             "arriving and leaving at 95% offered load, replayed with and without re-layout",
-            "(`python -m scheduler.bench_defrag`).",
+            "(`python -m scheduler.research.bench_defrag`).",
             "",
             mig_replay_table(run_mig_replay()).strip(),
             "<!-- bench:mig:end -->",
@@ -163,7 +163,7 @@ def mig_relayout_section() -> str:
 
 def trace_section() -> str:
     """The six FGD-paper policies and ours on the default trace, seeds 42-51, against the paper."""
-    from scheduler.bench_trace import PAPER_LABELS, SEEDS, TRACES, render, run_matrix
+    from scheduler.research.bench_trace import PAPER_LABELS, SEEDS, TRACES, render, run_matrix
 
     pods = TRACES / "openb_pod_list_default.csv"
     policies = [*PAPER_LABELS, "gpushare"]
@@ -173,15 +173,15 @@ def trace_section() -> str:
 
 def traces17_section() -> str:
     """Ours against FGD on every trace the paper published results for."""
-    from scheduler.bench_trace import TRACES, anchored_traces, render_traces, run_traces
+    from scheduler.research.bench_trace import TRACES, anchored_traces, render_traces, run_traces
 
     runs = run_traces(TRACES / "openb_node_list_gpu_node.csv", anchored_traces(), ["fgd", "gpushare"])
     return render_traces(runs, "python -m scheduler.bench --only traces17", 2)
 
 
 def consolidation_section() -> str:
-    from scheduler.bench_consolidation import matrix, render
-    from scheduler.bench_trace import TRACES
+    from scheduler.research.bench_consolidation import matrix, render
+    from scheduler.research.bench_trace import TRACES
 
     nodes, pods = TRACES / "openb_node_list_gpu_node.csv", TRACES / "openb_pod_list_default.csv"
     return render(matrix(nodes, pods, ["bestfit", "fgd"], 42))

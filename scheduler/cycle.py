@@ -48,7 +48,7 @@ from scheduler.cluster import (
     release,
 )
 from scheduler.fairshare import FairOrder, Quotas, demand_milli
-from scheduler.policies import Policy
+from scheduler.placement import Policy
 from scheduler.preemption import Plan, plan_preemption, victim_order
 
 # Blocked requests tried in turn for the head's reservation when the ones before them could

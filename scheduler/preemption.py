@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from scheduler.cluster import GpuState, HostState, Place, Request, Running, Snapshot, book, release
-from scheduler.policies import Policy
+from scheduler.placement import Policy
 
 # Subsets tried per host before falling back to greedy-then-prune: hosts hold few victims
 # of one sharing mode, so the exact search almost always finishes well inside this.

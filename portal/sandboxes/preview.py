@@ -28,8 +28,8 @@ from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_
 from portal.sandboxes.scheduling import build_fairshare, build_queue, build_snapshot, scheduler_request
 from scheduler.cluster import DEDICATED, MIG, MPS, TIMESLICE, Pending, Place, Preempt, Reserve, Snapshot
 from scheduler.cycle import run_cycle
-from scheduler.policies import get_policy
-from scheduler.policies.firstfit import serves
+from scheduler.placement import get_policy
+from scheduler.placement.firstfit import serves
 
 PREVIEW_ID = -1  # no sandbox has it: the request being written
 

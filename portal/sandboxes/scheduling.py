@@ -40,7 +40,7 @@ from scheduler.cluster import (
 )
 from scheduler.cycle import run_cycle
 from scheduler.fairshare import decayed_usage
-from scheduler.policies import get_policy
+from scheduler.placement import get_policy
 from workers.drivers import DRIVER_ISOLATION
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from scheduler.cluster import (
     book,
 )
 from scheduler.cycle import run_cycle
-from scheduler.policies import get_policy
+from scheduler.placement import get_policy
 from scheduler.preemption import plan_preemption, victim_order
 
 POLICY = get_policy("first-fit")
@@ -255,7 +255,7 @@ def test_every_request_gets_one_place_or_pending() -> None:
 
 
 def test_a_live_cycle_of_1000_requests_on_500_gpus_decides_within_a_second() -> None:
-    from scheduler.bench_cycle import measure_live
+    from scheduler.research.bench_cycle import measure_live
 
     figures = measure_live(hosts=63, queue_size=1000, repeats=1)
     assert figures["gpus"] == 504 and figures["placed"] > 0

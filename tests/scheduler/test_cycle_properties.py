@@ -32,7 +32,7 @@ from scheduler.cluster import (
 )
 from scheduler.cycle import run_cycle
 from scheduler.gpus import MODELS
-from scheduler.policies import get_policy
+from scheduler.placement import get_policy
 
 POLICY = get_policy("first-fit")  # fills the fleet before each property is checked
 LIVE_POLICIES = ("first-fit", "gpushare")

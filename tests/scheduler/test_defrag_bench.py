@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from scheduler.bench_defrag import mig_replay_table, request_stream, run_mig_replay
+from scheduler.research.bench_defrag import mig_replay_table, request_stream, run_mig_replay
 
 
 def test_stream_is_seeded_and_ordered() -> None:

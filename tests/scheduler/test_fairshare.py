@@ -31,7 +31,7 @@ from scheduler.fairshare import (
     demand_milli,
     fairshare_factor,
 )
-from scheduler.policies import get_policy
+from scheduler.placement import get_policy
 
 POLICY = get_policy("first-fit")
 DAY = 86400.0

@@ -6,7 +6,7 @@ from typing import Any
 
 from scheduler.cluster import GpuState, HostState, MigSlot, Pending, Place, Request, Snapshot
 from scheduler.cycle import order_queue, run_cycle
-from scheduler.policies import get_policy
+from scheduler.placement import get_policy
 
 
 def gpu(host: str, index: int, mode: str = "dedicated", **kw: Any) -> GpuState:

@@ -8,12 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.policies.fgd_paper import PAPER_POLICIES
-from scheduler.policies.fgd_paper.base import ReplayContext
-from scheduler.policies.fgd_paper.cluster import Cluster
-from scheduler.policies.fgd_paper.fgd import FgdPolicy
-from scheduler.policies.fgd_paper.frag import Fragmentation
-from scheduler.policies.gpushare import (
+from scheduler.placement.fragmentation import Fragmentation
+from scheduler.placement.workload import TypicalPod
+from scheduler.research.gpushare_trace import (
     FILLER_MIN_SHARE,
     EventualWaste,
     GpusharePolicy,
@@ -21,8 +18,19 @@ from scheduler.policies.gpushare import (
     scarcity_weights,
     undominated_models,
 )
-from scheduler.simulate import POLICIES, main, replay
-from scheduler.trace import NodeSpec, PodSpec, TypicalPod, Workload, build_workload, load_nodes, load_pods
+from scheduler.research.paper import PAPER_POLICIES
+from scheduler.research.paper.base import ReplayContext
+from scheduler.research.paper.cluster import Cluster
+from scheduler.research.paper.fgd import FgdPolicy
+from scheduler.research.replay import POLICIES, main, replay
+from scheduler.research.trace import (
+    NodeSpec,
+    PodSpec,
+    Workload,
+    build_workload,
+    load_nodes,
+    load_pods,
+)
 from tests.scheduler.test_trace_replay import write_trace
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from scheduler.cluster import GpuState, HostState, MigSlot, Place, Request, Snapshot
 from scheduler.cycle import run_cycle
-from scheduler.policies import get_policy
+from scheduler.placement import get_policy
 
 PACKING = get_policy("gpushare")
 

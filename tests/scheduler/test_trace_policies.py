@@ -11,18 +11,19 @@ import random
 
 import pytest
 
-from scheduler.policies.fgd_paper import PAPER_POLICIES
-from scheduler.policies.fgd_paper.base import ReplayContext
-from scheduler.policies.fgd_paper.baselines import (
+from scheduler.placement.fragmentation import Fragmentation
+from scheduler.placement.workload import TypicalPod
+from scheduler.research.paper import PAPER_POLICIES
+from scheduler.research.paper.base import ReplayContext
+from scheduler.research.paper.baselines import (
     BestFitPolicy,
     ClusteringPolicy,
     DotProdPolicy,
     packing_score,
 )
-from scheduler.policies.fgd_paper.cluster import Cluster, best_fit_gpu, exclusive_gpus, gpu_fits
-from scheduler.policies.fgd_paper.fgd import FgdPolicy, sigmoid_score
-from scheduler.policies.fgd_paper.frag import Fragmentation
-from scheduler.trace import NodeSpec, PodSpec, TypicalPod
+from scheduler.research.paper.cluster import Cluster, best_fit_gpu, exclusive_gpus, gpu_fits
+from scheduler.research.paper.fgd import FgdPolicy, sigmoid_score
+from scheduler.research.trace import NodeSpec, PodSpec
 
 
 def pod(

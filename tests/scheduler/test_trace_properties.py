@@ -10,8 +10,8 @@ from collections import defaultdict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.simulate import POLICIES, replay
-from scheduler.trace import NodeSpec, PodSpec, build_workload
+from scheduler.research.replay import POLICIES, replay
+from scheduler.research.trace import NodeSpec, PodSpec, build_workload
 
 MODELS = ("T4", "V100M16", "A10", "G2")
 

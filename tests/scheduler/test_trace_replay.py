@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.bench import write_section
-from scheduler.bench_trace import (
+from scheduler.research.bench_trace import (
     ALL_BEGIN,
     ALL_END,
     ANCHORS,
@@ -21,11 +21,11 @@ from scheduler.bench_trace import (
     render_traces,
     unallocated,
 )
-from scheduler.policies.fgd_paper import PAPER_POLICIES
-from scheduler.policies.fgd_paper.base import BestGpu, ReplayContext
-from scheduler.policies.fgd_paper.cluster import Cluster
-from scheduler.simulate import POLICIES, main, register_policy, replay
-from scheduler.trace import NodeSpec, PodSpec, Workload, build_workload, load_nodes, load_pods
+from scheduler.research.paper import PAPER_POLICIES
+from scheduler.research.paper.base import BestGpu, ReplayContext
+from scheduler.research.paper.cluster import Cluster
+from scheduler.research.replay import POLICIES, main, register_policy, replay
+from scheduler.research.trace import NodeSpec, PodSpec, Workload, build_workload, load_nodes, load_pods
 from tests.scheduler.test_trace_workload import POD_HEADER
 
 NODES = """sn,cpu_milli,memory_mib,gpu,model
@@ -195,7 +195,7 @@ def test_all_traces_section_has_a_row_per_trace_and_counts_wins() -> None:
         }
         for w in ("openb_pod_list_default", "openb_pod_list_cpu050")
     }
-    section = render_traces(runs, "python -m scheduler.bench_trace --all-traces", 2)
+    section = render_traces(runs, "python -m scheduler.research.bench_trace --all-traces", 2)
     assert section.startswith(ALL_BEGIN) and section.endswith(ALL_END)
     assert "| default | 5.00 | 4.00 | 5.00 | 4.00 | 5.00 | 4.00 | 4.77 | -1.00 |" in section
     assert "| ours | 2 of 2 | 2.00 (2.00) | 0.200 | 0.900 |" in section

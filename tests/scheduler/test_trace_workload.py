@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.trace import (
+from scheduler.research.trace import (
     NodeSpec,
     PodSpec,
     build_workload,

@@ -15,7 +15,7 @@ Ties go to host name and GPU index, so decisions are deterministic.
 from __future__ import annotations
 
 from scheduler.cluster import DEDICATED, MIG, MPS, DeviceGrant, GpuState, Pending, Place, Request, Snapshot
-from scheduler.policies.firstfit import exclusive_grants, grant_on, hosts_with_room, why_not
+from scheduler.placement.firstfit import exclusive_grants, grant_on, hosts_with_room, why_not
 
 
 class PackingPolicy:

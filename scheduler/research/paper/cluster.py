@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from scheduler.trace import MILLI, NodeSpec, PodSpec
+from scheduler.placement.workload import MILLI, accessible
+from scheduler.research.trace import NodeSpec, PodSpec
 
 MAX_PODS = 1001  # the paper's nodes advertise this many pod slots
 
@@ -57,11 +58,6 @@ class Cluster:
         if gpus:
             tag = affinity_tag(pod)
             self.tags[n][tag] = self.tags[n].get(tag, 0) + 1
-
-
-def accessible(model: str, pod_models: tuple[str, ...]) -> bool:
-    """An empty spec takes any model; otherwise the node's model must be one listed."""
-    return not pod_models or model in pod_models
 
 
 def gpu_fits(model: str, free: list[int], pod: PodSpec) -> bool:

@@ -53,16 +53,16 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Collection
 
-from scheduler.policies.fgd_paper.base import ReplayContext
-from scheduler.policies.fgd_paper.cluster import (
-    accessible,
+from scheduler.placement.fragmentation import Fragmentation
+from scheduler.placement.workload import MILLI, TypicalPod, accessible
+from scheduler.research.paper.base import ReplayContext
+from scheduler.research.paper.cluster import (
     exclusive_gpus,
     exclusive_outcome,
     sharing_outcomes,
 )
-from scheduler.policies.fgd_paper.fgd import sigmoid_score
-from scheduler.policies.fgd_paper.frag import Fragmentation
-from scheduler.trace import MILLI, NodeSpec, PodSpec, TypicalPod
+from scheduler.research.paper.fgd import sigmoid_score
+from scheduler.research.trace import NodeSpec, PodSpec
 
 # How strongly a rare accepted model amplifies a typical pod's weight in S(n). Without it
 # gpushare lost to FGD on gpuspec20/25/33; in 4-seed trials 1 halved the gap, 2 closed it

@@ -1,6 +1,6 @@
 """How fast a live cycle decides with fair share, quotas, preemption and backfill at work.
 
-``measure_live()`` returns the figures; ``python -m scheduler.bench_cycle`` prints them.
+``measure_live()`` returns the figures; ``python -m scheduler.research.bench_cycle`` prints them.
 The fleet is ``scheduler.bench``'s synthetic one (a quarter of the GPUs in each sharing
 mode), half filled by sandboxes of 20 projects with known end times, some preemptible and
 some borrowed, and a queue of mixed requests, a tenth of them of a higher priority class.
@@ -27,7 +27,7 @@ from scheduler.cluster import (
     book,
 )
 from scheduler.cycle import run_cycle
-from scheduler.policies import get_policy
+from scheduler.placement import get_policy
 
 PROJECTS = 20
 NOW = 1_800_000_000.0

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from scheduler.policies.fgd_paper.cluster import accessible
-from scheduler.trace import TypicalPod
+from scheduler.placement.workload import TypicalPod, accessible
 
 # How a typical pod relates to a node model, fixed once per model.
 _CPU_ONLY, _NO_ACCESS, _GPU = 0, 1, 2

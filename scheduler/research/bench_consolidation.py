@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.bench import write_section
-from scheduler.bench_trace import TRACES
 from scheduler.defrag import HostRoom, Share, SharedGpu, plan_consolidation
-from scheduler.simulate import ReplayResult, replay
-from scheduler.trace import Workload, build_workload, load_nodes, load_pods
+from scheduler.research.bench_trace import TRACES
+from scheduler.research.replay import ReplayResult, replay
+from scheduler.research.trace import Workload, build_workload, load_nodes, load_pods
 
 BEGIN, END = "<!-- bench:consolidation:begin -->", "<!-- bench:consolidation:end -->"
 
@@ -90,7 +90,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         "Replaying the default trace (seed 42) to arrived 100% and 130%, the consolidation",
         "planner empties partly used GPUs by moving sharing pods to other GPUs: within the",
         "node, or to any node with the CPU and memory the pod needs",
-        "(`python -m scheduler.bench_consolidation`).",
+        "(`python -m scheduler.research.bench_consolidation`).",
         "",
         "| policy | arrived % | moves to | whole GPUs free | partly used | GPUs freed | migrations "
         "| freed per migration |",

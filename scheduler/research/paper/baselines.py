@@ -6,9 +6,10 @@ creates are decided by node priority and shape the results.
 
 from __future__ import annotations
 
-from scheduler.policies.fgd_paper.base import BestGpu, ReplayContext
-from scheduler.policies.fgd_paper.cluster import affinity_tag, exclusive_gpus, random_gpu
-from scheduler.trace import MILLI, PodSpec
+from scheduler.placement.workload import MILLI
+from scheduler.research.paper.base import BestGpu, ReplayContext
+from scheduler.research.paper.cluster import affinity_tag, exclusive_gpus, random_gpu
+from scheduler.research.trace import PodSpec
 
 # The paper normalises by the largest node spec, not by each node's own capacity.
 MAX_SPEC_CPU = 128000

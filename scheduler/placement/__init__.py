@@ -15,8 +15,8 @@ class Policy(Protocol):
 
 def get_policy(name: str) -> Policy:
     """A live-cycle policy by name: ``gpushare`` (the default, packing) or ``first-fit``."""
-    from scheduler.policies.firstfit import FirstFit
-    from scheduler.policies.packing import PackingPolicy
+    from scheduler.placement.firstfit import FirstFit
+    from scheduler.placement.packing import PackingPolicy
 
     policies: dict[str, Policy] = {"first-fit": FirstFit(), "gpushare": PackingPolicy()}
     try:

@@ -17,8 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-MILLI = 1000  # one whole GPU, in milli-GPU
-TYPICAL_THRESHOLD = 0.95  # FGD's target workload covers this share of the pods
+from scheduler.placement.workload import MILLI, TYPICAL_THRESHOLD, TypicalPod, typical_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,22 +49,14 @@ class PodSpec:
         return self.num_gpu == 1 and self.gpu_milli < MILLI
 
     @property
+    def shape(self) -> tuple[int, int, int, tuple[str, ...]]:
+        """What a ``WorkloadModel`` counts: CPU, milli per GPU, GPU count, accepted models."""
+        return (self.cpu_milli, self.gpu_milli, self.num_gpu, self.models)
+
+    @property
     def resource_key(self) -> tuple[int, int, int, str]:
         """What the paper's ``GetPodResource`` sees: CPU, milli per GPU, GPU count, model string."""
         return (self.cpu_milli, self.gpu_milli, self.num_gpu, "|".join(self.models))
-
-
-@dataclass(frozen=True, slots=True)
-class TypicalPod:
-    cpu_milli: int
-    gpu_milli: int
-    num_gpu: int
-    models: tuple[str, ...]
-    probability: float
-
-    @property
-    def sharing(self) -> bool:
-        return self.num_gpu == 1 and 0 < self.gpu_milli < MILLI
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,25 +106,9 @@ def load_pods(path: Path) -> list[PodSpec]:
 
 
 def typical_pods(pods: list[PodSpec], threshold: float = TYPICAL_THRESHOLD) -> list[TypicalPod]:
-    """The most popular pod shapes that together make up ``threshold`` of the pods.
-
-    Memory is not part of a shape. Ties in popularity go to the larger shape, field by
-    field, as in the paper's sort; the kept prefix is renormalised to probabilities.
-    """
-    counts = Counter(p.resource_key for p in pods)
-    ranked = sorted(counts.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
-    total = sum(counts.values())
-    kept: list[tuple[tuple[int, int, int, str], int]] = []
-    covered = 0
-    for key, count in ranked:
-        if covered >= threshold * total:
-            break
-        kept.append((key, count))
-        covered += count
-    return [
-        TypicalPod(cpu, milli, num, tuple(m for m in spec.split("|") if m), count / covered)
-        for (cpu, milli, num, spec), count in kept
-    ]
+    """FGD's target workload: the commonest pod shapes of the *whole* trace (memory is not
+    part of a shape). The paper's baselines get this look-ahead; gpushare learns online."""
+    return typical_of(Counter(p.shape for p in pods), threshold)
 
 
 def build_workload(nodes: list[NodeSpec], pods: list[PodSpec], seed: int, tune: float) -> Workload:

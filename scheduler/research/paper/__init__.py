@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.policies.fgd_paper.base import ReplayContext, TracePolicy
-from scheduler.policies.fgd_paper.baselines import (
+from scheduler.research.paper.base import ReplayContext, TracePolicy
+from scheduler.research.paper.baselines import (
     BestFitPolicy,
     ClusteringPolicy,
     DotProdPolicy,
     PackingPolicy,
     RandomPolicy,
 )
-from scheduler.policies.fgd_paper.fgd import FgdPolicy
+from scheduler.research.paper.fgd import FgdPolicy
 
 PAPER_POLICIES: dict[str, Callable[[ReplayContext], TracePolicy]] = {
     "random": RandomPolicy,

@@ -6,9 +6,9 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-from scheduler.policies.fgd_paper.cluster import Cluster, best_fit_gpu, exclusive_gpus
-from scheduler.policies.fgd_paper.frag import Fragmentation
-from scheduler.trace import PodSpec
+from scheduler.placement.fragmentation import Fragmentation
+from scheduler.research.paper.cluster import Cluster, best_fit_gpu, exclusive_gpus
+from scheduler.research.trace import PodSpec
 
 
 @dataclass(frozen=True)

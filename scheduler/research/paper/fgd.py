@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from scheduler.policies.fgd_paper.base import ReplayContext
-from scheduler.policies.fgd_paper.cluster import exclusive_gpus, exclusive_outcome, sharing_outcomes
-from scheduler.trace import PodSpec
+from scheduler.research.paper.base import ReplayContext
+from scheduler.research.paper.cluster import exclusive_gpus, exclusive_outcome, sharing_outcomes
+from scheduler.research.trace import PodSpec
 
 _ScoreKey = tuple[str, int, tuple[int, ...], tuple[int, int, int, str]]
 

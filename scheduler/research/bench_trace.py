@@ -1,7 +1,7 @@
 """Reproduce the FGD paper's openb results: every policy x seeds 42-51 on one trace.
 
-    python -m scheduler.bench_trace [--pods CSV] [--policies fgd,bestfit] [--out BENCHMARKS.md]
-    python -m scheduler.bench_trace --all-traces --policies fgd,gpushare [--out BENCHMARKS.md]
+    python -m scheduler.research.bench_trace [--pods CSV] [--policies fgd,bestfit] [--out BENCHMARKS.md]
+    python -m scheduler.research.bench_trace --all-traces --policies fgd,gpushare [--out BENCHMARKS.md]
 
 Each run's curve is bucketed as the paper's ``merge_alloc_discrete.py`` does, and the
 unallocated GPU % (100 - median over seeds of allocated %) at arrived 90/100/130 % is
@@ -20,10 +20,10 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from scheduler.bench import write_section
-from scheduler.simulate import percentile, replay
-from scheduler.trace import build_workload, load_nodes, load_pods
+from scheduler.research.replay import percentile, replay
+from scheduler.research.trace import build_workload, load_nodes, load_pods
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 TRACES = SHARED / "traces" / "openb"
 ANCHORS = SHARED / "anchors"
 SEEDS = tuple(range(42, 52))
@@ -241,8 +241,8 @@ def render(
         "",
         "Unallocated GPU % = 100 - median over seeds 42-51 of allocated % at arrived x %, bucketed as",
         "the paper's `merge_alloc_discrete.py`; 'paper' is the same statistic of its published runs",
-        f"(shared/anchors). Measured by `python -m scheduler.bench_trace` on {cpus} worker processes;",
-        "replay time is the median over seeds of one replay (build the workload excluded). The",
+        f"(shared/anchors). Measured by `python -m scheduler.research.bench_trace` on {cpus} worker",
+        "processes; replay time is the median over seeds of one replay (build the workload excluded). The",
         "mean ± sd columns are over the seeds at arrived 100 %.",
         "",
         "| policy | ours @90 | paper @90 | ours @100 | paper @100 | Δ @100 | ours @130 | paper @130 "
@@ -280,7 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     seeds = tuple(range(42, 42 + args.seeds))
     if args.all_traces:
-        command = "python -m scheduler.bench_trace " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python -m scheduler.research.bench_trace " + " ".join(
+            argv if argv is not None else sys.argv[1:]
+        )
         runs = run_traces(
             args.nodes, anchored_traces(), args.policies.split(","), seeds, workers=args.workers
         )
