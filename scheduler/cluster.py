@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field
 
 DEDICATED, MIG, MPS, TIMESLICE = "dedicated", "mig", "mps", "timeslice"
 MODES = (DEDICATED, MIG, MPS, TIMESLICE)
+# A GPU whose sharing mode follows demand: idle, it takes a dedicated, MPS or time-slice
+# placement, and it is back to idle when the last one leaves. Not a request mode.
+AUTO = "auto"
+# What an idle AUTO GPU can turn into: MIG needs MIG mode, which needs a GPU reset.
+FOLLOWS_DEMAND = (DEDICATED, MPS, TIMESLICE)
+# A request for host CPU and memory only: no GPU. Not a GPU mode.
+CPU_ONLY = "cpu"
+MILLI = 1000  # one whole GPU, in thousandths
 
 
 @dataclass
@@ -25,13 +34,15 @@ class GpuState:
     index: int
     model: str
     memory_mib: int
-    mode: str  # how this GPU is shared, one of MODES
+    # How this GPU is shared: one of MODES when an admin pinned it (or it is in MIG mode),
+    # AUTO when it follows demand (see ``serves``).
+    mode: str
     available: bool = True  # False when drained or its host is lost
     exclusive_busy: bool = False
     mig: list[MigSlot] = field(default_factory=list)
     mps_used_mib: int = 0
     mps_used_threads: int = 0
-    replicas: int = 0
+    replicas: int = 0  # time-slice replicas it offers when shared by time-slicing
     replicas_used: set[int] = field(default_factory=set)
 
     @property
@@ -41,8 +52,50 @@ class GpuState:
             self.exclusive_busy
             or any(s.busy for s in self.mig)
             or self.mps_used_threads
+            or self.mps_used_mib
             or self.replicas_used
         )
+
+    @property
+    def current_mode(self) -> str:
+        """The mode it is in now: its pinned one, else what holds it; AUTO when idle."""
+        if self.mode != AUTO:
+            return self.mode
+        if self.exclusive_busy:
+            return DEDICATED
+        if self.mps_used_threads or self.mps_used_mib:
+            return MPS
+        if self.replicas_used:
+            return TIMESLICE
+        return AUTO
+
+    def serves(self, mode: str) -> bool:
+        """Whether a ``mode`` request may be placed on it, capacity aside: its pinned mode,
+        or, following demand, any mode an idle GPU can turn into and the one it is in."""
+        if self.mode != AUTO:
+            return self.mode == mode
+        if mode not in FOLLOWS_DEMAND:
+            return False
+        if self.exclusive_busy:
+            return mode == DEDICATED
+        if self.mps_used_threads or self.mps_used_mib:
+            return mode == MPS
+        return not self.replicas_used or mode == TIMESLICE
+
+    def could_serve(self, mode: str) -> bool:
+        """Whether it could take a ``mode`` request once emptied (what preemption may free)."""
+        return self.mode == mode or (self.mode == AUTO and mode in FOLLOWS_DEMAND)
+
+    @property
+    def free_milli(self) -> int:
+        """What is left of it for a whole-GPU or shared placement, in thousandths (MIG: 0)."""
+        if self.mode == MIG or self.exclusive_busy:
+            return 0
+        if self.mps_used_threads or self.mps_used_mib:
+            return max(0, MILLI - 10 * self.mps_used_threads)
+        if self.replicas_used:
+            return (self.replicas - len(self.replicas_used)) * (MILLI // max(1, self.replicas))
+        return MILLI
 
 
 @dataclass
@@ -70,16 +123,31 @@ class HostState:
         self.memory_used_mib += sign * memory_mib
 
 
+_EPOCHS = itertools.count()
+
+
 @dataclass
 class Snapshot:
     hosts: list[HostState]
     # What holds the busy devices above. Optional: without it the cycle can neither preempt,
     # count quota use, nor tell when capacity frees up for a reservation.
     running: list[Running] = field(default_factory=list)
+    # Which snapshot this is, and the hosts changed in it since, in order (``changed``):
+    # a policy that keeps per-host scores between calls re-scores only those.
+    epoch: int = field(default_factory=lambda: next(_EPOCHS))
+    changes: list[str] = field(default_factory=list)
 
     def copy(self) -> Snapshot:
         # Running entries are frozen, so sharing them between copies is safe (and cheap).
         return Snapshot(hosts=copy.deepcopy(self.hosts), running=list(self.running))
+
+    def changed(self, host: str) -> None:
+        """Say that something on ``host`` (its GPUs, CPU, memory, availability) changed.
+
+        Whoever books, releases or hides capacity in a snapshot that a policy is placing
+        on calls this, so the policy's remembered scores for that host are dropped.
+        """
+        self.changes.append(host)
 
 
 @dataclass(frozen=True)
@@ -99,6 +167,19 @@ class Request:
     cpu_milli: int = 0  # host CPU the sandbox is limited to (its tier's), in thousandths of a core
     memory_mib: int = 0  # host memory it is limited to
     isolation: str = ""  # container, process or vm; "" when any host will do (trace replay)
+    gpu_models: tuple[str, ...] = ()  # GPU models it accepts; () for any
+
+    @property
+    def gpu_milli(self) -> int:
+        """Thousandths of each GPU it takes (a time-slice replica's share depends on the
+        GPU: counted as a quarter here); 0 for MIG and CPU-only requests."""
+        if self.mode == DEDICATED:
+            return MILLI
+        if self.mode == MPS:
+            return max(1, self.mps_thread_pct * 10)
+        if self.mode == TIMESLICE:
+            return MILLI // 4
+        return 0
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ from scheduler.preemption import Plan, plan_preemption, victim_order
 MAX_RESERVE_TRIES = 8
 
 # What a placement policy sees of a request, and what a preemption plan also depends on.
-FitShape = tuple[str, int, str, int, int]
+# (mode, GPUs, MIG profile, MPS memory, MPS threads, CPU, memory, isolation, GPU models)
+FitShape = tuple[str, int, str, int, int, int, int, str, tuple[str, ...]]
 Shape = tuple[FitShape, int, bool, bool, bool]
 
 
@@ -72,18 +73,23 @@ def run_cycle(
     now: float,
     *,
     fairshare: FairShareState | None = None,
+    in_place: bool = False,
 ) -> list[Decision]:
-    """Decisions for every request in ``queue``; the snapshot given is not modified.
+    """Decisions for every request in ``queue``.
 
-    Without ``fairshare`` the queue is ordered by priority and age and no quota applies;
-    without ``snapshot.running`` nothing can be preempted or reserved.
+    The snapshot given is not modified, unless ``in_place``: then it ends the cycle with
+    every decision applied (placements booked, victims released), which spares a copy of
+    the fleet to a caller that keeps its state between cycles, and lets the policy keep
+    what it remembered of it. Without ``fairshare`` the queue is ordered by priority and
+    age and no quota applies; without ``snapshot.running`` nothing can be preempted or
+    reserved.
     """
-    return _Cycle(snapshot, policy, now, fairshare).run(queue)
+    return _Cycle(snapshot if in_place else snapshot.copy(), policy, now, fairshare).run(queue)
 
 
 class _Cycle:
-    def __init__(self, snapshot: Snapshot, policy: Policy, now: float, fairshare: FairShareState | None):
-        self.working = snapshot.copy()
+    def __init__(self, working: Snapshot, policy: Policy, now: float, fairshare: FairShareState | None):
+        self.working = working
         self.policy = policy
         self.now = now
         self.fairshare = fairshare
@@ -104,15 +110,25 @@ class _Cycle:
         # only sandboxes that ran before this cycle, and only a request's own mode helps it.
         self.victims: dict[str, list[Running]] = {mode: [] for mode in MODES}
         for alloc in sorted(self.working.running, key=victim_order):
-            modes = {self.gpus[g.gpu_uuid].mode for g in alloc.grants if g.gpu_uuid in self.gpus}
-            for mode in sorted(modes):
-                self.victims[mode].append(alloc)
+            held = [self.gpus[g.gpu_uuid] for g in alloc.grants if g.gpu_uuid in self.gpus]
+            for mode in MODES:
+                if any(gpu.could_serve(mode) for gpu in held):
+                    self.victims[mode].append(alloc)
         # Request shapes the end-time replay found no start for. Once everything with an end
         # has ended the fleet is no freer for a later request of the same shape (short of a
         # preemption ending an unbounded sandbox), so it is not replayed again.
         self.unreservable: set[FitShape] = set()
         self.waiting_by_mode: Counter[tuple[str, int]] = Counter()
-        replicas = [g.replicas for g in self.gpus.values() if g.mode == TIMESLICE and g.replicas]
+        # The policy's answer for request shapes it could not place, by whether the head's
+        # devices were hidden: capacity only shrinks as the cycle places requests, so the
+        # answer holds for every later request of the shape until something is released
+        # (a preemption) or the hidden devices change (a new reservation).
+        self.unfit: dict[tuple[FitShape, bool], str] = {}
+        # The policy's answer with the hidden devices in view, per shape, as of a commit
+        # count: what ``_reason`` tells a request that waits behind the head.
+        self.unhidden: dict[FitShape, tuple[int, Place | Pending]] = {}
+        self.commits = 0
+        replicas = [g.replicas for g in self.gpus.values() if g.could_serve(TIMESLICE) and g.replicas]
         self.timeslice_milli = 1000 // max(replicas) if replicas else 1000
 
     def run(self, queue: list[Request]) -> list[Decision]:
@@ -132,10 +148,18 @@ class _Cycle:
             self.decisions.append(Pending(request.id, refusal))
             return None
         plan: Plan | None = None
-        with self._hide_reserved(request):
-            decision = self.policy.place(self.working, request)
-            if not isinstance(decision, Place):
-                plan = self._preemption(request, demand)
+        fit_key = (_fit_shape(request), self._hides(request))
+        known = self.unfit.get(fit_key)
+        decision: Place | Pending
+        if known is not None:
+            decision = Pending(request.id, known)
+            plan = self._preemption(request, demand)
+        else:
+            with self._hide_reserved(request):
+                decision = self.policy.place(self.working, request)
+                if not isinstance(decision, Place):
+                    self.unfit[fit_key] = decision.reason
+                    plan = self._preemption(request, demand)
         if plan is not None:
             decision = plan.place
         if isinstance(decision, Place):
@@ -156,8 +180,11 @@ class _Cycle:
                 release(self.gpus[grant.gpu_uuid], grant)
             if victim.host in self.hosts:
                 self.hosts[victim.host].take(victim.cpu_milli, victim.memory_mib, -1)
+            self.working.changed(victim.host)
             self.quotas.remove(victim.project, victim.milli_gpu)
+        self.commits += 1
         if victims:
+            self.unfit.clear()  # capacity was given back
             gone = {v.sandbox_id for v in victims}
             for sandbox_id in gone:
                 del self.running[sandbox_id]
@@ -168,6 +195,7 @@ class _Cycle:
         for grant in place.grants:
             book(self.gpus[grant.gpu_uuid], grant)
         self.hosts[place.host].take(request.cpu_milli, request.memory_mib)
+        self.working.changed(place.host)
         self.quotas.add(request.project, milli)
         if borrowed and not was_over:
             # Its project's older borrowed sandboxes just became reclaimable.
@@ -284,6 +312,7 @@ class _Cycle:
             else:
                 gpus.append((gpu, gpu.available))
                 gpu.available = False
+        self.working.changed(self.reservation.host)
         try:
             yield
         finally:
@@ -291,10 +320,12 @@ class _Cycle:
                 slot.busy = busy
             for gpu, available in reversed(gpus):
                 gpu.available = available
+            self.working.changed(self.reservation.host)
 
     def _hold_for(self, head: Request, reservation: Reserve) -> None:
         """Make ``head`` the queue head: requests after it keep off its devices from now on."""
         self.head, self.reservation = head, reservation
+        self.unfit.clear()  # what is hidden changed
         held = {_device(g) for g in reservation.grants}
         self.head_holders = {
             r.sandbox_id for r in self.running.values() if any(_device(g) in held for g in r.grants)
@@ -350,7 +381,11 @@ class _Cycle:
                     notes = [f"{why}; {reservation.host} is reserved for it from {_when(reservation.at)}"]
         elif self.head is not None and self._hides(request):
             # Hidden devices read as drained to the policy: ask again with them in view.
-            unhidden = self.policy.place(self.working, request)
+            shape = _fit_shape(request)
+            asked = self.unhidden.get(shape)
+            if asked is None or asked[0] != self.commits:
+                asked = self.unhidden[shape] = (self.commits, self.policy.place(self.working, request))
+            unhidden = asked[1]
             if isinstance(unhidden, Place):
                 head = self.head
                 rank = "higher-priority" if head.priority > request.priority else "older"
@@ -377,14 +412,16 @@ class _Cycle:
 
 
 def _fit_shape(request: Request) -> FitShape:
-    """Only the fields of its sharing mode: a dedicated request's MIG profile means nothing."""
+    """What decides where a request fits: the fields of its sharing mode (a dedicated
+    request's MIG profile means nothing) and what it needs of the host."""
+    host = (request.cpu_milli, request.memory_mib, request.isolation, request.gpu_models)
     if request.mode == DEDICATED:
-        return (DEDICATED, request.gpu_count, "", 0, 0)
+        return (DEDICATED, request.gpu_count, "", 0, 0, *host)
     if request.mode == MIG:
-        return (MIG, 1, request.mig_profile, 0, 0)
+        return (MIG, 1, request.mig_profile, 0, 0, *host)
     if request.mode == MPS:
-        return (MPS, 1, "", request.mps_memory_mib, request.mps_thread_pct)
-    return (request.mode, 1, "", 0, 0)
+        return (MPS, 1, "", request.mps_memory_mib, request.mps_thread_pct, *host)
+    return (request.mode, 1, "", 0, 0, *host)
 
 
 def _device(grant: DeviceGrant) -> str:

@@ -78,7 +78,7 @@ def plan_preemption(
 
 
 def _useful(gpu: GpuState | None, request: Request) -> bool:
-    return gpu is not None and gpu.available and gpu.mode == request.mode
+    return gpu is not None and gpu.available and gpu.could_serve(request.mode)
 
 
 def _fewest_on_host(

@@ -14,12 +14,13 @@ class Policy(Protocol):
 
 
 def get_policy(name: str) -> Policy:
-    """A live-cycle policy by name: ``gpushare`` (the default, packing) or ``first-fit``."""
+    """A new placement policy by name: ``gpushare`` (the default) or ``first-fit`` (a plain
+    baseline)."""
     from scheduler.placement.firstfit import FirstFit
-    from scheduler.placement.packing import PackingPolicy
+    from scheduler.placement.gpushare import GpusharePolicy
 
-    policies: dict[str, Policy] = {"first-fit": FirstFit(), "gpushare": PackingPolicy()}
+    policies: dict[str, type[Policy]] = {"first-fit": FirstFit, "gpushare": GpusharePolicy}
     try:
-        return policies[name]
+        return policies[name]()
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(policies))}") from None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from scheduler.cluster import (
+    AUTO,
+    CPU_ONLY,
     DEDICATED,
     MIG,
     MPS,
@@ -16,6 +18,7 @@ from scheduler.cluster import (
     Snapshot,
 )
 from scheduler.gpus import COMPUTE_SLICES, MODELS
+from scheduler.placement.workload import accessible
 
 
 class FirstFit:
@@ -26,11 +29,21 @@ class FirstFit:
         if isinstance(hosts, Pending):
             return hosts
         for host in hosts:
-            gpus = [g for g in host.gpus if g.available and g.mode == request.mode]
-            grants = _fit(gpus, request)
+            if request.mode == CPU_ONLY:
+                return Place(request.id, host.name, ())
+            grants = _fit(usable_gpus(host, request), request)
             if grants:
                 return Place(request.id, host.name, grants)
         return Pending(request.id, why_not(snapshot, request))
+
+
+def usable_gpus(host: HostState, request: Request) -> list[GpuState]:
+    """The host's GPUs in service that can take ``request``'s mode and are of a model it accepts."""
+    return [
+        g
+        for g in host.gpus
+        if g.available and g.serves(request.mode) and accessible(g.model, request.gpu_models)
+    ]
 
 
 def _fit(gpus: list[GpuState], request: Request) -> tuple[DeviceGrant, ...]:
@@ -65,7 +78,8 @@ def hosts_with_room(snapshot: Snapshot, request: Request) -> list[HostState] | P
     if not roomy:
         return Pending(
             request.id,
-            f"no GPU host has {request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB "
+            f"no {'' if request.mode == CPU_ONLY else 'GPU '}host has {request.cpu_milli / 1000:g} "
+            f"CPU cores and {request.memory_mib} MiB "
             "of memory free",
         )
     return roomy
@@ -112,28 +126,38 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
         for h in snapshot.hosts
         if serves(h, request)
         and not h.has_room(request.cpu_milli, request.memory_mib)
-        and _fit([g for g in h.gpus if g.available and g.mode == request.mode], request)
+        and (request.mode == CPU_ONLY or _fit(usable_gpus(h, request), request))
     ]
     if short:
         return (
             f"the GPUs it needs are free on {', '.join(short)}, but without "
             f"{request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of memory to spare"
         )
-    gpus = [g for h in snapshot.hosts if serves(h, request) for g in h.gpus if g.mode == request.mode]
-    if not gpus:
+    if request.mode == CPU_ONLY:
+        return (
+            f"no host has {request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of memory free"
+        )
+    offering = [
+        g
+        for h in snapshot.hosts
+        if serves(h, request)
+        for g in h.gpus
+        if g.mode in (request.mode, AUTO) and (request.mode != MIG or g.mode == MIG)
+    ]
+    if not offering:
         return f"no GPU in the fleet offers {request.mode} sharing"
-    if not any(g.available for g in gpus):
+    if request.gpu_models and not any(accessible(g.model, request.gpu_models) for g in offering):
+        return f"no GPU of model {' or '.join(request.gpu_models)} offers {request.mode} sharing"
+    if not any(g.available for g in offering):
         return f"every {request.mode} GPU is drained or unavailable"
     if request.mode == DEDICATED:
         most = max(
-            sum(1 for g in h.gpus if g.available and g.mode == DEDICATED and g.idle)
-            for h in snapshot.hosts
-            if serves(h, request)
+            sum(1 for g in usable_gpus(h, request) if g.idle) for h in snapshot.hosts if serves(h, request)
         )
         noun = "GPU" if request.gpu_count == 1 else "GPUs"
         return f"waiting for {request.gpu_count} free {noun} on one host (at most {most} free now)"
     if request.mode == MIG:
-        if not any(s.profile == request.mig_profile for g in gpus for s in g.mig):
+        if not any(s.profile == request.mig_profile for g in offering for s in g.mig):
             return f"no MIG instance of profile {request.mig_profile} exists in the fleet"
         return f"every {request.mig_profile} MIG slice is in use"
     if request.mode == MPS:

@@ -92,6 +92,9 @@ class WorkloadModel:
         self._next_refresh = FIRST_REFRESH
         self.version = 0
         self.typical: list[TypicalPod] = []
+        # The part of the GPU demand that comes in requests for several GPUs, typical or
+        # not: what keeps whole hosts whole for them (see ``StrandedCapacity``).
+        self.multi_gpu_share = 0.0
 
     @property
     def observed(self) -> int:
@@ -118,5 +121,8 @@ class WorkloadModel:
 
     def publish(self) -> None:
         self.typical = typical_of(self._counts)
+        demand = sum(milli * num_gpu * n for (_, milli, num_gpu, _), n in self._counts.items())
+        multi = sum(milli * num_gpu * n for (_, milli, num_gpu, _), n in self._counts.items() if num_gpu > 1)
+        self.multi_gpu_share = multi / demand if demand else 0.0
         self.version += 1
         self._next_refresh = self._observed + min(max(self._observed, FIRST_REFRESH), REFRESH_EVERY)

@@ -2,6 +2,12 @@
 
     python -m scheduler.simulate --nodes NODES.csv --pods PODS.csv --policy fgd --seed 42 \\
         --tune 1.3 --out DIR
+    python -m scheduler.simulate --engine live --nodes NODES.csv --pods PODS.csv --seed 42 \\
+        --tune 1.3 [--batch 100] --out DIR
+
+``--engine offline`` (the default) runs one of the FGD paper's six policies, or the
+product's ``gpushare`` asked one pod at a time; ``--engine live`` runs the product's
+scheduling cycle itself with its default policy (scheduler/research/live_replay.py).
 
 Pods arrive one at a time and never leave; each goes to the feasible node with the
 highest score (ties: the node's random priority) or fails when no node can take it.
@@ -29,14 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scheduler.placement.fragmentation import Fragmentation
-from scheduler.research.gpushare_trace import GpusharePolicy
 from scheduler.research.paper import PAPER_POLICIES
 from scheduler.research.paper.base import ReplayContext, TracePolicy
 from scheduler.research.paper.cluster import Cluster
 from scheduler.research.trace import PodSpec, Workload, build_workload, load_nodes, load_pods
 
 PolicyFactory = Callable[[ReplayContext], TracePolicy]
-POLICIES: dict[str, PolicyFactory] = {**PAPER_POLICIES, "gpushare": GpusharePolicy}
+POLICIES: dict[str, PolicyFactory] = dict(PAPER_POLICIES)
+# The product's policy: it places on the live model of the fleet, not on ``Cluster``.
+PRODUCT_POLICY = "gpushare"
+ENGINES = ("offline", "live")
 
 # Scores are shifted into positive ints so -1 can mean "infeasible" in the per-shape keys.
 _SCORE_OFFSET = 1 << 20
@@ -82,6 +90,10 @@ def _shape(pod: PodSpec) -> _ShapeKey:
 
 def replay(workload: Workload, policy_name: str) -> ReplayResult:
     """Schedule every pod of ``workload`` in order with the named policy."""
+    if policy_name == PRODUCT_POLICY:
+        from scheduler.research.live_replay import replay_offline
+
+        return replay_offline(workload, policy_name)
     start = time.perf_counter()
     nodes = workload.nodes
     count = len(nodes)
@@ -195,16 +207,33 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--nodes", type=Path, required=True, help="node list CSV (GPU nodes are kept)")
     parser.add_argument("--pods", type=Path, required=True, help="pod list CSV")
-    parser.add_argument("--policy", required=True, choices=sorted(POLICIES))
+    parser.add_argument("--engine", choices=ENGINES, default="offline")
+    parser.add_argument(
+        "--policy",
+        choices=sorted([*POLICIES, PRODUCT_POLICY]),
+        help=f"offline engine: which policy (the live engine runs the portal's, {PRODUCT_POLICY})",
+    )
+    parser.add_argument("--batch", type=int, default=100, help="live engine: arrivals per cycle")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--tune", type=float, default=1.3, help="target GPU request / GPU capacity")
     parser.add_argument("--out", type=Path, required=True, help="folder for curve.csv and placements.csv")
     args = parser.parse_args(argv)
+    if args.engine == "offline" and args.policy is None:
+        parser.error("--engine offline needs --policy")
+    if args.engine == "live" and args.policy not in (None, PRODUCT_POLICY):
+        parser.error(f"--engine live runs the portal's policy, {PRODUCT_POLICY}")
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
     started = time.perf_counter()
     workload = build_workload(load_nodes(args.nodes), load_pods(args.pods), args.seed, args.tune)
-    result = replay(workload, args.policy)
+    if args.engine == "live":
+        from scheduler.research.live_replay import replay_live
+
+        result, label = replay_live(workload, args.batch), f"{PRODUCT_POLICY} (live, batch {args.batch})"
+    else:
+        result, label = replay(workload, args.policy), args.policy
     write_outputs(result, args.out)
-    print(f"{args.policy} seed {args.seed}: {summary(result)}; total {time.perf_counter() - started:.2f} s")
+    print(f"{label} seed {args.seed}: {summary(result)}; total {time.perf_counter() - started:.2f} s")
 
 
 if __name__ == "__main__":

@@ -1,124 +1,33 @@
-"""The gpushare trace policy: stranded capacity, its tie-breaks, and the replay/CLI plumbing."""
+"""The portal's placement policy, gpushare, on the live model: how it ranks, what it learns,
+and that the trace replays drive exactly it."""
 
 from __future__ import annotations
 
 import csv
-import random
 from pathlib import Path
 
 import pytest
 
-from scheduler.placement.fragmentation import Fragmentation
-from scheduler.placement.workload import TypicalPod
-from scheduler.research.gpushare_trace import (
-    FILLER_MIN_SHARE,
-    EventualWaste,
-    GpusharePolicy,
-    StrandedCapacity,
-    scarcity_weights,
-    undominated_models,
+from scheduler.cluster import (
+    AUTO,
+    CPU_ONLY,
+    DEDICATED,
+    MPS,
+    GpuState,
+    HostState,
+    Place,
+    Request,
+    Snapshot,
+    book,
 )
-from scheduler.research.paper import PAPER_POLICIES
-from scheduler.research.paper.base import ReplayContext
+from scheduler.placement import get_policy
+from scheduler.placement.gpushare import PRIOR, GpusharePolicy
+from scheduler.placement.workload import TypicalPod, WorkloadModel
+from scheduler.research.live_replay import mirror_snapshot, pod_request, replay_live, replay_offline
 from scheduler.research.paper.cluster import Cluster
-from scheduler.research.paper.fgd import FgdPolicy
-from scheduler.research.replay import POLICIES, main, replay
-from scheduler.research.trace import (
-    NodeSpec,
-    PodSpec,
-    Workload,
-    build_workload,
-    load_nodes,
-    load_pods,
-)
+from scheduler.research.replay import main, replay
+from scheduler.research.trace import NodeSpec, PodSpec, Workload, build_workload, load_nodes, load_pods
 from tests.scheduler.test_trace_replay import write_trace
-
-
-def pod(cpu: int, milli: int = 1000, num: int = 1, models: tuple[str, ...] = ()) -> PodSpec:
-    return PodSpec("p", cpu, 1024, num, milli if num else 0, models, "p")
-
-
-def policies(nodes: list[NodeSpec], typical: list[TypicalPod]) -> tuple[Cluster, GpusharePolicy, FgdPolicy]:
-    cluster = Cluster(nodes)
-    ctx = ReplayContext(cluster, Fragmentation(typical), random.Random(0))
-    return cluster, GpusharePolicy(ctx), FgdPolicy(ctx)
-
-
-WHOLE_GPU = [TypicalPod(10000, 1000, 1, (), 1.0)]
-
-
-def test_stranded_capacity_counts_cpu_and_share_copies() -> None:
-    whole = StrandedCapacity(WHOLE_GPU, [1.0])
-    assert whole.amount("G2", 40000, (1000,) * 4) == 0  # CPU for all four GPUs
-    assert whole.amount("G2", 15000, (1000,) * 4) == 3000  # CPU for one: three GPUs stranded
-    assert whole.amount("G2", 5000, (1000,) * 4) == 4000  # no CPU: everything
-    share = StrandedCapacity([TypicalPod(1000, 470, 1, (), 1.0)], [1.0])
-    assert share.amount("G2", 8000, (300, 1000, 1000)) == 2300 - 4 * 470  # two copies per GPU
-    model_bound = StrandedCapacity([TypicalPod(1000, 1000, 1, ("T4",), 1.0)], [1.0])
-    assert model_bound.amount("G2", 8000, (1000, 1000)) == 2000  # cannot use the model at all
-    pairs = StrandedCapacity([TypicalPod(1000, 1000, 2, (), 1.0)], [1.0])
-    assert pairs.amount("G2", 8000, (0, 500, 1000, 1000, 1000)) == 1500  # one pair of whole GPUs
-
-
-def test_breaking_a_largest_node_costs_when_whole_node_pods_are_typical() -> None:
-    nodes = [
-        NodeSpec("g3", 128000, 786432, 8, "G3"),
-        NodeSpec("g2", 96000, 393216, 8, "G2"),
-        NodeSpec("a10", 128000, 1048576, 1, "A10"),
-    ]
-    assert undominated_models(nodes) == {"G3"}
-    typical = [TypicalPod(1000, 1000, 8, (), 0.5), TypicalPod(1000, 1000, 1, (), 0.5)]
-    stranded = StrandedCapacity(typical, [0.5, 0.5], {"G3"})
-    seven = (0,) + (1000,) * 7
-    assert stranded.amount("G3", 128000, (1000,) * 8) == 0
-    assert stranded.amount("G2", 95000, seven) == 0.5 * 7000  # no room for the 8-GPU pod
-    assert stranded.amount("G3", 127000, seven) == 0.5 * 7000 + 1.5 * 0.5 * 7000
-    without = StrandedCapacity(typical[1:], [1.0], {"G3"})  # no whole-node pods: no cost
-    assert without.amount("G3", 127000, seven) == 0
-
-
-def test_rare_models_weigh_more() -> None:
-    nodes = [NodeSpec("a", 64000, 262144, 8, "G2"), NodeSpec("b", 64000, 262144, 2, "T4")]
-    typical = [
-        TypicalPod(1000, 500, 1, (), 0.5),
-        TypicalPod(1000, 500, 1, ("T4",), 0.25),
-        TypicalPod(1000, 0, 0, (), 0.25),
-    ]
-    weights = scarcity_weights(typical, nodes)
-    assert sum(weights) == pytest.approx(1)
-    # T4 holds 2 of the 10 GPUs: x 25; CPU-only and unconstrained pods keep their probability.
-    assert weights[1] / weights[0] == pytest.approx(0.25 * 25 / 0.5)
-    assert weights[2] == pytest.approx(weights[0] / 2)
-
-
-def test_fgd_ties_go_to_the_node_that_strands_less() -> None:
-    # A CPU-only pod leaves both nodes able to run one more typical pod: FGD sees a tie.
-    nodes = [NodeSpec("tight", 20000, 262144, 2, "G2"), NodeSpec("roomy", 40000, 262144, 2, "G2")]
-    _, ours, fgd = policies(nodes, WHOLE_GPU)
-    cpu_pod = pod(10000, num=0)
-    assert fgd.score(0, cpu_pod) == fgd.score(1, cpu_pod)
-    # On 'tight' it would strand a GPU (CPU for one copy, two GPUs); 'roomy' keeps both usable.
-    assert ours.score(1, cpu_pod) > ours.score(0, cpu_pod)
-
-
-def test_fgd_score_still_comes_first() -> None:
-    nodes = [NodeSpec("a", 64000, 262144, 2, "G2"), NodeSpec("b", 64000, 262144, 2, "G2")]
-    cluster, ours, fgd = policies(nodes, [TypicalPod(1000, 1000, 1, (), 1.0)])
-    cluster.allocate(1, pod(1000, 600), (0,))  # b: one GPU with 400 left, one free
-    share = pod(1000, 400)
-    assert fgd.score(1, share) > fgd.score(0, share)  # filling the 400 leftover on b
-    assert ours.score(1, share) > ours.score(0, share)
-    assert ours.pick_gpus(1, share) == (0,)
-
-
-def test_a_share_takes_the_gpu_that_strands_least() -> None:
-    nodes = [NodeSpec("a", 64000, 262144, 3, "G2")]
-    cluster, ours, _ = policies(nodes, [TypicalPod(1000, 500, 1, (), 1.0)])
-    cluster.allocate(0, pod(1000, 500), (1,))  # free: 1000, 500, 1000
-    assert ours.pick_gpus(0, pod(1000, 500)) == (1,)  # completes the half-used GPU
-    assert ours.pick_gpus(0, pod(1000, 1000)) == (0,)  # whole GPUs: the lowest free index
-    assert ours.pick_gpus(0, pod(1000, num=0)) == ()
-
 
 SHARES = [
     TypicalPod(8000, 470, 1, (), 0.4),
@@ -128,33 +37,92 @@ SHARES = [
 ]
 
 
-def test_eventual_waste_fills_gaps_with_common_shares_that_fit_the_cpu() -> None:
-    waste = EventualWaste(SHARES)
-    assert waste.gpu("G2", 530, 96000) == 60  # one more 470
-    assert waste.gpu("G2", 350, 96000) == 30  # a 320
-    assert waste.gpu("G2", 210, 96000) == 210  # nothing common fits
-    assert waste.gpu("G2", 1000, 96000) == 30  # 650 + 320 beats 470 + 470
-    assert waste.gpu("G2", 530, 6000) == 210  # CPU for a 320 only
-    assert waste.gpu("G2", 530, 3000) == 530  # CPU for nothing
-    assert waste.amount("G2", 96000, (210, 530)) == 270
+def knowing(typical: list[TypicalPod]) -> GpusharePolicy:
+    """A policy whose workload model has published ``typical``."""
+    model = WorkloadModel()
+    model.typical, model.version = typical, 1
+    return GpusharePolicy(model)
 
 
-def test_rare_shares_are_not_fillers() -> None:
-    rare = FILLER_MIN_SHARE / 2
-    waste = EventualWaste([TypicalPod(4000, 810, 1, (), 1.0), TypicalPod(4000, 160, 1, (), rare)])
-    assert waste.gpu("G2", 190, 96000) == 190  # a 190 gap does not count on the rare 160
-    models = EventualWaste([TypicalPod(4000, 500, 1, ("T4",), 1.0)])
-    assert models.gpu("G2", 1000, 96000) == 1000 and models.gpu("T4", 1000, 96000) == 0
+def fleet(*nodes: tuple[str, int, int, str]) -> Snapshot:
+    return mirror_snapshot([NodeSpec(name, cpu, 1 << 20, gpus, model) for name, cpu, gpus, model in nodes])
+
+
+def share(milli: int, cpu: int = 1000, rid: int = 1) -> Request:
+    return Request(rid, "p", 0, 0.0, MPS, mps_thread_pct=milli // 10, cpu_milli=cpu)
+
+
+def whole(gpus: int = 1, cpu: int = 1000, rid: int = 1) -> Request:
+    return Request(rid, "p", 0, 0.0, DEDICATED, gpu_count=gpus, cpu_milli=cpu)
+
+
+def cpu_only(cpu: int, rid: int = 1) -> Request:
+    return Request(rid, "p", 0, 0.0, CPU_ONLY, cpu_milli=cpu)
+
+
+def take(snapshot: Snapshot, host: str, index: int, milli: int, cpu: int = 1000) -> None:
+    """Put an MPS share of ``milli`` on one GPU, as a placement would."""
+    h = next(h for h in snapshot.hosts if h.name == host)
+    h.gpus[index].mps_used_threads += milli // 10
+    h.take(cpu, 0)
+    snapshot.changed(host)
+
+
+def placed(policy: GpusharePolicy, snapshot: Snapshot, request: Request) -> Place:
+    decision = policy.place(snapshot, request)
+    assert isinstance(decision, Place), decision
+    return decision
+
+
+def test_ties_in_fgd_go_to_the_host_that_strands_less() -> None:
+    # A CPU-only request leaves both hosts able to run one more typical pod: FGD sees a tie.
+    # On 'tight' it would strand a GPU (CPU for one copy, two GPUs); 'roomy' keeps both usable.
+    snapshot = fleet(("tight", 20000, 2, "G2"), ("roomy", 40000, 2, "G2"))
+    assert placed(knowing([TypicalPod(10000, 1000, 1, (), 1.0)]), snapshot, cpu_only(10000)).host == "roomy"
+
+
+def test_a_share_fills_a_partly_used_gpu() -> None:
+    snapshot = fleet(("a", 64000, 2, "G2"), ("b", 64000, 2, "G2"))
+    take(snapshot, "b", 0, 600)  # b: one GPU with 400 left, one idle
+    decision = placed(knowing([TypicalPod(1000, 1000, 1, (), 1.0)]), snapshot, share(400))
+    assert (decision.host, decision.grants[0].gpu_uuid) == ("b", "b-gpu0")
+    assert decision.grants[0].kind == "mps" and decision.grants[0].mps_thread_pct == 40
 
 
 def test_a_share_pairs_where_its_partner_can_follow() -> None:
-    nodes = [NodeSpec(name, 96000, 393216, 1, "G2") for name in ("lone470", "lone650", "fresh")]
-    cluster, ours, fgd = policies(nodes, SHARES)
-    cluster.allocate(0, pod(8000, 470), (0,))  # 530 left: a 320 would leave 210, unfillable
-    cluster.allocate(1, pod(8000, 650), (0,))  # 350 left: a 320 leaves 30
-    share = pod(4000, 320)
-    assert fgd.score(0, share) > fgd.score(2, share)  # FGD fills the lone 470
-    assert ours.score(1, share) > ours.score(0, share) and ours.score(2, share) > ours.score(0, share)
+    snapshot = fleet(("lone470", 96000, 1, "G2"), ("lone650", 96000, 1, "G2"), ("fresh", 96000, 1, "G2"))
+    take(snapshot, "lone470", 0, 470, 8000)  # 530 left: a 320 would leave 210, unfillable
+    take(snapshot, "lone650", 0, 650, 8000)  # 350 left: a 320 leaves 30
+    assert placed(knowing(SHARES), snapshot, share(320, 4000)).host == "lone650"
+
+
+def test_whole_gpus_and_cpu_only_requests_stay_off_the_largest_hosts_before_any_multi_gpu_request() -> None:
+    # Nothing learnt yet: the largest host (most CPU and GPUs) is kept whole all the same.
+    snapshot = fleet(("g2", 96000, 8, "G2"), ("g3", 128000, 8, "G3"))
+    policy = GpusharePolicy()
+    assert policy.workload.typical == []
+    assert placed(policy, snapshot, whole(cpu=11300)).host == "g2"
+    assert placed(policy, snapshot, cpu_only(12500)).host == "g2"
+
+
+def test_an_idle_gpu_following_demand_takes_any_mode_and_a_used_one_only_its_own() -> None:
+    snapshot = fleet(("a", 64000, 1, "G2"))
+    policy = knowing(PRIOR)
+    gpu = snapshot.hosts[0].gpus[0]
+    assert gpu.mode == AUTO and gpu.serves(DEDICATED) and gpu.serves(MPS)
+    book(gpu, placed(policy, snapshot, share(300)).grants[0])
+    snapshot.changed("a")
+    assert not isinstance(policy.place(snapshot, whole()), Place)  # holds an MPS share now
+    assert isinstance(policy.place(snapshot, share(300, rid=2)), Place)
+
+
+def test_what_it_knows_of_the_workload_comes_from_what_it_was_shown() -> None:
+    model = WorkloadModel()
+    for key in range(20):
+        model.observe(key, (4000, 470, 1, ()) if key % 2 else (12000, 1000, 1, ()))
+    model.observe(3, (1, 1, 8, ()))  # seen before: ignored
+    assert {(t.cpu_milli, t.gpu_milli) for t in model.typical} == {(4000, 470), (12000, 1000)}
+    assert model.observed == 20 and model.multi_gpu_share == 0.0
 
 
 @pytest.fixture
@@ -163,9 +131,8 @@ def workload(tmp_path: Path) -> Workload:
     return build_workload(load_nodes(nodes), load_pods(pods), 42, 1.3)
 
 
-def test_registered_beside_the_paper_policies() -> None:
-    assert POLICIES["gpushare"] is GpusharePolicy
-    assert all(POLICIES[name] is factory for name, factory in PAPER_POLICIES.items())
+def test_the_replays_run_the_portals_default_policy() -> None:
+    assert isinstance(get_policy("gpushare"), GpusharePolicy)
 
 
 def test_every_placement_is_feasible_and_replays_repeat(workload: Workload) -> None:
@@ -183,11 +150,45 @@ def test_every_placement_is_feasible_and_replays_repeat(workload: Workload) -> N
     assert (result.node, result.gpus) == (again.node, again.gpus)
 
 
-def test_cli_runs_gpushare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_one_arrival_per_cycle_places_exactly_as_the_policy_alone(workload: Workload) -> None:
+    offline = replay_offline(workload)
+    live = replay_live(workload, batch=1)
+    assert (live.node, live.gpus) == (offline.node, offline.gpus)
+    assert live.used_milli == offline.used_milli
+
+
+def test_pods_become_the_requests_the_portal_would_make() -> None:
+    def pod(num: int, milli: int) -> PodSpec:
+        return PodSpec("p", 4000, 2048, num, milli, ("T4",), "p")
+
+    shared, two, none = pod_request(0, pod(1, 470)), pod_request(1, pod(2, 1000)), pod_request(2, pod(0, 0))
+    assert (shared.mode, shared.mps_thread_pct, shared.gpu_models) == (MPS, 47, ("T4",))
+    assert (two.mode, two.gpu_count) == (DEDICATED, 2)
+    assert none.mode == CPU_ONLY and (none.cpu_milli, none.memory_mib) == (4000, 2048)
+
+
+def test_cli_live_engine_writes_the_same_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     nodes, pods = write_trace(tmp_path)
     out = tmp_path / "out"
-    main(["--nodes", str(nodes), "--pods", str(pods), "--policy", "gpushare", "--out", str(out)])
-    assert capsys.readouterr().out.startswith("gpushare seed 42:")
+    main(["--engine", "live", "--nodes", str(nodes), "--pods", str(pods), "--batch", "7", "--out", str(out)])
+    assert capsys.readouterr().out.startswith("gpushare (live, batch 7) seed 42:")
     with (out / "placements.csv").open() as f:
-        placed = [row for row in csv.DictReader(f) if row["node"]]
-    assert placed and all(row["node"] in {"n0", "n1", "n2", "n3"} for row in placed)
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["seq", "pod", "source", "node", "gpus", "milli_per_gpu"]
+    assert any(row["node"] for row in rows) and all(
+        row["node"] in {"", "n0", "n1", "n2", "n3"} for row in rows
+    )
+    assert (out / "curve.csv").exists()
+
+
+def test_cli_refuses_another_policy_on_the_live_engine(tmp_path: Path) -> None:
+    nodes, pods = write_trace(tmp_path)
+    with pytest.raises(SystemExit):
+        main(
+            ["--engine", "live", "--policy", "fgd", "--nodes", str(nodes), "--pods", str(pods), "--out", "x"]
+        )
+
+
+def test_a_host_without_cpu_tracking_is_never_short_of_it() -> None:
+    host = HostState("h", True, [GpuState("g", "h", 0, "G2", 20000, AUTO)])
+    assert placed(knowing(PRIOR), Snapshot([host]), whole(cpu=500_000)).host == "h"

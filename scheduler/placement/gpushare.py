@@ -1,0 +1,330 @@
+"""gpushare: the portal's placement policy, and the one the trace benchmarks measure.
+
+For a request that takes whole GPUs, part of a GPU (MPS, time-slice) or only host CPU, every
+host that can take it is scored and the best wins (ties: the first in the snapshot's
+order). A host is seen as FGD sees a node: its GPU model, the CPU it has left and the free
+thousandths of each GPU in service (``GpuState.free_milli``; MIG GPUs are left out, they
+serve MIG slices only). A placement is ranked lexicographically by
+
+0. for a share, the change in the host's *eventual waste* E(n): how much of each GPU the
+   common shares could not fill any more (``EventualWaste``);
+1. FGD's integer score, trunc(100 x sigmoid(-dF / 1000)), F being FGD's fragmentation;
+2. the change in *stranded capacity* S(n): free GPU milli that copies of each typical
+   request could not use, counting CPU (``StrandedCapacity``).
+
+The typical requests come from ``WorkloadModel``, which learns them from the requests
+seen so far (the portal: the recent ones; a replay: the pods already arrived), never from
+requests still to come. Until it has seen any, one whole GPU is the typical request, and
+the policy packs.
+
+MIG requests take the MIG instance whose GPU keeps the fewest free instances (the MIG
+re-layout planner owns their geometry).
+
+Speed: a host's score for a request depends only on (model, CPU left, free milli per GPU,
+the GPUs that could take it) and the request's shape, and is memoised on that. Per
+snapshot the policy also keeps each host's state and, per request shape, each host's last
+score, re-scoring only the hosts changed since (``Snapshot.changed``); picking the best is
+then one ``max`` over a list.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from scheduler.cluster import (
+    CPU_ONLY,
+    DEDICATED,
+    MIG,
+    MILLI,
+    DeviceGrant,
+    GpuState,
+    HostState,
+    Pending,
+    Place,
+    Request,
+    Snapshot,
+)
+from scheduler.placement.firstfit import (
+    exclusive_grants,
+    grant_on,
+    hosts_with_room,
+    serves,
+    usable_gpus,
+    why_not,
+)
+from scheduler.placement.fragmentation import (
+    EventualWaste,
+    Fragmentation,
+    StrandedCapacity,
+    scarcity_weights,
+    undominated_models,
+)
+from scheduler.placement.workload import TypicalPod, WorkloadModel
+
+# S(n) changes are ranked to the nearest milli, so float noise in the weighted sums never
+# decides; _SPAN bounds them, as no node has anywhere near 1000 GPUs.
+_SPAN = 1 << 20
+_SECONDARY = 2 * _SPAN
+# FGD's score is at most 100, so E(n) ranks above it at this factor.
+_WASTE_FACTOR = 128 * _SECONDARY
+_WASTE_SPAN = 1 << 20
+_INFEASIBLE = -1
+# Snapshots of more hosts than this get per-host scores remembered between calls.
+_REMEMBER_FROM = 4
+# CPU left on a host that does not track it: more than any request asks for.
+_UNTRACKED_CPU = 1 << 40
+# What the policy assumes before it has seen a request: whole single GPUs.
+PRIOR = [TypicalPod(0, MILLI, 1, (), 1.0)]
+
+# The fleet's make-up: (GPU model, CPU milli, GPUs, how many hosts) per kind of host.
+Fleet = tuple[tuple[str, int, int, int], ...]
+HostKey = tuple[str, int, tuple[int, ...]]  # (GPU model, CPU left, free milli per GPU ascending)
+# What a score depends on beyond the host: (mode, CPU, GPU count, milli per GPU, models).
+RequestShape = tuple[str, int, int, int, tuple[str, ...]]
+
+
+def sigmoid_score(delta: float) -> int:
+    """FGD's score for a fragmentation change: trunc(100 x sigmoid(delta / 1000))."""
+    return int(1.0 / (1.0 + math.exp(-delta / 1000)) * 100)
+
+
+def host_key(host: HostState) -> HostKey:
+    """What the measures see of a host: its model, CPU left and the free milli of each GPU."""
+    gpus = [g for g in host.gpus if g.available and g.mode != MIG]
+    model = gpus[0].model if gpus else ""
+    cpu_left = host.cpu_milli - host.cpu_used_milli if host.cpu_milli else _UNTRACKED_CPU
+    return model, cpu_left, tuple(sorted(g.free_milli for g in gpus))
+
+
+def request_shape(request: Request) -> RequestShape:
+    return (request.mode, request.cpu_milli, request.gpu_count, request.gpu_milli, request.gpu_models)
+
+
+@dataclass
+class _Measures:
+    """F, S and E for one publication of the typical requests and one fleet composition."""
+
+    frag: Fragmentation
+    stranded: StrandedCapacity
+    waste: EventualWaste
+
+    @classmethod
+    def build(cls, typical: list[TypicalPod], multi_gpu_share: float, fleet: Fleet) -> _Measures:
+        gpus_by_model: dict[str, int] = {}
+        for model, _, gpus, hosts in fleet:
+            gpus_by_model[model] = gpus_by_model.get(model, 0) + gpus * hosts
+        weights = scarcity_weights(typical, gpus_by_model)
+        largest = undominated_models({(model, cpu, gpus) for model, cpu, gpus, _ in fleet})
+        stranded = StrandedCapacity(typical, weights, largest, multi_gpu_share)
+        return cls(Fragmentation(typical), stranded, EventualWaste(typical))
+
+    def rank(
+        self,
+        model: str,
+        cpu_left: int,
+        before: tuple[int, ...],
+        after: tuple[int, ...],
+        cpu_after: int,
+        sharing: bool,
+    ) -> int:
+        """Integer rank of moving a host from (cpu_left, before) to (cpu_after, after): higher is better."""
+        df = self.frag.amount(model, cpu_left, before) - self.frag.amount(model, cpu_after, after)
+        ds = self.stranded.amount(model, cpu_after, after) - self.stranded.amount(model, cpu_left, before)
+        rank = sigmoid_score(df) * _SECONDARY + round(_SPAN - ds)
+        if sharing:
+            # E changes by at most the node's GPU milli; shifting by _WASTE_SPAN keeps it positive.
+            dw = self.waste.amount(model, cpu_after, after) - self.waste.amount(model, cpu_left, before)
+            rank += (_WASTE_SPAN - dw) * _WASTE_FACTOR
+        return rank
+
+
+@dataclass
+class _ShapeScores:
+    """Per host (in snapshot order), its last score for one request shape; how far into the
+    snapshot's change log they are up to date."""
+
+    scores: list[int]
+    seen: int
+
+
+class GpusharePolicy:
+    name = "gpushare"
+
+    def __init__(self, workload: WorkloadModel | None = None) -> None:
+        self.workload = workload if workload is not None else WorkloadModel()
+        self._measures: _Measures | None = None
+        self._measures_for: tuple[int, Fleet] | None = None
+        self._fleet: Fleet = ()
+        self._fleet_epoch = -1
+        # Choices memoised on (host state, GPUs that could take it, request shape).
+        self._memo: dict[tuple[HostKey, tuple[int, ...], RequestShape], tuple[int, int]] = {}
+        # What is known of the snapshot last placed on: see ``_scores``.
+        self._epoch = -1
+        self._index: dict[str, int] = {}
+        self._shapes: dict[tuple[RequestShape, int, str], _ShapeScores] = {}
+
+    # --- the policy -----------------------------------------------------------------------
+
+    def place(self, snapshot: Snapshot, request: Request) -> Place | Pending:
+        if request.mode == MIG:
+            return _place_mig(snapshot, request)
+        if len(snapshot.hosts) <= _REMEMBER_FROM:
+            # Preemption and reservation try one host at a time: nothing worth remembering,
+            # and the fleet they are part of is the one the measures were built for.
+            measures = self._measures or self._current_measures(snapshot)
+            best, best_rank = None, _INFEASIBLE
+            for host in snapshot.hosts:
+                choice = self._choose(host, request, measures)
+                if choice is not None and choice[0] > best_rank:
+                    best, best_rank = host, choice[0]
+        else:
+            measures = self._current_measures(snapshot)
+            best = self._best_remembered(snapshot, request, measures)
+        if best is None:
+            hosts = hosts_with_room(snapshot, request)
+            return hosts if isinstance(hosts, Pending) else Pending(request.id, why_not(snapshot, request))
+        return Place(request.id, best.name, self._grants(best, request, measures))
+
+    # --- scoring ----------------------------------------------------------------------------
+
+    def _current_measures(self, snapshot: Snapshot) -> _Measures:
+        """Rebuilt when the typical requests are republished or the fleet's make-up changes."""
+        if snapshot.epoch != self._fleet_epoch:
+            self._fleet, self._fleet_epoch = _fleet(snapshot), snapshot.epoch
+        key = (self.workload.version, self._fleet)
+        if self._measures is None or key != self._measures_for:
+            workload = self.workload
+            self._measures = _Measures.build(workload.typical or PRIOR, workload.multi_gpu_share, self._fleet)
+            self._measures_for = key
+            self._memo.clear()
+            self._shapes.clear()
+        return self._measures
+
+    def _best_remembered(self, snapshot: Snapshot, request: Request, measures: _Measures) -> HostState | None:
+        """The best host, re-scoring only the hosts changed since this shape was last scored."""
+        if snapshot.epoch != self._epoch:
+            self._epoch = snapshot.epoch
+            self._index = {h.name: i for i, h in enumerate(snapshot.hosts)}
+            self._shapes.clear()
+        # Memory and isolation decide which hosts can take it, not how they score.
+        shape = (request_shape(request), request.memory_mib, request.isolation)
+        count = len(snapshot.hosts)
+        cache = self._shapes.get(shape)
+        if cache is None or len(snapshot.changes) - cache.seen >= count:
+            stale: range | set[int] = range(count)
+            if cache is None:
+                cache = self._shapes[shape] = _ShapeScores([_INFEASIBLE] * count, 0)
+        else:
+            stale = {self._index[name] for name in snapshot.changes[cache.seen :] if name in self._index}
+        scores = cache.scores
+        for i in stale:
+            scores[i] = self._score(snapshot.hosts[i], request, measures)
+        cache.seen = len(snapshot.changes)
+        best = max(scores)
+        if best == _INFEASIBLE:
+            return None
+        # Scores carry the host's position in their lowest bits: the first of equals wins.
+        return snapshot.hosts[count - 1 - best % count]
+
+    def _score(self, host: HostState, request: Request, measures: _Measures) -> int:
+        """``_rank`` of the host's best placement for ``request``, folded with its position in
+        the snapshot so that ``max`` prefers the first of equal ranks; _INFEASIBLE if none."""
+        choice = self._choose(host, request, measures)
+        if choice is None:
+            return _INFEASIBLE
+        count = max(len(self._index), 1)
+        position = self._index.get(host.name, 0)
+        return choice[0] * count + (count - 1 - position)
+
+    def _choose(self, host: HostState, request: Request, measures: _Measures) -> tuple[int, int] | None:
+        """(rank, free milli of the GPU a share takes, or -1) of the host's best placement."""
+        if not serves(host, request) or not host.has_room(request.cpu_milli, request.memory_mib):
+            return None
+        candidates: tuple[int, ...] = ()
+        if request.mode == DEDICATED:
+            if sum(1 for g in usable_gpus(host, request) if g.idle) < request.gpu_count:
+                return None
+        elif request.mode != CPU_ONLY:
+            candidates = tuple(
+                sorted({g.free_milli for g in usable_gpus(host, request) if grant_on(g, request) is not None})
+            )
+            if not candidates:
+                return None
+        key = host_key(host)
+        shape = request_shape(request)
+        memo_key = (key, candidates, shape)
+        cached = self._memo.get(memo_key)
+        if cached is not None:
+            return cached
+        model, cpu_left, before = key
+        cpu_after = cpu_left - request.cpu_milli
+        choice: tuple[int, int]
+        if request.mode in (CPU_ONLY, DEDICATED):
+            after = list(before)
+            if request.mode == DEDICATED:
+                # Whole GPUs: the first ``gpu_count`` idle ones, as FGD takes them.
+                taken = 0
+                for i, free in enumerate(after):
+                    if free == MILLI and taken < request.gpu_count:
+                        after[i], taken = 0, taken + 1
+            rank = measures.rank(model, cpu_left, before, tuple(sorted(after)), cpu_after, sharing=False)
+            choice = (rank, -1)
+        else:
+            milli = request.gpu_milli
+            choice = (_INFEASIBLE, -1)
+            for free in candidates:  # ascending: on equal ranks the tightest GPU is kept
+                after = list(before)
+                after[after.index(free)] = max(0, free - milli)
+                rank = measures.rank(model, cpu_left, before, tuple(sorted(after)), cpu_after, sharing=True)
+                if rank > choice[0]:
+                    choice = (rank, free)
+        self._memo[memo_key] = choice
+        return choice
+
+    def _grants(self, host: HostState, request: Request, measures: _Measures) -> tuple[DeviceGrant, ...]:
+        if request.mode == CPU_ONLY:
+            return ()
+        gpus = usable_gpus(host, request)
+        if request.mode == DEDICATED:
+            return exclusive_grants([g for g in gpus if g.idle][: request.gpu_count])
+        choice = self._choose(host, request, measures)
+        assert choice is not None  # noqa: S101 - the host was chosen because it can take it
+        for gpu in gpus:
+            if gpu.free_milli == choice[1] and (grant := grant_on(gpu, request)) is not None:
+                return (grant,)
+        raise AssertionError(f"no GPU with {choice[1]} milli free on {host.name} takes request {request.id}")
+
+
+def _fleet(snapshot: Snapshot) -> Fleet:
+    """The fleet's make-up as the measures weigh it: model, CPU, GPU count and number of hosts
+    per kind of host (MIG GPUs left out)."""
+    kinds: dict[tuple[str, int, int], int] = {}
+    for host in snapshot.hosts:
+        gpus = [g for g in host.gpus if g.mode != MIG]
+        if gpus:
+            kind = (gpus[0].model, host.cpu_milli or _UNTRACKED_CPU, len(gpus))
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return tuple(sorted((model, cpu, gpus, hosts) for (model, cpu, gpus), hosts in kinds.items()))
+
+
+def _place_mig(snapshot: Snapshot, request: Request) -> Place | Pending:
+    """The free instance of the profile whose GPU keeps the fewest free instances afterwards."""
+    hosts = hosts_with_room(snapshot, request)
+    if isinstance(hosts, Pending):
+        return hosts
+    best: tuple[tuple[int, int], str, DeviceGrant] | None = None
+    for position, host in enumerate(hosts):
+        for gpu in usable_gpus(host, request):
+            grant = grant_on(gpu, request)
+            if grant is not None:
+                key = (_free_slots(gpu) - 1, position)
+                if best is None or key < best[0]:
+                    best = (key, host.name, grant)
+    if best is None:
+        return Pending(request.id, why_not(snapshot, request))
+    return Place(request.id, best[1], (best[2],))
+
+
+def _free_slots(gpu: GpuState) -> int:
+    return sum(1 for s in gpu.mig if not s.busy)

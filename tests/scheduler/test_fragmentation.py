@@ -1,0 +1,88 @@
+"""gpushare's measures of a node beside FGD's F: stranded capacity S and eventual waste E."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.placement.fragmentation import (
+    FILLER_MIN_SHARE,
+    MULTI_GPU_FLOOR,
+    WHOLE_NODE_WEIGHT,
+    EventualWaste,
+    StrandedCapacity,
+    scarcity_weights,
+    undominated_models,
+)
+from scheduler.placement.workload import TypicalPod
+
+WHOLE_GPU = [TypicalPod(10000, 1000, 1, (), 1.0)]
+
+
+def test_stranded_capacity_counts_cpu_and_share_copies() -> None:
+    whole = StrandedCapacity(WHOLE_GPU, [1.0])
+    assert whole.amount("G2", 40000, (1000,) * 4) == 0  # CPU for all four GPUs
+    assert whole.amount("G2", 15000, (1000,) * 4) == 3000  # CPU for one: three GPUs stranded
+    assert whole.amount("G2", 5000, (1000,) * 4) == 4000  # no CPU: everything
+    share = StrandedCapacity([TypicalPod(1000, 470, 1, (), 1.0)], [1.0])
+    assert share.amount("G2", 8000, (300, 1000, 1000)) == 2300 - 4 * 470  # two copies per GPU
+    model_bound = StrandedCapacity([TypicalPod(1000, 1000, 1, ("T4",), 1.0)], [1.0])
+    assert model_bound.amount("G2", 8000, (1000, 1000)) == 2000  # cannot use the model at all
+    pairs = StrandedCapacity([TypicalPod(1000, 1000, 2, (), 1.0)], [1.0])
+    assert pairs.amount("G2", 8000, (0, 500, 1000, 1000, 1000)) == 1500  # one pair of whole GPUs
+
+
+def test_breaking_a_largest_node_costs_by_the_multi_gpu_demand() -> None:
+    nodes = {("G3", 128000, 8), ("G2", 96000, 8), ("A10", 128000, 1)}
+    assert undominated_models(nodes) == {"G3"}
+    typical = [TypicalPod(1000, 1000, 8, (), 0.5), TypicalPod(1000, 1000, 1, (), 0.5)]
+    stranded = StrandedCapacity(typical, [0.5, 0.5], {"G3"})
+    seven = (0,) + (1000,) * 7
+    assert stranded.amount("G3", 128000, (1000,) * 8) == 0
+    assert stranded.amount("G2", 95000, seven) == 0.5 * 7000  # no room for the 8-GPU pod
+    assert stranded.amount("G3", 127000, seven) == 0.5 * 7000 + WHOLE_NODE_WEIGHT * 0.5 * 7000
+    # Told the multi-GPU part of the demand (the workload model knows it even when no such
+    # request is typical), that is what it weighs; never less than the floor.
+    learned = StrandedCapacity(typical[1:], [1.0], {"G3"}, multi_gpu_share=0.2)
+    assert learned.amount("G3", 127000, seven) == WHOLE_NODE_WEIGHT * 0.2 * 7000
+    unseen = StrandedCapacity(typical[1:], [1.0], {"G3"}, multi_gpu_share=0.0)
+    assert unseen.amount("G3", 127000, seven) == pytest.approx(WHOLE_NODE_WEIGHT * MULTI_GPU_FLOOR * 7000)
+
+
+def test_rare_models_weigh_more() -> None:
+    typical = [
+        TypicalPod(1000, 500, 1, (), 0.5),
+        TypicalPod(1000, 500, 1, ("T4",), 0.25),
+        TypicalPod(1000, 0, 0, (), 0.25),
+    ]
+    weights = scarcity_weights(typical, {"G2": 8, "T4": 2})
+    assert sum(weights) == pytest.approx(1)
+    # T4 holds 2 of the 10 GPUs: x 25; CPU-only and unconstrained pods keep their probability.
+    assert weights[1] / weights[0] == pytest.approx(0.25 * 25 / 0.5)
+    assert weights[2] == pytest.approx(weights[0] / 2)
+
+
+SHARES = [
+    TypicalPod(8000, 470, 1, (), 0.4),
+    TypicalPod(4000, 320, 1, (), 0.2),
+    TypicalPod(8000, 650, 1, (), 0.2),
+    TypicalPod(12000, 1000, 1, (), 0.2),
+]
+
+
+def test_eventual_waste_fills_gaps_with_common_shares_that_fit_the_cpu() -> None:
+    waste = EventualWaste(SHARES)
+    assert waste.gpu("G2", 530, 96000) == 60  # one more 470
+    assert waste.gpu("G2", 350, 96000) == 30  # a 320
+    assert waste.gpu("G2", 210, 96000) == 210  # nothing common fits
+    assert waste.gpu("G2", 1000, 96000) == 30  # 650 + 320 beats 470 + 470
+    assert waste.gpu("G2", 530, 6000) == 210  # CPU for a 320 only
+    assert waste.gpu("G2", 530, 3000) == 530  # CPU for nothing
+    assert waste.amount("G2", 96000, (210, 530)) == 270
+
+
+def test_rare_shares_are_not_fillers() -> None:
+    rare = FILLER_MIN_SHARE / 2
+    waste = EventualWaste([TypicalPod(4000, 810, 1, (), 1.0), TypicalPod(4000, 160, 1, (), rare)])
+    assert waste.gpu("G2", 190, 96000) == 190  # a 190 gap does not count on the rare 160
+    models = EventualWaste([TypicalPod(4000, 500, 1, ("T4",), 1.0)])
+    assert models.gpu("G2", 1000, 96000) == 1000 and models.gpu("T4", 1000, 96000) == 0
