@@ -197,11 +197,38 @@ SECTIONS = {
 }
 
 
-def main() -> None:
+def scale_section() -> str:
+    from scheduler.research.bench_scale import render, rows
+
+    return render(rows())
+
+
+def live_traces_section() -> str:
+    from scheduler.research.bench_live import render, run_all
+    from scheduler.research.bench_trace import anchored_traces
+
+    runs = run_all(anchored_traces(), tuple(range(42, 52)), workers=2)
+    return render(runs, "python -m scheduler.bench --only live-traces", 2)
+
+
+SECTIONS["scale"] = scale_section
+SECTIONS["live-traces"] = live_traces_section
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("what", nargs="?", choices=("scale",), help="scale: only the cycle at scale")
+    parser.add_argument("--json", action="store_true", help="scale: one JSON object per line")
     parser.add_argument("--out", type=Path, help="Markdown file to update")
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run only these")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.what == "scale" and args.json:
+        from scheduler.research.bench_scale import print_json, rows
+
+        print_json(rows())
+        return
+    if args.what == "scale":
+        args.only = ["scale"]
     for name in args.only or list(SECTIONS):
         section = SECTIONS[name]()
         print("\n".join(section.strip().splitlines()[1:-1]).strip(), end="\n\n")  # without markers

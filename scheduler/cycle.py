@@ -20,6 +20,7 @@ Every request in the queue gets exactly one ``Place`` or ``Pending``.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -123,7 +124,9 @@ class _Cycle:
         # devices were hidden: capacity only shrinks as the cycle places requests, so the
         # answer holds for every later request of the shape until something is released
         # (a preemption) or the hidden devices change (a new reservation).
-        self.unfit: dict[tuple[FitShape, bool], str] = {}
+        # Kept per kind (mode, MIG profile, isolation, GPU models, hidden) as the sizes that
+        # failed: a request at least as large in every size fails too.
+        self.unfit: dict[tuple[str, str, str, tuple[str, ...], bool], list[tuple[tuple[int, ...], str]]] = {}
         # The policy's answer with the hidden devices in view, per shape, as of a commit
         # count: what ``_reason`` tells a request that waits behind the head.
         self.unhidden: dict[FitShape, tuple[int, Place | Pending]] = {}
@@ -148,8 +151,10 @@ class _Cycle:
             self.decisions.append(Pending(request.id, refusal))
             return None
         plan: Plan | None = None
-        fit_key = (_fit_shape(request), self._hides(request))
-        known = self.unfit.get(fit_key)
+        kind, sizes = _fit_kind(request, self._hides(request))
+        known = next(
+            (why for failed, why in self.unfit.get(kind, ()) if all(map(operator.le, failed, sizes))), None
+        )
         decision: Place | Pending
         if known is not None:
             decision = Pending(request.id, known)
@@ -158,7 +163,7 @@ class _Cycle:
             with self._hide_reserved(request):
                 decision = self.policy.place(self.working, request)
                 if not isinstance(decision, Place):
-                    self.unfit[fit_key] = decision.reason
+                    self.unfit.setdefault(kind, []).append((sizes, decision.reason))
                     plan = self._preemption(request, demand)
         if plan is not None:
             decision = plan.place
@@ -422,6 +427,22 @@ def _fit_shape(request: Request) -> FitShape:
     if request.mode == MPS:
         return (MPS, 1, "", request.mps_memory_mib, request.mps_thread_pct, *host)
     return (request.mode, 1, "", 0, 0, *host)
+
+
+def _fit_kind(
+    request: Request, hidden: bool
+) -> tuple[tuple[str, str, str, tuple[str, ...], bool], tuple[int, ...]]:
+    """What a request needs, split into what must match (its kind) and sizes that only
+    need to be at least as large for it to fail where a smaller one failed."""
+    kind = (request.mode, request.mig_profile, request.isolation, request.gpu_models, hidden)
+    sizes = (
+        request.gpu_count,
+        request.mps_thread_pct,
+        request.mps_memory_mib,
+        request.cpu_milli,
+        request.memory_mib,
+    )
+    return kind, sizes
 
 
 def _device(grant: DeviceGrant) -> str:

@@ -24,7 +24,7 @@ engine: the batch being scheduled included), never from the trace ahead.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from scheduler.cluster import (
     AUTO,
@@ -130,11 +130,22 @@ def replay_offline(workload: Workload, policy_name: str = "gpushare") -> ReplayR
     """Ask the policy for each pod in turn and book what it says: no cycle around it."""
     started = time.perf_counter()
     snapshot = mirror_snapshot(workload.nodes)
-    policy = get_policy(policy_name)
     recorder = _Recorder(workload, snapshot)
+    replay_offline_on(snapshot, get_policy(policy_name), workload.pods, recorder.record)
+    recorder.result.wall_s = time.perf_counter() - started
+    return recorder.result
+
+
+def replay_offline_on(
+    snapshot: Snapshot,
+    policy: Policy,
+    pods: list[PodSpec],
+    record: Callable[[PodSpec, Place | None, float], None] | None = None,
+) -> None:
+    """Place ``pods`` one at a time on ``snapshot``, booking each placement in it."""
     gpus = {g.uuid: g for h in snapshot.hosts for g in h.gpus}
     hosts = {h.name: h for h in snapshot.hosts}
-    for seq, pod in enumerate(workload.pods):
+    for seq, pod in enumerate(pods):
         began = time.perf_counter()
         learn(policy, seq, pod)
         request = pod_request(seq, pod)
@@ -145,9 +156,8 @@ def replay_offline(workload: Workload, policy_name: str = "gpushare") -> ReplayR
                 book(gpus[grant.gpu_uuid], grant)
             hosts[place.host].take(request.cpu_milli, request.memory_mib)
             snapshot.changed(place.host)
-        recorder.record(pod, place, time.perf_counter() - began)
-    recorder.result.wall_s = time.perf_counter() - started
-    return recorder.result
+        if record is not None:
+            record(pod, place, time.perf_counter() - began)
 
 
 def replay_live(
