@@ -28,6 +28,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from scheduler.cluster import (
+    CPU_ONLY,
     DEDICATED,
     MIG,
     MODES,
@@ -109,12 +110,14 @@ class _Cycle:
         self.hopeless: set[Shape] = set()
         # Possible victims by the sharing mode of the devices they hold, in victim order:
         # only sandboxes that ran before this cycle, and only a request's own mode helps it.
-        self.victims: dict[str, list[Running]] = {mode: [] for mode in MODES}
+        # A CPU-only request can use what any victim frees: its host's CPU and memory.
+        self.victims: dict[str, list[Running]] = {mode: [] for mode in (*MODES, CPU_ONLY)}
         for alloc in sorted(self.working.running, key=victim_order):
             held = [self.gpus[g.gpu_uuid] for g in alloc.grants if g.gpu_uuid in self.gpus]
             for mode in MODES:
                 if any(gpu.could_serve(mode) for gpu in held):
                     self.victims[mode].append(alloc)
+            self.victims[CPU_ONLY].append(alloc)
         # Request shapes the end-time replay found no start for. Once everything with an end
         # has ended the fleet is no freer for a later request of the same shape (short of a
         # preemption ending an unbounded sandbox), so it is not replayed again.

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
-from scheduler.cluster import GpuState, HostState, Place, Request, Running, Snapshot, book, release
+from scheduler.cluster import CPU_ONLY, GpuState, HostState, Place, Request, Running, Snapshot, book, release
 from scheduler.placement import Policy
 
 # Subsets tried per host before falling back to greedy-then-prune: hosts hold few victims
@@ -56,7 +56,10 @@ def plan_preemption(
     per_host: dict[str, list[Running]] = defaultdict(list)
     for victim in candidates:
         # A victim only helps if it frees a device of the kind the request asks for.
-        if victim.host in hosts and any(_useful(gpus.get(g.gpu_uuid), request) for g in victim.grants):
+        # A CPU-only request is helped by any victim on its host: it frees CPU and memory.
+        if victim.host in hosts and (
+            request.mode == CPU_ONLY or any(_useful(gpus.get(g.gpu_uuid), request) for g in victim.grants)
+        ):
             per_host[victim.host].append(victim)
     for victims in per_host.values():
         victims.sort(key=victim_order)

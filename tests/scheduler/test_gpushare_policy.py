@@ -192,3 +192,19 @@ def test_cli_refuses_another_policy_on_the_live_engine(tmp_path: Path) -> None:
 def test_a_host_without_cpu_tracking_is_never_short_of_it() -> None:
     host = HostState("h", True, [GpuState("g", "h", 0, "G2", 20000, AUTO)])
     assert placed(knowing(PRIOR), Snapshot([host]), whole(cpu=500_000)).host == "h"
+
+
+def test_a_cpu_only_request_waits_for_cpu_or_preempts_for_it() -> None:
+    from scheduler.cluster import Pending, Preempt, Running
+    from scheduler.cycle import run_cycle
+
+    snapshot = fleet(("a", 8000, 1, "G2"))
+    snapshot.hosts[0].take(6000, 0)
+    low = Running(7, "p", "a", (), priority=0, preemptible=True, cpu_milli=6000)
+    decisions = run_cycle(snapshot, [cpu_only(4000)], get_policy("gpushare"), 0.0)
+    assert isinstance(decisions[0], Pending) and "CPU cores" in decisions[0].reason
+    snapshot.running = [low]
+    urgent = Request(2, "p", 10, 0.0, CPU_ONLY, cpu_milli=4000)
+    decisions = run_cycle(snapshot, [urgent], get_policy("gpushare"), 0.0)
+    assert isinstance(decisions[0], Preempt) and decisions[0].sandbox_id == 7
+    assert isinstance(decisions[1], Place) and decisions[1].grants == ()
