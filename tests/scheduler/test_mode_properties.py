@@ -1,0 +1,146 @@
+"""Properties of GPUs whose sharing mode follows demand, over random arrivals and departures.
+
+A fleet of GPUs that follow demand (AUTO) and GPUs an admin pinned to a mode takes cycles
+of random requests, dedicated, MPS, time-slice and CPU-only, in place, with random
+departures between cycles. After every cycle: no GPU holds two modes at once or more than
+it has, a pinned GPU holds only its own mode, an emptied GPU is idle again, and no host
+gives out more CPU or memory than it has.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.cluster import (
+    AUTO,
+    CPU_ONLY,
+    DEDICATED,
+    MPS,
+    TIMESLICE,
+    DeviceGrant,
+    GpuState,
+    HostState,
+    Place,
+    Request,
+    Snapshot,
+    release,
+)
+from scheduler.cycle import run_cycle
+from scheduler.placement import get_policy
+
+KIND_MODE = {"exclusive": DEDICATED, "mps": MPS, "timeslice": TIMESLICE}
+GPU_MIB = 40000
+
+
+def fleet(rng: random.Random) -> Snapshot:
+    hosts = []
+    for h in range(rng.randint(2, 6)):  # more than 4: the policy remembers scores between calls
+        gpus = [
+            GpuState(
+                f"GPU-{h}-{i}",
+                f"h{h}",
+                i,
+                "A100-40GB",
+                GPU_MIB,
+                rng.choice((AUTO, AUTO, AUTO, DEDICATED, MPS, TIMESLICE)),
+                replicas=rng.randint(2, 4),
+            )
+            for i in range(rng.randint(1, 4))
+        ]
+        hosts.append(
+            HostState(
+                f"h{h}", True, gpus, cpu_milli=rng.choice((0, 8000, 32000)), memory_mib=rng.choice((0, 65536))
+            )
+        )
+    return Snapshot(hosts=hosts)
+
+
+def request(rng: random.Random, rid: int) -> Request:
+    return Request(
+        id=rid,
+        project="p",
+        priority=0,
+        submitted_at=float(rid),
+        mode=rng.choice((DEDICATED, MPS, MPS, TIMESLICE, CPU_ONLY)),
+        gpu_count=rng.choice((1, 1, 2)),
+        mps_memory_mib=rng.choice((5000, 15000, 30000)),
+        mps_thread_pct=rng.choice((10, 30, 60)),
+        cpu_milli=rng.choice((0, 1000, 4000)),
+        memory_mib=rng.choice((0, 4096, 16384)),
+    )
+
+
+def check(snapshot: Snapshot, holding: dict[int, tuple[str, tuple[DeviceGrant, ...], Request]]) -> None:
+    by_gpu: dict[str, list[DeviceGrant]] = {}
+    for _, grants, _ in holding.values():
+        for grant in grants:
+            by_gpu.setdefault(grant.gpu_uuid, []).append(grant)
+    for host in snapshot.hosts:
+        if host.cpu_milli:
+            assert host.cpu_used_milli <= host.cpu_milli, host.name
+        if host.memory_mib:
+            assert host.memory_used_mib <= host.memory_mib, host.name
+        assert host.cpu_used_milli == sum(r.cpu_milli for h, _, r in holding.values() if h == host.name)
+        for gpu in host.gpus:
+            grants = by_gpu.get(gpu.uuid, [])
+            modes = {KIND_MODE[g.kind] for g in grants}
+            assert len(modes) <= 1, f"{gpu.uuid} holds {modes}"
+            if gpu.mode != AUTO:
+                assert modes <= {gpu.mode}, f"{gpu.uuid} is pinned to {gpu.mode} but holds {modes}"
+            if DEDICATED in modes:
+                assert len(grants) == 1
+            assert sum(g.mps_thread_pct for g in grants) <= 100
+            assert sum(g.mps_memory_mib for g in grants) <= gpu.memory_mib
+            replicas = [g.replica for g in grants if g.kind == "timeslice"]
+            assert len(replicas) == len(set(replicas)) and all(
+                0 <= r < gpu.replicas for r in replicas if r is not None
+            )
+            if not grants:
+                assert gpu.idle and gpu.current_mode == (AUTO if gpu.mode == AUTO else gpu.mode)
+
+
+@pytest.mark.parametrize("policy", ["gpushare", "first-fit"])
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_modes_follow_demand_without_over_committing(seed: int, policy: str) -> None:
+    rng = random.Random(seed)
+    snapshot = fleet(rng)
+    gpus = {g.uuid: g for h in snapshot.hosts for g in h.gpus}
+    hosts = {h.name: h for h in snapshot.hosts}
+    chosen = get_policy(policy)
+    holding: dict[int, tuple[str, tuple[DeviceGrant, ...], Request]] = {}
+    next_id = 0
+    for cycle in range(6):
+        queue = [request(rng, next_id + i) for i in range(rng.randint(1, 12))]
+        next_id += len(queue)
+        asked = {r.id: r for r in queue}
+        for decision in run_cycle(snapshot, queue, chosen, float(cycle), in_place=True):
+            if isinstance(decision, Place):
+                holding[decision.request_id] = (decision.host, decision.grants, asked[decision.request_id])
+        check(snapshot, holding)
+        for rid in [r for r in holding if rng.random() < 0.4]:  # departures
+            host, grants, req = holding.pop(rid)
+            for grant in grants:
+                release(gpus[grant.gpu_uuid], grant)
+            hosts[host].take(req.cpu_milli, req.memory_mib, -1)
+            snapshot.changed(host)
+        check(snapshot, holding)
+
+
+def test_an_emptied_gpu_takes_another_mode() -> None:
+    gpu = GpuState("g", "h", 0, "A100-40GB", GPU_MIB, AUTO, replicas=4)
+    snapshot = Snapshot([HostState("h", True, [gpu])])
+    policy = get_policy("gpushare")
+    mps = Request(1, "p", 0, 0.0, MPS, mps_memory_mib=1000, mps_thread_pct=50)
+    (placed,) = run_cycle(snapshot, [mps], policy, 0.0, in_place=True)
+    assert isinstance(placed, Place) and gpu.current_mode == MPS
+    whole = Request(2, "p", 0, 1.0, DEDICATED)
+    assert not isinstance(run_cycle(snapshot, [whole], policy, 1.0)[0], Place)
+    release(gpu, placed.grants[0])
+    snapshot.changed("h")
+    assert gpu.current_mode == AUTO
+    assert isinstance(run_cycle(snapshot, [whole], policy, 2.0)[0], Place)
