@@ -76,8 +76,8 @@ def request(rng: random.Random, rid: int) -> Request:
 
 def check(snapshot: Snapshot, holding: dict[int, tuple[str, tuple[DeviceGrant, ...], Request]]) -> None:
     by_gpu: dict[str, list[DeviceGrant]] = {}
-    for _, grants, _ in holding.values():
-        for grant in grants:
+    for _, held, _ in holding.values():
+        for grant in held:
             by_gpu.setdefault(grant.gpu_uuid, []).append(grant)
     for host in snapshot.hosts:
         if host.cpu_milli:
@@ -86,20 +86,20 @@ def check(snapshot: Snapshot, holding: dict[int, tuple[str, tuple[DeviceGrant, .
             assert host.memory_used_mib <= host.memory_mib, host.name
         assert host.cpu_used_milli == sum(r.cpu_milli for h, _, r in holding.values() if h == host.name)
         for gpu in host.gpus:
-            grants = by_gpu.get(gpu.uuid, [])
-            modes = {KIND_MODE[g.kind] for g in grants}
+            on_gpu = by_gpu.get(gpu.uuid, [])
+            modes = {KIND_MODE[g.kind] for g in on_gpu}
             assert len(modes) <= 1, f"{gpu.uuid} holds {modes}"
             if gpu.mode != AUTO:
                 assert modes <= {gpu.mode}, f"{gpu.uuid} is pinned to {gpu.mode} but holds {modes}"
             if DEDICATED in modes:
-                assert len(grants) == 1
-            assert sum(g.mps_thread_pct for g in grants) <= 100
-            assert sum(g.mps_memory_mib for g in grants) <= gpu.memory_mib
-            replicas = [g.replica for g in grants if g.kind == "timeslice"]
+                assert len(on_gpu) == 1
+            assert sum(g.mps_thread_pct for g in on_gpu) <= 100
+            assert sum(g.mps_memory_mib for g in on_gpu) <= gpu.memory_mib
+            replicas = [g.replica for g in on_gpu if g.kind == "timeslice"]
             assert len(replicas) == len(set(replicas)) and all(
                 0 <= r < gpu.replicas for r in replicas if r is not None
             )
-            if not grants:
+            if not on_gpu:
                 assert gpu.idle and gpu.current_mode == (AUTO if gpu.mode == AUTO else gpu.mode)
 
 
