@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from workers.drivers import uids
 from workers.drivers.base import MpsShare, SandboxSpec
 from workers.gpu.mps import PID_FILE, MpsError, MpsManager, _alive
 
@@ -167,7 +168,7 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_start_makes_private_dirs_and_binds_the_daemon_to_its_device(
+def test_start_gives_the_pipe_dir_to_the_devices_clients_alone_and_binds_the_daemon_to_its_device(
     manager: MpsManager, var_dir: Path
 ) -> None:
     assert not manager.running(GPU_A)
@@ -175,8 +176,13 @@ def test_start_makes_private_dirs_and_binds_the_daemon_to_its_device(
     assert manager.running(GPU_A)
     pipe, logs = var_dir / "mps" / GPU_A / "pipe", var_dir / "mps" / GPU_A / "log"
     assert (manager.pipe_dir(GPU_A), manager.log_dir(GPU_A)) == (pipe, logs)
-    for directory in (var_dir / "mps", var_dir / "mps" / GPU_A, pipe, logs):
-        assert mode(directory) == 0o700, directory
+    # Traversable down to the pipe directory, listable by nobody else; only the device's MPS
+    # uid (every client of this daemon runs as it) may enter the pipe directory.
+    dirs = (var_dir / "mps", var_dir / "mps" / GPU_A, pipe, logs)
+    assert [mode(d) for d in dirs] == [0o711, 0o711, 0o700, 0o700]
+    client = uids.mps_uid(GPU_A) if os.geteuid() == 0 else os.geteuid()
+    assert pipe.stat().st_uid == client
+    assert logs.stat().st_uid == os.geteuid()
     assert control_log(manager, GPU_A) == [f"START visible={GPU_A} pipe={pipe} log={logs}"]
     assert (pipe / "control").is_socket()
     manager.stop(GPU_A)

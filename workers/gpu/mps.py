@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from workers.drivers import uids
 from workers.drivers.base import MpsShare
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class MpsManager:
         """
         with self._lock:
             if self.running(device_uuid):
+                self._make_dirs(device_uuid)  # a daemon from before this agent: its clients too
                 return False
             socket_path = self.pipe_dir(device_uuid) / CONTROL_SOCKET
             if len(os.fsencode(socket_path)) >= SOCKET_PATH_MAX:
@@ -126,9 +128,7 @@ class MpsManager:
                     f"{socket_path} is too long for a UNIX socket ({SOCKET_PATH_MAX - 1} bytes at "
                     "most): choose a shorter var dir"
                 )
-            self.root.parent.mkdir(parents=True, exist_ok=True)
-            for directory in (self.root, self._device_dir(device_uuid), *self._dirs(device_uuid)):
-                _private_dir(directory)
+            self._make_dirs(device_uuid)
             # A pid file left by a daemon that died (host crash, kill -9) would hide the new one.
             (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
             result = self._run(device_uuid, ["-d"], "")
@@ -209,6 +209,29 @@ class MpsManager:
 
     # -- internals ---------------------------------------------------------------------------------
 
+    def _make_dirs(self, device_uuid: str) -> None:
+        """The daemon's directories, reachable by its clients and by no other sandbox.
+
+        Clients connect to the control socket in the pipe directory, so they need to reach
+        it: a client that cannot runs as if MPS did not exist, with no thread or memory
+        limit (seen on an H200: uid 1000 against a root-only 0700 pipe directory got all
+        132 SMs and any memory), and bwrap cannot even bind it. Every MPS client on a device
+        runs as that device's uid (``uids.mps_uid``), so a root agent gives the pipe
+        directory to that uid alone (0700); the directories above it are 0711, traversable
+        but not listable, and the log directory stays the agent's (the daemon writes the
+        logs, its servers send their lines through the pipe directory). A non-root agent's
+        sandboxes run as the agent's own uid, which owns everything already.
+        """
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        for directory in (self.root, self._device_dir(device_uuid)):
+            _make_dir(directory, 0o711)
+        pipe, logs = self._dirs(device_uuid)
+        _make_dir(logs, 0o700)
+        _make_dir(pipe, 0o700)
+        if os.geteuid() == 0:
+            client = uids.mps_uid(device_uuid)
+            os.chown(pipe, client, client)
+
     def _dirs(self, device_uuid: str) -> tuple[Path, Path]:
         return self.pipe_dir(device_uuid), self.log_dir(device_uuid)
 
@@ -240,10 +263,10 @@ class MpsManager:
             raise MpsError(f"{self.control_binary} {' '.join(args)} for {device_uuid} timed out") from err
 
 
-def _private_dir(path: Path) -> None:
-    """Create ``path`` as 0700 (the umask cannot widen or narrow it) or tighten it."""
-    path.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
+def _make_dir(path: Path, mode: int) -> None:
+    """Create ``path`` with ``mode`` (the umask cannot narrow it), or set it on one that exists."""
+    path.mkdir(mode=mode, exist_ok=True)
+    os.chmod(path, mode)
 
 
 def _alive(pid: int) -> bool:
