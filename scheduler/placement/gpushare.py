@@ -162,7 +162,7 @@ class GpusharePolicy:
         # What is known of the snapshot last placed on: see ``_scores``.
         self._epoch = -1
         self._index: dict[str, int] = {}
-        self._shapes: dict[tuple[RequestShape, int, str], _ShapeScores] = {}
+        self._shapes: dict[tuple[RequestShape, int, str, int], _ShapeScores] = {}
 
     # --- the policy -----------------------------------------------------------------------
 
@@ -207,8 +207,9 @@ class GpusharePolicy:
             self._epoch = snapshot.epoch
             self._index = {h.name: i for i, h in enumerate(snapshot.hosts)}
             self._shapes.clear()
-        # Memory and isolation decide which hosts can take it, not how they score.
-        shape = (request_shape(request), request.memory_mib, request.isolation)
+        # Memory, isolation and an MPS share's GPU memory decide which hosts can take it, not
+        # how they score: two shares of equal threads but unequal memory fit different GPUs.
+        shape = (request_shape(request), request.memory_mib, request.isolation, request.mps_memory_mib)
         count = len(snapshot.hosts)
         cache = self._shapes.get(shape)
         if cache is None or len(snapshot.changes) - cache.seen >= count:
