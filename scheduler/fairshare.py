@@ -15,7 +15,7 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping
 
-from scheduler.cluster import DEDICATED, MIG, MPS, FairShareState, ProjectShare, Request, Running
+from scheduler.cluster import CPU_ONLY, DEDICATED, MIG, MPS, FairShareState, ProjectShare, Request, Running
 from scheduler.gpus import COMPUTE_SLICES
 
 LN2 = math.log(2)
@@ -74,7 +74,10 @@ def fairshare_factor(usage: float, weight: float, total_usage: float, total_weig
 
 
 def demand_milli(request: Request, timeslice_milli: int = 1000) -> int:
-    """What the request will count against its quota, before it is placed."""
+    """What the request will count against its quota, before it is placed: nothing for a
+    CPU-only request, which holds no GPU (its placement's grants are empty, too)."""
+    if request.mode == CPU_ONLY:
+        return 0
     if request.mode == DEDICATED:
         return 1000 * request.gpu_count
     if request.mode == MIG:

@@ -105,6 +105,7 @@ def test_demand_counts_milli_gpu_per_mode() -> None:
     assert demand_milli(Request(1, "p", 0, 0, "mig", mig_profile="3g.40gb")) == 428
     assert demand_milli(Request(1, "p", 0, 0, "mps", mps_thread_pct=25)) == 250
     assert demand_milli(Request(1, "p", 0, 0, "timeslice"), timeslice_milli=250) == 250
+    assert demand_milli(Request(1, "p", 0, 0, "cpu", cpu_milli=4000), timeslice_milli=250) == 0
 
 
 # --- ordering ------------------------------------------------------------------------------
