@@ -7,9 +7,6 @@ DEMO_HOSTS: dict[str, str] = {
     "sim-h100-a": "H100-80GB:4:mig=0,1",
     "sim-a100-b": "A100-80GB:4",
 }
-# (host, GPU index) -> how the admin shares that GPU; the rest stay dedicated.
-DEMO_SHARING: dict[tuple[str, int], str] = {
-    ("sim-a100-b", 2): "mps",
-    ("sim-a100-b", 3): "timeslice",
-}
+# Every demo GPU not in MIG mode follows demand: dedicated, MPS and time-slice requests all
+# find room on the A100s and on the H100's two whole GPUs; the MIG GPUs serve MIG tiers.
 DEMO_USERS = {"admin": "gpushare-admin", "alice": "alice-demo", "bob": "bob-demo"}

@@ -71,6 +71,7 @@ urlpatterns = [
     path("console/catalog/<str:kind>/<int:pk>/", console.catalog_edit, name="console-catalog-edit"),
     path("console/plans/mig/", console.start_mig_relayout, name="console-start-mig-relayout"),
     path("console/plans/consolidate/", console.start_consolidation, name="console-start-consolidation"),
+    path("console/gpus/<str:uuid>/mode/", console.set_gpu_mode, name="console-gpu-mode"),
     path("console/gpus/<str:uuid>/drain/", console.drain_gpu, name="console-drain-gpu"),
     path("console/gpus/<str:uuid>/undrain/", console.undrain_gpu, name="console-undrain-gpu"),
     path("console/gpus/<str:uuid>/", telemetry_pages.gpu_page, name="console-gpu"),

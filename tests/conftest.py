@@ -103,8 +103,17 @@ def seed_host(name: str, spec: str, sharing: dict[int, str] | None = None, drive
 
 @pytest.fixture
 def fleet(db: Any) -> None:
+    """Two hosts whose admin pinned every GPU not in MIG mode: each serves one mode only
+    (h100: two MIG GPUs, two dedicated; a100: two dedicated, one MPS, one time-slice)."""
+    seed_host("h100", "H100-80GB:4:mig=0,1", {2: "dedicated", 3: "dedicated"})
+    seed_host("a100", "A100-80GB:4", {0: "dedicated", 1: "dedicated", 2: "mps", 3: "timeslice"})
+
+
+@pytest.fixture
+def auto_fleet(db: Any) -> None:
+    """The same hosts as agents report them: every GPU not in MIG mode follows demand."""
     seed_host("h100", "H100-80GB:4:mig=0,1")
-    seed_host("a100", "A100-80GB:4", {2: "mps", 3: "timeslice"})
+    seed_host("a100", "A100-80GB:4")
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from typing import Any
 from django import forms
 
 from portal.catalog.models import IsolationLevel, PriorityClass, SandboxImage, Tier
-from portal.fleet.models import Host
+from portal.fleet.models import SETTABLE_MODES, Gpu, Host
 from portal.quotas.models import QuotaPolicy
 from scheduler.gpus import COMPUTE_SLICES, MODELS
 
@@ -36,6 +36,22 @@ class MigRelayoutForm(forms.Form):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fields["host"].queryset = Host.objects.filter(gpus__mig_enabled=True).distinct()  # type: ignore[attr-defined]
+
+
+class GpuModeForm(forms.Form):
+    """Pin a GPU not in MIG mode to one sharing mode, or let it follow demand again."""
+
+    mode = forms.ChoiceField(
+        choices=[(m.value, m.label) for m in SETTABLE_MODES],
+        label="Sharing mode",
+        error_messages={"invalid_choice": "Choose one of the listed modes."},
+    )
+
+    def __init__(self, *args: Any, gpu: Gpu, **kwargs: Any) -> None:
+        # One form per GPU on the fleet page: ids and the label name the GPU.
+        kwargs["auto_id"] = f"id_gpu{gpu.pk}_%s"
+        super().__init__(*args, **kwargs)
+        self.fields["mode"].widget.attrs["aria-label"] = f"Sharing mode of {gpu.host.name}/gpu{gpu.index}"
 
 
 class ConsolidationForm(forms.Form):

@@ -17,6 +17,7 @@ from django.views.decorators.http import require_POST
 from portal.catalog.models import PriorityClass, SandboxImage, Tier
 from portal.console.forms import (
     ConsolidationForm,
+    GpuModeForm,
     ImageForm,
     MigRelayoutForm,
     PriorityClassForm,
@@ -26,6 +27,7 @@ from portal.console.forms import (
 from portal.console.models import AuditEntry
 from portal.fleet.health import do_drain_gpu, do_undrain_gpu
 from portal.fleet.models import FleetEvent, FleetPlan, Gpu, Host, PlanStep
+from portal.fleet.modes import GpuModeError, describe, do_set_gpu_mode, serving
 from portal.fleet.plans import (
     MigPreview,
     PlanError,
@@ -41,27 +43,77 @@ from scheduler.fairshare import FairOrder
 
 @staff_member_required
 def fleet(request: HttpRequest) -> HttpResponse:
+    return _fleet_page(request)
+
+
+def _fleet_page(request: HttpRequest, refused: tuple[str, GpuModeForm] | None = None) -> HttpResponse:
+    """The fleet page; ``refused``: a GPU's mode form sent back with its error (400)."""
     gpus = Gpu.objects.prefetch_related("mig_instances").annotate(
         live_allocations=Count("allocations", filter=Q(allocations__active=True))
     )
     hosts = Host.objects.prefetch_related(Prefetch("gpus", queryset=gpus))
     live = list(Allocation.objects.filter(active=True).select_related("sandbox__owner"))
-    # What each MIG instance and MPS GPU holds, for the layout drawings.
-    in_instance = {a.mig_instance_id: a.sandbox for a in live if a.mig_instance_id}
-    shares: dict[int, list[Allocation]] = {}
+    # What each MIG instance and GPU holds, for the layout drawings and the modes now.
+    in_instance = {a.mig_instance_id: a.sandbox for a in live if a.mig_instance_id is not None}
+    held: dict[int, list[Allocation]] = {}
     for alloc in live:
-        if alloc.kind == Allocation.Kind.MPS:
-            shares.setdefault(alloc.gpu_id, []).append(alloc)
+        held.setdefault(alloc.gpu_id, []).append(alloc)
     alerts = FleetEvent.objects.filter(
         severity=FleetEvent.Severity.ALERT, acknowledged_at=None
     ).select_related("host", "gpu")[:50]
     hosts_list = list(hosts)
     for host in hosts_list:
         for gpu in host.gpus.all():
-            gpu.layout = [(m, in_instance.get(m.pk)) for m in gpu.mig_instances.all()]  # type: ignore[attr-defined]
-            gpu.shares = shares.get(gpu.pk, [])  # type: ignore[attr-defined]
-            gpu.threads_used = sum(a.mps_thread_pct for a in gpu.shares)  # type: ignore[attr-defined]
-    return render(request, "console/fleet.html", {"hosts": hosts_list, "alerts": alerts})
+            gpu.host = host  # its form names it: no query per GPU for its host
+            form = refused[1] if refused is not None and refused[0] == gpu.uuid else None
+            _describe_gpu(gpu, held.get(gpu.pk, []), in_instance, form)
+    return render(
+        request,
+        "console/fleet.html",
+        {"hosts": hosts_list, "alerts": alerts},
+        status=400 if refused is not None else 200,
+    )
+
+
+def _describe_gpu(
+    gpu: Gpu, on_gpu: list[Allocation], in_instance: dict[int, Sandbox], form: GpuModeForm | None
+) -> None:
+    """What the fleet page shows of a GPU: its mode now, its mode form, what holds it."""
+    kinds = [a.kind for a in on_gpu]
+    shares = [a for a in on_gpu if a.kind == Allocation.Kind.MPS]
+    facts = {
+        "mode_text": describe(gpu.sharing_mode, kinds),
+        "serving": serving(gpu.sharing_mode, kinds),
+        # MIG GPUs change only through re-layout plans: no form, unless one came back refused.
+        "mode_form": form
+        if form is not None or gpu.mig_enabled
+        else GpuModeForm(initial={"mode": gpu.sharing_mode}, gpu=gpu),
+        "layout": [(m, in_instance.get(m.pk)) for m in gpu.mig_instances.all()],
+        "shares": shares,
+        "threads_used": sum(a.mps_thread_pct for a in shares),
+        "replicas_used": kinds.count(Allocation.Kind.TIMESLICE),
+    }
+    for name, value in facts.items():
+        setattr(gpu, name, value)
+
+
+@staff_member_required
+@require_POST
+def set_gpu_mode(request: HttpRequest, uuid: str) -> HttpResponse:
+    """Pin a GPU to a sharing mode or let it follow demand; a refusal (it holds sandboxes
+    of another mode, it is in MIG mode) comes back as the GPU's form error."""
+    gpu = get_object_or_404(Gpu.objects.select_related("host"), uuid=uuid)
+    form = GpuModeForm(request.POST, gpu=gpu)
+    if form.is_valid():
+        try:
+            do_set_gpu_mode(gpu.uuid, form.cleaned_data["mode"], request.user)
+        except GpuModeError as exc:
+            form.add_error("mode", str(exc))
+        else:
+            gpu.refresh_from_db()
+            messages.success(request, f"{gpu}: {gpu.get_sharing_mode_display().lower()}.")
+            return redirect("console-fleet")
+    return _fleet_page(request, refused=(gpu.uuid, form))
 
 
 @staff_member_required

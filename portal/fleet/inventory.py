@@ -7,8 +7,7 @@ from typing import Any
 
 from django.db import transaction
 
-from portal.catalog.models import SharingMode
-from portal.fleet.models import Gpu, Host, MigInstance
+from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 
 
 def do_heartbeat(host_name: str, at: datetime, backend: str, driver: str) -> bool:
@@ -24,8 +23,9 @@ def do_sync_inventory(
 ) -> Host:
     """Make the database's GPUs and MIG instances match what the agent sees.
 
-    GPUs are matched by UUID; a GPU's sharing mode is an admin decision and is kept,
-    except that a GPU in MIG mode is always shared by MIG.
+    GPUs are matched by UUID. A new GPU follows demand, or is shared by MIG when it is in
+    MIG mode. An admin's pin is kept; only a change of MIG mode (a GPU reset on the host)
+    changes the mode: into MIG, or out of it to following demand.
     """
     host, _ = Host.objects.select_for_update().get_or_create(
         name=host_name, defaults={"backend": backend, "driver": driver}
@@ -46,16 +46,16 @@ def do_sync_inventory(
                 "model": info["model"],
                 "memory_mib": info["memory_mib"],
                 "mig_enabled": info["mig_enabled"],
-                "sharing_mode": SharingMode.MIG if info["mig_enabled"] else SharingMode.DEDICATED,
+                "sharing_mode": GpuMode.MIG if info["mig_enabled"] else GpuMode.AUTO,
             },
         )
         if not created:
             gpu.name, gpu.model, gpu.memory_mib = info["name"], info["model"], info["memory_mib"]
             gpu.mig_enabled = info["mig_enabled"]
             if gpu.mig_enabled:
-                gpu.sharing_mode = SharingMode.MIG
-            elif gpu.sharing_mode == SharingMode.MIG:
-                gpu.sharing_mode = SharingMode.DEDICATED
+                gpu.sharing_mode = GpuMode.MIG
+            elif gpu.sharing_mode == GpuMode.MIG:
+                gpu.sharing_mode = GpuMode.AUTO
             if gpu.state == Gpu.State.UNAVAILABLE:
                 gpu.state = Gpu.State.AVAILABLE
             gpu.save()

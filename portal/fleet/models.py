@@ -6,7 +6,22 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from portal.catalog.models import SharingMode
+
+class GpuMode(models.TextChoices):
+    """How a GPU is shared. Not a tier's ``SharingMode`` (what a request asks for): only a
+    GPU follows demand. A non-MIG GPU follows demand unless an admin pins it; a GPU in MIG
+    mode is shared by MIG slices, which only a GPU reset changes (re-layout plans reshape
+    the slices). The values are the scheduler's (``scheduler.cluster``)."""
+
+    AUTO = "auto", "Follows demand"  # idle, it takes a dedicated, MPS or time-slice placement
+    DEDICATED = "dedicated", "Pinned: dedicated"
+    MPS = "mps", "Pinned: MPS"
+    TIMESLICE = "timeslice", "Pinned: time-slice"
+    MIG = "mig", "MIG"
+
+
+# What an admin may set on a non-MIG GPU.
+SETTABLE_MODES = (GpuMode.AUTO, GpuMode.DEDICATED, GpuMode.MPS, GpuMode.TIMESLICE)
 
 
 class Host(models.Model):
@@ -52,8 +67,9 @@ class Gpu(models.Model):
     model = models.CharField(max_length=40, blank=True)
     memory_mib = models.PositiveIntegerField()
     mig_enabled = models.BooleanField(default=False)
-    # How a non-MIG GPU is shared; MIG GPUs are always shared by slice.
-    sharing_mode = models.CharField(max_length=16, choices=SharingMode.choices, default=SharingMode.DEDICATED)
+    # Following demand, pinned by an admin, or MIG (see GpuMode); agents' new GPUs follow demand.
+    sharing_mode = models.CharField(max_length=16, choices=GpuMode.choices, default=GpuMode.AUTO)
+    # Replicas it offers when time-sliced: pinned to time-slice, or following demand into it.
     timeslice_replicas = models.PositiveSmallIntegerField(default=4)
     state = models.CharField(max_length=16, choices=State.choices, default=State.AVAILABLE)
     drain_reason = models.CharField(max_length=200, blank=True)
@@ -67,9 +83,14 @@ class Gpu(models.Model):
                 violation_error_message="A host has one GPU per index.",
             ),
             models.CheckConstraint(
-                condition=~models.Q(mig_enabled=True) | models.Q(sharing_mode=SharingMode.MIG),
+                condition=~models.Q(mig_enabled=True) | models.Q(sharing_mode=GpuMode.MIG),
                 name="%(app_label)s_%(class)s_mig_gpus_share_by_mig",
                 violation_error_message="A GPU in MIG mode is shared by MIG slices.",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(mig_enabled=True) | ~models.Q(sharing_mode=GpuMode.MIG),
+                name="%(app_label)s_%(class)s_only_mig_gpus_share_by_mig",
+                violation_error_message="A GPU not in MIG mode cannot be shared by MIG slices.",
             ),
         ]
 

@@ -46,7 +46,8 @@ from django.utils import timezone
 from portal.catalog.models import SharingMode
 from portal.console import audit
 from portal.fleet.inventory import do_sync_inventory
-from portal.fleet.models import FleetPlan, Gpu, Host, MigInstance, PlanStep
+from portal.fleet.models import FleetPlan, Gpu, GpuMode, Host, MigInstance, PlanStep
+from portal.fleet.modes import serving
 from portal.fleet.reconcile import from_ms
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
@@ -341,10 +342,12 @@ def _share_milli(alloc: Allocation) -> int:
 
 
 def shared_fleet(mode: str) -> list[SharedGpu]:
-    """GPUs of one sharing mode on up hosts, with their shares; a GPU holding a sandbox that
-    is not simply running (starting, stopping, already moving) is left out entirely."""
+    """GPUs serving one sharing mode on up hosts, with their shares: those pinned to it, and
+    those following demand that serve it now (an idle one is left out: moving shares onto
+    it would free no GPU). A GPU holding a sandbox that is not simply running (starting,
+    stopping, already moving) is left out entirely."""
     gpus = list(
-        Gpu.objects.filter(sharing_mode=mode, host__state=Host.State.UP)
+        Gpu.objects.filter(sharing_mode__in=(mode, GpuMode.AUTO), host__state=Host.State.UP)
         .exclude(state=Gpu.State.UNAVAILABLE)
         .exclude(uuid__in=running_plan_gpus())
         .select_related("host")
@@ -355,6 +358,8 @@ def shared_fleet(mode: str) -> list[SharedGpu]:
     fleet = []
     for gpu in gpus:
         allocs = by_gpu.get(gpu.pk, [])
+        if serving(gpu.sharing_mode, (a.kind for a in allocs)) != mode:
+            continue
         if any(a.sandbox.state != S.RUNNING or a.sandbox.moving_plan_id for a in allocs):
             continue
         replicas = max(gpu.timeslice_replicas, 1)

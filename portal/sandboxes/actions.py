@@ -24,7 +24,8 @@ from portal.accounts.models import Membership, Project
 from portal.billing import ledger
 from portal.catalog.models import SandboxImage, SharingMode, Tier
 from portal.console import audit
-from portal.fleet.models import Gpu, Host, MigInstance
+from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
+from portal.fleet.modes import KIND_MODE
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes import notify
@@ -326,13 +327,24 @@ def _claim_devices(
 
 
 def _check_fits(gpu: Gpu, live: list[Allocation], alloc: Allocation) -> None:
-    """Raise SlotTaken unless ``alloc`` fits beside the allocations live on ``gpu``."""
-    exclusive = Allocation.Kind.EXCLUSIVE
-    if live and (alloc.kind == exclusive or any(a.kind == exclusive for a in live)):
+    """Raise SlotTaken unless ``alloc`` fits beside the allocations live on ``gpu``.
+
+    A GPU serves one mode at a time: the one it is pinned to (or MIG), or, following
+    demand, that of what it holds already. The scheduler keeps to this; a decision made
+    before a pin, or beside a booking made since its snapshot, is caught here.
+    """
+    wants = KIND_MODE[alloc.kind]
+    if gpu.sharing_mode == GpuMode.AUTO and wants == GpuMode.MIG:
+        raise SlotTaken(f"GPU {gpu.uuid} is not in MIG mode")
+    if gpu.sharing_mode not in (GpuMode.AUTO, wants):
+        raise SlotTaken(f"GPU {gpu.uuid} is {gpu.get_sharing_mode_display().lower()}, not {wants}")
+    if any(a.kind != alloc.kind for a in live):
+        raise SlotTaken(f"GPU {gpu.uuid} serves {KIND_MODE[live[0].kind]} sandboxes now, not {wants}")
+    if live and alloc.kind == Allocation.Kind.EXCLUSIVE:
         raise SlotTaken(f"GPU {gpu.uuid} is already held")
     # MPS capacity is a sum over rows, which no constraint can hold: checked here, under
-    # the GPU's row lock. Only on GPUs shared by MPS: that is where the scheduler sums them.
-    if alloc.kind == Allocation.Kind.MPS and gpu.sharing_mode == SharingMode.MPS:
+    # the GPU's row lock, on every GPU that serves MPS (pinned, or following demand).
+    if alloc.kind == Allocation.Kind.MPS:
         shares = [a for a in live if a.kind == Allocation.Kind.MPS] + [alloc]
         if (
             sum(a.mps_memory_mib for a in shares) > gpu.memory_mib

@@ -109,13 +109,14 @@ def _eta(snapshot: Snapshot, decisions: list[Any], mine: Any, now: float) -> dat
 
 
 def alternatives(snapshot: Snapshot, mine: Any) -> list[str]:
-    """What could start now in the same sharing mode, on hosts of the right isolation level."""
+    """What could start now in the same sharing mode, on hosts of the right isolation level:
+    on GPUs pinned to it, and on GPUs following demand that are idle or already serve it."""
     gpus = [
         (host.name, gpu)
         for host in snapshot.hosts
         if serves(host, mine)
         for gpu in host.gpus
-        if gpu.available and gpu.mode == mine.mode
+        if gpu.available and gpu.serves(mine.mode)
     ]
     found: list[str] = []
     if mine.mode == MIG:

@@ -22,9 +22,11 @@ from portal.sandboxes import actions
 from portal.sandboxes.actions import SandboxRequest
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
 from scheduler.cluster import (
+    AUTO,
     DEDICATED,
     MIG,
     MPS,
+    TIMESLICE,
     DeviceGrant,
     FairShareState,
     GpuState,
@@ -136,7 +138,8 @@ def build_snapshot() -> Snapshot:
                     ],
                     mps_used_mib=sum(a.mps_memory_mib for a in allocs),
                     mps_used_threads=sum(a.mps_thread_pct for a in allocs),
-                    replicas=gpu.timeslice_replicas if gpu.sharing_mode == "timeslice" else 0,
+                    # Following demand it may become time-sliced: it offers its replicas too.
+                    replicas=gpu.timeslice_replicas if gpu.sharing_mode in (TIMESLICE, AUTO) else 0,
                     replicas_used={a.replica for a in allocs if a.replica is not None},
                 )
             )

@@ -215,7 +215,8 @@ class FleetCollector(Collector):
     def _inventory(self, gpus: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
         info = GaugeMetricFamily(
             "gpushare_gpu_info",
-            'Every GPU of the inventory (1); simulated="true" for a GPU of the simulated backend.',
+            'Every GPU of the inventory (1); mode="auto" for a GPU that follows demand, else the mode '
+            'it is pinned to (or "mig"); simulated="true" for a GPU of the simulated backend.',
             labels=["UUID", "Hostname", "gpu", "modelName", "model", "state", "mode", "simulated"],
         )
         by_state = dict.fromkeys(Gpu.State.values, 0)

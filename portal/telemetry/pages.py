@@ -14,6 +14,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
 from portal.fleet.models import Gpu
+from portal.fleet.modes import describe
 from portal.sandboxes.models import Allocation
 from portal.telemetry.views import FLEET_METRICS
 
@@ -43,6 +44,7 @@ def gpu_page(request: HttpRequest, uuid: str) -> HttpResponse:
             "host": gpu.host,
             "allocations": live,
             "layout": layout,
+            "mode": describe(gpu.sharing_mode, (a.kind for a in live)),
         },
     )
 

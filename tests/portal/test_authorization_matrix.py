@@ -92,6 +92,7 @@ route("POST", "/console/catalog/quotas/new/", **staff_only(400))  # an empty for
 route("GET", "/console/catalog/tiers/{tier}/", **staff_only(200))
 route("POST", "/console/plans/mig/", **staff_only(400))  # an empty form: errors, nothing runs
 route("POST", "/console/plans/consolidate/", **staff_only(400))  # nothing to consolidate
+route("POST", "/console/gpus/{gpu}/mode/", **staff_only(400))  # an empty form: the mode is required
 route("POST", "/console/gpus/{gpu}/drain/", **staff_only((302, "elsewhere")))
 route("POST", "/console/gpus/{gpu}/undrain/", **staff_only((302, "elsewhere")))
 route("GET", "/console/gpus/{gpu}/", **staff_only(200))

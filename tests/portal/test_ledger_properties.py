@@ -88,8 +88,10 @@ class Driver:
         count = self.rng.randint(1, 2)
         shares = [self.rng.randint(1, 1000) for _ in range(count)]
         life.milli = sum(shares)
+        # 1 % of the threads and 512 MiB: all LIFECYCLES_PER_EXAMPLE shares fit on one GPU at
+        # once, as the booking's capacity check (GPUs follow demand, so it applies) requires.
         return tuple(
-            DeviceGrant(g.uuid, g.uuid, "mps", m, mps_memory_mib=1024, mps_thread_pct=10)
+            DeviceGrant(g.uuid, g.uuid, "mps", m, mps_memory_mib=512, mps_thread_pct=1)
             for g, m in zip(gpus, shares, strict=False)
         )
 

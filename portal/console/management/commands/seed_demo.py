@@ -14,9 +14,9 @@ from django.db import transaction
 
 from portal.accounts.models import Membership, Project
 from portal.catalog.models import PriorityClass, SandboxImage, SharingMode, Tier
-from portal.demo import DEMO_HOSTS, DEMO_SHARING, DEMO_USERS
+from portal.demo import DEMO_HOSTS, DEMO_USERS
 from portal.fleet.inventory import do_sync_inventory
-from portal.fleet.models import Gpu
+from portal.fleet.models import Gpu, GpuMode
 from portal.quotas.models import QuotaPolicy
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
@@ -119,8 +119,8 @@ class Command(BaseCommand):
         for host, spec in DEMO_HOSTS.items():
             gpus = SimulatedBackend(host, parse_sim_spec(spec)).list_gpus()
             do_sync_inventory(host, "simulated", "", [g.to_json() for g in gpus])
-        for (host, index), sharing in DEMO_SHARING.items():
-            Gpu.objects.filter(host__name=host, index=index).update(sharing_mode=sharing)
+        # Seeded before GPUs followed demand, a demo database pinned two A100s: unpinned again.
+        Gpu.objects.filter(host__name__in=DEMO_HOSTS, mig_enabled=False).update(sharing_mode=GpuMode.AUTO)
         self.stdout.write(
             self.style.SUCCESS("demo seeded: " + ", ".join(f"{u}/{p}" for u, p in DEMO_USERS.items()))
         )
