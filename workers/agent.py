@@ -31,11 +31,12 @@ from workers.alerts import AlertTracker
 from workers.batch_output import OutputPump
 from workers.celery import app
 from workers.drivers import DRIVER_ISOLATION, DriverUnavailable, make_driver
-from workers.drivers.base import DriverError, MpsShare, SandboxDriver, SandboxHandle, SandboxSpec
+from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend, GpuInfo, GpuSample
 from workers.gpu.mig import MigManager
-from workers.gpu.mps import MpsError, MpsManager, mps_root
+from workers.gpu.mps import MpsManager, SimulatedMps, mps_root
+from workers.gpu.mps_daemons import MpsDaemons
 from workers.rollups import MinuteRollups
 from workers.telemetry import (
     FLEET_GROUP,
@@ -76,7 +77,9 @@ class Agent:
         self.launching: dict[str, int] = {}
         self._stop = threading.Event()
         self._gpus: list[GpuInfo] = []
-        self.mps = MpsManager(mps_root(host, var_dir))
+        root = mps_root(host, var_dir)
+        # Each GPU's MPS daemon up exactly while MPS shares (or an admin's MPS pin) hold it.
+        self.mps_daemons = MpsDaemons(SimulatedMps(root) if backend.simulated else MpsManager(root))
         self.mig = MigManager(backend)
         self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
         self._reporter = ThreadPoolExecutor(1, thread_name_prefix="agent-report")
@@ -159,12 +162,16 @@ class Agent:
         with self.lock:  # before listing: a launch leaves this only once the driver lists it
             launching = dict(self.launching)
         try:
-            handles = self.driver.list_owned()  # listed once, for both uses
+            handles = self.driver.list_owned()  # listed once, for all uses
             self.refresh_pid_owners(handles)
             owned = self.owned_report(handles, launching)
         except DriverError as exc:  # the engine is down: beat anyway, reconcile next time
             log.warning("cannot list sandboxes for the report: %s", exc)
             return
+        if all(entry.get("tracked") for entry in owned):
+            # Everything that runs here is registered with the daemons (none left to adopt
+            # after a restart): a daemon no share holds was left up, and goes.
+            self.mps_daemons.sweep(g.uuid for g in self._gpus)
         with self.lock:
             self._report_ready = (owned, taken_ms)
 
@@ -247,11 +254,16 @@ class Agent:
             message = f"host {self.host} runs {gives} sandboxes, not {spec.isolation}"
             dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, message)
             return
-        if spec.mps is not None and not spec.mps.pipe_dir:
-            with_pipe = self._with_mps_daemon(spec, spec.mps)
-            if with_pipe is None:
-                return
-            spec = with_pipe
+        with self.lock:
+            adopting = spec.allocation_id in self.running  # a repeated launch of what runs
+        # Before the driver: its GPU's MPS daemon up for a share, down for anything else.
+        refusal = self.mps_daemons.claim(spec)
+        if refusal:
+            dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, refusal)
+            return
+        if spec.mps is not None and not spec.mps.pipe_dir and spec.device_uuids:
+            pipe = self.mps_daemons.control.pipe_dir(spec.device_uuids[0])
+            spec = dataclasses.replace(spec, mps=dataclasses.replace(spec.mps, pipe_dir=str(pipe)))
         with self.lock:
             self.launching[spec.allocation_id] = spec.sandbox_id
         try:
@@ -259,11 +271,15 @@ class Agent:
         except DriverError as exc:
             with self.lock:
                 self.launching.pop(spec.allocation_id, None)
+            if not adopting:
+                self.mps_daemons.release(spec.allocation_id)
             dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, str(exc))
             return
         except BaseException:  # a bug, not a refusal: the task fails, the entry must not stay
             with self.lock:
                 self.launching.pop(spec.allocation_id, None)
+            if not adopting:
+                self.mps_daemons.release(spec.allocation_id)
             raise
         started = self.driver.status(handle).started_at_ms or _now_ms()
         with self.lock:
@@ -294,6 +310,8 @@ class Agent:
         if handle is not None:
             self.output.flush(spec, handle)  # a batch's last lines, before its files go
             self.driver.stop(handle, grace_s=float(env_int("SANDBOX_STOP_GRACE_S", 5, minimum=0)))
+        # Its processes are gone: the last share on a GPU that follows demand stops its daemon.
+        self.mps_daemons.release(allocation_id)
         self.backend.forget_load(allocation_id)
         with self.lock:
             self.running.pop(allocation_id, None)
@@ -342,27 +360,10 @@ class Agent:
             inventory = {"backend": self.backend.name, "driver": self.driver.name, "gpus": self.inventory()}
         dispatch.to_control("plan_executed", plan_id, self.host, results, steps, error, inventory)
 
-    def _with_mps_daemon(self, spec: SandboxSpec, share: MpsShare) -> SandboxSpec | None:
-        """The spec with its GPU's MPS pipe directory; on a real GPU the control daemon is
-        started first (idempotent). None when it cannot be: the launch is reported failed."""
-        device = spec.device_uuids[0]
-        try:
-            pipe = self.mps.pipe_dir(device)
-            if self.backend.simulated:
-                # No daemon without a GPU; the mount is real, and the sandbox's uid must be
-                # able to traverse down to it (mkdir's mode is cut by the umask).
-                pipe.mkdir(parents=True, exist_ok=True)
-                for directory in (pipe, *pipe.parents):
-                    if directory == self.mps.root.parent:
-                        break
-                    directory.chmod(0o755)
-            else:
-                self.mps.start(device)
-        except (MpsError, OSError) as exc:
-            message = f"MPS daemon for {device}: {exc}"
-            dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, message)
-            return None
-        return dataclasses.replace(spec, mps=dataclasses.replace(share, pipe_dir=str(pipe)))
+    def gpu_mode(self, gpu_uuid: str, mode: str) -> None:
+        """An admin pinned the GPU (or let it follow demand): only a pin to MPS keeps its
+        daemon up between shares."""
+        self.mps_daemons.set_pinned(gpu_uuid, mode == "mps")
 
     def find(self, allocation_id: str) -> SandboxHandle | None:
         return next((h for h in self.driver.list_owned() if h.allocation_id == allocation_id), None)
@@ -615,6 +616,11 @@ def execute_plan(
 @app.task(name="workers.agent.open_terminal", ignore_result=True)
 def open_terminal(session: str, allocation_id: str, handle: dict[str, Any] | None) -> None:
     get_agent().open_terminal(session, allocation_id, handle)
+
+
+@app.task(name="workers.agent.gpu_mode", ignore_result=True)
+def gpu_mode(gpu_uuid: str, mode: str) -> None:
+    get_agent().gpu_mode(gpu_uuid, mode)
 
 
 @app.task(name="workers.agent.stop_sandbox", ignore_result=True)

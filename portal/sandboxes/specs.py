@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from portal.fleet.models import GpuMode
 from portal.sandboxes.models import Allocation, Sandbox
 from workers.drivers.base import MpsShare, SandboxSpec
 
 
 def launch_spec(sandbox: Sandbox) -> SandboxSpec:
     assert sandbox.host is not None  # noqa: S101 - only placed sandboxes are launched
-    allocations = list(sandbox.allocations.filter(active=True).order_by("gpu__index"))
+    # None for a CPU-only sandbox: no device, and no NVIDIA device request (real_gpu).
+    allocations = list(sandbox.allocations.filter(active=True).select_related("gpu").order_by("gpu__index"))
     mps = None
     mps_alloc = next((a for a in allocations if a.kind == Allocation.Kind.MPS), None)
     if mps_alloc is not None:
@@ -30,6 +32,8 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         pids_limit=tier.pids_limit,
         network=tier.network,
         mps=mps,
+        # Pinned to MPS, the GPU's daemon may outlive its last share; following demand, not.
+        mps_pinned=mps_alloc is not None and mps_alloc.gpu.sharing_mode == GpuMode.MPS,
         isolation=sandbox.isolation,
         env={"GPUSHARE_SANDBOX_ID": str(sandbox.pk), "GPUSHARE_PROJECT": sandbox.project.slug},
         milli_gpu=sum(a.milli_gpu for a in allocations),

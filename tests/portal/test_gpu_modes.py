@@ -245,3 +245,23 @@ def test_the_migration_keeps_what_an_admin_chose_and_lets_defaults_follow_demand
         "GPU-slice": "timeslice",
         "GPU-mig": "mig",
     }
+
+
+def test_a_shares_launch_says_whether_its_gpu_is_pinned_to_mps(
+    people: Any, catalog: Any, auto_fleet: Any, sent_tasks: Any
+) -> None:
+    """The agent keeps a GPU's MPS daemon between shares only where it is pinned to MPS."""
+    from portal.sandboxes.specs import launch_spec
+
+    following = _ask(people, catalog, "mps", mps_memory_mib=4096, mps_thread_pct=10)
+    place_all()
+    gpu = following.allocations.get().gpu
+    do_set_gpu_mode(gpu.uuid, GpuMode.MPS)
+    pinned = _ask(people, catalog, "mps", mps_memory_mib=4096, mps_thread_pct=10)
+    place_all()
+    assert pinned.allocations.get().gpu == gpu  # packed beside the first
+    do_set_gpu_mode(gpu.uuid, GpuMode.AUTO)
+    assert not launch_spec(Sandbox.objects.get(pk=following.pk)).mps_pinned
+    do_set_gpu_mode(gpu.uuid, GpuMode.MPS)
+    spec = launch_spec(Sandbox.objects.get(pk=pinned.pk))
+    assert spec.mps_pinned and spec.mps is not None and spec.device_uuids == (gpu.uuid,)

@@ -12,6 +12,7 @@ import pytest
 from workers.agent import Agent
 from workers.drivers.base import MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
 from workers.gpu.mps import MpsError, mps_root
+from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
 
@@ -37,11 +38,17 @@ class FakeMps:
     def pipe_dir(self, device: str) -> Path:
         return self.root / device / "pipe"
 
+    def running(self, device: str) -> bool:
+        return device in self.started
+
     def start(self, device: str) -> bool:
         if self.fail:
             raise MpsError("nvidia-cuda-mps-control not found")
         self.started.append(device)
         return True
+
+    def stop(self, device: str) -> bool:
+        return False
 
 
 def spec(device: str) -> SandboxSpec:
@@ -95,10 +102,11 @@ def test_real_gpu_starts_the_daemon_or_fails_the_launch(
 ) -> None:
     a, driver, device = agent(tmp_path)
     monkeypatch.setattr(a.backend, "simulated", False)
-    a.mps = FakeMps(tmp_path / "mps")  # type: ignore[assignment]
+    fake = FakeMps(tmp_path / "mps")
+    a.mps_daemons = MpsDaemons(fake)  # type: ignore[arg-type]
     a.launch(spec(device))
-    assert a.mps.started == [device] and len(driver.launched) == 1  # type: ignore[attr-defined]
-    a.mps = FakeMps(tmp_path / "mps", fail=True)  # type: ignore[assignment]
+    assert fake.started == [device] and len(driver.launched) == 1
+    a.mps_daemons = MpsDaemons(FakeMps(tmp_path / "mps", fail=True))  # type: ignore[arg-type]
     a.launch(replace(spec(device), allocation_id="a2"))
     assert len(driver.launched) == 1
     [(_, _task, (sandbox_id, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]

@@ -40,6 +40,9 @@ class SandboxSpec:
     pids_limit: int = 256
     network: bool = False
     mps: MpsShare | None = None
+    # The GPU is pinned to MPS by its admin: its daemon may stay up once the last share on it
+    # stops. Following demand, it must stop then (the GPU may next be dedicated or sliced).
+    mps_pinned: bool = False
     env: dict[str, str] = field(default_factory=dict)
     isolation: str = ""  # container, process or vm: the agent refuses one its driver cannot give
     # Metering facts so the agent can stream the running cost with each sample.

@@ -263,6 +263,52 @@ class MpsManager:
             raise MpsError(f"{self.control_binary} {' '.join(args)} for {device_uuid} timed out") from err
 
 
+class SimulatedMps(MpsManager):
+    """The MPS control daemons of a simulated host: no binary and no GPU, the same lifecycle.
+
+    ``start``, ``stop`` and ``running`` behave as the real manager's: idempotent, and a
+    daemon outlives the agent that started it (a marker file in the device's directory
+    stands in for the daemon's pid file), so an agent restart finds it up as it would a
+    real one. Each start and stop is kept in ``history`` for whoever follows a GPU's
+    daemon (the tests). Commands fail as they would on a host without the NVIDIA driver.
+    """
+
+    MARKER = "simulated-daemon"
+
+    def __init__(self, root: Path | str) -> None:
+        super().__init__(root)
+        self.history: list[tuple[str, str]] = []  # ("start" | "stop", device uuid), in order
+
+    def running(self, device_uuid: str) -> bool:
+        return (self._device_dir(device_uuid) / self.MARKER).exists()
+
+    def start(self, device_uuid: str) -> bool:
+        with self._lock:
+            if self.running(device_uuid):
+                return False
+            pipe = self.pipe_dir(device_uuid)
+            pipe.mkdir(parents=True, exist_ok=True)
+            # The mount is real: the sandbox's uid must be able to traverse down to it (mkdir's
+            # mode is cut by the umask).
+            for directory in (pipe, *pipe.parents):
+                if directory == self.root.parent:
+                    break
+                directory.chmod(0o755)
+            (self._device_dir(device_uuid) / self.MARKER).write_text(f"{os.getpid()}\n")
+            self.history.append(("start", device_uuid))
+            log.info("simulated MPS control daemon for %s started", device_uuid)
+            return True
+
+    def stop(self, device_uuid: str) -> bool:
+        with self._lock:
+            if not self.running(device_uuid):
+                return False
+            (self._device_dir(device_uuid) / self.MARKER).unlink(missing_ok=True)
+            self.history.append(("stop", device_uuid))
+            log.info("simulated MPS control daemon for %s stopped", device_uuid)
+            return True
+
+
 def _make_dir(path: Path, mode: int) -> None:
     """Create ``path`` with ``mode`` (the umask cannot narrow it), or set it on one that exists."""
     path.mkdir(mode=mode, exist_ok=True)

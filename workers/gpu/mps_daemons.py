@@ -1,0 +1,162 @@
+"""Each GPU's MPS control daemon follows the GPU's mode, on the agent's side.
+
+A GPU that follows demand serves MPS shares for a while, then goes back to idle and may
+next be dedicated or time-sliced; neither may run under an MPS daemon (a daemon left up
+would take in any CUDA process that finds its pipe, and the next sandbox would not have
+the GPU it was promised). So a GPU's daemon runs exactly while MPS sandboxes of this agent
+hold the GPU, or while the GPU is pinned to MPS (then it may stay up between shares).
+
+Every sandbox the agent launches is registered here by device before its driver launches
+it (``claim``), and unregistered once its driver has stopped it (``release``). Daemons
+start and stop under the same lock, so:
+
+- a share launched while the last one on its GPU stops either keeps the daemon up (it was
+  registered first) or starts it again (the stop came first): it never runs without one;
+- the daemon stops only after its last client's processes are gone (quitting it under a
+  live client would end that client's MPS server with it);
+- a dedicated or time-slice sandbox never starts while a daemon is up on its GPU: one left
+  up without shares (the GPU was pinned to MPS, or the agent restarted) is stopped first;
+  one that still has shares (their stop is on its way, on another task thread) is waited
+  for up to ``handover_s``, and the launch is refused with the reason if they stay. The
+  same holds the other way round, for a share arriving while a whole GPU or a replica of
+  it still runs.
+
+After a restart the agent knows none of this: its driver still lists what runs, and the
+control plane has it adopted (a launch again, which claims it). ``sweep`` stops daemons
+that no share holds once everything listed is tracked again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+
+from workers.drivers.base import SandboxSpec
+from workers.gpu.mps import MpsError, MpsManager
+
+log = logging.getLogger(__name__)
+
+HANDOVER_S = 30.0  # beyond a sandbox's stop grace: the stop that frees the GPU is that long at most
+
+
+class MpsDaemons:
+    def __init__(self, control: MpsManager, handover_s: float = HANDOVER_S) -> None:
+        self.control = control  # MpsManager on a GPU host, SimulatedMps on a simulated one
+        self.handover_s = handover_s
+        self._changed = threading.Condition()
+        self._shares: dict[str, set[str]] = {}  # device -> allocation ids of MPS sandboxes on it
+        self._others: dict[str, set[str]] = {}  # device -> allocation ids of other sandboxes on it
+        self._devices: dict[str, tuple[str, ...]] = {}  # allocation id -> the devices it holds
+        self._pinned: set[str] = set()  # GPUs pinned to MPS, as the last spec or message said
+
+    def claim(self, spec: SandboxSpec) -> str:
+        """Register ``spec``'s sandbox on its devices and put their daemons in the state it
+        needs: up for an MPS share, down for anything else. Returns why it cannot run here
+        now, "" when it can. A repeated launch of a registered sandbox claims nothing new."""
+        key, devices = spec.allocation_id, spec.device_uuids
+        share = spec.mps is not None and bool(devices)
+        with self._changed:
+            if key in self._devices:
+                return ""
+            if share:
+                if spec.mps_pinned:
+                    self._pinned.add(devices[0])
+                else:
+                    self._pinned.discard(devices[0])
+            blockers = self._others if share else self._shares
+            targets = devices[:1] if share else devices
+            if not self._changed.wait_for(lambda: not self._held(blockers, targets), self.handover_s):
+                held = ", ".join(d for d in targets if blockers.get(d))
+                if share:
+                    return f"GPU {held} still runs a dedicated or time-slice sandbox: no MPS share can join"
+                return f"GPU {held} still serves MPS shares: no dedicated or time-slice sandbox can join them"
+            try:
+                if share:
+                    self.control.start(devices[0])
+                else:
+                    for device in devices:
+                        self._pinned.discard(device)  # it takes another mode: no longer pinned to MPS
+                        if self.control.running(device):
+                            log.info("MPS daemon of %s up without shares: stopped for %s", device, key)
+                            self.control.stop(device)
+            except (MpsError, OSError) as exc:
+                return f"MPS daemon for {', '.join(targets)}: {exc}"
+            for device in targets:
+                (self._shares if share else self._others).setdefault(device, set()).add(key)
+            self._devices[key] = targets
+            return ""
+
+    def release(self, allocation_id: str) -> None:
+        """Unregister a sandbox its driver stopped (or never made). The last share on a GPU
+        not pinned to MPS stops the GPU's daemon."""
+        with self._changed:
+            for device in self._devices.pop(allocation_id, ()):
+                self._discard(self._others, device, allocation_id)
+                if allocation_id in self._shares.get(device, ()):
+                    self._discard(self._shares, device, allocation_id)
+                    if device not in self._shares and device not in self._pinned:
+                        self._stop(device)
+            self._changed.notify_all()
+
+    def set_pinned(self, device: str, pinned: bool) -> None:
+        """The GPU's admin pinned it to MPS, or no longer: unpinned and without shares, its
+        daemon stops now rather than at the next launch."""
+        with self._changed:
+            if pinned:
+                self._pinned.add(device)
+                return
+            self._pinned.discard(device)
+            if device not in self._shares and self.control.running(device):
+                self._stop(device)
+
+    def sweep(self, devices: Iterable[str]) -> None:
+        """Stop the daemons of ``devices`` that no share holds on a GPU not pinned to MPS.
+        Call it only when everything the driver lists is registered (tracked): until a
+        restarted agent has adopted its sandboxes, an MPS share may hold a daemon unseen."""
+        with self._changed:
+            for device in devices:
+                if device not in self._shares and device not in self._pinned and self.control.running(device):
+                    log.info("MPS daemon of %s runs without shares: stopped", device)
+                    self._stop(device)
+
+    def shares(self, device: str) -> set[str]:
+        """Allocation ids of the MPS sandboxes registered on ``device``."""
+        with self._changed:
+            return set(self._shares.get(device, ()))
+
+    def others(self, device: str) -> set[str]:
+        """Allocation ids of the other sandboxes registered on ``device``."""
+        with self._changed:
+            return set(self._others.get(device, ()))
+
+    def pinned(self, device: str) -> bool:
+        with self._changed:
+            return device in self._pinned
+
+    # -- internals (the lock held) ------------------------------------------------------------
+
+    @staticmethod
+    def _held(by: dict[str, set[str]], devices: Iterable[str]) -> bool:
+        return any(by.get(device) for device in devices)
+
+    @staticmethod
+    def _discard(by: dict[str, set[str]], device: str, key: str) -> None:
+        held = by.get(device)
+        if held is not None:
+            held.discard(key)
+            if not held:
+                del by[device]
+
+    def _stop(self, device: str) -> None:
+        """Stop a daemon; a failure is logged (the next launch or sweep tries again)."""
+        started = time.monotonic()
+        try:
+            stopped = self.control.stop(device)
+        except (MpsError, OSError) as exc:
+            log.warning("MPS daemon of %s did not stop: %s", device, exc)
+            return
+        if stopped:
+            took = time.monotonic() - started
+            log.info("MPS daemon of %s stopped in %.2f s: no share holds it", device, took)
