@@ -291,9 +291,11 @@ class Agent:
                 self.started_ms[spec.allocation_id] = started
         if stopped_meanwhile:  # the stop overtook this launch: undo it, report nothing
             self.driver.stop(handle, grace_s=0)
+            self.mps_daemons.release(spec.allocation_id)
             return
-        mem, util = self._simulated_load(spec)
-        self.backend.note_load(spec.allocation_id, list(spec.device_uuids), mem, util)
+        if spec.device_uuids:  # a CPU-only sandbox loads no GPU
+            mem, util = self._simulated_load(spec)
+            self.backend.note_load(spec.allocation_id, list(spec.device_uuids), mem, util)
         dispatch.to_control("sandbox_launched", spec.allocation_id, handle.to_json(), started)
 
     def stop(self, allocation_id: str, sandbox_id: int, handle_json: dict[str, Any] | None) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from django.db.models import QuerySet
+from django.db.models.functions import Coalesce
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, extend_schema_view
@@ -40,6 +41,12 @@ class UsageRecordSerializer(serializers.ModelSerializer[UsageRecord]):
     )
     tier: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     duration_seconds = serializers.SerializerMethodField()
+    billed_milli = serializers.IntegerField(
+        source="priced_milli",
+        read_only=True,
+        help_text="What the price is charged on, in thousandths: the GPUs held (milli_gpu), or 1000 "
+        "for a CPU-only sandbox (milli_gpu 0), whose tier's price is per hour of the sandbox.",
+    )
 
     class Meta:
         model = UsageRecord
@@ -52,6 +59,7 @@ class UsageRecordSerializer(serializers.ModelSerializer[UsageRecord]):
             "tier",
             "gpu_model",
             "milli_gpu",
+            "billed_milli",
             "price_per_gpu_hour_micros",
             "currency",
             "started_at",
@@ -104,6 +112,7 @@ class UsageRecordViewSet(
 CSV_COLUMNS = [
     "id", "sandbox_id", "project", "user", "tier", "gpu_model", "milli_gpu",
     "price_per_gpu_hour_micros", "cost_micros", "currency", "started_at", "ended_at", "duration_seconds",
+    "billed_milli",
 ]  # fmt: skip
 
 
@@ -134,14 +143,16 @@ def _csv_rows(qs: QuerySet[UsageRecord]) -> Iterator[str]:
     rows = qs.values_list(
         "id", "sandbox_id", "project__slug", "user__username", "tier__slug", "gpu_model", "milli_gpu",
         "price_per_gpu_hour_micros", "cost_micros", "currency", "started_at", "ended_at", "duration",
+        Coalesce("billed_milli", "milli_gpu"),
     ).order_by("-started_at", "-id")  # fmt: skip
-    for *head, started, ended, duration in rows.iterator(chunk_size=2000):
+    for *head, started, ended, duration, billed in rows.iterator(chunk_size=2000):
         yield writer.writerow(
             [
                 *["" if v is None else v for v in head],
                 started.isoformat(),
                 ended.isoformat() if ended else "",
                 f"{duration.total_seconds():.3f}" if duration is not None else "",
+                billed,
             ]
         )
 
@@ -163,7 +174,7 @@ class UsageExportView(ApiView, views.APIView):
                         "csv",
                         value=",".join(CSV_COLUMNS)
                         + "\r\n7,12,vision,mark,dedicated,H100-80GB,1000,2500000,2500000,EUR,"
-                        "2026-11-01T10:00:00+00:00,2026-11-01T11:00:00+00:00,3600.000\r\n",
+                        "2026-11-01T10:00:00+00:00,2026-11-01T11:00:00+00:00,3600.000,1000\r\n",
                     )
                 ],
             ),

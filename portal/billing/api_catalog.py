@@ -41,8 +41,9 @@ class PriceSerializer(serializers.ModelSerializer[Tier]):
 @extend_schema_view(
     list=extend_schema(
         summary="Prices",
-        description="Open tiers with their price per GPU-hour in micro-units of `currency`. Scope "
-        "read:usage.",
+        description="Open tiers with their price per GPU-hour in micro-units of `currency`; a "
+        "CPU-only tier (`mode` cpu) holds no GPU and charges that price per hour of each sandbox. "
+        "Scope read:usage.",
         responses={200: PriceSerializer(many=True), **ERRORS},
     )
 )

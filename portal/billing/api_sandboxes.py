@@ -56,6 +56,14 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
         slug_field="name", read_only=True, allow_null=True
     )
     max_duration_hours = serializers.SerializerMethodField()
+    sharing_mode = serializers.CharField(
+        source="tier.sharing_mode",
+        read_only=True,
+        help_text="The tier's: dedicated, mig, mps, timeslice, or cpu (CPU only: no GPU).",
+    )
+    gpu_count = serializers.SerializerMethodField(
+        help_text="Whole GPUs it asks for; 0 for a CPU-only sandbox."
+    )
 
     class Meta:
         model = Sandbox
@@ -64,6 +72,7 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
             "project",
             "owner",
             "tier",
+            "sharing_mode",
             "isolation",
             "state",
             "pending_reason",
@@ -83,6 +92,9 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
 
     def get_max_duration_hours(self, obj: Sandbox) -> float:
         return obj.max_duration.total_seconds() / 3600
+
+    def get_gpu_count(self, obj: Sandbox) -> int:
+        return 0 if obj.tier.cpu_only else obj.gpu_count
 
 
 class SandboxCreateSerializer(StrictSerializer):
@@ -181,6 +193,7 @@ MODE_FIELDS: dict[str, tuple[str, ...]] = {
     SharingMode.MIG: ("mig_profile",),
     SharingMode.MPS: ("mps_memory_gib", "mps_thread_pct"),
     SharingMode.TIMESLICE: (),
+    SharingMode.CPU: (),
 }
 
 

@@ -89,7 +89,7 @@ def part_cost_micros(record: UsageRecord, part_start: datetime, part_end: dateti
 
     def c(until: datetime) -> int:
         return cost_micros(
-            record.price_per_gpu_hour_micros, record.milli_gpu, (until - record.started_at) // _MICROSECOND
+            record.price_per_gpu_hour_micros, record.priced_milli, (until - record.started_at) // _MICROSECOND
         )
 
     if record.ended_at is not None and part_end == record.ended_at and record.cost_micros is not None:

@@ -1,5 +1,12 @@
 """Opening and closing usage intervals. Called only from ``portal.sandboxes.actions``,
-inside its transaction, with the sandbox row locked."""
+inside its transaction, with the sandbox row locked.
+
+An interval prices what it holds: ``price x billed_milli / 1000 x hours``. A GPU sandbox's
+``billed_milli`` is its GPUs held (``milli_gpu``); a CPU-only sandbox holds no GPU
+(``milli_gpu`` 0, so it adds nothing to GPU-hour quotas or fair share) and is charged its
+tier's price per hour of the sandbox (``billed_milli`` 1000): it still occupies a host's
+CPU and memory, and an operator bills that as a cloud bills a CPU instance, by the hour.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ if TYPE_CHECKING:
 
 _MICROSECOND = timedelta(microseconds=1)
 _ZERO = timedelta(0)
+ONE_SANDBOX = 1000  # what a CPU-only interval is charged on: one sandbox, in thousandths
 
 
 def open_interval(sandbox: Sandbox, started_at: datetime) -> UsageRecord:
@@ -23,6 +31,7 @@ def open_interval(sandbox: Sandbox, started_at: datetime) -> UsageRecord:
         return existing  # idempotent: one open interval per allocation
     allocations = list(sandbox.allocations.filter(active=True).select_related("gpu"))
     tier = sandbox.tier
+    milli_gpu = sum(a.milli_gpu for a in allocations)
     return UsageRecord.objects.create(
         sandbox=sandbox,
         allocation_key=sandbox.allocation_key,
@@ -30,7 +39,8 @@ def open_interval(sandbox: Sandbox, started_at: datetime) -> UsageRecord:
         user_id=sandbox.owner_id,
         tier=tier,
         gpu_model=allocations[0].gpu.model if allocations else "",
-        milli_gpu=sum(a.milli_gpu for a in allocations),
+        milli_gpu=milli_gpu,
+        billed_milli=ONE_SANDBOX if tier.cpu_only else milli_gpu,
         price_per_gpu_hour_micros=tier.price_per_gpu_hour_micros,
         currency=tier.currency,
         started_at=started_at,
@@ -46,7 +56,7 @@ def close_interval(sandbox: Sandbox, ended_at: datetime) -> UsageRecord | None:
     duration_us = duration // _MICROSECOND
     record.ended_at = ended_at
     record.duration = duration
-    record.cost_micros = cost_micros(record.price_per_gpu_hour_micros, record.milli_gpu, duration_us)
+    record.cost_micros = cost_micros(record.price_per_gpu_hour_micros, record.priced_milli, duration_us)
     record.save(update_fields=["ended_at", "duration", "cost_micros"])
     return record
 
@@ -55,4 +65,4 @@ def running_cost_micros(record: UsageRecord, now: datetime) -> int:
     if record.cost_micros is not None:
         return record.cost_micros
     duration_us = max(now - record.started_at, _ZERO) // _MICROSECOND
-    return cost_micros(record.price_per_gpu_hour_micros, record.milli_gpu, duration_us)
+    return cost_micros(record.price_per_gpu_hour_micros, record.priced_milli, duration_us)

@@ -35,6 +35,16 @@ class UsageRecord(models.Model):
     tier = models.ForeignKey(Tier, on_delete=models.PROTECT, related_name="usage")
     gpu_model = models.CharField(max_length=40)
     milli_gpu = models.PositiveIntegerField(help_text="GPUs held, in thousandths.")
+    # What the price is charged on, in thousandths (``priced_milli``): the GPUs held on a GPU
+    # tier; the sandbox itself (1000) on a CPU-only tier, which holds no GPU and whose price
+    # is per hour of the sandbox. GPU-hours (quotas, fair share) read milli_gpu; money this.
+    # Null in rows from before CPU-only tiers: those priced their GPUs, milli_gpu.
+    billed_milli = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Units the price is charged on, in thousandths: GPUs held, or 1000 for a CPU-only "
+        "sandbox (empty: milli_gpu).",
+    )
     # Price snapshot: later price changes do not reprice past usage.
     price_per_gpu_hour_micros = models.BigIntegerField()
     currency = models.CharField(max_length=3)
@@ -68,6 +78,11 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"usage of sandbox {self.sandbox_id} from {self.started_at:%Y-%m-%d %H:%M}"
+
+    @property
+    def priced_milli(self) -> int:
+        """What the price is charged on, in thousandths (see ``billed_milli``)."""
+        return self.milli_gpu if self.billed_milli is None else self.billed_milli
 
     @property
     def duration_display(self) -> str:

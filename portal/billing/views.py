@@ -36,6 +36,8 @@ def invoice_detail(request: HttpRequest, slug: str, pk: int) -> HttpResponse:
             "gpu_hours": row["gpu_seconds"] / 1000 / 3600,
             "cost": money(row["cost"]),
             "price": money(row["price_per_gpu_hour_micros"]),
+            # No GPU held: a CPU-only tier's lines, priced per hour of each sandbox.
+            "cpu_only": not row["milli_gpu"],
         }
         for row in invoice.lines.values("tier__name", "gpu_model", "milli_gpu", "price_per_gpu_hour_micros")
         .annotate(

@@ -217,6 +217,7 @@ def usage_payload(record: UsageRecord) -> dict[str, Any]:
         "tier_id": record.tier_id,
         "gpu_model": record.gpu_model,
         "milli_gpu": record.milli_gpu,
+        "billed_milli": record.priced_milli,
         "started_at": record.started_at.isoformat(),
         "ended_at": record.ended_at.isoformat() if record.ended_at else None,
         "duration_seconds": record.duration.total_seconds() if record.duration is not None else None,

@@ -8,10 +8,15 @@ from django.db import models
 
 
 class SharingMode(models.TextChoices):
+    """What a tier's sandboxes ask for (a GPU's own mode is ``portal.fleet.models.GpuMode``).
+    The values are the scheduler's request modes (``scheduler.cluster``)."""
+
     DEDICATED = "dedicated", "Dedicated GPUs"
     MIG = "mig", "MIG slice"
     MPS = "mps", "MPS share"
     TIMESLICE = "timeslice", "Time-slice replica"
+    # Host CPU and memory only (data preparation, CPU jobs): no device, no GPU quota.
+    CPU = "cpu", "CPU only (no GPU)"
 
 
 class IsolationLevel(models.TextChoices):
@@ -39,8 +44,11 @@ class Tier(models.Model):
     description = models.TextField(blank=True)
     sharing_mode = models.CharField(max_length=16, choices=SharingMode.choices)
     isolation_levels = models.JSONField(default=list, help_text="Subset of process, container, vm.")
-    # Money as integers in minor units: millionths of the currency per GPU-hour.
-    price_per_gpu_hour_micros = models.BigIntegerField()
+    # Money as integers in minor units: millionths of the currency per GPU-hour held, or for
+    # a CPU-only tier (which holds no GPU) per hour of the sandbox (see portal.billing.ledger).
+    price_per_gpu_hour_micros = models.BigIntegerField(
+        help_text="Per GPU-hour; a CPU-only tier's sandboxes are charged this per hour each."
+    )
     currency = models.CharField(max_length=3, default="EUR")
     priority_class = models.ForeignKey(PriorityClass, on_delete=models.PROTECT, related_name="tiers")
     max_duration = models.DurationField(default=timedelta(hours=8))
@@ -79,6 +87,12 @@ class Tier(models.Model):
                 name="%(app_label)s_%(class)s_max_gpus_1_to_8",
                 violation_error_message="Dedicated sandboxes take 1 to 8 GPUs of one host.",
             ),
+            models.CheckConstraint(
+                condition=~models.Q(sharing_mode=SharingMode.CPU) | models.Q(idle_util_pct=0),
+                name="%(app_label)s_%(class)s_cpu_tiers_not_culled_by_gpu",
+                violation_error_message="A CPU-only tier has no GPU utilization to cull by: "
+                "leave its idle threshold at 0 %.",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -101,8 +115,13 @@ class Tier(models.Model):
         )
 
     @property
+    def cpu_only(self) -> bool:
+        return self.sharing_mode == SharingMode.CPU
+
+    @property
     def price_display(self) -> str:
-        return f"{self.price_per_gpu_hour_micros / 1_000_000:.2f} {self.currency}/GPU-h"
+        unit = "h per sandbox" if self.cpu_only else "GPU-h"
+        return f"{self.price_per_gpu_hour_micros / 1_000_000:.2f} {self.currency}/{unit}"
 
 
 class SandboxImage(models.Model):

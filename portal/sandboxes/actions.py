@@ -170,11 +170,11 @@ def check_request_sandbox(user: Any, req: SandboxRequest, *, quota: bool = True)
 
 
 def check_quota(req: SandboxRequest) -> None:
-    """The project's GPU-hour budget and live-sandbox limit. ``do_request_sandbox`` runs it
-    again under a lock on the project row: two requests checked at the same moment would
-    otherwise both see room for one more."""
+    """The project's GPU-hour budget (a CPU-only sandbox, which uses none, is not held to it)
+    and live-sandbox limit. ``do_request_sandbox`` runs it again under a lock on the project
+    row: two requests checked at the same moment would otherwise both see room for one more."""
     quota = QuotaPolicy.objects.filter(project=req.project).first()
-    if quota is not None and quota.max_gpu_hours_month is not None:
+    if quota is not None and quota.max_gpu_hours_month is not None and not req.tier.cpu_only:
         now = timezone.now()
         used = gpu_hours_since(req.project.pk, month_start(now), now)
         if used >= quota.max_gpu_hours_month:
@@ -269,12 +269,14 @@ def _book(
     host = Host.objects.filter(name=host_name).first()
     if host is None:
         raise SlotTaken(f"host {host_name} is gone")
+    if in_service and host.state != Host.State.UP:  # lost or draining since the snapshot
+        raise SlotTaken(f"host {host_name} is {host.state}")
     allocations = _claim_devices(sandbox, host, grants, in_service)
     sandbox.host = host
     sandbox.allocation_key = uuid.uuid4().hex
     sandbox.save(update_fields=["host", "allocation_key"])
     Allocation.objects.bulk_create(allocations)
-    devices = ", ".join(g.device_uuid for g in grants)
+    devices = ", ".join(g.device_uuid for g in grants) or "CPU only, no GPU"
     _transition(
         sandbox,
         S.PLACING,

@@ -111,6 +111,13 @@ class Sandbox(models.Model):
             ),
             # "My sandboxes" and project pages list by project, newest first.
             models.Index(fields=["project", "-requested_at"], name="sandbox_project_idx"),
+            # Placed sandboxes by host: each scheduling cycle reads the CPU-only ones (they
+            # hold no allocation, yet take their host's CPU and memory), and a lost host's.
+            models.Index(
+                fields=["host"],
+                name="sandbox_placed_idx",
+                condition=models.Q(state__in=["placing", "starting", "running", "stopping"]),
+            ),
         ]
         constraints = [
             models.CheckConstraint(
@@ -141,6 +148,8 @@ class Sandbox(models.Model):
     @property
     def request_summary(self) -> str:
         mode = self.tier.sharing_mode
+        if mode == "cpu":
+            return f"CPU only · {self.tier.cpu_limit:g} CPU, {self.tier.memory_limit_mib} MiB"
         if mode == "mig":
             return f"MIG {self.mig_profile}"
         if mode == "mps":

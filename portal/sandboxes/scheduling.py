@@ -15,6 +15,7 @@ from django.db.models import Prefetch, Q
 from django.utils import timezone
 
 from portal.billing.models import UsageRecord
+from portal.catalog.models import SharingMode
 from portal.fleet.models import Gpu, Host
 from portal.fleet.plans import running_plan_gpus
 from portal.quotas.models import QuotaPolicy
@@ -153,12 +154,43 @@ def build_snapshot() -> Snapshot:
                 isolation_levels=(DRIVER_ISOLATION[host.driver],) if host.driver in DRIVER_ISOLATION else (),
             )
         )
-    running = _running(live)
+    running = _running(live) + _cpu_only_running()
     by_name = {h.name: h for h in hosts}
     for holder in running:  # what placed sandboxes already take of each host
         if holder.host in by_name:
             by_name[holder.host].take(holder.cpu_milli, holder.memory_mib)
     return Snapshot(hosts=hosts, running=running)
+
+
+def _cpu_only_running() -> list[Running]:
+    """Placed CPU-only sandboxes: they hold no allocation, yet take their host's CPU and
+    memory, which the snapshot must count or the host is over-committed."""
+    placed = Sandbox.objects.filter(
+        state__in=HOLDING, host__isnull=False, tier__sharing_mode=SharingMode.CPU
+    ).values_list(
+        "pk", "project__slug", "host__name", "state", "borrowed", "max_duration",
+        "started_at", "placed_at", "requested_at", "tier__cpu_limit", "tier__memory_limit_mib",
+        "tier__priority_class__value", "tier__priority_class__preemptible",
+    )  # fmt: skip
+    running = []
+    for pk, project, host, state, borrowed, length, *times, cpu, memory, priority, preemptible in placed:
+        started = next(t for t in times if t is not None)  # requested_at is always set
+        running.append(
+            Running(
+                sandbox_id=pk,
+                project=project,
+                host=host,
+                grants=(),
+                priority=priority,
+                started_at=started.timestamp(),
+                ends_at=(started + length).timestamp(),
+                preemptible=preemptible and state in PREEMPTIBLE_STATES,
+                borrowed=borrowed,
+                cpu_milli=_cpu_milli(cpu),
+                memory_mib=memory,
+            )
+        )
+    return running
 
 
 def build_queue() -> list[Request]:

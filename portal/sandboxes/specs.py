@@ -26,7 +26,7 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         image=sandbox.image.reference,
         command=tuple(sandbox.command if sandbox.batch else sandbox.image.command or ("sleep", "infinity")),
         device_uuids=tuple(a.device_uuid for a in allocations),
-        real_gpu=not sandbox.host.simulated,
+        real_gpu=bool(allocations) and not sandbox.host.simulated,
         cpu_limit=tier.cpu_limit,
         memory_limit_mib=tier.memory_limit_mib,
         pids_limit=tier.pids_limit,

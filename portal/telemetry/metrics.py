@@ -340,6 +340,7 @@ class FleetCollector(Collector):
                 "currency",
                 "price_per_gpu_hour_micros",
                 "milli_gpu",
+                "billed_milli",
                 "started_at",
                 "cost_micros",
             )

@@ -4,6 +4,7 @@ const FIELDS_BY_MODE = {
   mig: ["mig_profile"],
   mps: ["mps_memory_gib", "mps_thread_pct"],
   timeslice: [],
+  cpu: [], // CPU only: no GPU, so no GPU count, MIG profile or MPS share to ask for
 };
 const MODE_FIELDS = ["gpu_count", "mig_profile", "mps_memory_gib", "mps_thread_pct"];
 

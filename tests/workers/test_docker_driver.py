@@ -79,6 +79,17 @@ def test_kwargs_lock_the_container_down() -> None:
     assert "mounts" not in kw
 
 
+def test_a_cpu_only_container_asks_the_runtime_for_no_gpu() -> None:
+    """On a host with real GPUs: no device request (an empty one is not "none" to every
+    runtime), and the variables name no device."""
+    kw = container_kwargs(make_spec(device_uuids=(), real_gpu=True))
+    assert "device_requests" not in kw and "mounts" not in kw
+    assert kw["environment"]["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert kw["environment"]["CUDA_VISIBLE_DEVICES"] == ""
+    gpu = container_kwargs(make_spec(device_uuids=("GPU-aaaa",), real_gpu=True))
+    assert [list(r["DeviceIDs"]) for r in gpu["device_requests"]] == [["GPU-aaaa"]]
+
+
 def test_a_container_removed_while_listing_does_not_fail_the_listing() -> None:
     """The SDK inspects each listed container; one removed in between raises NotFound."""
 

@@ -194,6 +194,27 @@ def test_launch_confines_the_command(driver: ProcessDriver, monkeypatch: pytest.
 
 
 @pytest.mark.bwrap
+def test_a_cpu_only_sandbox_runs_with_no_gpu_node(driver: ProcessDriver, tmp_path: Path) -> None:
+    """No device named: no /dev/nvidia* bind (without UUIDs the node lookup would bind every
+    GPU node), no sysfs, and variables that name no device; it runs as any sandbox does."""
+    gpus = tmp_path / "gpus" / "0000:01:00.0"
+    gpus.mkdir(parents=True)
+    gpus.joinpath("information").write_text("GPU UUID: \t GPU-aaaa\nDevice Minor: \t 0\n")
+    confined = ProcessDriver(driver.state_dir, host="h1", limits=driver.limits, gpus_dir=gpus.parent)
+    script = f"env; echo nodes=$(ls /dev | grep -c nvidia); echo {READY}; exec sleep 300"
+    spec = make_spec(device_uuids=(), real_gpu=True, command=("sh", "-c", script))
+    argv = confined._bwrap_args(spec, 3, 4, 5, 6)
+    assert not any(arg.startswith("/dev/nvidia") or arg == "/sys" for arg in argv), argv
+    handle = confined.launch(spec)
+    lines = wait_for_log(confined, handle, READY).splitlines()
+    assert "NVIDIA_VISIBLE_DEVICES=void" in lines and "CUDA_VISIBLE_DEVICES=" in lines
+    assert "nodes=0" in lines
+    assert confined.status(handle).state == "running"
+    confined.stop(handle, grace_s=0)
+    assert confined.status(handle).state == "missing"
+
+
+@pytest.mark.bwrap
 def test_launch_is_idempotent(driver: ProcessDriver) -> None:
     spec = make_spec()
     first = driver.launch(spec)

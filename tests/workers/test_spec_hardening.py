@@ -101,7 +101,9 @@ def test_docker_kwargs_never_grant_host_privileges(spec: SandboxSpec) -> None:
     # No network: "none"; with one: the engine's default (bridge) network, never the host's.
     assert kwargs.get("network_mode") == (None if spec.network else "none")
     requests = kwargs.get("device_requests", [])
-    assert [list(r["DeviceIDs"]) for r in requests] == ([list(spec.device_uuids)] if spec.real_gpu else [])
+    # A CPU-only sandbox (no device UUIDs) asks for no GPU, even on a host with real ones.
+    wanted = [list(spec.device_uuids)] if spec.real_gpu and spec.device_uuids else []
+    assert [list(r["DeviceIDs"]) for r in requests] == wanted
     mounts = kwargs.get("mounts", [])
     if spec.mps is None:
         assert mounts == []
@@ -162,6 +164,8 @@ def test_bwrap_never_shares_the_host(spec: SandboxSpec) -> None:
             assert args[0] in _RO_SOURCES or args[0].startswith("/etc/"), args
         if "bind" in name:
             assert args[0] not in ("/", "/home", "/var/run/docker.sock", "/run/docker.sock", "/etc")
+        if not spec.device_uuids:  # CPU only: no GPU node at all, never "every node" for none named
+            assert not args or not args[0].startswith("/dev/nvidia"), (name, args)
 
 
 # --- libvirt ---------------------------------------------------------------------------------

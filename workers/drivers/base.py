@@ -33,8 +33,9 @@ class SandboxSpec:
     owner: str
     image: str  # container image reference (docker), ignored by process
     command: tuple[str, ...]
-    device_uuids: tuple[str, ...]  # GPU-... or MIG-... UUIDs the sandbox may see
-    real_gpu: bool  # False on simulated hosts: no NVIDIA runtime device request
+    device_uuids: tuple[str, ...]  # GPU-... or MIG-... UUIDs the sandbox may see; () for CPU only
+    # False on simulated hosts and for CPU-only sandboxes: no NVIDIA runtime device request.
+    real_gpu: bool
     cpu_limit: float = 1.0
     memory_limit_mib: int = 1024
     pids_limit: int = 256
@@ -75,9 +76,10 @@ class SandboxSpec:
         }
 
     def gpu_env(self) -> dict[str, str]:
-        """Variables that bind the sandbox to its devices (and MPS share)."""
+        """Variables that bind the sandbox to its devices (and MPS share); a CPU-only one
+        sees none ("void": the NVIDIA runtime mounts nothing, CUDA finds no device)."""
         env = {"NVIDIA_VISIBLE_DEVICES": ",".join(self.device_uuids) or "void"}
-        if self.real_gpu:
+        if self.real_gpu or not self.device_uuids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_uuids)
         if self.mps is not None:
             env["CUDA_MPS_PIPE_DIRECTORY"] = self.mps.pipe_dir

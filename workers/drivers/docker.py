@@ -111,7 +111,7 @@ def container_kwargs(spec: SandboxSpec, output_cap: int | None = None) -> dict[s
     }
     if not spec.network:
         kwargs["network_mode"] = "none"
-    if spec.real_gpu:
+    if spec.real_gpu and spec.device_uuids:  # a CPU-only sandbox asks the runtime for no GPU
         kwargs["device_requests"] = [
             docker.types.DeviceRequest(device_ids=list(spec.device_uuids), capabilities=[["gpu"]])
         ]

@@ -252,7 +252,7 @@ def domain_xml(
         iface = _sub(devices, "interface", type="network")
         _sub(iface, "source", network=network_name)
         _sub(iface, "model", type="virtio")
-    if spec.real_gpu:
+    if spec.real_gpu:  # no hostdev at all for a CPU-only sandbox (no device UUIDs)
         for device_uuid in spec.device_uuids:
             if not device_uuid.startswith("GPU-"):
                 raise DriverError(

@@ -270,7 +270,8 @@ class ProcessDriver:
         tmpfs_bytes = str(max(16, spec.memory_limit_mib // 4) * 1024 * 1024)
         args += ["--size", tmpfs_bytes, "--perms", "1777", "--tmpfs", SANDBOX_TMP]
         args += ["--size", tmpfs_bytes, "--perms", "0700", "--tmpfs", SANDBOX_HOME]
-        if spec.real_gpu:
+        # No device, no node: without UUIDs _gpu_device_nodes would fall back to binding them all.
+        if spec.real_gpu and spec.device_uuids:
             for node in _gpu_device_nodes(spec.device_uuids, self.gpus_dir):
                 args += ["--dev-bind-try", node, node]
             # CUDA and NVML read PCI topology and NUMA nodes from sysfs; containers get a

@@ -1,4 +1,5 @@
-"""Seed the demo: admin, alice and bob in two projects, four tiers, two simulated hosts.
+"""Seed the demo: admin, alice and bob in two projects, five tiers (one of them CPU only),
+two simulated hosts whose GPUs not in MIG mode follow demand.
 
 Idempotent: running it again updates the same rows.
 """
@@ -50,7 +51,7 @@ TIERS = [
         0.40,
         "standard",
         1,
-        "A share of an A100's memory and SMs through MPS.",
+        "A share of a GPU's memory and SMs through MPS.",
     ),
     (
         "timeslice",
@@ -60,9 +61,21 @@ TIERS = [
         0.20,
         "batch",
         1,
-        "One of four time-sliced replicas of an A100: cheapest, no isolation beyond the process.",
+        "One of four time-sliced replicas of a GPU: cheap, no isolation beyond the process.",
+    ),
+    (
+        "cpu",
+        "CPU only",
+        SharingMode.CPU,
+        ["container", "process"],
+        0.05,
+        "standard",
+        1,
+        "Two cores and 2 GiB of a GPU host, no GPU: data preparation and CPU jobs. Per sandbox-hour.",
     ),
 ]
+# Host CPU and memory per sandbox where a tier differs from the default (1 core, 1 GiB).
+HOST_SHARE = {"cpu": (2.0, 2048)}
 
 
 class Command(BaseCommand):
@@ -104,8 +117,8 @@ class Command(BaseCommand):
                     "max_gpus": max_gpus,
                     "max_duration": timedelta(hours=8),
                     "description": description,
-                    "cpu_limit": 1.0,
-                    "memory_limit_mib": 1024,
+                    "cpu_limit": HOST_SHARE.get(slug, (1.0, 1024))[0],
+                    "memory_limit_mib": HOST_SHARE.get(slug, (1.0, 1024))[1],
                     "pids_limit": 256,
                 },
             )
