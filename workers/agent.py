@@ -254,8 +254,8 @@ class Agent:
             message = f"host {self.host} runs {gives} sandboxes, not {spec.isolation}"
             dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, message)
             return
-        with self.lock:
-            adopting = spec.allocation_id in self.running  # a repeated launch of what runs
+        with self.lock:  # a repeated launch of what runs or is being launched: its claim stays
+            adopting = spec.allocation_id in self.running or spec.allocation_id in self.launching
         # Before the driver: its GPU's MPS daemon up for a share, down for anything else.
         refusal = self.mps_daemons.claim(spec)
         if refusal:

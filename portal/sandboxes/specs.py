@@ -9,7 +9,7 @@ from workers.drivers.base import MpsShare, SandboxSpec
 
 def launch_spec(sandbox: Sandbox) -> SandboxSpec:
     assert sandbox.host is not None  # noqa: S101 - only placed sandboxes are launched
-    # None for a CPU-only sandbox: no device, and no NVIDIA device request (real_gpu).
+    # Empty for a CPU-only sandbox: no device, and no NVIDIA device request (real_gpu).
     allocations = list(sandbox.allocations.filter(active=True).select_related("gpu").order_by("gpu__index"))
     mps = None
     mps_alloc = next((a for a in allocations if a.kind == Allocation.Kind.MPS), None)
