@@ -41,6 +41,13 @@ from workers.gpu.simulated import SimulatedBackend, SimulatedGpuConfig, parse_si
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.fixture(autouse=True)
+def _mps_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agents' MPS daemons (simulated: marker files that outlive them, as a daemon's pid
+    file does) under the test's own directory, not a root agent's /run/gpushare."""
+    monkeypatch.setenv("MPS_DIR", str(tmp_path / "mps"))
+
+
 class MemoryDriver:
     """Sandboxes as dictionary entries: launch, stop, status and list, nothing else."""
 
