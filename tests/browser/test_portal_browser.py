@@ -210,7 +210,9 @@ def test_every_sharing_mode_a_lowered_quota_and_a_drain(
         page.wait_for_url(f"{base}/admin/quotas/quotapolicy/")
         # ... and drains the GPU of Olivia's dedicated sandbox.
         page.goto(f"{base}/console/fleet/")
-        row = page.locator("tr", has_text="Dedicated GPUs").first
+        # GPU 0 follows demand and serves the dedicated sandbox now (each row's mode form
+        # lists every mode, so the row is found by what its GPU serves, not by an option).
+        row = page.locator("tr", has=page.locator(".mode-now", has_text="now dedicated")).first
         row.locator("input[name=reason]").fill("fan failure")
         row.locator("button", has_text="Drain").click()
         page.locator(".flash", has_text="drained").wait_for(timeout=10_000)
@@ -221,7 +223,8 @@ def test_every_sharing_mode_a_lowered_quota_and_a_drain(
             timeout=30_000,
         )
         assert page.locator(".mig-layout .slice.busy").count() == 1
-        assert "30%" in page.locator("tr", has_text="MPS share").first.inner_text()
+        mps_row = page.locator("tr", has=page.locator(".mode-now", has_text="Pinned: MPS")).first
+        assert "30%" in mps_row.inner_text()
         shot(page, "fleet-in-use")
         page.click("text=audit log")
         page.wait_for_url(f"{base}/console/audit/")

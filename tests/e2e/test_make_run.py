@@ -33,6 +33,7 @@ MODES: dict[str, dict[str, Any]] = {
     "mig": {"mig_profile": "1g.10gb"},
     "mps": {"mps_memory_gib": 8, "mps_thread_pct": 25},
     "timeslice": {},
+    "cpu": {},  # the demo's CPU-only tier: no GPU field at all
 }
 
 
