@@ -77,7 +77,10 @@ class TierForm(forms.ModelForm):
             "pids_limit", "network", "requeue_on_failure", "idle_util_pct", "idle_minutes",
             "idle_grace_minutes", "active",
         ]  # fmt: skip
-        labels = {"price_per_gpu_hour_micros": "Price per GPU-hour (millionths of the currency)"}
+        labels = {
+            "price_per_gpu_hour_micros": "Price per GPU-hour, or per sandbox-hour for a CPU-only tier "
+            "(millionths of the currency)"
+        }
 
 
 class QuotaForm(forms.ModelForm):
