@@ -11,7 +11,7 @@ truncated ties where the paper has them.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Collection
+from collections.abc import Mapping
 
 from scheduler.placement.workload import MILLI, TypicalPod, accessible
 
@@ -22,6 +22,10 @@ SCARCITY_EXPONENT = 2.0
 # Cost of breaking an undominated node, per unit of the multi-GPU pods' weight in S(n).
 # 1.5 kept the multigpu traces free of early whole-node failures; at a fixed 0.05 (no
 # scaling by the multi-GPU weight) cpu250 lost 1.6 points, its G3 CPU being needed.
+# A node is broken once any of its GPUs *or any of its CPU* is taken: counting GPUs alone
+# kept GPU requests off the G3 nodes while CPU-only requests ate their CPU, stranding
+# their GPUs for everyone (cpu250, live replay: 7.68 % unallocated at arrived 100 %
+# against FGD's 6.84; counting CPU too, 5.69, multi-GPU failures no higher).
 WHOLE_NODE_WEIGHT = 1.5
 # The largest nodes are kept whole as if at least this part of the GPU demand came in
 # requests for several GPUs: a policy that learns online has seen none of them at first,
@@ -32,9 +36,13 @@ MULTI_GPU_FLOOR = 0.05
 # rarer than the gaps it would close breaks it: on the default trace, counting the 160s
 # (5.0 % of the 810s' probability, which leave 190-milli gaps) lifted unallocated from
 # 3.9 to 9 %; on gpushare80, counting the 370s (4.6 %) made a lone 470's 530-milli gap look
-# closable by 370 + 160, so 470s stopped pairing (16.7 % against FGD's 10.9). 0.06 keeps
-# every size from 5.9 % up: 550 and 590 on the default trace, 160 on gpushare80.
-FILLER_MIN_SHARE = 0.06
+# closable by 370 + 160, so 470s stopped pairing (16.7 % against FGD's 10.9). Learned
+# online, the shares' frequencies are estimates: at 0.06, a few hundred or thousand
+# requests in, the 160s crossed the line by chance on some seeds of the default trace and
+# those replays ended at 4.3-4.4 %. 0.075 keeps that noise clear (default trace, live
+# replay, 20 seeds: median 4.00 -> 3.95 %, the worst seed 4.46 -> 4.29); it no longer
+# counts the 550s and 590s (about 6.5 %), which cost nothing measurable.
+FILLER_MIN_SHARE = 0.075
 
 # How a typical pod relates to a node model, fixed once per model.
 _CPU_ONLY, _NO_ACCESS, _GPU = 0, 1, 2
@@ -111,15 +119,15 @@ def scarcity_weights(typical: list[TypicalPod], gpus_by_model: dict[str, int]) -
     return [w / total for w in raw]
 
 
-def undominated_models(nodes: set[tuple[str, int, int]]) -> set[str]:
+def undominated_models(nodes: set[tuple[str, int, int]]) -> dict[str, int]:
     """Models of the nodes, given as (model, CPU milli, GPUs), that no other node matches in
-    both CPU and GPUs and beats in one."""
+    both CPU and GPUs and beats in one, each with its node's CPU milli."""
     shapes = {(cpu, gpus) for _, cpu, gpus in nodes}
-    return {
-        model
-        for model, cpu, gpus in nodes
-        if not any(c >= cpu and g >= gpus and (c, g) != (cpu, gpus) for c, g in shapes)
-    }
+    largest: dict[str, int] = {}
+    for model, cpu, gpus in nodes:
+        if not any(c >= cpu and g >= gpus and (c, g) != (cpu, gpus) for c, g in shapes):
+            largest[model] = max(cpu, largest.get(model, 0))
+    return largest
 
 
 class StrandedCapacity:
@@ -129,11 +137,13 @@ class StrandedCapacity:
         self,
         typical: list[TypicalPod],
         weights: list[float],
-        largest: Collection[str] = (),
+        largest: Mapping[str, int] | None = None,
         multi_gpu_share: float | None = None,
     ) -> None:
         self.typical = list(zip(typical, weights, strict=True))
-        self.largest = largest
+        # The largest nodes' models, with their CPU: such a node is whole while none of its
+        # GPUs and none of its CPU is taken.
+        self.largest = largest or {}
         # How much breaking one of the largest nodes costs: by the multi-GPU requests' part
         # of all requests when the workload model knows it, else of the typical ones.
         if multi_gpu_share is None:
@@ -170,7 +180,8 @@ class StrandedCapacity:
                 if cpu:
                     copies = min(copies, cpu_left // cpu)
             value += weight * (total - copies * milli * num)
-        if model in self.largest and free_sorted and free_sorted[0] < MILLI:
+        whole_cpu = self.largest.get(model)
+        if whole_cpu is not None and free_sorted and (free_sorted[0] < MILLI or cpu_left < whole_cpu):
             value += self.whole_node * total
         self._memo[key] = value
         return value

@@ -8,10 +8,12 @@ portal the recent requests, in a replay the pods already arrived), and exposes t
 FGD does: the commonest shapes that together make up 95 % of the requests, with their
 probabilities.
 
-The typical pods change as requests arrive, and every change invalidates the scores that
-depend on them, so the model is republished on a geometric schedule (after 16, 32, 64 ...
-observations, then every ``REFRESH_EVERY``): often while little is known, rarely once the
-mix has settled. ``version`` says which publication a score was computed with.
+Nothing is published before ``MIN_OBSERVED`` requests: until then the policy packs, as if
+one whole GPU were the typical request. The typical pods change as requests arrive, and
+every change invalidates the scores that depend on them, so the model is then republished
+on a geometric schedule (after 200, 400, 800 ... observations, then every
+``REFRESH_EVERY``): often while little is known, rarely once the mix has settled.
+``version`` says which publication a score was computed with.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from dataclasses import dataclass
 
 MILLI = 1000  # one whole GPU, in milli-GPU
 TYPICAL_THRESHOLD = 0.95  # FGD's target workload covers this share of the requests
-FIRST_REFRESH = 16
+# The first publication. The commonest shapes of a few dozen requests are mostly chance
+# (most seen once): before, the model published after the first request (one shape, 100 %)
+# and again at 16, 32 ... Waiting for 200 made no measurable difference on the default
+# trace (live replay, seeds 42-51: 4.06 -> 4.02 % unallocated at arrived 100 %, within
+# the seeds' noise), but a policy that packs until it knows something is easier to reason
+# about than one steered by its first handful of requests.
+MIN_OBSERVED = 200
 # Republish at least this often once the geometric schedule has stretched past it.
 REFRESH_EVERY = 4096
 # The portal forgets requests older than this many observations: the mix of a lab changes.
@@ -89,7 +97,7 @@ class WorkloadModel:
         self._recent: deque[tuple[int, Shape]] = deque()
         self._seen: set[int] = set()
         self._observed = 0
-        self._next_refresh = FIRST_REFRESH
+        self._next_refresh = MIN_OBSERVED
         self.version = 0
         self.typical: list[TypicalPod] = []
         # The part of the GPU demand that comes in requests for several GPUs, typical or
@@ -114,7 +122,7 @@ class WorkloadModel:
             if not self._counts[old_shape]:
                 del self._counts[old_shape]
         self._observed += 1
-        if self._observed >= self._next_refresh or not self.typical:
+        if self._observed >= self._next_refresh:
             self.publish()
             return True
         return False
@@ -125,4 +133,4 @@ class WorkloadModel:
         multi = sum(milli * num_gpu * n for (_, milli, num_gpu, _), n in self._counts.items() if num_gpu > 1)
         self.multi_gpu_share = multi / demand if demand else 0.0
         self.version += 1
-        self._next_refresh = self._observed + min(max(self._observed, FIRST_REFRESH), REFRESH_EVERY)
+        self._next_refresh = self._observed + min(max(self._observed, MIN_OBSERVED), REFRESH_EVERY)

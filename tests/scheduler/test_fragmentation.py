@@ -33,18 +33,20 @@ def test_stranded_capacity_counts_cpu_and_share_copies() -> None:
 
 def test_breaking_a_largest_node_costs_by_the_multi_gpu_demand() -> None:
     nodes = {("G3", 128000, 8), ("G2", 96000, 8), ("A10", 128000, 1)}
-    assert undominated_models(nodes) == {"G3"}
+    assert undominated_models(nodes) == {"G3": 128000}
     typical = [TypicalPod(1000, 1000, 8, (), 0.5), TypicalPod(1000, 1000, 1, (), 0.5)]
-    stranded = StrandedCapacity(typical, [0.5, 0.5], {"G3"})
+    stranded = StrandedCapacity(typical, [0.5, 0.5], {"G3": 128000})
     seven = (0,) + (1000,) * 7
     assert stranded.amount("G3", 128000, (1000,) * 8) == 0
     assert stranded.amount("G2", 95000, seven) == 0.5 * 7000  # no room for the 8-GPU pod
     assert stranded.amount("G3", 127000, seven) == 0.5 * 7000 + WHOLE_NODE_WEIGHT * 0.5 * 7000
+    # Its CPU taken (a CPU-only request) breaks it as surely as a GPU taken.
+    assert stranded.amount("G3", 127000, (1000,) * 8) == WHOLE_NODE_WEIGHT * 0.5 * 8000
     # Told the multi-GPU part of the demand (the workload model knows it even when no such
     # request is typical), that is what it weighs; never less than the floor.
-    learned = StrandedCapacity(typical[1:], [1.0], {"G3"}, multi_gpu_share=0.2)
+    learned = StrandedCapacity(typical[1:], [1.0], {"G3": 128000}, multi_gpu_share=0.2)
     assert learned.amount("G3", 127000, seven) == WHOLE_NODE_WEIGHT * 0.2 * 7000
-    unseen = StrandedCapacity(typical[1:], [1.0], {"G3"}, multi_gpu_share=0.0)
+    unseen = StrandedCapacity(typical[1:], [1.0], {"G3": 128000}, multi_gpu_share=0.0)
     assert unseen.amount("G3", 127000, seven) == pytest.approx(WHOLE_NODE_WEIGHT * MULTI_GPU_FLOOR * 7000)
 
 

@@ -22,7 +22,7 @@ from scheduler.cluster import (
 )
 from scheduler.placement import get_policy
 from scheduler.placement.gpushare import PRIOR, GpusharePolicy
-from scheduler.placement.workload import TypicalPod, WorkloadModel
+from scheduler.placement.workload import MIN_OBSERVED, TypicalPod, WorkloadModel
 from scheduler.research.live_replay import mirror_snapshot, pod_request, replay_live, replay_offline
 from scheduler.research.paper.cluster import Cluster
 from scheduler.research.replay import main, replay
@@ -118,11 +118,15 @@ def test_an_idle_gpu_following_demand_takes_any_mode_and_a_used_one_only_its_own
 
 def test_what_it_knows_of_the_workload_comes_from_what_it_was_shown() -> None:
     model = WorkloadModel()
-    for key in range(20):
+    for key in range(MIN_OBSERVED - 1):
         model.observe(key, (4000, 470, 1, ()) if key % 2 else (12000, 1000, 1, ()))
+    # Too few to tell the typical requests from chance: nothing published, the policy packs.
+    assert model.typical == [] and model.version == 0
     model.observe(3, (1, 1, 8, ()))  # seen before: ignored
+    assert model.observed == MIN_OBSERVED - 1
+    assert model.observe(MIN_OBSERVED, (12000, 1000, 1, ())) is True
     assert {(t.cpu_milli, t.gpu_milli) for t in model.typical} == {(4000, 470), (12000, 1000)}
-    assert model.observed == 20 and model.multi_gpu_share == 0.0
+    assert model.observed == MIN_OBSERVED and model.multi_gpu_share == 0.0
 
 
 @pytest.fixture
