@@ -13,6 +13,7 @@ import dj_database_url
 from csp.constants import NONE, SELF, UNSAFE_INLINE
 
 from portal.env import ConfigError, env_bool, env_choice, env_int, env_list, env_str
+from scheduler.placement import DEFAULT_POLICY, POLICY_NAMES
 from workers import config as worker_config
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -276,8 +277,9 @@ BATCH_OUTPUT_MAX_BYTES = env_int("BATCH_OUTPUT_MAX_BYTES", 10 * 2**20, minimum=6
 # Seconds without an agent heartbeat before /healthz calls it stale (3 missed beats).
 AGENT_HEARTBEAT_S = env_int("AGENT_HEARTBEAT_S", 5, minimum=1)
 CYCLE_INTERVAL_S = env_int("CYCLE_INTERVAL_S", 2, minimum=1)
-# Placement policy of the live scheduling cycle: gpushare (packing) or first-fit.
-SCHEDULER_POLICY = env_choice("SCHEDULER_POLICY", ("gpushare", "first-fit"), "gpushare")
+# Placement policy of the live scheduling cycle: gpushare (fragmentation-aware, learns the
+# workload; what the trace benchmarks measure) or first-fit (a plain baseline).
+SCHEDULER_POLICY = env_choice("SCHEDULER_POLICY", POLICY_NAMES, DEFAULT_POLICY)
 # Half-life of past usage in the fair-share order (hours).
 FAIRSHARE_HALF_LIFE_H = env_int("FAIRSHARE_HALF_LIFE_H", 168, minimum=1)
 # MIG re-layout on its own, for a queued MIG request no free instance fits: at most this

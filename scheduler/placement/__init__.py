@@ -6,6 +6,10 @@ from typing import Protocol
 
 from scheduler.cluster import Pending, Place, Request, Snapshot
 
+# What the portal runs unless SCHEDULER_POLICY says otherwise, and what the benchmarks measure.
+DEFAULT_POLICY = "gpushare"
+POLICY_NAMES = ("gpushare", "first-fit")
+
 
 class Policy(Protocol):
     name: str

@@ -27,7 +27,7 @@ from scheduler.cluster import (
     book,
 )
 from scheduler.cycle import run_cycle
-from scheduler.placement import get_policy
+from scheduler.placement import DEFAULT_POLICY, get_policy
 
 PROJECTS = 20
 NOW = 1_800_000_000.0
@@ -93,7 +93,7 @@ def measure_live(
     ``fill`` above 1 saturates the fleet, so that most high-priority requests preempt.
     """
     snapshot, queue, fairshare = live_cluster(hosts, queue_size, fill=fill)
-    policy = get_policy("first-fit")
+    policy = get_policy(DEFAULT_POLICY)
     times: list[float] = []
     cpu: list[float] = []
     decisions = []

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from scheduler.cluster import Request, Snapshot
 from scheduler.cycle import run_cycle
-from scheduler.placement import Policy, get_policy
+from scheduler.placement import DEFAULT_POLICY, Policy, get_policy
 from scheduler.research.bench_trace import TRACES
 from scheduler.research.live_replay import learn, mirror_snapshot, pod_request, replay_offline_on
 from scheduler.research.trace import NodeSpec, build_workload, load_nodes, load_pods
@@ -48,7 +48,7 @@ def filled(hosts: int) -> tuple[Snapshot, Policy, list[Request]]:
     pods = load_pods(TRACES / "openb_pod_list_default.csv")
     workload = build_workload(nodes, pods, SEED, 1.0)
     snapshot = mirror_snapshot(workload.nodes)
-    policy = get_policy("gpushare")
+    policy = get_policy(DEFAULT_POLICY)
     replay_offline_on(snapshot, policy, workload.pods)
     rng = random.Random(SEED)
     offset = len(workload.pods)

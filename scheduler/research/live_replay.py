@@ -40,7 +40,7 @@ from scheduler.cluster import (
 )
 from scheduler.cycle import run_cycle
 from scheduler.gpus import CATALOG
-from scheduler.placement import Policy, get_policy
+from scheduler.placement import DEFAULT_POLICY, Policy, get_policy
 from scheduler.placement.fragmentation import Fragmentation
 from scheduler.placement.gpushare import GpusharePolicy
 from scheduler.research.replay import ReplayResult
@@ -126,7 +126,7 @@ class _Recorder:
         result.decision_s.append(seconds)
 
 
-def replay_offline(workload: Workload, policy_name: str = "gpushare") -> ReplayResult:
+def replay_offline(workload: Workload, policy_name: str = DEFAULT_POLICY) -> ReplayResult:
     """Ask the policy for each pod in turn and book what it says: no cycle around it."""
     started = time.perf_counter()
     snapshot = mirror_snapshot(workload.nodes)
@@ -161,7 +161,7 @@ def replay_offline_on(
 
 
 def replay_live(
-    workload: Workload, batch: int = DEFAULT_BATCH, policy_name: str = "gpushare"
+    workload: Workload, batch: int = DEFAULT_BATCH, policy_name: str = DEFAULT_POLICY
 ) -> ReplayResult:
     """Arrivals ``batch`` at a time, each batch one ``run_cycle`` on the kept fleet state.
 

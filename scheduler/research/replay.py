@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scheduler.placement import DEFAULT_POLICY
 from scheduler.placement.fragmentation import Fragmentation
 from scheduler.research.paper import PAPER_POLICIES
 from scheduler.research.paper.base import ReplayContext, TracePolicy
@@ -43,7 +44,7 @@ from scheduler.research.trace import PodSpec, Workload, build_workload, load_nod
 PolicyFactory = Callable[[ReplayContext], TracePolicy]
 POLICIES: dict[str, PolicyFactory] = dict(PAPER_POLICIES)
 # The product's policy: it places on the live model of the fleet, not on ``Cluster``.
-PRODUCT_POLICY = "gpushare"
+PRODUCT_POLICY = DEFAULT_POLICY
 ENGINES = ("offline", "live")
 
 # Scores are shifted into positive ints so -1 can mean "infeasible" in the per-shape keys.
