@@ -76,6 +76,7 @@ def run_cycle(
     *,
     fairshare: FairShareState | None = None,
     in_place: bool = False,
+    held: tuple[Request, Reserve] | None = None,
 ) -> list[Decision]:
     """Decisions for every request in ``queue``.
 
@@ -85,8 +86,16 @@ def run_cycle(
     what it remembered of it. Without ``fairshare`` the queue is ordered by priority and
     age and no quota applies; without ``snapshot.running`` nothing can be preempted or
     reserved.
+
+    ``held`` is a queue head and its reservation from an earlier cycle, honoured as if this
+    cycle had made it (its ``Reserve`` comes first): the request form's preview asks about
+    one request that ranks behind the last cycle's head, so it keeps off the head's devices
+    unless known to end before the head starts, and gets no reservation of its own.
     """
-    return _Cycle(snapshot if in_place else snapshot.copy(), policy, now, fairshare).run(queue)
+    cycle = _Cycle(snapshot if in_place else snapshot.copy(), policy, now, fairshare)
+    if held is not None:
+        cycle.hold_for(*held)
+    return cycle.run(queue)
 
 
 class _Cycle:
@@ -330,7 +339,7 @@ class _Cycle:
                 gpu.available = available
             self.working.changed(self.reservation.host)
 
-    def _hold_for(self, head: Request, reservation: Reserve) -> None:
+    def hold_for(self, head: Request, reservation: Reserve) -> None:
         """Make ``head`` the queue head: requests after it keep off its devices from now on."""
         self.head, self.reservation = head, reservation
         self.unfit.clear()  # what is hidden changed
@@ -385,7 +394,7 @@ class _Cycle:
                 if reservation is None:
                     self.unreservable.add(shape)
                 else:
-                    self._hold_for(request, reservation)
+                    self.hold_for(request, reservation)
                     notes = [f"{why}; {reservation.host} is reserved for it from {_when(reservation.at)}"]
         elif self.head is not None and self._hides(request):
             # Hidden devices read as drained to the policy: ask again with them in view.

@@ -90,6 +90,22 @@ def test_backfill_runs_only_what_ends_before_the_reservation() -> None:
         assert late.reason.startswith("reserved: the capacity that fits it is held for the older request #1")  # type: ignore[union-attr]
 
 
+def test_a_held_reservation_binds_a_later_request_as_if_this_cycle_had_made_it() -> None:
+    """The preview asks about one request behind the last cycle's head: it keeps off the
+    head's devices unless it ends before the head starts, and gets no reservation itself."""
+    first = run_cycle(staggered(), [req(1, gpu_count=2)], POLICY, now=0.0)
+    reserve = first[0]
+    assert isinstance(reserve, Reserve)
+    held = (req(1, gpu_count=2), reserve)
+    decisions = run_cycle(staggered(), [req(2, at=1)], POLICY, now=0.0, held=held)
+    assert kinds(decisions) == ["Reserve", "Pending"] and decisions[0] == reserve
+    assert decisions[1].reason.startswith("reserved: the capacity that fits it is held for the older")  # type: ignore[union-attr]
+    short = run_cycle(staggered(), [req(2, at=1, max_duration_s=600)], POLICY, now=0.0, held=held)
+    assert kinds(short) == ["Reserve", "Place"] and short[1].grants[0].gpu_uuid == "GPU-a-3"  # type: ignore[union-attr]
+    alone = run_cycle(staggered(), [req(2, at=1)], POLICY, now=0.0)
+    assert kinds(alone) == ["Place"]
+
+
 def test_backfill_may_use_devices_outside_the_reservation() -> None:
     snapshot = staggered()
     snapshot.hosts.append(host("b", 1))
