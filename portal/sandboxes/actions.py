@@ -31,6 +31,7 @@ from portal.sandboxes import notify
 from portal.sandboxes.models import (
     ENDED_STATES,
     LIVE_STATES,
+    PENDING_REASON_MAX,
     Allocation,
     Notification,
     Sandbox,
@@ -380,11 +381,13 @@ def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:
 
 def do_set_pending_reason(sandbox_id: int, reason: str) -> None:
     """Record why a queued sandbox waits; its owner hears the first reason (later ones only
-    refine it: a new reservation time, a changed position)."""
-    reason = reason[:200]
+    refine it: a new reservation time, a changed position). The scheduling cycle calls it
+    only when the reason differs from the stored one, so a cycle that changes nothing
+    writes nothing."""
+    reason = reason[:PENDING_REASON_MAX]
     queued = Sandbox.objects.filter(pk=sandbox_id, state=S.QUEUED)
-    # One UPDATE per waiting request and cycle, as before: the first reason is the only one
-    # that also notifies (``pending_reason`` is cleared whenever it leaves the queue).
+    # The first reason is the only one that also notifies (``pending_reason`` is cleared
+    # whenever it leaves the queue).
     if queued.filter(pending_reason="").update(pending_reason=reason):
         notify.on_first_wait(Sandbox.objects.select_related("owner").get(pk=sandbox_id), reason)
     else:
