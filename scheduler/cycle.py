@@ -63,6 +63,31 @@ FitShape = tuple[str, int, str, int, int, int, int, str, tuple[str, ...]]
 Shape = tuple[FitShape, int, bool, bool, bool]
 
 
+def revert(snapshot: Snapshot, decisions: Sequence[Decision], requests: Sequence[Request]) -> None:
+    """Undo on ``snapshot`` what ``run_cycle(..., in_place=True)`` applied of ``decisions``:
+    give back each Place's devices, CPU and memory, and book again what each Preempt
+    released. ``requests`` holds those placed. Latest first: a later booking may sit on
+    what an earlier victim freed. Hosts touched are reported through ``changed``."""
+    hosts = {h.name: h for h in snapshot.hosts}
+    gpus = {g.uuid: g for h in snapshot.hosts for g in h.gpus}
+    asked = {r.id: r for r in requests}
+    held = {r.sandbox_id: r for r in snapshot.running}
+    for decision in reversed(decisions):
+        if isinstance(decision, Place):
+            request = asked[decision.request_id]
+            for grant in decision.grants:
+                release(gpus[grant.gpu_uuid], grant)
+            hosts[decision.host].take(request.cpu_milli, request.memory_mib, -1)
+            snapshot.changed(decision.host)
+        elif isinstance(decision, Preempt):
+            victim = held[decision.sandbox_id]
+            for grant in victim.grants:
+                book(gpus[grant.gpu_uuid], grant)
+            if victim.host in hosts:
+                hosts[victim.host].take(victim.cpu_milli, victim.memory_mib)
+                snapshot.changed(victim.host)
+
+
 def order_queue(queue: list[Request]) -> list[Request]:
     """Higher priority first, then oldest first; the id breaks ties deterministically."""
     return sorted(queue, key=lambda r: (-r.priority, r.submitted_at, r.id))
@@ -119,9 +144,12 @@ class _Cycle:
         self.hopeless: set[Shape] = set()
         # Possible victims by the sharing mode of the devices they hold, in victim order:
         # only sandboxes that ran before this cycle, and only a request's own mode helps it.
-        # A CPU-only request can use what any victim frees: its host's CPU and memory.
+        # A CPU-only request can use what any victim frees: its host's CPU and memory. Only
+        # what is preemptible or borrowed can ever be a victim (see ``_preemption``): in a
+        # fleet of protected work the list stays short, however much runs.
         self.victims: dict[str, list[Running]] = {mode: [] for mode in (*MODES, CPU_ONLY)}
-        for alloc in sorted(self.working.running, key=victim_order):
+        candidates = (r for r in self.working.running if r.preemptible or r.borrowed)
+        for alloc in sorted(candidates, key=victim_order):
             held = [self.gpus[g.gpu_uuid] for g in alloc.grants if g.gpu_uuid in self.gpus]
             for mode in MODES:
                 if any(gpu.could_serve(mode) for gpu in held):

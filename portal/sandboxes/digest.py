@@ -168,8 +168,10 @@ def _grant_row(g: DeviceGrant) -> list[Any]:
 
 
 def _running_row(r: Running) -> list[Any]:
+    # Times to the millisecond: a microsecond's digits are a fifth of the digest for nothing.
+    ends = None if r.ends_at is None else round(r.ends_at, 3)
     return [
-        r.sandbox_id, r.project, r.host, r.priority, r.started_at, r.ends_at, r.preemptible, r.borrowed,
+        r.sandbox_id, r.project, r.host, r.priority, round(r.started_at, 3), ends, r.preemptible, r.borrowed,
         r.cpu_milli, r.memory_mib, [_grant_row(g) for g in r.grants],
     ]  # fmt: skip
 
@@ -186,36 +188,101 @@ def _reservation_row(reservation: Reserve | None) -> list[Any] | None:
 
 @dataclass(frozen=True)
 class Digest:
-    """A decoded digest. ``snapshot()`` builds a fresh fleet each call (a placement attempt
-    changes the one it works on); the sandboxes that hold devices are frozen, so shared."""
+    """A decoded digest. The fleet and the sandboxes holding it stay rows (lists) until a
+    ``Mirror`` builds, or brings up to date, the objects of the ones that changed."""
 
     hash: str
     written_at: float
     now: float
     policy: str
     hosts: list[list[Any]]
-    running: list[Running]
+    running_rows: list[list[Any]]
     pending: list[Request]
     reservation: Reserve | None
     fairshare: FairShareState
     typical: list[TypicalPod]
     multi_gpu_share: float
 
+    @property
+    def running(self) -> list[Running]:
+        return [_running(row) for row in self.running_rows]
+
     def snapshot(self) -> Snapshot:
-        hosts = []
-        for name, up, cpu, memory, cpu_used, memory_used, isolation, gpus in self.hosts:
-            states = [
-                GpuState(
-                    uuid, name, index, model, memory_mib, mode, available, exclusive_busy,
-                    [MigSlot(*slot) for slot in mig], mps_mib, mps_threads, replicas, set(replicas_used),
-                )
-                for (
-                    uuid, index, model, memory_mib, mode, available, exclusive_busy,
-                    mps_mib, mps_threads, replicas, replicas_used, mig,
-                ) in gpus
-            ]  # fmt: skip
-            hosts.append(HostState(name, up, states, cpu, memory, cpu_used, memory_used, tuple(isolation)))
-        return Snapshot(hosts=hosts, running=list(self.running))
+        """A fleet of its own, built from the rows."""
+        return Snapshot(hosts=[_host(row) for row in self.hosts], running=self.running)
+
+
+class Mirror:
+    """A fleet kept in step with the digests it follows, for a policy that remembers scores
+    per snapshot: while the hosts and their GPUs stay the same, a new digest replaces only
+    the hosts whose rows changed (reported through ``Snapshot.changed``) and reuses the
+    ``Running`` of every sandbox whose row is the same. Not thread-safe: its user locks."""
+
+    # Hosts hidden and shown again log changes with every attempt: past this many per host,
+    # the fleet is built afresh (and scored once).
+    CHANGES_PER_HOST = 20
+
+    hash: str
+    snapshot: Snapshot
+    _rows: list[list[Any]]
+    _layout: list[Any]
+    _running: dict[int, tuple[list[Any], Running]]
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.hash, self.snapshot, self._rows, self._layout, self._running = "", Snapshot(hosts=[]), [], [], {}
+
+    def follow(self, digest: Digest) -> Snapshot | None:
+        """The fleet as ``digest`` has it; None when its rows cannot be read."""
+        snapshot = self.snapshot
+        worn = len(snapshot.changes) > self.CHANGES_PER_HOST * max(1, len(snapshot.hosts))
+        if digest.hash == self.hash and not worn:
+            return snapshot
+        try:
+            layout = [
+                (row[0], row[2], row[3], row[6], [(g[0], g[2], g[4]) for g in row[7]]) for row in digest.hosts
+            ]
+            if worn or layout != self._layout:
+                snapshot = Snapshot(hosts=[_host(row) for row in digest.hosts])
+            else:
+                for i, row in enumerate(digest.hosts):
+                    if row != self._rows[i]:
+                        snapshot.hosts[i] = _host(row)
+                        snapshot.changed(row[0])
+            running: dict[int, tuple[list[Any], Running]] = {}
+            for row in digest.running_rows:
+                kept = self._running.get(row[0])
+                running[row[0]] = kept if kept is not None and kept[0] == row else (row, _running(row))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            log.warning("scheduling state unreadable, ignored: %r", exc)
+            self._reset()  # what was half brought up to date is dropped
+            return None
+        snapshot.running = [holder for _, holder in running.values()]
+        self.snapshot, self.hash, self._rows, self._layout, self._running = (
+            snapshot,
+            digest.hash,
+            digest.hosts,
+            layout,
+            running,
+        )
+        return snapshot
+
+
+def _host(row: list[Any]) -> HostState:
+    name, up, cpu, memory, cpu_used, memory_used, isolation, gpus = row
+    states = [
+        GpuState(
+            uuid, name, index, model, memory_mib, mode, available, exclusive_busy,
+            [MigSlot(*slot) for slot in mig], mps_mib, mps_threads, replicas, set(replicas_used),
+        )
+        for (
+            uuid, index, model, memory_mib, mode, available, exclusive_busy,
+            mps_mib, mps_threads, replicas, replicas_used, mig,
+        ) in gpus
+    ]  # fmt: skip
+    return HostState(name, up, states, cpu, memory, cpu_used, memory_used, tuple(isolation))
 
 
 _cached: Digest | None = None
@@ -291,8 +358,8 @@ def decode(body: bytes, digest_hash: str = "", written_at: float = 0.0) -> Diges
             written_at=written_at,
             now=float(data["now"]),
             policy=str(data["policy"]),
-            hosts=data["hosts"],
-            running=[_running(row) for row in data["running"]],
+            hosts=list(data["hosts"]),
+            running_rows=list(data["running"]),
             pending=[
                 Request(id=i, project=p, priority=prio, submitted_at=at, mode=mode, max_duration_s=duration)
                 for i, p, prio, at, mode, duration in data["pending"]

@@ -33,6 +33,7 @@ from typing import Any
 
 from django.conf import settings
 
+from portal.gc_pause import collection_paused
 from portal.sandboxes import digest
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
 from portal.sandboxes.policy import new_policy, warm, workload_of
@@ -50,7 +51,7 @@ from scheduler.cluster import (
     Reserve,
     Snapshot,
 )
-from scheduler.cycle import run_cycle
+from scheduler.cycle import revert, run_cycle
 from scheduler.fairshare import FairOrder
 from scheduler.placement import Policy
 from scheduler.placement.firstfit import serves
@@ -76,12 +77,13 @@ def preview_request(user: Any, req: SandboxRequest, now: float | None = None) ->
     except SandboxRequestError as exc:
         return Preview("refused", exc.message)
     mine = scheduler_request(PREVIEW_ID, req, now)
-    state = digest.latest()
-    if state is not None:
-        answer = _from_last_cycle(state, mine, now)
-        if answer is not None:
-            return answer
-    return _from_database(mine, now)
+    with collection_paused():
+        state = digest.latest()
+        if state is not None:
+            answer = _from_last_cycle(state, mine, now)
+            if answer is not None:
+                return answer
+        return _from_database(mine, now)
 
 
 def _from_database(mine: Request, now: float) -> Preview:
@@ -97,16 +99,17 @@ def _from_database(mine: Request, now: float) -> Preview:
 
 
 # The web server's copies of the control worker's policy, fed the typical requests it
-# learned; kept between previews for their memoised scores. One preview at a time uses them.
+# learned, and of the fleet of the state it last answered from (kept in step with each new
+# state, host by host): kept between previews, so the policy's remembered scores serve the
+# next one. Each preview gives back what it booked. One preview at a time uses them.
 _mirrors: dict[str, Policy] = {}
+_fleet = digest.Mirror()
 _mirrors_lock = threading.Lock()
 
 
 def _from_last_cycle(state: digest.Digest, mine: Request, now: float) -> Preview | None:
-    """One placement attempt on the state the last cycle left; None if its policy is unknown here."""
-    snapshot = state.snapshot()
-    ahead, head = _place_in_queue(state, mine, now)
-    held = (head, state.reservation) if head is not None and state.reservation is not None else None
+    """One placement attempt on the state the last cycle left; None if its policy is unknown
+    here or its rows unreadable."""
     with _mirrors_lock:
         policy = _mirrors.get(state.policy)
         if policy is None:
@@ -117,18 +120,27 @@ def _from_last_cycle(state: digest.Digest, mine: Request, now: float) -> Preview
         model = workload_of(policy)
         if model is not None:
             model.adopt(state.typical, state.multi_gpu_share)
-        # In place: the snapshot is this preview's own, and a request that waits leaves it as it was.
+        snapshot = _fleet.follow(state)
+        if snapshot is None:
+            return None
+        ahead, head = _place_in_queue(state, snapshot, mine, now)
+        held = (head, state.reservation) if head is not None and state.reservation is not None else None
         decisions = run_cycle(
             snapshot, [mine], policy, now, fairshare=state.fairshare, in_place=True, held=held
         )
-        return _verdict(decisions, snapshot, mine, now, policy, waiting_ahead=ahead)
+        try:
+            return _verdict(decisions, snapshot, mine, now, policy, waiting_ahead=ahead)
+        finally:
+            revert(snapshot, decisions, [mine])
 
 
-def _place_in_queue(state: digest.Digest, mine: Request, now: float) -> tuple[int, Request | None]:
+def _place_in_queue(
+    state: digest.Digest, snapshot: Snapshot, mine: Request, now: float
+) -> tuple[int, Request | None]:
     """How many of the waiting requests the fair order takes before ``mine``, and the queue
     head if it is one of them. None of them starts (they could not last cycle), so the
     projects' standings do not move as they are taken."""
-    order = FairOrder([*state.pending, mine], state.fairshare, state.running, now)
+    order = FairOrder([*state.pending, mine], state.fairshare, snapshot.running, now)
     head_id = state.reservation.request_id if state.reservation is not None else None
     ahead, head = 0, None
     while (request := order.next()) is not None and request.id != PREVIEW_ID:
@@ -190,7 +202,9 @@ def _eta(
     for decision in decisions:
         if isinstance(decision, Reserve) and decision.request_id == PREVIEW_ID:
             return datetime.fromtimestamp(decision.at, tz=UTC)
-    for decision in run_cycle(snapshot, [mine], policy, now, in_place=True):
+    alone = run_cycle(snapshot, [mine], policy, now, in_place=True)
+    revert(snapshot, alone, [mine])
+    for decision in alone:
         if isinstance(decision, Reserve):
             return datetime.fromtimestamp(max(decision.at, now), tz=UTC)
     return None

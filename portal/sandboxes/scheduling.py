@@ -25,16 +25,18 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Q
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from portal.billing.models import UsageRecord
 from portal.fleet.models import Gpu, Host, MigInstance
 from portal.fleet.plans import running_plan_gpus
+from portal.gc_pause import collection_paused
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions, digest, policy
 from portal.sandboxes.actions import SandboxRequest
@@ -59,10 +61,8 @@ from scheduler.cluster import (
     Reserve,
     Running,
     Snapshot,
-    book,
-    release,
 )
-from scheduler.cycle import run_cycle
+from scheduler.cycle import revert, run_cycle
 from scheduler.fairshare import decayed_usage
 from workers.drivers import DRIVER_ISOLATION
 
@@ -135,19 +135,20 @@ def _running(grants: dict[int, list[DeviceGrant]]) -> list[Running]:
     no device (a CPU-only one) still takes its tier's CPU and memory on its host.
     """
     running = []
-    rows = Sandbox.objects.filter(state__in=HOLDING).order_by("pk")
+    # Its start as the scheduler counts it, read as one value (each datetime costs a parse).
+    started = Coalesce("started_at", "placed_at", "requested_at")
+    rows = Sandbox.objects.filter(state__in=HOLDING).annotate(start=started).order_by("pk")
     for (
-        pk, project, host, state, priority, preemptible, cpu_cores, memory_mib, borrowed,
-        started_at, placed_at, requested_at, max_duration,
+        pk, project, host, state, priority, preemptible, cpu_cores, memory_mib, borrowed, start,
+        max_duration,
     ) in rows.values_list(
         "pk", "project__slug", "host__name", "state", "tier__priority_class__value",
         "tier__priority_class__preemptible", "tier__cpu_limit", "tier__memory_limit_mib", "borrowed",
-        "started_at", "placed_at", "requested_at", "max_duration",
+        "start", "max_duration",
     ):  # fmt: skip
         held = tuple(grants.get(pk, ()))
         if host is None and not held:
             continue  # holds nothing anywhere
-        started: datetime = started_at or placed_at or requested_at
         running.append(
             Running(
                 sandbox_id=pk,
@@ -155,8 +156,8 @@ def _running(grants: dict[int, list[DeviceGrant]]) -> list[Running]:
                 host=host or "",
                 grants=held,
                 priority=priority,
-                started_at=started.timestamp(),
-                ends_at=(started + max_duration).timestamp(),
+                started_at=start.timestamp(),
+                ends_at=(start + max_duration).timestamp(),
                 preemptible=preemptible and state in PREEMPTIBLE_STATES,
                 borrowed=borrowed,
                 cpu_milli=_cpu_milli(cpu_cores),
@@ -402,7 +403,7 @@ def schedule_once(now: float, policy_name: str | None = None) -> tuple[int, int]
     report = CycleReport()
     name = policy_name or settings.SCHEDULER_POLICY
     body: bytes | None = None
-    with transaction.atomic():
+    with collection_paused(), transaction.atomic():
         if not _claim_cycle():  # first, so the snapshot is read under the lock
             log.info("scheduling cycle skipped: another cycle holds the database lock")
             return 0, 0
@@ -427,37 +428,42 @@ def _decide_and_commit(queued: list[Queued], now: float, name: str, report: Cycl
     """Decide for the queue, commit, and encode the state left for the preview."""
     requests = [q.request for q in queued]
     with report.timing("snapshot"):
-        snapshot = build_snapshot()
+        fresh = build_snapshot()
     with report.timing("fairshare"):
         fairshare = build_fairshare(now)
-    with policy.lock:
+    by_id = {q.request.id: q for q in queued}
+    with policy.lock:  # the kept policy and fleet, until the state is encoded
         with report.timing("learn"):
             kept = policy.kept_policy(name)
             policy.learn(kept, requests)
         with report.timing("decide"):
-            # In place: the fleet is read afresh each cycle, so no copy of it is needed.
+            snapshot = policy.kept_fleet(fresh)
+            # In place: the kept fleet ends the cycle with its decisions applied, and is
+            # then brought to what was committed.
             decisions = run_cycle(snapshot, requests, kept, now, fairshare=fairshare, in_place=True)
-        model = policy.workload_of(kept)
-        typical, multi_gpu_share = (model.typical, model.multi_gpu_share) if model else ([], 0.0)
-    by_id = {q.request.id: q for q in queued}
-    with report.timing("commit"):
-        placed, deferred = _commit(decisions, by_id, report)
-    with report.timing("encode"):
-        running, pending = _as_committed(snapshot, decisions, by_id, placed, deferred, time.time())
-        return digest.encode(
-            snapshot=snapshot, running=running, pending=pending,
-            reservation=next((d for d in reversed(decisions) if isinstance(d, Reserve)), None),
-            fairshare=fairshare, now=now, policy=name, typical=typical, multi_gpu_share=multi_gpu_share,
-        )  # fmt: skip
+        with report.timing("commit"):
+            placed, deferred = _commit(decisions, by_id, report)
+        with report.timing("encode"):
+            running, pending = _as_committed(snapshot, decisions, by_id, placed, deferred, time.time())
+            model = policy.workload_of(kept)
+            return digest.encode(
+                snapshot=snapshot, running=running, pending=pending,
+                reservation=next((d for d in reversed(decisions) if isinstance(d, Reserve)), None),
+                fairshare=fairshare, now=now, policy=name,
+                typical=model.typical if model else [],
+                multi_gpu_share=model.multi_gpu_share if model else 0.0,
+            )  # fmt: skip
 
 
 def _commit(
     decisions: list[Decision], queued: dict[int, Queued], report: CycleReport
 ) -> tuple[set[int], dict[int, list[int]]]:
     """Write the decisions; returns the requests placed, and those left waiting for the
-    victims stopped for them (by request)."""
+    victims stopped for them (by request). Of the reasons to wait, only those that differ
+    from the stored ones are written."""
     placed: set[int] = set()
     deferred: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
     victims: list[Preempt] = []
     for decision in decisions:
         if isinstance(decision, Preempt):
@@ -468,12 +474,11 @@ def _commit(
                 for v in victims
                 if actions.do_preempt(v.sandbox_id, decision.request_id, v.reason)
             ]
-            reason = (
+            reasons[decision.request_id] = (
                 f"starting once preempted sandbox {', '.join(map(str, stopped))} has stopped"
                 if stopped
                 else "waiting for capacity to free up"
             )
-            _set_reason(queued[decision.request_id], reason)
             deferred[decision.request_id] = stopped
             victims = []
             report.pending += 1
@@ -482,14 +487,12 @@ def _commit(
                 placed.add(decision.request_id)
                 report.placed += 1
         elif isinstance(decision, Pending):
-            _set_reason(queued[decision.request_id], decision.reason)
+            reasons[decision.request_id] = decision.reason
             report.pending += 1
+    actions.do_set_pending_reasons(
+        {pk: why for pk, why in reasons.items() if queued[pk].reason != why[:PENDING_REASON_MAX]}
+    )
     return placed, deferred
-
-
-def _set_reason(queued: Queued, reason: str) -> None:
-    if queued.reason != reason[:PENDING_REASON_MAX]:
-        actions.do_set_pending_reason(queued.request.id, reason)
 
 
 def _as_committed(
@@ -500,42 +503,28 @@ def _as_committed(
     deferred: dict[int, list[int]],
     placed_at: float,
 ) -> tuple[list[Running], list[Request]]:
-    """Bring the fleet the cycle decided on (in place) to what was committed, for the digest.
+    """Bring the fleet the cycle decided on (in place) to what was committed.
 
     The cycle booked every Place and released every victim; in the database a Place after
     victims is not applied (the victims keep their devices while they stop, no longer
-    preemptible) and a Place that ``do_place`` refused is not either. Undone latest first:
-    a later booking may sit on what an earlier victim freed. Returns who holds devices now
-    and the requests still waiting, in the order the cycle took them.
+    preemptible) and neither is a Place that ``do_place`` refused: both are reverted.
+    Returns who holds devices now and the requests still waiting, in the order the cycle
+    took them.
     """
-    hosts = {h.name: h for h in snapshot.hosts}
-    gpus = {g.uuid: g for h in snapshot.hosts for g in h.gpus}
-    holders = {r.sandbox_id: r for r in snapshot.running}
-    steps: list[tuple[Place, list[int]]] = []
-    victims: list[int] = []
+    undone: list[Decision] = []
+    victims: list[Decision] = []
     for decision in decisions:
         if isinstance(decision, Preempt):
-            victims.append(decision.sandbox_id)
+            victims.append(decision)
         elif isinstance(decision, Place):
-            steps.append((decision, victims))
+            if decision.request_id not in placed:
+                undone += [*victims, decision]
             victims = []
-    for place, freed_by in reversed(steps):
-        request = queued[place.request_id].request
-        if place.request_id in placed:
-            continue
-        for grant in place.grants:
-            release(gpus[grant.gpu_uuid], grant)
-        hosts[place.host].take(request.cpu_milli, request.memory_mib, -1)
-        snapshot.changed(place.host)
-        for victim_id in freed_by:
-            victim = holders[victim_id]
-            for grant in victim.grants:
-                book(gpus[grant.gpu_uuid], grant)
-            if victim.host in hosts:
-                hosts[victim.host].take(victim.cpu_milli, victim.memory_mib)
-                snapshot.changed(victim.host)
-            if victim_id in deferred.get(place.request_id, ()):
-                holders[victim_id] = replace(victim, preemptible=False)  # stopping now
+    revert(snapshot, undone, [q.request for q in queued.values()])
+    holders = {r.sandbox_id: r for r in snapshot.running}
+    for stopped in deferred.values():
+        for victim_id in stopped:
+            holders[victim_id] = replace(holders[victim_id], preemptible=False)  # stopping now
     waiting: list[Request] = []
     for decision in decisions:
         if isinstance(decision, Place) and decision.request_id in placed:
@@ -556,4 +545,5 @@ def _as_committed(
             )
         elif isinstance(decision, Pending | Place) and decision.request_id not in deferred:
             waiting.append(queued[decision.request_id].request)
-    return list(holders.values()), waiting
+    snapshot.running = list(holders.values())
+    return snapshot.running, waiting

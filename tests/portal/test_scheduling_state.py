@@ -263,3 +263,50 @@ def test_the_cycle_reports_where_its_time_went(
     parts = set(scheduling.last_report.seconds)
     assert {"queue", "snapshot", "fairshare", "learn", "decide", "commit", "encode", "publish"} <= parts
     assert scheduling.last_report.placed == 1
+
+
+def test_a_mirror_follows_new_states_host_by_host(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """The web server's fleet: a new state replaces only the hosts that changed, so the
+    policy's scores for the others carry over, and keeps the holders whose rows are the same."""
+    (whole,) = ask(people, catalog, "dedicated")
+    place_all()
+    ask(people, catalog, "dedicated", gpu_count=3)  # no host has three: it waits
+    place_all()  # the holder now as the database dates it
+    first = digest.latest()
+    assert first is not None
+    mirror = digest.Mirror()
+    snapshot = mirror.follow(first)
+    assert snapshot is not None and snapshot.hosts == first.snapshot().hosts
+    hosts = {h.name: h for h in snapshot.hosts}
+    holder = next(r for r in snapshot.running if r.sandbox_id == whole.pk)
+    (share,) = ask(people, catalog, "mps", mps_memory_mib=1024, mps_thread_pct=10)  # the MPS GPU is on a100
+    place_all()
+    second = digest.latest()
+    assert second is not None and second.hash != first.hash
+    assert mirror.follow(second) is snapshot  # the same fleet, brought up to date
+    assert snapshot.hosts == second.snapshot().hosts and snapshot.changes == ["a100"]
+    assert {h.name for h in snapshot.hosts if h is hosts[h.name]} == {"h100"}
+    assert next(r for r in snapshot.running if r.sandbox_id == whole.pk) is holder
+    assert share.pk in {r.sandbox_id for r in snapshot.running}
+
+
+def test_the_collector_is_held_off_while_one_holder_remains() -> None:
+    import gc
+
+    from portal.gc_pause import collection_paused
+
+    assert gc.isenabled()
+    with collection_paused():
+        with collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()

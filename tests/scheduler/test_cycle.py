@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from scheduler.cluster import (
@@ -20,7 +21,7 @@ from scheduler.cluster import (
     Snapshot,
     book,
 )
-from scheduler.cycle import run_cycle
+from scheduler.cycle import revert, run_cycle
 from scheduler.placement import get_policy
 from scheduler.preemption import plan_preemption, victim_order
 
@@ -177,6 +178,20 @@ def test_preemption_takes_the_fewest_victims() -> None:
     assert decisions[:-1] == [Preempt(900, decisions[0].reason)]  # type: ignore[union-attr]
     assert "higher priority (200 > 50)" in decisions[0].reason  # type: ignore[union-attr]
     assert isinstance(decisions[-1], Place)
+
+
+def test_revert_undoes_what_a_cycle_in_place_applied() -> None:
+    snapshot = Snapshot([host("a", 4), host("b", 1)])
+    gpus = snapshot.hosts[0].gpus
+    hold(snapshot, 900, gpus[0:2], priority=50, preemptible=True)
+    hold(snapshot, 901, gpus[2:4], priority=10, preemptible=True)
+    before = copy.deepcopy(snapshot.hosts)
+    queue = [req(1, gpu_count=2, priority=200, cpu_milli=500), req(2, at=1, cpu_milli=250)]
+    decisions = run_cycle(snapshot, queue, POLICY, now=0.0, in_place=True)
+    assert kinds(decisions) == ["Preempt", "Place", "Place"] and snapshot.hosts != before
+    revert(snapshot, decisions, queue)
+    assert snapshot.hosts == before
+    assert set(snapshot.changes) == {"a", "b"}  # a policy's remembered scores are dropped
 
 
 def test_borrowers_go_first_then_lowest_priority_then_youngest() -> None:
