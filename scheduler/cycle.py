@@ -168,7 +168,9 @@ class _Cycle:
         # failed: a request at least as large in every size fails too.
         self.unfit: dict[tuple[str, str, str, tuple[str, ...], bool], list[tuple[tuple[int, ...], str]]] = {}
         # The policy's answer with the hidden devices in view, per shape, as of a commit
-        # count: what ``_reason`` tells a request that waits behind the head.
+        # count: what ``_reason`` tells a request that waits behind the head. A place found
+        # is asked again after each commit (it may be taken); a refusal holds, as ``unfit``'s
+        # do, until capacity is given back.
         self.unhidden: dict[FitShape, tuple[int, Place | Pending]] = {}
         self.commits = 0
         replicas = [g.replicas for g in self.gpus.values() if g.could_serve(TIMESLICE) and g.replicas]
@@ -200,8 +202,11 @@ class _Cycle:
             decision = Pending(request.id, known)
             plan = self._preemption(request, demand)
         else:
+            hides = self._hides(request)
             with self._hide_reserved(request):
-                decision = self.policy.place(self.working, request)
+                # Behind the head, ``_reason`` asks again with its devices in view and
+                # says why from that: the answer with them hidden needs no reason.
+                decision = self.policy.place(self.working, request, explain=not hides)
                 if not isinstance(decision, Place):
                     self.unfit.setdefault(kind, []).append((sizes, decision.reason))
                     plan = self._preemption(request, demand)
@@ -230,6 +235,7 @@ class _Cycle:
         self.commits += 1
         if victims:
             self.unfit.clear()  # capacity was given back
+            self.unhidden.clear()
             gone = {v.sandbox_id for v in victims}
             for sandbox_id in gone:
                 del self.running[sandbox_id]
@@ -428,7 +434,7 @@ class _Cycle:
             # Hidden devices read as drained to the policy: ask again with them in view.
             shape = _fit_shape(request)
             asked = self.unhidden.get(shape)
-            if asked is None or asked[0] != self.commits:
+            if asked is None or (asked[0] != self.commits and isinstance(asked[1], Place)):
                 asked = self.unhidden[shape] = (self.commits, self.policy.place(self.working, request))
             unhidden = asked[1]
             if isinstance(unhidden, Place):

@@ -225,14 +225,13 @@ class Mirror:
     hash: str
     snapshot: Snapshot
     _rows: list[list[Any]]
-    _layout: list[Any]
     _running: dict[int, tuple[list[Any], Running]]
 
     def __init__(self) -> None:
         self._reset()
 
     def _reset(self) -> None:
-        self.hash, self.snapshot, self._rows, self._layout, self._running = "", Snapshot(hosts=[]), [], [], {}
+        self.hash, self.snapshot, self._rows, self._running = "", Snapshot(hosts=[]), [], {}
 
     def follow(self, digest: Digest) -> Snapshot | None:
         """The fleet as ``digest`` has it; None when its rows cannot be read."""
@@ -241,16 +240,20 @@ class Mirror:
         if digest.hash == self.hash and not worn:
             return snapshot
         try:
-            layout = [
-                (row[0], row[2], row[3], row[6], [(g[0], g[2], g[4]) for g in row[7]]) for row in digest.hosts
-            ]
-            if worn or layout != self._layout:
-                snapshot = Snapshot(hosts=[_host(row) for row in digest.hosts])
+            rows = digest.hosts
+            changed = [] if worn or len(rows) != len(self._rows) else [
+                i for i, row in enumerate(rows) if row != self._rows[i]
+            ]  # fmt: skip
+            if (
+                worn
+                or len(rows) != len(self._rows)
+                or any(_layout(rows[i]) != _layout(self._rows[i]) for i in changed)
+            ):
+                snapshot = Snapshot(hosts=[_host(row) for row in rows])
             else:
-                for i, row in enumerate(digest.hosts):
-                    if row != self._rows[i]:
-                        snapshot.hosts[i] = _host(row)
-                        snapshot.changed(row[0])
+                for i in changed:
+                    snapshot.hosts[i] = _host(rows[i])
+                    snapshot.changed(rows[i][0])
             running: dict[int, tuple[list[Any], Running]] = {}
             for row in digest.running_rows:
                 kept = self._running.get(row[0])
@@ -260,14 +263,14 @@ class Mirror:
             self._reset()  # what was half brought up to date is dropped
             return None
         snapshot.running = [holder for _, holder in running.values()]
-        self.snapshot, self.hash, self._rows, self._layout, self._running = (
-            snapshot,
-            digest.hash,
-            digest.hosts,
-            layout,
-            running,
-        )
+        self.snapshot, self.hash, self._rows, self._running = snapshot, digest.hash, rows, running
         return snapshot
+
+
+def _layout(row: list[Any]) -> tuple[Any, ...]:
+    """What a policy may have built on for the whole fleet, of one host's row: its name,
+    capacity and isolation, and each GPU's UUID, model and sharing mode. Not what is free."""
+    return (row[0], row[2], row[3], row[6], [(g[0], g[2], g[4]) for g in row[7]])
 
 
 def _host(row: list[Any]) -> HostState:
