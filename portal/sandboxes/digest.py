@@ -13,8 +13,9 @@ a digest of the state its committed decisions left:
 - the placement policy's name and the typical requests its workload model learned;
 - when it was written.
 
-The preview decodes it once per publication and answers with one placement attempt on a
-fresh ``Snapshot`` built from it (``portal/sandboxes/preview.py``). A digest older than
+The web server decodes it once per publication, brings its ``Mirror`` of the fleet up to
+date host by host, and answers each preview with one placement attempt on that mirror
+(``portal/sandboxes/preview.py``). A digest older than
 ``max_age_s()`` (the control worker is down or stuck) is not used: the preview falls back
 to reading the database. An empty queue gives the cycle nothing to decide, yet capacity
 frees as sandboxes stop, so an idle cycle refreshes the digest every ``IDLE_REFRESH_S``.
@@ -228,9 +229,10 @@ class Mirror:
     _running: dict[int, tuple[list[Any], Running]]
 
     def __init__(self) -> None:
-        self._reset()
+        self.reset()
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Forget the fleet: the next ``follow`` builds it afresh."""
         self.hash, self.snapshot, self._rows, self._running = "", Snapshot(hosts=[]), [], {}
 
     def follow(self, digest: Digest) -> Snapshot | None:
@@ -260,7 +262,7 @@ class Mirror:
                 running[row[0]] = kept if kept is not None and kept[0] == row else (row, _running(row))
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             log.warning("scheduling state unreadable, ignored: %r", exc)
-            self._reset()  # what was half brought up to date is dropped
+            self.reset()  # what was half brought up to date is dropped
             return None
         snapshot.running = [holder for _, holder in running.values()]
         self.snapshot, self.hash, self._rows, self._running = snapshot, digest.hash, rows, running

@@ -125,13 +125,17 @@ def _from_last_cycle(state: digest.Digest, mine: Request, now: float) -> Preview
             return None
         ahead, head = _place_in_queue(state, snapshot, mine, now)
         held = (head, state.reservation) if head is not None and state.reservation is not None else None
-        decisions = run_cycle(
-            snapshot, [mine], policy, now, fairshare=state.fairshare, in_place=True, held=held
-        )
         try:
-            return _verdict(decisions, snapshot, mine, now, policy, waiting_ahead=ahead)
-        finally:
-            revert(snapshot, decisions, [mine])
+            decisions = run_cycle(
+                snapshot, [mine], policy, now, fairshare=state.fairshare, in_place=True, held=held
+            )
+            try:
+                return _verdict(decisions, snapshot, mine, now, policy, waiting_ahead=ahead)
+            finally:
+                revert(snapshot, decisions, [mine])
+        except Exception:
+            _fleet.reset()  # an attempt that failed half-way may have left it changed
+            raise
 
 
 def _place_in_queue(
