@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass, field
+from functools import cached_property
 
 DEDICATED, MIG, MPS, TIMESLICE = "dedicated", "mig", "mps", "timeslice"
 MODES = (DEDICATED, MIG, MPS, TIMESLICE)
@@ -210,8 +211,9 @@ class Running:
     cpu_milli: int = 0
     memory_mib: int = 0
 
-    @property
+    @cached_property
     def milli_gpu(self) -> int:
+        # Cached: quotas and the fair order sum it over every holder, every cycle and preview.
         return sum(g.milli_gpu for g in self.grants)
 
 

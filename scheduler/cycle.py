@@ -63,6 +63,31 @@ FitShape = tuple[str, int, str, int, int, int, int, str, tuple[str, ...]]
 Shape = tuple[FitShape, int, bool, bool, bool]
 
 
+def revert(snapshot: Snapshot, decisions: Sequence[Decision], requests: Sequence[Request]) -> None:
+    """Undo on ``snapshot`` what ``run_cycle(..., in_place=True)`` applied of ``decisions``:
+    give back each Place's devices, CPU and memory, and book again what each Preempt
+    released. ``requests`` holds those placed. Latest first: a later booking may sit on
+    what an earlier victim freed. Hosts touched are reported through ``changed``."""
+    hosts = {h.name: h for h in snapshot.hosts}
+    gpus = {g.uuid: g for h in snapshot.hosts for g in h.gpus}
+    asked = {r.id: r for r in requests}
+    held = {r.sandbox_id: r for r in snapshot.running}
+    for decision in reversed(decisions):
+        if isinstance(decision, Place):
+            request = asked[decision.request_id]
+            for grant in decision.grants:
+                release(gpus[grant.gpu_uuid], grant)
+            hosts[decision.host].take(request.cpu_milli, request.memory_mib, -1)
+            snapshot.changed(decision.host)
+        elif isinstance(decision, Preempt):
+            victim = held[decision.sandbox_id]
+            for grant in victim.grants:
+                book(gpus[grant.gpu_uuid], grant)
+            if victim.host in hosts:
+                hosts[victim.host].take(victim.cpu_milli, victim.memory_mib)
+                snapshot.changed(victim.host)
+
+
 def order_queue(queue: list[Request]) -> list[Request]:
     """Higher priority first, then oldest first; the id breaks ties deterministically."""
     return sorted(queue, key=lambda r: (-r.priority, r.submitted_at, r.id))
@@ -76,6 +101,7 @@ def run_cycle(
     *,
     fairshare: FairShareState | None = None,
     in_place: bool = False,
+    held: tuple[Request, Reserve] | None = None,
 ) -> list[Decision]:
     """Decisions for every request in ``queue``.
 
@@ -85,8 +111,16 @@ def run_cycle(
     what it remembered of it. Without ``fairshare`` the queue is ordered by priority and
     age and no quota applies; without ``snapshot.running`` nothing can be preempted or
     reserved.
+
+    ``held`` is a queue head and its reservation from an earlier cycle, honoured as if this
+    cycle had made it (its ``Reserve`` comes first): the request form's preview asks about
+    one request that ranks behind the last cycle's head, so it keeps off the head's devices
+    unless known to end before the head starts, and gets no reservation of its own.
     """
-    return _Cycle(snapshot if in_place else snapshot.copy(), policy, now, fairshare).run(queue)
+    cycle = _Cycle(snapshot if in_place else snapshot.copy(), policy, now, fairshare)
+    if held is not None:
+        cycle.hold_for(*held)
+    return cycle.run(queue)
 
 
 class _Cycle:
@@ -110,9 +144,12 @@ class _Cycle:
         self.hopeless: set[Shape] = set()
         # Possible victims by the sharing mode of the devices they hold, in victim order:
         # only sandboxes that ran before this cycle, and only a request's own mode helps it.
-        # A CPU-only request can use what any victim frees: its host's CPU and memory.
+        # A CPU-only request can use what any victim frees: its host's CPU and memory. Only
+        # what is preemptible or borrowed can ever be a victim (see ``_preemption``): in a
+        # fleet of protected work the list stays short, however much runs.
         self.victims: dict[str, list[Running]] = {mode: [] for mode in (*MODES, CPU_ONLY)}
-        for alloc in sorted(self.working.running, key=victim_order):
+        candidates = (r for r in self.working.running if r.preemptible or r.borrowed)
+        for alloc in sorted(candidates, key=victim_order):
             held = [self.gpus[g.gpu_uuid] for g in alloc.grants if g.gpu_uuid in self.gpus]
             for mode in MODES:
                 if any(gpu.could_serve(mode) for gpu in held):
@@ -131,7 +168,9 @@ class _Cycle:
         # failed: a request at least as large in every size fails too.
         self.unfit: dict[tuple[str, str, str, tuple[str, ...], bool], list[tuple[tuple[int, ...], str]]] = {}
         # The policy's answer with the hidden devices in view, per shape, as of a commit
-        # count: what ``_reason`` tells a request that waits behind the head.
+        # count: what ``_reason`` tells a request that waits behind the head. A place found
+        # is asked again after each commit (it may be taken); a refusal holds, as ``unfit``'s
+        # do, until capacity is given back.
         self.unhidden: dict[FitShape, tuple[int, Place | Pending]] = {}
         self.commits = 0
         replicas = [g.replicas for g in self.gpus.values() if g.could_serve(TIMESLICE) and g.replicas]
@@ -163,8 +202,11 @@ class _Cycle:
             decision = Pending(request.id, known)
             plan = self._preemption(request, demand)
         else:
+            hides = self._hides(request)
             with self._hide_reserved(request):
-                decision = self.policy.place(self.working, request)
+                # Behind the head, ``_reason`` asks again with its devices in view and
+                # says why from that: the answer with them hidden needs no reason.
+                decision = self.policy.place(self.working, request, explain=not hides)
                 if not isinstance(decision, Place):
                     self.unfit.setdefault(kind, []).append((sizes, decision.reason))
                     plan = self._preemption(request, demand)
@@ -193,6 +235,7 @@ class _Cycle:
         self.commits += 1
         if victims:
             self.unfit.clear()  # capacity was given back
+            self.unhidden.clear()
             gone = {v.sandbox_id for v in victims}
             for sandbox_id in gone:
                 del self.running[sandbox_id]
@@ -330,7 +373,7 @@ class _Cycle:
                 gpu.available = available
             self.working.changed(self.reservation.host)
 
-    def _hold_for(self, head: Request, reservation: Reserve) -> None:
+    def hold_for(self, head: Request, reservation: Reserve) -> None:
         """Make ``head`` the queue head: requests after it keep off its devices from now on."""
         self.head, self.reservation = head, reservation
         self.unfit.clear()  # what is hidden changed
@@ -385,13 +428,13 @@ class _Cycle:
                 if reservation is None:
                     self.unreservable.add(shape)
                 else:
-                    self._hold_for(request, reservation)
+                    self.hold_for(request, reservation)
                     notes = [f"{why}; {reservation.host} is reserved for it from {_when(reservation.at)}"]
         elif self.head is not None and self._hides(request):
             # Hidden devices read as drained to the policy: ask again with them in view.
             shape = _fit_shape(request)
             asked = self.unhidden.get(shape)
-            if asked is None or asked[0] != self.commits:
+            if asked is None or (asked[0] != self.commits and isinstance(asked[1], Place)):
                 asked = self.unhidden[shape] = (self.commits, self.policy.place(self.working, request))
             unhidden = asked[1]
             if isinstance(unhidden, Place):

@@ -59,6 +59,18 @@ def _a_channel_layer_per_test() -> Iterator[None]:
     channel_layers.backends.clear()
 
 
+@pytest.fixture(autouse=True)
+def _scheduling_state_of_this_test_only() -> Iterator[None]:
+    """The control worker's kept policy and the state it publishes for previews describe one
+    test's database: a later test must neither place with what it learned nor preview
+    against its fleet."""
+    from portal.sandboxes import digest, policy
+
+    policy.forget()
+    digest.clear()
+    yield
+
+
 @pytest.fixture
 def people(db: Any) -> dict[str, Any]:
     project = ProjectFactory(slug="vision", name="Vision")

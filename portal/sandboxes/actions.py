@@ -32,6 +32,7 @@ from portal.sandboxes import notify
 from portal.sandboxes.models import (
     ENDED_STATES,
     LIVE_STATES,
+    PENDING_REASON_MAX,
     Allocation,
     Notification,
     Sandbox,
@@ -392,17 +393,33 @@ def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:
         transaction.on_commit(lambda: dispatch.to_host(host_name, "launch_sandbox", spec))
 
 
-def do_set_pending_reason(sandbox_id: int, reason: str) -> None:
-    """Record why a queued sandbox waits; its owner hears the first reason (later ones only
-    refine it: a new reservation time, a changed position)."""
-    reason = reason[:200]
-    queued = Sandbox.objects.filter(pk=sandbox_id, state=S.QUEUED)
-    # One UPDATE per waiting request and cycle, as before: the first reason is the only one
-    # that also notifies (``pending_reason`` is cleared whenever it leaves the queue).
-    if queued.filter(pending_reason="").update(pending_reason=reason):
-        notify.on_first_wait(Sandbox.objects.select_related("owner").get(pk=sandbox_id), reason)
-    else:
-        queued.exclude(pending_reason=reason).update(pending_reason=reason)
+def do_set_pending_reasons(reasons: dict[int, str]) -> None:
+    """Record why queued sandboxes wait (sandbox id -> reason), as the scheduling cycle
+    decided; owners hear the first reason (later ones only refine it: a new reservation
+    time, a changed position). Sandboxes no longer queued are left alone.
+
+    The cycle passes only reasons that differ from the stored ones, so a cycle that changes
+    nothing writes nothing; and a thousand requests arriving at once cost one UPDATE per
+    distinct reason and one INSERT of notifications, not three statements each.
+    """
+    if not reasons:
+        return
+    reasons = {pk: reason[:PENDING_REASON_MAX] for pk, reason in reasons.items()}
+    with transaction.atomic():
+        # Locked, so none leaves the queue between being found waiting first and being told.
+        first = dict(
+            Sandbox.objects.select_for_update()
+            .filter(pk__in=list(reasons), state=S.QUEUED, pending_reason="")
+            .values_list("pk", "owner_id")
+        )
+        by_reason: dict[str, list[int]] = defaultdict(list)
+        for pk, reason in reasons.items():
+            by_reason[reason].append(pk)
+        for reason, pks in by_reason.items():
+            Sandbox.objects.filter(pk__in=pks, state=S.QUEUED).exclude(pending_reason=reason).update(
+                pending_reason=reason
+            )
+        notify.on_first_waits([(pk, owner, reasons[pk]) for pk, owner in first.items()])
 
 
 # --- reports from agents --------------------------------------------------------------------

@@ -45,6 +45,8 @@ LIVE_STATES = (
     SandboxState.STOPPING,
 )
 ENDED_STATES = (SandboxState.STOPPED, SandboxState.FAILED, SandboxState.PREEMPTED, SandboxState.EXPIRED)
+# What is kept of the scheduler's reason for a wait: the cycle compares it with the stored one.
+PENDING_REASON_MAX = 200
 
 
 class Sandbox(models.Model):
@@ -66,7 +68,7 @@ class Sandbox(models.Model):
     command = models.JSONField(default=list, blank=True)
 
     state = models.CharField(max_length=16, choices=SandboxState.choices, default=SandboxState.REQUESTED)
-    pending_reason = models.CharField(max_length=200, blank=True)
+    pending_reason = models.CharField(max_length=PENDING_REASON_MAX, blank=True)
     failure = models.TextField(blank=True)
     host = models.ForeignKey(Host, on_delete=models.PROTECT, null=True, blank=True, related_name="sandboxes")
     # Idempotency key of the current placement: drivers label what they launch with it.

@@ -56,10 +56,20 @@ def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
         notify(sandbox.owner, Notification.Kind.ENDED, f"{label}: {message}", sandbox)
 
 
-def on_first_wait(sandbox: Sandbox, reason: str) -> None:
+def on_first_waits(waits: list[tuple[int, int, str]]) -> None:
+    """Owners hear why their sandbox waits, the first time it does: (sandbox id, owner id,
+    reason) each, written at once (a burst of requests all start waiting in one cycle)."""
     from portal.sandboxes.models import Notification
 
-    notify(sandbox.owner, Notification.Kind.QUEUED, f"Sandbox {sandbox.pk} waits: {reason}", sandbox)
+    Notification.objects.bulk_create(
+        Notification(
+            user_id=owner,
+            sandbox_id=pk,
+            kind=Notification.Kind.QUEUED,
+            message=f"Sandbox {pk} waits: {reason}"[:300],
+        )
+        for pk, owner, reason in waits
+    )
 
 
 def on_request(sandbox: Sandbox) -> None:

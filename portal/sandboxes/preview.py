@@ -1,8 +1,7 @@
 """What would happen to a request if it were made now: the request form's live answer.
 
-The answer comes from the scheduler itself, not from a guess: the current snapshot, the
-real queue and fair-share state, plus the request being written, through one
-``run_cycle``. Nothing is written. It says one of:
+The answer comes from the scheduler itself, not from a guess. Nothing is written. It says
+one of:
 
 - **starts now** on a host (perhaps once some preemptible sandboxes stop);
 - **waits**: its place among the requests that wait, the scheduler's reason, and an ETA —
@@ -13,10 +12,20 @@ real queue and fair-share state, plus the request being written, through one
 For a request that waits it also lists what could start now instead, in the same tier:
 free MIG slices of other profiles, the largest MPS share free, free time-slice replicas,
 or how many whole GPUs are free on one host.
+
+It is answered from the state the last scheduling cycle left (``portal/sandboxes/digest.py``):
+the fleet after that cycle's placements, its waiting requests and the devices it reserved
+for the queue head. The requests that waited then could not start on what is left, so the
+new request needs one placement attempt there, not a whole cycle: its place in the fair
+order among the waiting requests, then ``run_cycle`` over it alone, keeping off the head's
+devices if the head ranks before it. Without a recent digest (the control worker is down)
+it runs the whole cycle again from the database, the request included: the same answer,
+slower.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,11 +33,27 @@ from typing import Any
 
 from django.conf import settings
 
+from portal.gc_pause import collection_paused
+from portal.sandboxes import digest
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
+from portal.sandboxes.policy import new_policy, warm, workload_of
 from portal.sandboxes.scheduling import build_fairshare, build_queue, build_snapshot, scheduler_request
-from scheduler.cluster import DEDICATED, MIG, MPS, TIMESLICE, Pending, Place, Preempt, Reserve, Snapshot
-from scheduler.cycle import run_cycle
-from scheduler.placement import get_policy
+from scheduler.cluster import (
+    DEDICATED,
+    MIG,
+    MPS,
+    TIMESLICE,
+    Decision,
+    Pending,
+    Place,
+    Preempt,
+    Request,
+    Reserve,
+    Snapshot,
+)
+from scheduler.cycle import revert, run_cycle
+from scheduler.fairshare import FairOrder
+from scheduler.placement import Policy
 from scheduler.placement.firstfit import serves
 
 PREVIEW_ID = -1  # no sandbox has it: the request being written
@@ -51,17 +76,95 @@ def preview_request(user: Any, req: SandboxRequest, now: float | None = None) ->
         check_request_sandbox(user, req)
     except SandboxRequestError as exc:
         return Preview("refused", exc.message)
-    snapshot = build_snapshot()
-    queue = build_queue()
     mine = scheduler_request(PREVIEW_ID, req, now)
-    decisions = run_cycle(
-        snapshot,
-        [*queue, mine],
-        get_policy(settings.SCHEDULER_POLICY),
-        now,
-        fairshare=build_fairshare(now),
-    )
-    waiting_ahead = 0
+    with collection_paused():
+        state = digest.latest()
+        if state is not None:
+            answer = _from_last_cycle(state, mine, now)
+            if answer is not None:
+                return answer
+        return _from_database(mine, now)
+
+
+def _from_database(mine: Request, now: float) -> Preview:
+    """The whole cycle over the queue read afresh, the request included, with a policy that
+    learned from the recent requests as the control worker's did."""
+    snapshot = build_snapshot()
+    policy = new_policy(settings.SCHEDULER_POLICY)
+    model = workload_of(policy)
+    if model is not None:
+        warm(model)
+    decisions = run_cycle(snapshot, [*build_queue(), mine], policy, now, fairshare=build_fairshare(now))
+    return _verdict(decisions, snapshot, mine, now, policy, waiting_ahead=0)
+
+
+# The web server's copies of the control worker's policy, fed the typical requests it
+# learned, and of the fleet of the state it last answered from (kept in step with each new
+# state, host by host): kept between previews, so the policy's remembered scores serve the
+# next one. Each preview gives back what it booked. One preview at a time uses them.
+_mirrors: dict[str, Policy] = {}
+_fleet = digest.Mirror()
+_mirrors_lock = threading.Lock()
+
+
+def _from_last_cycle(state: digest.Digest, mine: Request, now: float) -> Preview | None:
+    """One placement attempt on the state the last cycle left; None if its policy is unknown
+    here or its rows unreadable."""
+    with _mirrors_lock:
+        policy = _mirrors.get(state.policy)
+        if policy is None:
+            try:
+                policy = _mirrors[state.policy] = new_policy(state.policy)
+            except ValueError:
+                return None
+        model = workload_of(policy)
+        if model is not None:
+            model.adopt(state.typical, state.multi_gpu_share)
+        snapshot = _fleet.follow(state)
+        if snapshot is None:
+            return None
+        ahead, head = _place_in_queue(state, snapshot, mine, now)
+        held = (head, state.reservation) if head is not None and state.reservation is not None else None
+        try:
+            decisions = run_cycle(
+                snapshot, [mine], policy, now, fairshare=state.fairshare, in_place=True, held=held
+            )
+            try:
+                return _verdict(decisions, snapshot, mine, now, policy, waiting_ahead=ahead)
+            finally:
+                revert(snapshot, decisions, [mine])
+        except Exception:
+            _fleet.reset()  # an attempt that failed half-way may have left it changed
+            raise
+
+
+def _place_in_queue(
+    state: digest.Digest, snapshot: Snapshot, mine: Request, now: float
+) -> tuple[int, Request | None]:
+    """How many of the waiting requests the fair order takes before ``mine``, and the queue
+    head if it is one of them. None of them starts (they could not last cycle), so the
+    projects' standings do not move as they are taken."""
+    order = FairOrder([*state.pending, mine], state.fairshare, snapshot.running, now)
+    head_id = state.reservation.request_id if state.reservation is not None else None
+    ahead, head = 0, None
+    while (request := order.next()) is not None and request.id != PREVIEW_ID:
+        ahead += 1
+        if request.id == head_id:
+            head = request
+        order.settle(request)
+    return ahead, head
+
+
+def _verdict(
+    decisions: list[Decision],
+    snapshot: Snapshot,
+    mine: Request,
+    now: float,
+    policy: Policy,
+    waiting_ahead: int,
+) -> Preview:
+    """Read the cycle's decisions for the preview's request; ``snapshot`` is the fleet before
+    them (or after, if it waits: then nothing of it changed)."""
     victims = 0
     for decision in decisions:
         if isinstance(decision, Preempt):
@@ -84,31 +187,34 @@ def preview_request(user: Any, req: SandboxRequest, now: float | None = None) ->
                 )
             return Preview("now", f"starts now on {decision.host}", host=decision.host, devices=devices)
         if isinstance(decision, Pending):
-            eta = _eta(snapshot, decisions, mine, now)
+            instead = alternatives(snapshot, mine)  # before the ETA's own attempt, which may book it
             return Preview(
                 "waits",
                 decision.reason,
                 position=waiting_ahead + 1,
-                eta=eta,
-                alternatives=alternatives(snapshot, mine),
+                eta=_eta(snapshot, decisions, mine, now, policy),
+                alternatives=instead,
             )
     return Preview("waits", "the scheduler gave no answer for it", position=waiting_ahead + 1)
 
 
-def _eta(snapshot: Snapshot, decisions: list[Any], mine: Any, now: float) -> datetime | None:
+def _eta(
+    snapshot: Snapshot, decisions: list[Decision], mine: Request, now: float, policy: Policy
+) -> datetime | None:
     """When it could start at the earliest: the head's reservation if it is the head, else a
     reservation for it alone (the room running sandboxes leave when they reach their end)."""
     for decision in decisions:
         if isinstance(decision, Reserve) and decision.request_id == PREVIEW_ID:
             return datetime.fromtimestamp(decision.at, tz=UTC)
-    alone = run_cycle(snapshot, [mine], get_policy(settings.SCHEDULER_POLICY), now)
+    alone = run_cycle(snapshot, [mine], policy, now, in_place=True)
+    revert(snapshot, alone, [mine])
     for decision in alone:
         if isinstance(decision, Reserve):
             return datetime.fromtimestamp(max(decision.at, now), tz=UTC)
     return None
 
 
-def alternatives(snapshot: Snapshot, mine: Any) -> list[str]:
+def alternatives(snapshot: Snapshot, mine: Request) -> list[str]:
     """What could start now in the same sharing mode, on hosts of the right isolation level:
     on GPUs pinned to it, and on GPUs following demand that are idle or already serve it."""
     gpus = [

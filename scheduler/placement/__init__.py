@@ -14,7 +14,11 @@ POLICY_NAMES = ("gpushare", "first-fit")
 class Policy(Protocol):
     name: str
 
-    def place(self, snapshot: Snapshot, request: Request) -> Place | Pending: ...
+    def place(self, snapshot: Snapshot, request: Request, explain: bool = True) -> Place | Pending:
+        """Devices for ``request`` on ``snapshot``, or why not. Without ``explain`` a Pending's
+        reason may be empty: working it out scans the whole fleet, and a caller that will
+        not show it (the cycle, behind a reserved queue head) need not pay for it."""
+        ...
 
 
 def get_policy(name: str) -> Policy:

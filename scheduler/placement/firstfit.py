@@ -24,7 +24,7 @@ from scheduler.placement.workload import accessible
 class FirstFit:
     name = "first-fit"
 
-    def place(self, snapshot: Snapshot, request: Request) -> Place | Pending:
+    def place(self, snapshot: Snapshot, request: Request, explain: bool = True) -> Place | Pending:
         hosts = hosts_with_room(snapshot, request)
         if isinstance(hosts, Pending):
             return hosts
@@ -34,7 +34,7 @@ class FirstFit:
             grants = _fit(usable_gpus(host, request), request)
             if grants:
                 return Place(request.id, host.name, grants)
-        return Pending(request.id, why_not(snapshot, request))
+        return Pending(request.id, why_not(snapshot, request) if explain else "")
 
 
 def usable_gpus(host: HostState, request: Request) -> list[GpuState]:
@@ -120,44 +120,59 @@ def grant_on(gpu: GpuState, request: Request) -> DeviceGrant | None:
 
 
 def why_not(snapshot: Snapshot, request: Request) -> str:
-    """A reason a person can act on: what kind of capacity is missing."""
-    short = [
-        h.name
-        for h in snapshot.hosts
-        if serves(h, request)
-        and not h.has_room(request.cpu_milli, request.memory_mib)
-        and (request.mode == CPU_ONLY or _fit(usable_gpus(h, request), request))
-    ]
+    """A reason a person can act on: what kind of capacity is missing.
+
+    One pass over the hosts, the GPUs looked at once each: the cycle asks this for every
+    request shape that waits, on fleets of thousands of hosts.
+    """
+    mode, models = request.mode, request.gpu_models
+    short: list[str] = []  # hosts where the GPUs fit but the CPU or memory does not
+    offering = accepted = in_service = has_profile = False
+    most = 0  # the most idle GPUs a dedicated request could have on one host
+    for host in snapshot.hosts:
+        if not serves(host, request):
+            continue
+        if not host.has_room(request.cpu_milli, request.memory_mib) and (
+            mode == CPU_ONLY or _fit(usable_gpus(host, request), request)
+        ):
+            short.append(host.name)
+        if short or mode == CPU_ONLY:
+            continue  # that is the reason: what the GPUs offer no longer matters
+        idle = 0
+        for g in host.gpus:
+            # A GPU offering the mode: pinned to it, or following demand (never into MIG).
+            if g.mode != mode and (g.mode != AUTO or mode == MIG):
+                continue
+            offering = True
+            in_service = in_service or g.available
+            if models and not accessible(g.model, models):
+                continue
+            accepted = True
+            if mode == DEDICATED and g.available and g.idle and g.serves(mode):
+                idle += 1
+            elif mode == MIG and not has_profile:
+                has_profile = any(s.profile == request.mig_profile for s in g.mig)
+        most = max(most, idle)
     if short:
         return (
             f"the GPUs it needs are free on {', '.join(short)}, but without "
             f"{request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of memory to spare"
         )
-    if request.mode == CPU_ONLY:
+    if mode == CPU_ONLY:
         return (
             f"no host has {request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of memory free"
         )
-    offering = [
-        g
-        for h in snapshot.hosts
-        if serves(h, request)
-        for g in h.gpus
-        if g.mode in (request.mode, AUTO) and (request.mode != MIG or g.mode == MIG)
-    ]
     if not offering:
-        return f"no GPU in the fleet offers {request.mode} sharing"
-    if request.gpu_models and not any(accessible(g.model, request.gpu_models) for g in offering):
-        return f"no GPU of model {' or '.join(request.gpu_models)} offers {request.mode} sharing"
-    if not any(g.available for g in offering):
-        return f"every {request.mode} GPU is drained or unavailable"
-    if request.mode == DEDICATED:
-        most = max(
-            sum(1 for g in usable_gpus(h, request) if g.idle) for h in snapshot.hosts if serves(h, request)
-        )
+        return f"no GPU in the fleet offers {mode} sharing"
+    if models and not accepted:
+        return f"no GPU of model {' or '.join(models)} offers {mode} sharing"
+    if not in_service:
+        return f"every {mode} GPU is drained or unavailable"
+    if mode == DEDICATED:
         noun = "GPU" if request.gpu_count == 1 else "GPUs"
         return f"waiting for {request.gpu_count} free {noun} on one host (at most {most} free now)"
-    if request.mode == MIG:
-        if not any(s.profile == request.mig_profile for g in offering for s in g.mig):
+    if mode == MIG:
+        if not has_profile:
             return f"no MIG instance of profile {request.mig_profile} exists in the fleet"
         return f"every {request.mig_profile} MIG slice is in use"
     if request.mode == MPS:

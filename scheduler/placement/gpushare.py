@@ -166,7 +166,7 @@ class GpusharePolicy:
 
     # --- the policy -----------------------------------------------------------------------
 
-    def place(self, snapshot: Snapshot, request: Request) -> Place | Pending:
+    def place(self, snapshot: Snapshot, request: Request, explain: bool = True) -> Place | Pending:
         if request.mode == MIG:
             return _place_mig(snapshot, request)
         if len(snapshot.hosts) <= _REMEMBER_FROM:
@@ -182,6 +182,8 @@ class GpusharePolicy:
             measures = self._current_measures(snapshot)
             best = self._best_remembered(snapshot, request, measures)
         if best is None:
+            if not explain:
+                return Pending(request.id, "")
             hosts = hosts_with_room(snapshot, request)
             return hosts if isinstance(hosts, Pending) else Pending(request.id, why_not(snapshot, request))
         return Place(request.id, best.name, self._grants(best, request, measures))

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from scheduler.cluster import CPU_ONLY, MIG, Request
+
 MILLI = 1000  # one whole GPU, in milli-GPU
 TYPICAL_THRESHOLD = 0.95  # FGD's target workload covers this share of the requests
 # The first publication. The commonest shapes of a few dozen requests are mostly chance
@@ -53,6 +55,18 @@ class TypicalPod:
 
 
 Shape = tuple[int, int, int, tuple[str, ...]]  # (cpu_milli, gpu_milli, num_gpu, models)
+
+
+def observed_shape(request: Request) -> Shape | None:
+    """What a ``WorkloadModel`` counts of a live request, in the shape of FGD's pods: CPU,
+    milli per GPU (``Request.gpu_milli``: 1000 for whole GPUs, an MPS share's threads x 10, a
+    time-slice replica a quarter), GPU count, accepted models; no GPU for a CPU-only request.
+    None for MIG: MIG GPUs serve MIG slices only and the measures leave them out."""
+    if request.mode == MIG:
+        return None
+    if request.mode == CPU_ONLY:
+        return (request.cpu_milli, 0, 0, request.gpu_models)
+    return (request.cpu_milli, request.gpu_milli, request.gpu_count, request.gpu_models)
 
 
 def accessible(model: str, models: tuple[str, ...]) -> bool:
@@ -126,6 +140,16 @@ class WorkloadModel:
             self.publish()
             return True
         return False
+
+    def adopt(self, typical: list[TypicalPod], multi_gpu_share: float) -> None:
+        """Take another model's publication as this one's: for a process that does not see
+        the requests itself (the web server mirrors the control worker's model). A new
+        version only when it differs, so scores computed with the same publication stay."""
+        if typical == self.typical and multi_gpu_share == self.multi_gpu_share:
+            return
+        self.typical = list(typical)
+        self.multi_gpu_share = multi_gpu_share
+        self.version += 1
 
     def publish(self) -> None:
         self.typical = typical_of(self._counts)

@@ -193,10 +193,10 @@ def test_a_cycle_is_one_transaction(
     placed = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
     request(people["owner"], people["project"], catalog["mig"], catalog["image"], mig_profile="7g.80gb")
 
-    def broken(sandbox_id: int, reason: str) -> None:
+    def broken(reasons: dict[int, str]) -> None:
         raise RuntimeError("database went away")
 
-    monkeypatch.setattr(actions, "do_set_pending_reason", broken)
+    monkeypatch.setattr(actions, "do_set_pending_reasons", broken)
     with pytest.raises(RuntimeError):
         place_all()
     placed.refresh_from_db()

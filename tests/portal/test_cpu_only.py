@@ -20,7 +20,7 @@ from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
-from portal.sandboxes.scheduling import build_fairshare, build_snapshot, scheduler_request
+from portal.sandboxes.scheduling import build_fairshare, build_queue, build_snapshot
 from portal.sandboxes.specs import launch_spec
 from scheduler.cluster import CPU_ONLY
 from tests.factories import TierFactory
@@ -55,7 +55,8 @@ def _running(people: Any, catalog: Any, tier: Tier, at: Any = START) -> Sandbox:
 
 
 def test_the_tier_asks_the_scheduler_for_cpu_and_memory_only(people: Any, catalog: Any, cpu: Tier) -> None:
-    asked = scheduler_request(1, _ask(people, catalog, cpu), 0.0)
+    sandbox = _ask(people, catalog, cpu)
+    [asked] = [r for r in build_queue() if r.id == sandbox.pk]
     assert SharingMode.CPU == CPU_ONLY and asked.mode == CPU_ONLY
     assert (asked.cpu_milli, asked.memory_mib, asked.gpu_milli) == (2000, 2048, 0)
 

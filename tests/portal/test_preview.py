@@ -3,6 +3,7 @@ alternatives, or is refused naming the rule; computed by the scheduler, nothing 
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -10,9 +11,10 @@ import pytest
 from django.utils import timezone
 
 from portal.quotas.models import QuotaPolicy
-from portal.sandboxes import actions
+from portal.sandboxes import actions, digest, preview
 from portal.sandboxes.models import Sandbox
-from portal.sandboxes.preview import preview_request
+from portal.sandboxes.preview import Preview, preview_request
+from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import client_for, place_all, request, request_form
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -132,3 +134,101 @@ def test_the_form_opens_on_an_isolation_a_host_gives(
         seed_host(f"h{number}", "A100-80GB:1", driver=driver)
     page = client_for(people["owner"]).get("/sandboxes/new/").content.decode()
     assert f'<option value="{chosen}" selected>' in page
+
+
+def both_ways(
+    user: Any, req: actions.SandboxRequest, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Preview, Preview]:
+    """The answer from the state the last cycle published, and the one read afresh from the
+    database (what the preview does when the control worker is down)."""
+    now = time.time()
+    assert digest.latest() is not None
+    reads: list[int] = []
+    real_build = preview.build_snapshot
+
+    def build_snapshot() -> Any:
+        reads.append(1)
+        return real_build()
+
+    monkeypatch.setattr(preview, "build_snapshot", build_snapshot)
+    published = preview_request(user, req, now)
+    assert reads == []  # one placement attempt on the published state, no database snapshot
+    with monkeypatch.context() as stale:
+        stale.setattr(digest, "max_age_s", lambda: -1.0)
+        fresh = preview_request(user, req, now)
+    assert reads == [1]
+    return published, fresh
+
+
+def assert_same(published: Preview, fresh: Preview) -> Preview:
+    assert (published.verdict, published.message, published.position, published.alternatives) == (
+        fresh.verdict,
+        fresh.message,
+        fresh.position,
+        fresh.alternatives,
+    )
+    assert (published.host, published.devices) == (fresh.host, fresh.devices)
+    assert (published.eta is None) == (fresh.eta is None)
+    if published.eta is not None and fresh.eta is not None:
+        assert abs(published.eta - fresh.eta) < timedelta(seconds=5)
+    return published
+
+
+def test_the_last_cycles_state_answers_as_the_database_would(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner = people["owner"]
+    place_all()  # an idle cycle publishes the empty fleet
+    answer = assert_same(*both_ways(owner, ask(people, catalog, "dedicated", gpu_count=2), monkeypatch))
+    assert answer.verdict == "now"
+
+    batch = TierFactory(
+        slug="batch",
+        sharing_mode="dedicated",
+        priority_class=PriorityClassFactory(name="batch", value=10, preemptible=True),
+    )
+    running(people, catalog, "dedicated", gpu_count=2)
+    for _ in range(2):
+        filler = request(owner, people["project"], batch, catalog["image"])
+        place_all()
+        filler.refresh_from_db()
+        actions.do_mark_running(filler.allocation_key, {"driver": "docker", "ref": "b"}, timezone.now())
+    # A higher-priority request may take a preemptible sandbox's GPU.
+    answer = assert_same(*both_ways(owner, ask(people, catalog, "dedicated"), monkeypatch))
+    assert "once 1 preemptible sandbox(es) have stopped" in answer.message
+
+
+def test_behind_the_queue_head_the_last_cycles_state_answers_as_the_database_would(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A place in the queue, the head's reservation, an ETA, backfill, alternatives."""
+    owner = people["owner"]
+    first, *others = [running(people, catalog, "dedicated") for _ in range(4)]
+    beside = next(s for s in others if s.host_id == first.host_id)
+    actions.do_request_stop(beside.pk, owner)
+    beside.refresh_from_db()
+    actions.do_mark_stopped(beside.allocation_key, timezone.now())
+    for _ in range(4):
+        running(people, catalog, "mig", mig_profile="1g.10gb")
+    # The head needs two GPUs: the one free now and the one ``first`` frees at its end.
+    head = request(owner, people["project"], catalog["dedicated"], catalog["image"], gpu_count=2)
+    place_all()
+    state = digest.latest()
+    assert state is not None and state.reservation is not None and state.reservation.request_id == head.pk
+    answer = assert_same(*both_ways(owner, ask(people, catalog, "dedicated"), monkeypatch))
+    assert answer.verdict == "waits" and answer.position == 2
+    assert answer.message.startswith(
+        f"reserved: the capacity that fits it is held for the older request #{head.pk}"
+    )
+    answer = assert_same(*both_ways(owner, ask(people, catalog, "dedicated", gpu_count=2), monkeypatch))
+    assert answer.verdict == "waits" and answer.position == 2 and answer.eta is not None
+    short = ask(people, catalog, "dedicated", duration=timedelta(minutes=30))
+    assert assert_same(*both_ways(owner, short, monkeypatch)).verdict == "now"  # ends before the head starts
+    answer = assert_same(*both_ways(owner, ask(people, catalog, "mig", mig_profile="1g.10gb"), monkeypatch))
+    assert answer.verdict == "waits" and answer.alternatives
+    mps = ask(people, catalog, "mps", mps_memory_mib=20480, mps_thread_pct=30)
+    assert assert_same(*both_ways(owner, mps, monkeypatch)).verdict == "now"
+    QuotaPolicy.objects.create(project=people["project"], max_gpus=3)
+    place_all()
+    answer = assert_same(*both_ways(owner, ask(people, catalog, "dedicated"), monkeypatch))
+    assert answer.verdict == "waits" and answer.message.startswith("quota: ")

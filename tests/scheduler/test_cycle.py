@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from scheduler.cluster import (
@@ -20,7 +21,7 @@ from scheduler.cluster import (
     Snapshot,
     book,
 )
-from scheduler.cycle import run_cycle
+from scheduler.cycle import revert, run_cycle
 from scheduler.placement import get_policy
 from scheduler.preemption import plan_preemption, victim_order
 
@@ -88,6 +89,22 @@ def test_backfill_runs_only_what_ends_before_the_reservation() -> None:
     assert kinds(decisions) == ["Reserve", "Pending", "Pending", "Pending"]
     for late in decisions[2:]:
         assert late.reason.startswith("reserved: the capacity that fits it is held for the older request #1")  # type: ignore[union-attr]
+
+
+def test_a_held_reservation_binds_a_later_request_as_if_this_cycle_had_made_it() -> None:
+    """The preview asks about one request behind the last cycle's head: it keeps off the
+    head's devices unless it ends before the head starts, and gets no reservation itself."""
+    first = run_cycle(staggered(), [req(1, gpu_count=2)], POLICY, now=0.0)
+    reserve = first[0]
+    assert isinstance(reserve, Reserve)
+    held = (req(1, gpu_count=2), reserve)
+    decisions = run_cycle(staggered(), [req(2, at=1)], POLICY, now=0.0, held=held)
+    assert kinds(decisions) == ["Reserve", "Pending"] and decisions[0] == reserve
+    assert decisions[1].reason.startswith("reserved: the capacity that fits it is held for the older")  # type: ignore[union-attr]
+    short = run_cycle(staggered(), [req(2, at=1, max_duration_s=600)], POLICY, now=0.0, held=held)
+    assert kinds(short) == ["Reserve", "Place"] and short[1].grants[0].gpu_uuid == "GPU-a-3"  # type: ignore[union-attr]
+    alone = run_cycle(staggered(), [req(2, at=1)], POLICY, now=0.0)
+    assert kinds(alone) == ["Place"]
 
 
 def test_backfill_may_use_devices_outside_the_reservation() -> None:
@@ -161,6 +178,20 @@ def test_preemption_takes_the_fewest_victims() -> None:
     assert decisions[:-1] == [Preempt(900, decisions[0].reason)]  # type: ignore[union-attr]
     assert "higher priority (200 > 50)" in decisions[0].reason  # type: ignore[union-attr]
     assert isinstance(decisions[-1], Place)
+
+
+def test_revert_undoes_what_a_cycle_in_place_applied() -> None:
+    snapshot = Snapshot([host("a", 4), host("b", 1)])
+    gpus = snapshot.hosts[0].gpus
+    hold(snapshot, 900, gpus[0:2], priority=50, preemptible=True)
+    hold(snapshot, 901, gpus[2:4], priority=10, preemptible=True)
+    before = copy.deepcopy(snapshot.hosts)
+    queue = [req(1, gpu_count=2, priority=200, cpu_milli=500), req(2, at=1, cpu_milli=250)]
+    decisions = run_cycle(snapshot, queue, POLICY, now=0.0, in_place=True)
+    assert kinds(decisions) == ["Preempt", "Place", "Place"] and snapshot.hosts != before
+    revert(snapshot, decisions, queue)
+    assert snapshot.hosts == before
+    assert set(snapshot.changes) == {"a", "b"}  # a policy's remembered scores are dropped
 
 
 def test_borrowers_go_first_then_lowest_priority_then_youngest() -> None:

@@ -121,3 +121,58 @@ def test_unknown_policy_names_the_known_ones() -> None:
 
     with pytest.raises(ValueError, match="first-fit"):
         get_policy("nope")
+
+
+def test_every_reason_to_wait_names_what_is_missing() -> None:
+    """``why_not`` (one pass over a fleet of thousands of hosts) for each kind of shortage."""
+    from dataclasses import replace
+
+    from scheduler.cluster import AUTO, CPU_ONLY
+    from scheduler.placement.firstfit import why_not
+
+    def full() -> Snapshot:
+        snapshot = fleet()
+        for g in snapshot.hosts[0].gpus[:2]:
+            g.exclusive_busy = True
+        return snapshot
+
+    tight = fleet()
+    tight.hosts[0].cpu_milli, tight.hosts[0].cpu_used_milli = 4000, 3500
+    assert why_not(tight, req(1, cpu_milli=1000)) == (
+        "the GPUs it needs are free on a, but without 1 CPU cores and 0 MiB of memory to spare"
+    )
+    assert why_not(tight, req(1, CPU_ONLY, cpu_milli=1000)) == (
+        "the GPUs it needs are free on a, but without 1 CPU cores and 0 MiB of memory to spare"
+    )
+    tight.hosts[1].cpu_milli, tight.hosts[1].cpu_used_milli = 4000, 3500
+    assert why_not(tight, req(1, CPU_ONLY, cpu_milli=1000)).startswith("the GPUs it needs are free on a, b")
+    assert why_not(full(), req(1)) == "waiting for 1 free GPU on one host (at most 0 free now)"
+    assert why_not(fleet(), req(1, gpu_count=3)) == "waiting for 3 free GPUs on one host (at most 2 free now)"
+    assert why_not(full(), req(1, gpu_models=("T4",))) == "no GPU of model T4 offers dedicated sharing"
+    drained = full()
+    for g in drained.hosts[0].gpus[:2]:
+        g.available = False
+    assert why_not(drained, req(1)) == "every dedicated GPU is drained or unavailable"
+    containers = Snapshot([replace(h, isolation_levels=("container",)) for h in fleet().hosts])
+    assert why_not(containers, req(1, isolation="vm")) == "no GPU in the fleet offers dedicated sharing"
+    following = Snapshot([HostState("c", True, [gpu("c", 0, AUTO, exclusive_busy=True), gpu("c", 1, AUTO)])])
+    following.hosts[0].gpus[1].mps_used_threads = 50
+    assert why_not(following, req(1)) == "waiting for 1 free GPU on one host (at most 0 free now)"
+    assert (
+        why_not(following, req(1, "mig", mig_profile="1g.10gb")) == "no GPU in the fleet offers mig sharing"
+    )
+    assert why_not(fleet(), req(1, "mig", mig_profile="7g.80gb")) == (
+        "no MIG instance of profile 7g.80gb exists in the fleet"
+    )
+    busy = fleet()
+    for slot in busy.hosts[0].gpus[2].mig:
+        slot.busy = True
+    assert why_not(busy, req(1, "mig", mig_profile="1g.10gb")) == "every 1g.10gb MIG slice is in use"
+    assert why_not(fleet(), req(1, "mps", mps_memory_mib=90000, mps_thread_pct=10)) == (
+        "no MPS GPU has 90000 MiB and 10% threads free"
+    )
+    assert (
+        why_not(fleet(), req(1, "timeslice", isolation="container")) == "every time-slice replica is in use"
+    )
+    down = Snapshot([replace(h, up=False) for h in fleet().hosts])
+    assert why_not(down, req(1)) == "no GPU in the fleet offers dedicated sharing"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,9 @@ from scheduler.cluster import (
     AUTO,
     CPU_ONLY,
     DEDICATED,
+    MIG,
     MPS,
+    TIMESLICE,
     GpuState,
     HostState,
     Place,
@@ -22,7 +25,7 @@ from scheduler.cluster import (
 )
 from scheduler.placement import get_policy
 from scheduler.placement.gpushare import PRIOR, GpusharePolicy
-from scheduler.placement.workload import MIN_OBSERVED, TypicalPod, WorkloadModel
+from scheduler.placement.workload import MIN_OBSERVED, TypicalPod, WorkloadModel, observed_shape
 from scheduler.research.live_replay import mirror_snapshot, pod_request, replay_live, replay_offline
 from scheduler.research.paper.cluster import Cluster
 from scheduler.research.replay import main, replay
@@ -127,6 +130,36 @@ def test_what_it_knows_of_the_workload_comes_from_what_it_was_shown() -> None:
     assert model.observe(MIN_OBSERVED, (12000, 1000, 1, ())) is True
     assert {(t.cpu_milli, t.gpu_milli) for t in model.typical} == {(4000, 470), (12000, 1000)}
     assert model.observed == MIN_OBSERVED and model.multi_gpu_share == 0.0
+
+
+def test_live_requests_are_counted_in_the_shape_of_the_traces_pods() -> None:
+    def live(mode: str, **kw: Any) -> Request:
+        return Request(id=0, project="p", priority=0, submitted_at=0.0, mode=mode, cpu_milli=2000, **kw)
+
+    assert observed_shape(live(DEDICATED, gpu_count=2)) == (2000, 1000, 2, ())
+    assert observed_shape(live(MPS, mps_thread_pct=25)) == (2000, 250, 1, ())
+    assert observed_shape(live(TIMESLICE)) == (2000, 250, 1, ())
+    assert observed_shape(live(CPU_ONLY)) == (2000, 0, 0, ())
+    assert observed_shape(live(MIG, mig_profile="1g.10gb")) is None
+    # The same shape the trace's pod has, once the pod is the request the portal would make.
+    pod = PodSpec("p", 4000, 2048, 1, 470, ("T4",), "p")
+    assert observed_shape(pod_request(0, pod)) == pod.shape
+
+
+def test_a_mirror_takes_another_models_publication_and_versions_only_changes() -> None:
+    source = WorkloadModel()
+    for key in range(MIN_OBSERVED):
+        source.observe(key, (4000, 470, 1, ()) if key % 4 else (8000, 1000, 2, ()))
+    assert source.typical
+    mirror = WorkloadModel()
+    mirror.adopt(source.typical, source.multi_gpu_share)
+    assert (mirror.typical, mirror.multi_gpu_share, mirror.version) == (
+        source.typical,
+        source.multi_gpu_share,
+        1,
+    )
+    mirror.adopt(list(source.typical), source.multi_gpu_share)  # the same publication again
+    assert mirror.version == 1
 
 
 @pytest.fixture
