@@ -135,6 +135,11 @@ def _reconcile_owned(
         # (below) and the agent has not carried it out yet. Not an orphan; once the stop is
         # overdue it is one, and is stopped again.
         return
+    if sandbox is not None and sandbox.state in ENDED and sandbox.ended_at and taken_at < sandbox.ended_at:
+        # The listing predates the end (a report goes out with the next beat, up to a beat
+        # after it was taken): it shows the sandbox as it was, not an orphan. Every stop
+        # through the portal was called one, and stopped a second time, a beat later.
+        return
     if sandbox is None or sandbox.state in (*ENDED, S.QUEUED) or sandbox.host_id != host.pk:
         # Nothing in the database owns it (any more): stop it and free the GPU.
         log.warning("orphan sandbox %s on %s: stopping it", key, host.name)

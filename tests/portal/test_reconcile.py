@@ -74,6 +74,24 @@ def test_orphans_are_stopped(people: Any, catalog: Any, fleet: Any, sent_tasks: 
     assert sorted(stops(sent_tasks)) == sorted(repairs.orphans_stopped)
 
 
+def test_a_report_taken_before_the_stop_is_no_orphan(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """An agent's report goes out with its next beat, up to a beat after it was taken: read
+    after a stop it still lists the sandbox running. make run warned "orphan sandbox" a beat
+    after every stop and stopped it again; a listing taken after the end is one."""
+    sandbox = placed(people, catalog)
+    host = host_of(sandbox)
+    listed_at = timezone.now()
+    actions.do_request_stop(sandbox.pk, people["owner"])
+    actions.do_mark_stopped(sandbox.allocation_key, later(1))
+    sent_tasks.clear()
+    assert not do_reconcile_host(host, listed_at, [entry(sandbox)])
+    assert not stops(sent_tasks)
+    after = do_reconcile_host(host, later(2), [entry(sandbox)])
+    assert after.orphans_stopped == [sandbox.allocation_key]
+
+
 def test_an_exited_run_waiting_for_its_clean_up_is_no_orphan(
     people: Any, catalog: Any, fleet: Any, sent_tasks: Any
 ) -> None:
