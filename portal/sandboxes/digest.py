@@ -119,10 +119,13 @@ def encode(
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def publish(body: bytes) -> None:
-    """Store a digest for the web servers; a Redis failure costs the preview its fast path
-    (it reads the database meanwhile), never the cycle."""
-    meta = json.dumps({"hash": hashlib.blake2b(body, digest_size=12).hexdigest(), "written_at": time.time()})
+def publish(body: bytes, fleet: str = "") -> None:
+    """Store a digest for the web servers, with the fingerprint of the fleet it was read
+    from (``fleet``, see ``idle_refresh_due``); a Redis failure costs the preview its fast
+    path (it reads the database meanwhile), never the cycle."""
+    meta = json.dumps(
+        {"hash": hashlib.blake2b(body, digest_size=12).hexdigest(), "written_at": time.time(), "fleet": fleet}
+    )
     try:
         with _redis().pipeline(transaction=True) as pipe:
             pipe.set(BODY_KEY, body, ex=EXPIRE_S)
@@ -132,10 +135,13 @@ def publish(body: bytes) -> None:
         log.warning("scheduling state not published (the preview reads the database meanwhile): %s", exc)
 
 
-def idle_refresh_due() -> bool:
-    """Whether an idle cycle should publish: no digest, or one older than IDLE_REFRESH_S."""
+def idle_refresh_due(fleet: str) -> bool:
+    """Whether an idle cycle should publish: no digest, one older than IDLE_REFRESH_S, or one
+    read from another fleet than ``fleet`` (a fingerprint of hosts, GPUs and who holds them).
+    Without the last, a host that joined, a GPU drained or a sandbox that ended showed in the
+    preview only at the next refresh: a platform's first preview said "no GPU host is up"."""
     meta = _read_meta()
-    return meta is None or time.time() - meta[1] >= IDLE_REFRESH_S
+    return meta is None or time.time() - meta[1] >= IDLE_REFRESH_S or _read_fleet() != fleet
 
 
 def _host_row(host: HostState) -> list[Any]:
@@ -337,6 +343,19 @@ def clear() -> None:
 
 
 def _read_meta() -> tuple[str, float] | None:
+    meta = _meta_json()
+    try:
+        return None if meta is None else (str(meta["hash"]), float(meta["written_at"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _read_fleet() -> str | None:
+    meta = _meta_json()
+    return None if meta is None else str(meta.get("fleet", ""))
+
+
+def _meta_json() -> dict[str, Any] | None:
     try:
         raw = cast(bytes | None, _redis().get(META_KEY))
     except redis.RedisError as exc:
@@ -346,9 +365,9 @@ def _read_meta() -> tuple[str, float] | None:
         return None
     try:
         meta = json.loads(raw)
-        return str(meta["hash"]), float(meta["written_at"])
-    except (ValueError, KeyError, TypeError):
+    except ValueError:
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def decode(body: bytes, digest_hash: str = "", written_at: float = 0.0) -> Digest | None:

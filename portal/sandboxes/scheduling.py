@@ -19,6 +19,7 @@ running, 1,000 waiting; tests/bench/test_portal_cycle.py):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import defaultdict
@@ -26,10 +27,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import Count, Q, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -409,12 +411,14 @@ def schedule_once(now: float, policy_name: str | None = None) -> tuple[int, int]
             return 0, 0
         with report.timing("queue"):
             queued = read_queue()
-        # An empty queue has nothing to decide, but the preview's state still ages.
-        if queued or digest.idle_refresh_due():
+        # An empty queue has nothing to decide, but the preview's state still ages, and the
+        # fleet under it changes (hosts join, GPUs drain, sandboxes end).
+        fleet = "" if queued else fleet_fingerprint()
+        if queued or digest.idle_refresh_due(fleet):
             body = _decide_and_commit(queued, now, name, report)
     if body is not None:
         with report.timing("publish"):
-            digest.publish(body)
+            digest.publish(body, fleet)
     last_report = report
     if report.placed:
         log.info("scheduling cycle placed %d, %d pending", report.placed, report.pending)
@@ -422,6 +426,35 @@ def schedule_once(now: float, policy_name: str | None = None) -> tuple[int, int]
         split = ", ".join(f"{part} {s:.2f}" for part, s in report.seconds.items())
         log.warning("scheduling cycle took %.2f s, longer than its interval (%s)", report.total_s, split)
     return report.placed, report.pending
+
+
+def fleet_fingerprint() -> str:
+    """A few aggregates that change whenever what ``build_snapshot`` would read does: the
+    hosts and their state, the GPUs' state and mode, the MIG instances, who holds devices
+    and which sandboxes hold a host. Sums of primary keys tell one set from another of the
+    same size. Milliseconds at the cluster's size, against a snapshot's hundreds."""
+    parts: list[Any] = [
+        list(
+            Host.objects.values_list("state")
+            .annotate(n=Count("pk"), keys=Sum("pk"), cpu=Sum("cpu_cores"), mem=Sum("memory_mib"))
+            .order_by("state")
+        ),
+        list(
+            Gpu.objects.values_list("state", "sharing_mode")
+            .annotate(n=Count("pk"), keys=Sum("pk"), replicas=Sum("timeslice_replicas"))
+            .order_by("state", "sharing_mode")
+        ),
+        MigInstance.objects.aggregate(n=Count("pk"), keys=Sum("pk")),
+        Allocation.objects.filter(active=True).aggregate(n=Count("pk"), keys=Sum("pk")),
+        list(
+            Sandbox.objects.filter(state__in=HOLDING, host__isnull=False)
+            .values_list("state")
+            .annotate(n=Count("pk"), keys=Sum("pk"))
+            .order_by("state")
+        ),
+        sorted(running_plan_gpus()),
+    ]
+    return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
 
 
 def _decide_and_commit(queued: list[Queued], now: float, name: str, report: CycleReport) -> bytes:

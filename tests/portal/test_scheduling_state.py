@@ -21,6 +21,7 @@ from portal.sandboxes.scheduling import build_snapshot, read_queue, schedule_onc
 from scheduler.cluster import AUTO, Running
 from scheduler.placement import workload
 from scheduler.placement.workload import WorkloadModel
+from tests.conftest import seed_host
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import place_all, request
 
@@ -230,6 +231,29 @@ def test_the_queue_head_and_its_reservation_are_published(
     assert state.reservation is not None and state.reservation.request_id == head.pk
     assert len(state.reservation.grants) == 2
     assert state.policy == "gpushare" and state.typical  # what the kept policy learned
+
+
+def test_an_idle_cycle_publishes_at_once_when_the_fleet_changed(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """A host that joins, a GPU drained, a sandbox that ends: the next idle cycle publishes,
+    not the next refresh (a fresh platform's first preview said "no GPU host is up")."""
+    place_all()
+    first = digest.latest()
+    assert first is not None
+    place_all()
+    assert digest.latest().written_at == first.written_at  # type: ignore[union-attr]  # nothing changed
+    seed_host("joined", "H100-80GB:2")
+    place_all()
+    joined = digest.latest()
+    assert joined is not None and joined.written_at > first.written_at
+    assert "joined" in [h.name for h in joined.snapshot().hosts]
+    Gpu.objects.filter(host__name="joined", index=0).update(state=Gpu.State.DRAINED)
+    place_all()
+    drained = digest.latest()
+    assert drained is not None and drained.written_at > joined.written_at
+    [host] = [h for h in drained.snapshot().hosts if h.name == "joined"]
+    assert [g.available for g in host.gpus] == [False, True]
 
 
 def test_an_idle_cycle_refreshes_the_state_every_few_seconds(
