@@ -160,9 +160,10 @@ def test_xml_vfio_hostdevs_from_the_resolver() -> None:
 def test_xml_cpu_only_passes_no_gpu_through() -> None:
     """A CPU-only sandbox names no device: even on a host with real GPUs (and no resolver)
     the VM gets no hostdev, and its command sees no GPU."""
-    root = parse(make_spec(real_gpu=True, device_uuids=()))
+    spec = make_spec(real_gpu=True, device_uuids=())
+    root = parse(spec)
     assert root.find("devices/hostdev") is None
-    assert "NVIDIA_VISIBLE_DEVICES=void" in text(root, "os/cmdline")
+    assert "export NVIDIA_VISIBLE_DEVICES=void" in guest_script(spec)
 
 
 def test_xml_vfio_errors_name_the_problem() -> None:
