@@ -6,11 +6,9 @@ allocations and its open usage interval per placed pod; then the next 1,000 of t
 trace's pods as queued requests. Written in bulk: seconds, not the hours that thousands
 of ``do_request_sandbox``/``do_place`` calls would take.
 
-What the portal cannot express yet is left out, and said here: CPU-only pods (no
-CPU-only tier until the ``modes`` branch lands), and GPUs that follow demand: each GPU
-is pinned to the mode of what the replay put on it (MPS if it holds shares, dedicated
-otherwise). A pod's CPU and memory come from its tier in the portal, so each
-(mode, CPU, memory) the trace uses gets a tier of its own.
+Every GPU follows demand, as agents report them; the trace's CPU-only pods are CPU-only
+sandboxes (no allocation, their host's CPU and memory). A pod's CPU and memory come from
+its tier in the portal, so each (mode, CPU, memory) the trace uses gets a tier of its own.
 """
 
 from __future__ import annotations
@@ -28,11 +26,11 @@ from django.utils import timezone
 from portal.accounts.models import Membership, Project
 from portal.billing.models import UsageRecord
 from portal.catalog.models import PriorityClass, SandboxImage, SharingMode, Tier
-from portal.fleet.models import Gpu, Host
+from portal.fleet.models import Gpu, GpuMode, Host
 from portal.sandboxes.models import Allocation, Sandbox
-from scheduler.cluster import MPS, Place
+from scheduler.cluster import Place
 from scheduler.gpus import CATALOG
-from scheduler.placement import get_policy
+from scheduler.placement import DEFAULT_POLICY, get_policy
 from scheduler.research.bench_trace import TRACES
 from scheduler.research.live_replay import mirror_snapshot, pod_request, replay_offline_on
 from scheduler.research.trace import PodSpec, build_workload, load_nodes, load_pods
@@ -50,22 +48,21 @@ class Seeded:
     gpus: int = 0
     running: int = 0
     queued: list[int] = field(default_factory=list)  # sandbox ids, oldest first
-    skipped_cpu_only: int = 0
+    cpu_only: int = 0  # running CPU-only sandboxes
     failed: int = 0  # pods the replay could not place before arrived 100 %
     users: list[Any] = field(default_factory=list)
     # Queues the trace's next ``n`` pods as new requests (for cycles with arrivals): their ids.
     enqueue: Callable[[int], list[int]] = lambda n: []
 
 
-def _gpu_pods(pods: list[PodSpec]) -> tuple[list[PodSpec], int]:
-    kept = [p for p in pods if p.num_gpu and p.gpu_milli]
-    return kept, len(pods) - len(kept)
+def _cpu_only(pod: PodSpec) -> bool:
+    return not (pod.num_gpu and pod.gpu_milli)
 
 
 def seed_openb(pending: int = PENDING) -> Seeded:
     nodes = load_nodes(TRACES / "openb_node_list_gpu_node.csv")
     workload = build_workload(nodes, load_pods(TRACES / "openb_pod_list_default.csv"), SEED, TUNE)
-    pods, skipped = _gpu_pods(workload.pods)
+    pods = workload.pods
     arrived, fill = 0, 0
     while fill < len(pods) and arrived < workload.capacity_milli:
         arrived += pods[fill].total_gpu_milli
@@ -77,10 +74,10 @@ def seed_openb(pending: int = PENDING) -> Seeded:
         if place is not None:
             placements.append((pod, place))
 
-    replay_offline_on(snapshot, get_policy("gpushare"), pods[:fill], record)
-    seeded = Seeded(skipped_cpu_only=skipped, failed=fill - len(placements))
+    replay_offline_on(snapshot, get_policy(DEFAULT_POLICY), pods[:fill], record)
+    seeded = Seeded(failed=fill - len(placements))
+    seeded.cpu_only = sum(1 for pod, _ in placements if _cpu_only(pod))
 
-    holds_shares = {g.gpu_uuid for _, place in placements for g in place.grants if g.kind == MPS}
     Host.objects.bulk_create(
         Host(
             name=n.name, backend="simulated", driver="docker", cpu_cores=n.cpu_milli // 1000,
@@ -93,7 +90,7 @@ def seed_openb(pending: int = PENDING) -> Seeded:
         Gpu(
             host_id=host_ids[h.name], index=g.index, uuid=g.uuid, name=f"openb {g.model}", model=g.model,
             memory_mib=CATALOG[g.model].memory_mib,
-            sharing_mode=SharingMode.MPS if g.uuid in holds_shares else SharingMode.DEDICATED,
+            sharing_mode=GpuMode.AUTO,
         )
         for h in snapshot.hosts
         for g in h.gpus
@@ -119,6 +116,8 @@ def seed_openb(pending: int = PENDING) -> Seeded:
 
     def tier_for(pod: PodSpec) -> Tier:
         mode = SharingMode.MPS if pod.sharing else SharingMode.DEDICATED
+        if _cpu_only(pod):
+            mode = SharingMode.CPU
         key = (str(mode), pod.cpu_milli, pod.memory_mib)
         if key not in tiers:
             tiers[key] = Tier.objects.create(
@@ -166,6 +165,7 @@ def seed_openb(pending: int = PENDING) -> Seeded:
                 sandbox=row, allocation_key=row.allocation_key, project_id=row.project_id,
                 user_id=row.owner_id, tier=row.tier, gpu_model="trace",
                 milli_gpu=sum(g.milli_gpu for g in place.grants),
+                billed_milli=1000 if not place.grants else None,  # CPU-only: per sandbox-hour
                 price_per_gpu_hour_micros=1_000_000, currency="EUR", started_at=row.started_at,
             )
         )  # fmt: skip

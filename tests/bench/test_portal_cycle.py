@@ -216,9 +216,9 @@ def render(f: Figures) -> str:
     intro = (
         f"PostgreSQL seeded with the openb cluster: {seeded.hosts:,} hosts, {seeded.gpus:,} GPUs, filled "
         f"by the default trace (seed 42) to arrived 100 %: {seeded.running:,} running sandboxes with their "
-        f"allocations and open usage intervals ({seeded.skipped_cpu_only:,} CPU-only pods left out, "
-        f"{seeded.failed} that found no node dropped); and {len(seeded.queued):,} queued requests, the "
-        "trace's next pods. The cycle is `schedule_once` as the control worker calls it; the preview is "
+        f"allocations and open usage intervals ({seeded.cpu_only:,} of them CPU-only; every GPU follows "
+        f"demand; {seeded.failed} that found no node dropped); and {len(seeded.queued):,} queued requests, "
+        "the trace's next pods. The cycle is `schedule_once` as the control worker calls it; the preview is "
         "`POST /sandboxes/preview/` through the Django test client (server time: middleware, form, view, "
         f"template, database, Redis; no network). Seeding took {f.seed_s:.0f} s. Goals: a cycle <= 1.5 s, "
         "no write in a cycle that changes nothing, a preview <= 150 ms."
