@@ -10,6 +10,7 @@ Messages to workers are sent only after commit.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
@@ -85,9 +86,16 @@ class SandboxRequest:
 
 
 def _transition(
-    sandbox: Sandbox, to: str, *, actor: Any = None, message: str = "", data: dict[str, Any] | None = None
+    sandbox: Sandbox,
+    to: str,
+    *,
+    actor: Any = None,
+    message: str = "",
+    data: dict[str, Any] | None = None,
+    also: tuple[str, ...] = (),
 ) -> None:
-    """Move a locked sandbox to ``to`` and write its event. Caller holds the row lock."""
+    """Move a locked sandbox to ``to`` and write its event. Caller holds the row lock.
+    ``also``: fields the caller set on it, saved in the same UPDATE."""
     if to not in TRANSITIONS.get(sandbox.state, set()):
         raise ValueError(f"sandbox {sandbox.pk}: {sandbox.state} -> {to} is not a transition")
     now = timezone.now()
@@ -105,7 +113,7 @@ def _transition(
     if getattr(actor, "is_authenticated", False) and actor.pk != sandbox.owner_id:
         audit.record(actor, f"sandbox.{to}", sandbox, {"state": sandbox.state}, {"state": to}, message)
     sandbox.state = to
-    fields = ["state"]
+    fields = ["state", *also]
     if to in PHASE_TIMESTAMPS:
         setattr(sandbox, PHASE_TIMESTAMPS[to], now)
         fields.append(PHASE_TIMESTAMPS[to])
@@ -122,7 +130,12 @@ def _transition(
 
 
 def _locked(sandbox_id: int) -> Sandbox | None:
-    return Sandbox.objects.select_for_update().filter(pk=sandbox_id).first()
+    """The sandbox, its row locked (its row alone: ``of``), with what the actions read of it:
+    read lazily, a launch's host, tier, project, owner and image were five more queries, a
+    fifth of a second for a cycle that places 155 at the cluster's size."""
+    related = ("host", "tier", "project", "owner", "image")
+    rows = Sandbox.objects.select_related(*related).select_for_update(of=("self",))
+    return rows.filter(pk=sandbox_id).first()
 
 
 # --- request -------------------------------------------------------------------------------
@@ -249,8 +262,7 @@ def do_place(
             if sandbox is None or sandbox.state != S.QUEUED:
                 return False
             sandbox.borrowed = borrowed
-            sandbox.save(update_fields=["borrowed"])
-            _book(sandbox, host_name, grants, "placed", in_service=True)
+            _book(sandbox, host_name, grants, "placed", in_service=True, also=("borrowed",))
     except IntegrityError as exc:
         log.warning("placement of sandbox %s on %s refused: %s", sandbox_id, host_name, exc)
         return False
@@ -263,10 +275,16 @@ class SlotTaken(IntegrityError):
 
 
 def _book(
-    sandbox: Sandbox, host_name: str, grants: tuple[DeviceGrant, ...], verb: str, in_service: bool = False
+    sandbox: Sandbox,
+    host_name: str,
+    grants: tuple[DeviceGrant, ...],
+    verb: str,
+    in_service: bool = False,
+    also: tuple[str, ...] = (),
 ) -> None:
     """Give a locked sandbox a new allocation key and these devices, move it to placing and
-    send its launch after commit. An IntegrityError (a device taken meanwhile) rolls back."""
+    send its launch after commit. An IntegrityError (a device taken meanwhile) rolls back.
+    ``also``: fields the caller set on the sandbox, saved with the move (one UPDATE)."""
     host = Host.objects.filter(name=host_name).first()
     if host is None:
         raise SlotTaken(f"host {host_name} is gone")
@@ -275,17 +293,17 @@ def _book(
     allocations = _claim_devices(sandbox, host, grants, in_service)
     sandbox.host = host
     sandbox.allocation_key = uuid.uuid4().hex
-    sandbox.save(update_fields=["host", "allocation_key"])
-    Allocation.objects.bulk_create(allocations)
+    if allocations:
+        Allocation.objects.bulk_create(allocations)
     devices = ", ".join(g.device_uuid for g in grants) or "CPU only, no GPU"
     _transition(
         sandbox,
         S.PLACING,
         message=f"{verb} on {host.name}: {devices}",
         data={"host": host.name, "devices": [g.device_uuid for g in grants]},
+        also=("host", "allocation_key", *also),
     )
-    sandbox_id = sandbox.pk
-    transaction.on_commit(lambda: do_send_launch(sandbox_id))
+    _launch_after_commit(sandbox.pk)
 
 
 def _claim_devices(
@@ -357,18 +375,52 @@ def _check_fits(gpu: Gpu, live: list[Allocation], alloc: Allocation) -> None:
 
 
 def do_send_launch(sandbox_id: int) -> None:
-    """Hand a placed sandbox to its agent. The message is sent inside the transaction: if
-    the broker refuses it, nothing is written and the sandbox stays ``placing`` for the
+    """Hand a placed sandbox to its agent (see ``do_send_launches``)."""
+    do_send_launches([sandbox_id])
+
+
+def do_send_launches(sandbox_ids: list[int]) -> None:
+    """Hand placed sandboxes to their agents, in one transaction. Each message is sent inside
+    it: if the broker refuses one, nothing is written and they stay ``placing`` for the
     control tick to resend (a duplicate launch is harmless: launch is idempotent)."""
     from portal.sandboxes.specs import launch_spec
 
     with transaction.atomic():
-        sandbox = _locked(sandbox_id)
-        if sandbox is None or sandbox.state != S.PLACING or sandbox.host is None:
-            return
-        spec = launch_spec(sandbox)
-        _transition(sandbox, S.STARTING, message=f"launch sent to {sandbox.host.name}")
-        dispatch.to_host(sandbox.host.name, "launch_sandbox", spec.to_json())
+        related = ("host", "tier", "project", "owner", "image")
+        rows = Sandbox.objects.select_related(*related).select_for_update(of=("self",))
+        for sandbox in rows.filter(pk__in=sandbox_ids).order_by("pk"):
+            if sandbox.state != S.PLACING or sandbox.host is None:
+                continue  # launched already, stopped meanwhile, or its booking rolled back
+            spec = launch_spec(sandbox)
+            _transition(sandbox, S.STARTING, message=f"launch sent to {sandbox.host.name}")
+            dispatch.to_host(sandbox.host.name, "launch_sandbox", spec.to_json())
+
+
+class _Launches(threading.local):
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+
+
+_launches = _Launches()
+
+
+def _launch_after_commit(sandbox_id: int) -> None:
+    """Launch a booked sandbox once its transaction commits, with the others booked in it.
+
+    A cycle books a few hundred at the cluster's size; launched one transaction each (lock,
+    spec, event, message, commit) that was 5 ms apiece after every such cycle. Each booking
+    registers a callback, and the first to run sends every launch collected so far in one
+    transaction: a booking whose savepoint rolled back loses its own callback, not the
+    others', and its id is skipped (not ``placing``). Per thread: the control worker runs
+    its tasks on threads, each with its own connection and transactions."""
+    _launches.ids.append(sandbox_id)
+    transaction.on_commit(_send_collected_launches)
+
+
+def _send_collected_launches() -> None:
+    ids, _launches.ids = _launches.ids, []
+    if ids:
+        do_send_launches(ids)
 
 
 def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:
