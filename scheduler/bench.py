@@ -91,7 +91,7 @@ def measure(hosts: int, gpus: int, queue_size: int, repeats: int) -> dict[str, f
 def render(rows: list[dict[str, float]]) -> str:
     lines = [
         BEGIN,
-        "## First-fit cycle scaling (no fair share, synthetic fleet)",
+        "## Cycle scaling on a synthetic fleet (the portal's policy, no fair share)",
         "",
         "One `run_cycle` over a queue of mixed requests (dedicated 1-4 GPUs, MIG, MPS, time-slice)",
         "on H100 hosts with 8 GPUs, a quarter in each sharing mode. Measured by `make bench`",
