@@ -254,12 +254,12 @@ class Agent:
             message = f"host {self.host} runs {gives} sandboxes, not {spec.isolation}"
             dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, message)
             return
-        with self.lock:  # a repeated launch of what runs or is being launched: its claim stays
-            adopting = spec.allocation_id in self.running or spec.allocation_id in self.launching
-        # Before the driver: its GPU's MPS daemon up for a share, down for anything else.
-        refusal = self.mps_daemons.claim(spec)
-        if refusal:
-            dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, refusal)
+        # Before the driver: its GPU's MPS daemon up for a share, down for anything else. A
+        # repeated launch of what runs or is being launched claims nothing (``claim.new``), so
+        # its failure leaves the first copy's claim alone.
+        claim = self.mps_daemons.claim(spec)
+        if claim.refusal:
+            dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, claim.refusal)
             return
         if spec.mps is not None and not spec.mps.pipe_dir and spec.device_uuids:
             pipe = self.mps_daemons.control.pipe_dir(spec.device_uuids[0])
@@ -271,14 +271,14 @@ class Agent:
         except DriverError as exc:
             with self.lock:
                 self.launching.pop(spec.allocation_id, None)
-            if not adopting:
+            if claim.new:
                 self.mps_daemons.release(spec.allocation_id)
             dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, str(exc))
             return
         except BaseException:  # a bug, not a refusal: the task fails, the entry must not stay
             with self.lock:
                 self.launching.pop(spec.allocation_id, None)
-            if not adopting:
+            if claim.new:
                 self.mps_daemons.release(spec.allocation_id)
             raise
         started = self.driver.status(handle).started_at_ms or _now_ms()

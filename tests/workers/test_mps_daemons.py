@@ -39,7 +39,7 @@ from hypothesis.stateful import (
 
 from workers import dispatch
 from workers.agent import Agent
-from workers.drivers.base import MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
+from workers.drivers.base import DriverError, MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
 from workers.drivers.output import OutputChunk
 from workers.gpu.mps import SimulatedMps
 from workers.gpu.mps_daemons import MpsDaemons
@@ -378,6 +378,39 @@ def test_a_whole_gpu_waits_for_the_last_share_to_stop_then_runs_without_the_daem
     [(_, _task, (_, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
     assert key == "a3" and "still runs a dedicated or time-slice sandbox" in message
     assert "a3" not in driver.live and not agent.mps_daemons.control.running(gpu)
+
+
+def test_a_resent_launch_that_fails_leaves_the_first_copys_claim(tmp_path: Path, sent_tasks: Any) -> None:
+    """The control plane resends a launch it has not heard back about; the resend may arrive
+    while the first copy still waits for its GPU. Both then pass the wait, one registers the
+    share, and a failing launch of the other must not release it: the daemon would stop under
+    the running share."""
+    driver = CheckingDriver()
+    driver.slow_stop_s = 0.3
+    agent, gpu = _agent(tmp_path, driver)
+    agent.launch(_spec("d1", (gpu,), "dedicated"))
+    stopping = threading.Thread(target=agent.stop, args=("d1", 1, driver.handle("d1").to_json()))
+    stopping.start()
+    time.sleep(0.05)  # the whole GPU's stop under way: both copies of the share wait for it
+    launched = driver.launch
+    calls: list[str] = []
+
+    def second_copy_fails(spec: SandboxSpec) -> SandboxHandle:
+        calls.append(spec.allocation_id)
+        if len(calls) == 2:
+            raise DriverError("a container of that name is being created")
+        return launched(spec)
+
+    driver.launch = second_copy_fails  # type: ignore[method-assign]
+    copies = [threading.Thread(target=agent.launch, args=(_spec("s2", (gpu,), "mps"),)) for _ in range(2)]
+    for copy in copies:
+        copy.start()
+    for copy in [stopping, *copies]:
+        copy.join()
+    assert calls == ["s2", "s2"] and set(driver.live) == {"s2"}
+    assert agent.mps_daemons.control.running(gpu), "the failed copy released the running share's daemon"
+    agent.stop("s2", 2, driver.handle("s2").to_json())
+    assert not agent.mps_daemons.control.running(gpu) and not driver.violations
 
 
 def test_a_gpu_pinned_to_mps_keeps_its_daemon_until_it_is_unpinned(tmp_path: Path, sent_tasks: Any) -> None:

@@ -32,13 +32,21 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from workers.drivers.base import SandboxSpec
 from workers.gpu.mps import MpsError, MpsManager
 
 log = logging.getLogger(__name__)
 
-HANDOVER_S = 30.0  # beyond a sandbox's stop grace: the stop that frees the GPU is that long at most
+# Beyond a sandbox's stop grace (5 s): the stop that frees the GPU is that long at most. Below
+# the control plane's launch resend (15 s), so a resent launch finds this one decided.
+HANDOVER_S = 10.0
+
+
+class Claim(NamedTuple):
+    refusal: str  # why the sandbox cannot run here now; "" when it can
+    new: bool  # this call registered it (and its launch's failure releases it)
 
 
 class MpsDaemons:
@@ -51,15 +59,17 @@ class MpsDaemons:
         self._devices: dict[str, tuple[str, ...]] = {}  # allocation id -> the devices it holds
         self._pinned: set[str] = set()  # GPUs pinned to MPS, as the last spec or message said
 
-    def claim(self, spec: SandboxSpec) -> str:
+    def claim(self, spec: SandboxSpec) -> Claim:
         """Register ``spec``'s sandbox on its devices and put their daemons in the state it
-        needs: up for an MPS share, down for anything else. Returns why it cannot run here
-        now, "" when it can. A repeated launch of a registered sandbox claims nothing new."""
+        needs: up for an MPS share, down for anything else. Says why it cannot run here now
+        ("" when it can), and whether this call registered it: a repeated launch of a
+        registered sandbox (a resend while the first waits here, say) claims nothing, and
+        must not release what the first copy's sandbox holds when its own launch fails."""
         key, devices = spec.allocation_id, spec.device_uuids
         share = spec.mps is not None and bool(devices)
         with self._changed:
             if key in self._devices:
-                return ""
+                return Claim("", new=False)
             if share:
                 if spec.mps_pinned:
                     self._pinned.add(devices[0])
@@ -70,8 +80,16 @@ class MpsDaemons:
             if not self._changed.wait_for(lambda: not self._held(blockers, targets), self.handover_s):
                 held = ", ".join(d for d in targets if blockers.get(d))
                 if share:
-                    return f"GPU {held} still runs a dedicated or time-slice sandbox: no MPS share can join"
-                return f"GPU {held} still serves MPS shares: no dedicated or time-slice sandbox can join them"
+                    return Claim(
+                        f"GPU {held} still runs a dedicated or time-slice sandbox: no MPS share can join",
+                        False,
+                    )
+                return Claim(
+                    f"GPU {held} still serves MPS shares: no dedicated or time-slice sandbox joins them",
+                    False,
+                )
+            if key in self._devices:  # registered by a copy of this launch while we waited
+                return Claim("", new=False)
             try:
                 if share:
                     self.control.start(devices[0])
@@ -82,11 +100,11 @@ class MpsDaemons:
                             log.info("MPS daemon of %s up without shares: stopped for %s", device, key)
                             self.control.stop(device)
             except (MpsError, OSError) as exc:
-                return f"MPS daemon for {', '.join(targets)}: {exc}"
+                return Claim(f"MPS daemon for {', '.join(targets)}: {exc}", new=False)
             for device in targets:
                 (self._shares if share else self._others).setdefault(device, set()).add(key)
             self._devices[key] = targets
-            return ""
+            return Claim("", new=True)
 
     def release(self, allocation_id: str) -> None:
         """Unregister a sandbox its driver stopped (or never made). The last share on a GPU
@@ -120,20 +138,6 @@ class MpsDaemons:
                 if device not in self._shares and device not in self._pinned and self.control.running(device):
                     log.info("MPS daemon of %s runs without shares: stopped", device)
                     self._stop(device)
-
-    def shares(self, device: str) -> set[str]:
-        """Allocation ids of the MPS sandboxes registered on ``device``."""
-        with self._changed:
-            return set(self._shares.get(device, ()))
-
-    def others(self, device: str) -> set[str]:
-        """Allocation ids of the other sandboxes registered on ``device``."""
-        with self._changed:
-            return set(self._others.get(device, ()))
-
-    def pinned(self, device: str) -> bool:
-        with self._changed:
-            return device in self._pinned
 
     # -- internals (the lock held) ------------------------------------------------------------
 
