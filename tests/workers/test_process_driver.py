@@ -58,6 +58,7 @@ def test_gpu_nodes_by_device_minor(tmp_path: Path) -> None:
     assert "/dev/nvidiactl" in nodes
     # A MIG device has no minor of its own: every GPU node plus the capability nodes.
     assert "/dev/nvidia-caps" in _gpu_device_nodes(("MIG-cccc",), tmp_path)
+    assert _gpu_device_nodes((), tmp_path) == []  # no GPU named (CPU only): no GPU node at all
 
 
 def test_rejects_bad_arguments(tmp_path: Path) -> None:

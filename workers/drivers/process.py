@@ -104,7 +104,10 @@ def bwrap_available() -> bool:
 
 
 def _gpu_device_nodes(uuids: tuple[str, ...], gpus_dir: Path) -> list[str]:
-    """The /dev nodes that give access to ``uuids`` and no other GPU, where possible."""
+    """The /dev nodes that give access to ``uuids`` and no other GPU, where possible; none
+    for none (a CPU-only sandbox): the fallback below must never hand it every GPU."""
+    if not uuids:
+        return []
     common = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
     minors: dict[str, int] = {}
     with contextlib.suppress(OSError):
