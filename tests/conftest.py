@@ -64,10 +64,11 @@ def _scheduling_state_of_this_test_only() -> Iterator[None]:
     """The control worker's kept policy and the state it publishes for previews describe one
     test's database: a later test must neither place with what it learned nor preview
     against its fleet."""
-    from portal.sandboxes import digest, policy
+    from portal.sandboxes import digest, policy, preview
 
     policy.forget()
     digest.clear()
+    preview._fallbacks.clear()  # warmed from another test's requests
     yield
 
 

@@ -10,7 +10,6 @@ Messages to workers are sent only after commit.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
@@ -130,12 +129,15 @@ def _transition(
 
 
 def _locked(sandbox_id: int) -> Sandbox | None:
-    """The sandbox, its row locked (its row alone: ``of``), with what the actions read of it:
-    read lazily, a launch's host, tier, project, owner and image were five more queries, a
-    fifth of a second for a cycle that places 155 at the cluster's size."""
+    return _locking().filter(pk=sandbox_id).first()
+
+
+def _locking() -> Any:
+    """Sandboxes whose rows a query locks (their rows alone: ``of``), with what the actions
+    read of them: read lazily, a launch's host, tier, project, owner and image were five more
+    queries, a fifth of a second for a cycle that places 155 at the cluster's size."""
     related = ("host", "tier", "project", "owner", "image")
-    rows = Sandbox.objects.select_related(*related).select_for_update(of=("self",))
-    return rows.filter(pk=sandbox_id).first()
+    return Sandbox.objects.select_related(*related).select_for_update(of=("self",))
 
 
 # --- request -------------------------------------------------------------------------------
@@ -247,9 +249,15 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
 
 
 def do_place(
-    sandbox_id: int, host_name: str, grants: tuple[DeviceGrant, ...], borrowed: bool = False
+    sandbox_id: int,
+    host_name: str,
+    grants: tuple[DeviceGrant, ...],
+    borrowed: bool = False,
+    launch: bool = True,
 ) -> bool:
-    """Book the devices for a queued sandbox and hand it to its host's agent.
+    """Book the devices for a queued sandbox and hand it to its host's agent after commit;
+    with ``launch=False`` the caller sends the launch itself (the cycle: all of its
+    placements in one ``do_send_launches``, not one transaction each).
 
     Runs inside the scheduling cycle's lock, yet checks again under row locks, so a stale
     or repeated decision cannot book twice: the sandbox must still be queued (its row is
@@ -262,7 +270,7 @@ def do_place(
             if sandbox is None or sandbox.state != S.QUEUED:
                 return False
             sandbox.borrowed = borrowed
-            _book(sandbox, host_name, grants, "placed", in_service=True, also=("borrowed",))
+            _book(sandbox, host_name, grants, "placed", in_service=True, also=("borrowed",), launch=launch)
     except IntegrityError as exc:
         log.warning("placement of sandbox %s on %s refused: %s", sandbox_id, host_name, exc)
         return False
@@ -281,10 +289,11 @@ def _book(
     verb: str,
     in_service: bool = False,
     also: tuple[str, ...] = (),
+    launch: bool = True,
 ) -> None:
     """Give a locked sandbox a new allocation key and these devices, move it to placing and
-    send its launch after commit. An IntegrityError (a device taken meanwhile) rolls back.
-    ``also``: fields the caller set on the sandbox, saved with the move (one UPDATE)."""
+    (``launch``) send its launch after commit. An IntegrityError (a device taken meanwhile)
+    rolls back. ``also``: fields the caller set on the sandbox, saved with the move."""
     host = Host.objects.filter(name=host_name).first()
     if host is None:
         raise SlotTaken(f"host {host_name} is gone")
@@ -303,7 +312,9 @@ def _book(
         data={"host": host.name, "devices": [g.device_uuid for g in grants]},
         also=("host", "allocation_key", *also),
     )
-    _launch_after_commit(sandbox.pk)
+    if launch:
+        sandbox_id = sandbox.pk
+        transaction.on_commit(lambda: do_send_launch(sandbox_id))
 
 
 def _claim_devices(
@@ -386,41 +397,12 @@ def do_send_launches(sandbox_ids: list[int]) -> None:
     from portal.sandboxes.specs import launch_spec
 
     with transaction.atomic():
-        related = ("host", "tier", "project", "owner", "image")
-        rows = Sandbox.objects.select_related(*related).select_for_update(of=("self",))
-        for sandbox in rows.filter(pk__in=sandbox_ids).order_by("pk"):
+        for sandbox in _locking().filter(pk__in=sandbox_ids).order_by("pk"):
             if sandbox.state != S.PLACING or sandbox.host is None:
                 continue  # launched already, stopped meanwhile, or its booking rolled back
             spec = launch_spec(sandbox)
             _transition(sandbox, S.STARTING, message=f"launch sent to {sandbox.host.name}")
             dispatch.to_host(sandbox.host.name, "launch_sandbox", spec.to_json())
-
-
-class _Launches(threading.local):
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-
-
-_launches = _Launches()
-
-
-def _launch_after_commit(sandbox_id: int) -> None:
-    """Launch a booked sandbox once its transaction commits, with the others booked in it.
-
-    A cycle books a few hundred at the cluster's size; launched one transaction each (lock,
-    spec, event, message, commit) that was 5 ms apiece after every such cycle. Each booking
-    registers a callback, and the first to run sends every launch collected so far in one
-    transaction: a booking whose savepoint rolled back loses its own callback, not the
-    others', and its id is skipped (not ``placing``). Per thread: the control worker runs
-    its tasks on threads, each with its own connection and transactions."""
-    _launches.ids.append(sandbox_id)
-    transaction.on_commit(_send_collected_launches)
-
-
-def _send_collected_launches() -> None:
-    ids, _launches.ids = _launches.ids, []
-    if ids:
-        do_send_launches(ids)
 
 
 def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:

@@ -140,8 +140,14 @@ def idle_refresh_due(fleet: str) -> bool:
     read from another fleet than ``fleet`` (a fingerprint of hosts, GPUs and who holds them).
     Without the last, a host that joined, a GPU drained or a sandbox that ended showed in the
     preview only at the next refresh: a platform's first preview said "no GPU host is up"."""
-    meta = _read_meta()
-    return meta is None or time.time() - meta[1] >= IDLE_REFRESH_S or _read_fleet() != fleet
+    meta = _meta_json()  # read once: it is a Redis round trip inside the cycle's lock
+    if meta is None:
+        return True
+    try:
+        age = time.time() - float(meta["written_at"])
+    except (ValueError, KeyError, TypeError):
+        return True
+    return age >= IDLE_REFRESH_S or meta.get("fleet", "") != fleet
 
 
 def _host_row(host: HostState) -> list[Any]:
@@ -348,11 +354,6 @@ def _read_meta() -> tuple[str, float] | None:
         return None if meta is None else (str(meta["hash"]), float(meta["written_at"]))
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _read_fleet() -> str | None:
-    meta = _meta_json()
-    return None if meta is None else str(meta.get("fleet", ""))
 
 
 def _meta_json() -> dict[str, Any] | None:

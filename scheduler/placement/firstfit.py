@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from scheduler.cluster import (
-    AUTO,
     CPU_ONLY,
     DEDICATED,
     MIG,
@@ -140,8 +139,7 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
             continue  # that is the reason: what the GPUs offer no longer matters
         idle = 0
         for g in host.gpus:
-            # A GPU offering the mode: pinned to it, or following demand (never into MIG).
-            if g.mode != mode and (g.mode != AUTO or mode == MIG):
+            if not g.could_serve(mode):  # pinned to another mode, or MIG asked of a GPU not in it
                 continue
             offering = True
             in_service = in_service or g.available

@@ -55,7 +55,7 @@ BEGIN, END = "<!-- bench:portal-cycle:begin -->", "<!-- bench:portal-cycle:end -
 STEADY = 10
 CHURN_CYCLES, CHURN = 10, 10
 PREVIEWS, AFTER_PUBLICATION, FALLBACK_PREVIEWS = 60, 10, 3
-PARTS = ("queue", "snapshot", "fairshare", "learn", "decide", "commit", "encode", "publish")
+PARTS = ("queue", "snapshot", "fairshare", "learn", "decide", "commit", "encode", "launch", "publish")
 WRITES = ("INSERT", "UPDATE", "DELETE")
 
 
@@ -241,8 +241,9 @@ def render(f: Figures) -> str:
             ),
             "",
             "Where a cycle's time goes (ms, median; `scheduling.last_report`): reading the queue, the",
-            "fleet and the fair share; teaching the kept policy; `run_cycle`; writing; encoding and",
-            "publishing the state for the preview.",
+            "fleet and the fair share; teaching the kept policy; `run_cycle`; writing; encoding the",
+            "state for the preview; after commit, sending the launches (one transaction) and",
+            "publishing the state.",
             "",
             "| cycle | " + " | ".join(PARTS) + " |",
             "|---|" + "---:|" * len(PARTS),

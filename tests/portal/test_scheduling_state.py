@@ -210,7 +210,9 @@ def test_the_published_state_is_what_the_database_holds_after_the_cycle(
     refused = ask(people, catalog, "mps", 2, mps_memory_mib=10240, mps_thread_pct=10)
     real_place = actions.do_place
     monkeypatch.setattr(
-        actions, "do_place", lambda sandbox_id, *a: sandbox_id != refused[1].pk and real_place(sandbox_id, *a)
+        actions,
+        "do_place",
+        lambda sandbox_id, *a, **kw: sandbox_id != refused[1].pk and real_place(sandbox_id, *a, **kw),
     )
     place_all()
     state = assert_published_state_is_the_database()
