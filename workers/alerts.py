@@ -62,6 +62,7 @@ class AlertTracker:
         self.tiers: dict[str, dict[str, Any]] = {}
         self._states: dict[tuple[str, str], _State] = {}  # (subject, kind) -> state
         self._gpu_of: dict[str, str] = {}  # subject -> its GPU, for clearing messages
+        self._rules_of: dict[int, dict[str, Any]] = {}  # sandbox id -> its tier's rules, once seen
 
     def set_policy(self, policy: dict[str, Any]) -> None:
         self.version = str(policy.get("version", ""))
@@ -87,20 +88,34 @@ class AlertTracker:
         """A sandbox's alerts under its tier's rules (the fleet's when its tier has none):
         its device's temperature, throttling, XIDs and utilization, and its own memory
         against what it may hold (its MPS limit, or its device's memory)."""
-        rules = self.tiers.get(tier, self.fleet)
+        rules = self._rules_of[sandbox_id] = self.tiers.get(tier, self.fleet)
         mem_pct = 100 * mem_mib / max(1, mem_limit_mib)
         return self._observe(f"sandbox:{sandbox_id}", gpu_uuid, sandbox_id, rules, device, mem_pct, now_ms)
 
-    def note_xid(self, gpu_uuid: str, xid: int, t_ms: int, sandbox_ids: list[int]) -> list[AlertMessage]:
-        """An XID on a GPU: raised for the GPU and every sandbox on it (unless already open)."""
+    def note_fault(
+        self,
+        gpu_uuid: str,
+        kind: str,
+        value: float,
+        text: str,
+        t_ms: int,
+        sandbox_ids: list[int] | None = None,
+    ) -> list[AlertMessage]:
+        """A GPU fault (``xid``, ``ecc``, ``gpu_lost``), raised once while open: for the GPU
+        (``sandbox_ids`` None: a device fault, the GPU is drained), or for the sandboxes on
+        the device that faulted (an application XID: their owners' own bug, no drain). An
+        XID alert clears after XID_QUIET_S without another; the others stay open until an
+        admin undrains the GPU (the control plane closes them then)."""
         out = []
-        subjects: list[tuple[str, int | None, dict[str, Any]]] = [(f"gpu:{gpu_uuid}", None, self.fleet)]
-        subjects += [(f"sandbox:{sid}", sid, self.fleet) for sid in sandbox_ids]
-        for subject, sandbox_id, rules in subjects:
-            state = self._states.setdefault((subject, "xid"), _State())
+        subjects: list[tuple[str, int | None]] = (
+            [(f"gpu:{gpu_uuid}", None)] if sandbox_ids is None else [(f"sandbox:{s}", s) for s in sandbox_ids]
+        )
+        for subject, sandbox_id in subjects:
+            rules = self.fleet if sandbox_id is None else self._rules_of.get(sandbox_id, self.fleet)
+            state = self._states.setdefault((subject, kind), _State())
             state.last_xid_ms = t_ms
-            if rules["enabled"] and rules["xid"] and state.raised_key is None:
-                reading = _Reading("xid", xid, True, False, 0, XID_QUIET_S, 0, f"XID {xid} on the GPU")
+            if rules["enabled"] and (kind != "xid" or rules["xid"]) and state.raised_key is None:
+                reading = _Reading(kind, value, True, False, 0, XID_QUIET_S, 0, text)
                 out.append(self._raise(subject, gpu_uuid, sandbox_id, reading, state, t_ms))
         return out
 
@@ -113,6 +128,8 @@ class AlertTracker:
             if state.raised_key is not None:
                 out.append(self._clear(subject, kind, state, 0, 0, now_ms, "its sandbox or GPU is gone"))
             del self._states[(subject, kind)]
+            if subject.startswith("sandbox:"):
+                self._rules_of.pop(int(subject.split(":", 1)[1]), None)
         return out
 
     # --- the rule engine --------------------------------------------------------------

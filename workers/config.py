@@ -7,9 +7,10 @@ broker: REDIS_URL, GPU_BACKEND, SANDBOX_DRIVER, GPUSHARE_HOST, GPUSHARE_SIM_GPUS
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from portal.env import env_choice, env_str
+from portal.env import ConfigError, env_bool, env_choice, env_int, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 GPU_BACKENDS = ("auto", "nvml", "simulated")
@@ -33,8 +34,6 @@ def redis_url() -> str:
         return f"unix://{embedded / 'redis.sock'}"
     url = env_str("REDIS_URL")
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        from portal.env import ConfigError
-
         raise ConfigError(f"REDIS_URL={url!r} must start with redis://, rediss:// or unix://")
     return url
 
@@ -63,3 +62,54 @@ def ensure_embedded_redis() -> None:
 
 # Written every 2 s by the control worker, read by /healthz.
 CONTROL_HEARTBEAT_KEY = "gpushare:control:heartbeat"
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """What a host agent takes from its environment, read once when it starts
+    (``from_env``); its parts get these values and never read the environment themselves.
+    The defaults are the documented ones (README, "Configuration")."""
+
+    host: str = "h"
+    gpu_backend: str = "auto"
+    sandbox_driver: str = "auto"
+    sim_gpus: str = ""  # GPUSHARE_SIM_GPUS: the simulated backend's GPUs
+    sim_host_cpus: int = 64  # GPUSHARE_SIM_HOST: what a simulated host offers sandboxes
+    sim_host_memory_mib: int = 512 * 1024
+    sample_interval_s: float = 1.0
+    heartbeat_s: float = 5.0
+    util_window_s: int = 600  # idle culling judges the mean utilization over this window
+    stop_grace_s: float = 5.0
+    terminal_idle_s: float = 900.0
+    self_test: bool = True
+    checkpoint_hook: str = "-"  # "-": none (workers.moves)
+    checkpoint_timeout_s: int = 300
+
+    @classmethod
+    def from_env(cls) -> AgentSettings:
+        cpus, memory_mib = _sim_host(env_str("GPUSHARE_SIM_HOST", "cpus=64,memory_gib=512"))
+        return cls(
+            host=env_str("GPUSHARE_HOST"),
+            gpu_backend=gpu_backend_kind(),
+            sandbox_driver=sandbox_driver_kind(),
+            sim_gpus=os.environ.get("GPUSHARE_SIM_GPUS", ""),
+            sim_host_cpus=cpus,
+            sim_host_memory_mib=memory_mib,
+            sample_interval_s=env_int("SAMPLE_INTERVAL_MS", 1000, minimum=50) / 1000,
+            heartbeat_s=float(env_int("AGENT_HEARTBEAT_S", 5, minimum=1)),
+            util_window_s=env_int("UTIL_WINDOW_S", 600, minimum=10),
+            stop_grace_s=float(env_int("SANDBOX_STOP_GRACE_S", 5, minimum=0)),
+            terminal_idle_s=float(env_int("TERMINAL_IDLE_S", 900, minimum=10)),
+            self_test=env_bool("AGENT_SELFTEST", True),
+            checkpoint_hook=env_str("SANDBOX_CHECKPOINT_HOOK", "-"),
+            checkpoint_timeout_s=env_int("SANDBOX_CHECKPOINT_TIMEOUT_S", 300, minimum=1),
+        )
+
+
+def _sim_host(value: str) -> tuple[int, int]:
+    """``cpus=64,memory_gib=512`` -> (cores, MiB)."""
+    try:
+        spec = dict(item.split("=", 1) for item in value.split(","))
+        return int(spec["cpus"]), int(spec["memory_gib"]) * 1024
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"GPUSHARE_SIM_HOST={value!r} must look like cpus=64,memory_gib=512") from exc

@@ -23,7 +23,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from portal.env import env_int, env_str
 from scheduler.defrag import MigPlan
 from workers.drivers.base import DriverError, SandboxHandle
 from workers.gpu.mig import MigError, MigStep
@@ -55,12 +54,13 @@ class PlanOutcome:
         return [asdict(r) for r in self.results], [asdict(s) for s in self.mig_steps], self.error
 
 
-def run_checkpoint_hook(handle: SandboxHandle, plan_id: int) -> tuple[bool, str] | None:
-    """Run the operator's checkpoint hook for one sandbox: (ok, message), None without a hook."""
-    hook = env_str("SANDBOX_CHECKPOINT_HOOK", "-")
+def run_checkpoint_hook(
+    handle: SandboxHandle, plan_id: int, hook: str, timeout: int
+) -> tuple[bool, str] | None:
+    """Run the operator's checkpoint hook for one sandbox: (ok, message), None without a hook
+    (``hook`` "-")."""
     if hook == "-":
         return None
-    timeout = env_int("SANDBOX_CHECKPOINT_TIMEOUT_S", 300, minimum=1)
     env = {
         **os.environ,
         "GPUSHARE_SANDBOX_ID": str(handle.sandbox_id),
@@ -108,7 +108,9 @@ def execute_plan(
             continue
         handle = SandboxHandle.from_json(order["handle"]) if order.get("handle") else agent.find(key)
         if handle is not None:
-            result.checkpoint = run_checkpoint_hook(handle, plan_id)
+            result.checkpoint = run_checkpoint_hook(
+                handle, plan_id, agent.settings.checkpoint_hook, agent.settings.checkpoint_timeout_s
+            )
             if result.checkpoint is not None and not result.checkpoint[0]:
                 result.message = result.checkpoint[1]
                 if mig_plan is not None:

@@ -26,7 +26,7 @@ from portal.console.forms import (
 )
 from portal.console.models import AuditEntry
 from portal.fleet.health import do_drain_gpu, do_undrain_gpu
-from portal.fleet.models import FleetEvent, FleetPlan, Gpu, Host, PlanStep
+from portal.fleet.models import FleetPlan, Gpu, Host, PlanStep
 from portal.fleet.modes import GpuModeError, describe, do_set_gpu_mode, serving
 from portal.fleet.plans import (
     MigPreview,
@@ -58,9 +58,6 @@ def _fleet_page(request: HttpRequest, refused: tuple[str, GpuModeForm] | None = 
     held: dict[int, list[Allocation]] = {}
     for alloc in live:
         held.setdefault(alloc.gpu_id, []).append(alloc)
-    alerts = FleetEvent.objects.filter(
-        severity=FleetEvent.Severity.ALERT, acknowledged_at=None
-    ).select_related("host", "gpu")[:50]
     hosts_list = list(hosts)
     for host in hosts_list:
         for gpu in host.gpus.all():
@@ -70,7 +67,7 @@ def _fleet_page(request: HttpRequest, refused: tuple[str, GpuModeForm] | None = 
     return render(
         request,
         "console/fleet.html",
-        {"hosts": hosts_list, "alerts": alerts},
+        {"hosts": hosts_list},
         status=400 if refused is not None else 200,
     )
 

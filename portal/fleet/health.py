@@ -1,10 +1,11 @@
 """Draining GPUs: by hand (an admin), or automatically when a GPU reports a fault.
 
 A drained GPU takes no new sandboxes; what already runs on it keeps running (an admin
-stops or migrates it). An XID error, a double-bit ECC error, a GPU that fell off the bus
-or a temperature over the limit drains the GPU automatically, writes an ``alert`` fleet
-event and logs an error; only an admin undrains it. Every call is one transaction and
-idempotent: a second report of the same fault changes nothing.
+stops or migrates it). A device XID, a double-bit ECC error, a GPU that fell off the bus
+or a temperature over the alert policy's rule drains the GPU automatically, writes a fleet
+event and logs an error; only an admin undrains it. The fault's one alert is the agent's
+(``portal.telemetry.alerts``: stored, webhooks, owners told); undraining closes it. Every
+call is one transaction and idempotent: a second report of the same fault changes nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from portal.fleet.models import FleetEvent, Gpu
+from portal.telemetry.models import Alert
 
 log = logging.getLogger(__name__)
 # Health event kinds from the agents (workers.gpu.base.HealthEvent.kind) that drain a GPU.
@@ -26,6 +28,8 @@ DRAINING_FAULTS = {
     "gpu_lost": "GPU lost (fell off the bus or stopped answering)",
     "overheat": "temperature over the limit",
 }
+# The alert kinds of faults that drain a GPU (the temperature's clears itself as it cools).
+FAULT_ALERTS = ("xid", "ecc", "gpu_lost")
 
 
 def do_drain_gpu(uuid: str, reason: str, actor: Any = None) -> bool:
@@ -50,6 +54,11 @@ def do_undrain_gpu(uuid: str, actor: Any) -> bool:
         now = timezone.now()
         FleetEvent.objects.filter(gpu=gpu, severity=FleetEvent.Severity.ALERT, acknowledged_at=None).update(
             acknowledged_at=now
+        )  # rows from before faults had one alert each
+        # The GPU's fault alerts cannot clear themselves (the agent never sees an ECC error or
+        # a lost GPU go away): the admin who put it back in service is the one who clears them.
+        Alert.objects.filter(gpu=gpu, sandbox=None, kind__in=FAULT_ALERTS, cleared_at=None).update(
+            cleared_at=now, clear_reason=f"GPU undrained by {actor}"[:120]
         )
         FleetEvent.objects.create(
             host=gpu.host, gpu=gpu, kind="undrained", message="undrained", actor=_user(actor)
@@ -82,7 +91,7 @@ def do_health_event(host_name: str, event: dict[str, Any]) -> bool:
             return False
         if gpu.state == Gpu.State.DRAINED:
             return False  # the same fault again, or a second one: the GPU is out already
-        _drain(gpu, reason, kind, FleetEvent.Severity.ALERT, f"drained automatically: {reason}")
+        _drain(gpu, reason, kind, FleetEvent.Severity.INFO, f"drained automatically: {reason}")
     log.error("ALERT: %s GPU %s (%s) drained automatically: %s", host_name, gpu.index, gpu.uuid, reason)
     return True
 

@@ -125,8 +125,8 @@ class MigInstance(models.Model):
 class FleetEvent(models.Model):
     """Something that happened to a host or GPU: a drain, an undrain, a health event.
 
-    ``alert`` events are the ones an operator must look at (a GPU drained by a fault);
-    the fleet console lists them until an admin acknowledges them.
+    A fault's drain is an ``info`` event: the fault's alert is the agent's
+    (``portal.telemetry.models.Alert``). ``alert`` severity is on rows written before.
     """
 
     class Severity(models.TextChoices):

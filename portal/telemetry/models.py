@@ -162,6 +162,8 @@ class Alert(models.Model):
         TEMPERATURE = "temperature", "Temperature"
         THROTTLE = "throttle", "Throttling"
         XID = "xid", "XID error"
+        ECC = "ecc", "Double-bit ECC error"
+        GPU_LOST = "gpu_lost", "GPU lost"
         UTILIZATION = "utilization", "Utilization held high"
         MEMORY = "memory", "Memory nearly full"
 

@@ -49,10 +49,10 @@ async def main(host: str, spec: str, interval_s: float, out: Path) -> None:
     # Never launches anything: the process driver only needs a folder to list (empty).
     driver = ProcessDriver(Path(tempfile.mkdtemp(prefix="bench-sampler-")), host=host)
     agent = Agent(host, backend, driver, Path(tempfile.mkdtemp(prefix="bench-agent-")))
-    agent.inventory()  # what the worker's start() does, without reporting it to a control queue
+    agent.inventory.refresh()  # what the worker's start() does, without reporting it to a control queue
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, agent.shutdown)
     # One heartbeat at the first tick (to a control queue nobody reads), none after.
-    await agent.sample_forever(interval_s, heartbeat_s=86_400)
+    await agent.sampler.sample_forever(interval_s, heartbeat_s=86_400)
     out.write_text(json.dumps(SENT))
 
 

@@ -290,12 +290,18 @@ def test_extend_and_stop_refuse_bad_bodies(world: dict[str, Any], hours: Any, ex
     before = snapshot()
     body = {"hours": hours, **({extra: True} if extra else {})}
     response = send_json(world["api"], f"/api/v1/sandboxes/{pk}/extend/", json.dumps(body))
-    assert_refused(response, extra or "hours")
+    # A lone surrogate fails the body's parsing, before its fields are read: that error
+    # names the field it is in, and an unknown field beside it waits for the next try.
+    assert_refused(response, "hours" if _has_surrogate(hours) else extra or "hours")
     if extra:
         assert_refused(
             send_json(world["api"], f"/api/v1/sandboxes/{pk}/stop/", json.dumps({extra: 1})), extra
         )
     assert snapshot() == before
+
+
+def _has_surrogate(value: Any) -> bool:
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in json.dumps(value, ensure_ascii=False))
 
 
 @pytest.mark.parametrize("pk", ["²", "\u0661", "-1", "1e3", "99999999999999999999", "%00", "..", "1;2"])

@@ -11,6 +11,8 @@ from django.test import Client
 
 from portal.fleet.health import do_drain_gpu, do_health_event, do_undrain_gpu
 from portal.fleet.models import FleetEvent, Gpu
+from portal.telemetry.alerts import do_record_alerts
+from portal.telemetry.models import Alert
 from tests.portal.helpers import place_all, request
 from workers.agent import Agent
 from workers.drivers.process import ProcessDriver
@@ -23,15 +25,17 @@ def first_gpu(fleet: Any) -> Gpu:
     return Gpu.objects.filter(mig_enabled=False).order_by("host__name", "index").first()  # type: ignore[return-value]
 
 
-def test_an_xid_drains_the_gpu_once_with_an_alert(fleet: Any) -> None:
+def test_an_xid_drains_the_gpu_once(fleet: Any) -> None:
     gpu = first_gpu(fleet)
     event = {"uuid": gpu.uuid, "kind": "xid", "xid": 79, "detail": "fell off the bus", "t_ms": 0}
     assert do_health_event(gpu.host.name, event) is True
     assert do_health_event(gpu.host.name, event) is False  # the same fault again: nothing new
     gpu.refresh_from_db()
     assert gpu.state == "drained" and gpu.drain_reason == "XID error 79: fell off the bus"
-    [alert] = FleetEvent.objects.filter(severity="alert")
-    assert alert.gpu == gpu and alert.kind == "xid" and alert.acknowledged_at is None
+    # One alert per fault, the agent's (tests/workers/test_agent_health.py): the drain is
+    # an event of the fleet's log, not a second alert.
+    [drained] = FleetEvent.objects.filter(gpu=gpu)
+    assert (drained.kind, drained.severity) == ("xid", "info")
 
 
 def test_a_fault_on_a_mig_device_drains_its_gpu(fleet: Any) -> None:
@@ -67,11 +71,20 @@ def test_drained_gpus_take_no_new_sandboxes(people: Any, catalog: Any, fleet: An
     assert sandbox.state == "starting"
 
 
-def test_undrain_acknowledges_the_alerts(people: Any, fleet: Any) -> None:
+def test_undrain_closes_the_gpus_fault_alerts(people: Any, fleet: Any) -> None:
     gpu = first_gpu(fleet)
-    do_health_event(gpu.host.name, {"uuid": gpu.uuid, "kind": "overheat", "detail": "93.0 °C"})
+    fault = {"key": "h:gpu:ecc:1", "state": "raised", "kind": "ecc", "gpu": gpu.uuid, "sandbox": None}
+    hot = {**fault, "key": "h:gpu:temperature:1", "kind": "temperature"}
+    do_record_alerts(gpu.host.name, [{**fault, "message": "2 double-bit ECC errors", "t": 0}, hot])
+    do_health_event(gpu.host.name, {"uuid": gpu.uuid, "kind": "ecc_dbe", "detail": "2"})
     assert do_undrain_gpu(gpu.uuid, people["admin"])
-    assert not FleetEvent.objects.filter(severity="alert", acknowledged_at=None).exists()
+    # The agent never sees an ECC error go away: undraining is what clears it. A temperature
+    # alert clears itself as the GPU cools.
+    assert [(a.kind, a.is_open) for a in Alert.objects.order_by("kind")] == [
+        ("ecc", False),
+        ("temperature", True),
+    ]
+    assert Alert.objects.get(kind="ecc").clear_reason == f"GPU undrained by {people['admin']}"
     assert FleetEvent.objects.filter(kind="undrained", actor=people["admin"]).exists()
     assert not do_undrain_gpu(gpu.uuid, people["admin"])  # idempotent
 
@@ -99,31 +112,14 @@ def test_console_drain_needs_staff_and_a_reason(people: Any, fleet: Any) -> None
     assert gpu.state == "available"
 
 
-def test_agent_reports_injected_faults_and_overheat(tmp_path: Path, sent_tasks: Any) -> None:
-    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:2"))
-    agent = Agent("h", backend, ProcessDriver(tmp_path / "sandboxes", host="h"), tmp_path)
-    agent.inventory()
-    first, second = (g.uuid for g in backend.list_gpus())
-    backend.inject_xid(first, 48)
-    samples = {uuid: backend.sample(uuid) for uuid in (first, second)}
-    hot = samples[second].__class__(**{**vars(samples[second]), "temp_c": agent.temp_limit_c + 3})
-    agent.report_health({first: samples[first], second: hot}, {})
-    [(queue, _task, (host, events))] = [t for t in sent_tasks if t[1] == "gpu_health"]
-    assert queue == "control" and host == "h"
-    assert {(e["uuid"], e["kind"]) for e in events} == {(first, "xid"), (second, "overheat")}
-    sent_tasks.clear()
-    agent.report_health({second: hot}, {})  # still hot: reported once until it cools down
-    assert not [t for t in sent_tasks if t[1] == "gpu_health"]
-
-
 def test_agent_keeps_a_utilization_window_per_sandbox(tmp_path: Path) -> None:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     agent = Agent("h", backend, ProcessDriver(tmp_path / "sandboxes", host="h"), tmp_path)
-    agent.util_window_s = 60
-    assert agent.util_over_window("a1") is None
+    agent.utilization.window_s = 60
+    assert agent.utilization.over_window("a1") is None
     for second, util in enumerate([90.0] * 30 + [0.0] * 90):
-        agent.note_util("a1", second * 1000, util)
+        agent.utilization.note("a1", second * 1000, util)
     # Only the last 60 s count: the busy start has left the window.
-    assert agent.util_over_window("a1") == (0.0, 60.0)
-    agent.note_util("a1", 121_000, 60.0)
-    assert agent.util_over_window("a1") == (1.0, 60.0)
+    assert agent.utilization.over_window("a1") == (0.0, 60.0)
+    agent.utilization.note("a1", 121_000, 60.0)
+    assert agent.utilization.over_window("a1") == (1.0, 60.0)

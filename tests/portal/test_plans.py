@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,7 @@ def pump(sent: list[Any], agents: dict[str, Agent]) -> None:
         if task == "launch_sandbox":
             agent.launch(SandboxSpec.from_json(args[0]))
         elif task == "stop_sandbox":
-            agent.stop(*args)
+            agent.stop(args[0], args[2])
         elif task == "execute_plan":
             agent.execute_plan(*args)
         elif task == "report_inventory":
@@ -102,7 +103,7 @@ def pump(sent: list[Any], agents: dict[str, Agent]) -> None:
 
 def simulated_host(name: str, configs: list[SimulatedGpuConfig], tmp_path: Path) -> Agent:
     agent = Agent(name, SimulatedBackend(name, configs), MemoryDriver(), tmp_path / name)  # type: ignore[arg-type]
-    do_sync_inventory(name, "simulated", "memory", agent.inventory(), agent.host_facts())
+    do_sync_inventory(name, "simulated", "memory", agent.inventory.refresh(), agent.inventory.facts())
     return agent
 
 
@@ -224,7 +225,7 @@ def test_a_failing_checkpoint_hook_calls_the_relayout_off(
     hook = tmp_path / "hook"
     hook.write_text('#!/bin/sh\necho "cannot save job $GPUSHARE_SANDBOX_ID" >&2\nexit 3\n')
     hook.chmod(0o755)
-    monkeypatch.setenv("SANDBOX_CHECKPOINT_HOOK", str(hook))
+    mig_host.settings = replace(mig_host.settings, checkpoint_hook=str(hook))
     layout_before = layouts(mig_host)
 
     plan = do_start_mig_plan("mig1", "4g.40gb", max_disturbed=7)
@@ -252,7 +253,7 @@ def test_a_checkpoint_hook_runs_before_the_stop(
     hook = tmp_path / "hook"
     hook.write_text(f'#!/bin/sh\necho "$1 $GPUSHARE_SANDBOX_ID $GPUSHARE_PLAN_ID" >> {seen}\necho saved\n')
     hook.chmod(0o755)
-    monkeypatch.setenv("SANDBOX_CHECKPOINT_HOOK", str(hook))
+    mig_host.settings = replace(mig_host.settings, checkpoint_hook=str(hook))
     plan = do_start_mig_plan("mig1", "4g.40gb", max_disturbed=7)
     pump(sent_tasks, agents)
     plan.refresh_from_db()
@@ -292,7 +293,7 @@ def test_owner_stop_during_a_move_ends_the_sandbox_and_reconcile_leaves_movers_a
     mig_host.execute_plan(*execute[2])
     report = [m for m in sent_tasks if m[1] == "plan_executed"]
     sent_tasks.clear()
-    owned = mig_host.owned_report(mig_host.driver.list_owned())
+    owned = mig_host.reports.owned(mig_host.driver.list_owned())
     repairs = do_reconcile_host("mig1", timezone.now(), owned)
     assert not repairs
     moved = [s for s in (a, b) if str(s.pk) in MigPlan.from_json(plan.plan).disturbed]

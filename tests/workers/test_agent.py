@@ -62,7 +62,7 @@ def agent(tmp_path: Path) -> tuple[Agent, RecordingDriver, str]:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     driver = RecordingDriver()
     a = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
-    a.inventory()
+    a.inventory.refresh()
     return a, driver, backend.list_gpus()[0].uuid
 
 
@@ -103,10 +103,10 @@ def test_real_gpu_starts_the_daemon_or_fails_the_launch(
     a, driver, device = agent(tmp_path)
     monkeypatch.setattr(a.backend, "simulated", False)
     fake = FakeMps(tmp_path / "mps")
-    a.mps_daemons = MpsDaemons(fake)  # type: ignore[arg-type]
+    a.mps_daemons = a.lifecycle.mps_daemons = MpsDaemons(fake)  # type: ignore[arg-type]
     a.launch(spec(device))
     assert fake.started == [device] and len(driver.launched) == 1
-    a.mps_daemons = MpsDaemons(FakeMps(tmp_path / "mps", fail=True))  # type: ignore[arg-type]
+    a.mps_daemons = a.lifecycle.mps_daemons = MpsDaemons(FakeMps(tmp_path / "mps", fail=True))  # type: ignore[arg-type]
     a.launch(replace(spec(device), allocation_id="a2"))
     assert len(driver.launched) == 1
     [(_, _task, (sandbox_id, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
@@ -117,10 +117,14 @@ def test_memory_reported_by_pid_is_summed_per_sandbox(tmp_path: Path) -> None:
     a, _, device = agent(tmp_path)
     sample = a.backend.sample(device)
     sample = replace(sample, mem_by_owner={"pid:10": 100, "pid:11": 50, "pid:12": 7, "pid:99": 1})
-    a._pid_owner = {"pid:10": "a1", "pid:11": "a1", "pid:12": "a2"}
-    assert (a.memory_of(sample, "a1"), a.memory_of(sample, "a2"), a.memory_of(sample, "a3")) == (150, 7, 0)
+    a.reports._pid_owner = {"pid:10": "a1", "pid:11": "a1", "pid:12": "a2"}
+    assert (
+        a.reports.memory_of(sample, "a1"),
+        a.reports.memory_of(sample, "a2"),
+        a.reports.memory_of(sample, "a3"),
+    ) == (150, 7, 0)
     keyed = replace(sample, mem_by_owner={"a1": 4096})  # the simulated backend knows its owners
-    assert a.memory_of(keyed, "a1") == 4096
+    assert a.reports.memory_of(keyed, "a1") == 4096
 
 
 def test_a_launch_for_another_isolation_level_is_refused(tmp_path: Path, sent_tasks: Any) -> None:
@@ -144,8 +148,8 @@ class SlowListingDriver(RecordingDriver):
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         assert self.agent is not None
-        self.agent._build_report()  # a heartbeat's report, taken while this sandbox is set up
-        self.report_mid_launch = self.agent._report_ready[0] if self.agent._report_ready else []
+        self.agent.reports.build()  # a heartbeat's report, taken while this sandbox is set up
+        self.report_mid_launch = self.agent.reports.ready[0] if self.agent.reports.ready else []
         handle = super().launch(spec)
         self.listed.append(handle)
         return handle
@@ -161,14 +165,14 @@ def test_a_report_taken_during_a_launch_says_the_sandbox_is_coming(tmp_path: Pat
     driver = SlowListingDriver()
     a = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
     driver.agent = a
-    a.inventory()
+    a.inventory.refresh()
     a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))
     assert driver.report_mid_launch == [
         {"allocation_id": "a1", "sandbox_id": 7, "state": "created", "tracked": True}
     ]
-    a._build_report()
-    assert a._report_ready is not None
-    assert [(e["allocation_id"], e["state"]) for e in a._report_ready[0]] == [("a1", "running")]
+    a.reports.build()
+    assert a.reports.ready is not None
+    assert [(e["allocation_id"], e["state"]) for e in a.reports.ready[0]] == [("a1", "running")]
 
 
 def test_a_launch_that_crashes_is_no_longer_reported_as_coming(tmp_path: Path) -> None:
@@ -181,8 +185,8 @@ def test_a_launch_that_crashes_is_no_longer_reported_as_coming(tmp_path: Path) -
 
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     a = Agent("h", backend, CrashingDriver(), tmp_path)  # type: ignore[arg-type]
-    a.inventory()
+    a.inventory.refresh()
     with pytest.raises(OSError):
         a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))
-    a._build_report()
-    assert a.launching == {} and a._report_ready is not None and a._report_ready[0] == []
+    a.reports.build()
+    assert a.sandboxes.launching == {} and a.reports.ready is not None and a.reports.ready[0] == []

@@ -137,7 +137,7 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
     def _start_agent(self) -> Agent:
         agent = Agent("h", self.backend, self.driver, self.tmp)  # type: ignore[arg-type]
         agent.mps_daemons.handover_s = 0  # a conflicting launch is refused at once, not waited for
-        agent.inventory()
+        agent.inventory.refresh()
         self.driver.daemons = agent.mps_daemons
         return agent
 
@@ -222,7 +222,7 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
     @rule(data=st.data())
     def stop(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.driver.live)))
-        self.agent.stop(key, int(key[1:]), self.driver.handle(key).to_json())
+        self.agent.stop(key, self.driver.handle(key).to_json())
 
     @rule(index=st.integers(0, GPUS - 1), mode=st.sampled_from(MODES), late=st.booleans())
     def set_mode(self, index: int, mode: str, late: bool) -> None:
@@ -249,7 +249,7 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
         control plane has it adopt what runs, maybe after stopping some first (orphans)."""
         self.agent = self._start_agent()
         self.told = dict.fromkeys(self.gpus, "auto")  # a new agent knows no pin
-        self.agent._build_report()  # untracked sandboxes: nothing may be swept yet
+        self.agent.reports.build()  # untracked sandboxes: nothing may be swept yet
         for gpu in self.gpus:
             if any(self.kind[k] == "mps" for k in self.on(gpu)):
                 assert self.agent.mps_daemons.control.running(gpu), (
@@ -257,14 +257,14 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
                 )
         for key, stop in zip(sorted(self.driver.live), stop_first, strict=False):
             if stop:  # stopped before it was adopted
-                self.agent.stop(key, int(key[1:]), self.driver.handle(key).to_json())
+                self.agent.stop(key, self.driver.handle(key).to_json())
         for key in sorted(self.driver.live):
             self._send(self.driver.live[key])
-        self.agent._build_report()  # everything tracked: what no share holds is swept
+        self.agent.reports.build()  # everything tracked: what no share holds is swept
 
     @rule()
     def heartbeat(self) -> None:
-        self.agent._build_report()
+        self.agent.reports.build()
 
     # --- what must hold --------------------------------------------------------------------
 
@@ -316,7 +316,7 @@ def _mps_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def _agent(tmp_path: Path, driver: CheckingDriver) -> tuple[Agent, str]:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     agent = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
-    agent.inventory()
+    agent.inventory.refresh()
     driver.daemons = agent.mps_daemons
     return agent, backend.list_gpus()[0].uuid
 
@@ -334,7 +334,7 @@ def test_a_share_launched_while_the_last_one_stops_never_runs_without_its_daemon
 
         def stop_first(key: str = first, go: threading.Barrier = go) -> None:
             go.wait()
-            agent.stop(key, int(key[1:]), driver.handle(key).to_json())
+            agent.stop(key, driver.handle(key).to_json())
 
         def launch_second(
             key: str = second, go: threading.Barrier = go, delay: float = 0.003 * round_
@@ -350,7 +350,7 @@ def test_a_share_launched_while_the_last_one_stops_never_runs_without_its_daemon
             thread.join()
         assert not driver.violations, driver.violations
         assert set(driver.live) == {second} and agent.mps_daemons.control.running(gpu)
-        agent.stop(second, int(second[1:]), driver.handle(second).to_json())
+        agent.stop(second, driver.handle(second).to_json())
         assert not agent.mps_daemons.control.running(gpu)  # following demand: idle, no daemon
 
 
@@ -363,7 +363,7 @@ def test_a_whole_gpu_waits_for_the_last_share_to_stop_then_runs_without_the_daem
     driver.slow_stop_s = 0.3
     agent, gpu = _agent(tmp_path, driver)
     agent.launch(_spec("a1", (gpu,), "mps"))
-    stopping = threading.Thread(target=agent.stop, args=("a1", 1, driver.handle("a1").to_json()))
+    stopping = threading.Thread(target=agent.stop, args=("a1", driver.handle("a1").to_json()))
     stopping.start()
     time.sleep(0.05)  # the stop is under way, its share still registered
     agent.launch(_spec("a2", (gpu,), "dedicated"))
@@ -389,7 +389,7 @@ def test_a_resent_launch_that_fails_leaves_the_first_copys_claim(tmp_path: Path,
     driver.slow_stop_s = 0.3
     agent, gpu = _agent(tmp_path, driver)
     agent.launch(_spec("d1", (gpu,), "dedicated"))
-    stopping = threading.Thread(target=agent.stop, args=("d1", 1, driver.handle("d1").to_json()))
+    stopping = threading.Thread(target=agent.stop, args=("d1", driver.handle("d1").to_json()))
     stopping.start()
     time.sleep(0.05)  # the whole GPU's stop under way: both copies of the share wait for it
     launched = driver.launch
@@ -409,7 +409,7 @@ def test_a_resent_launch_that_fails_leaves_the_first_copys_claim(tmp_path: Path,
         copy.join()
     assert calls == ["s2", "s2"] and set(driver.live) == {"s2"}
     assert agent.mps_daemons.control.running(gpu), "the failed copy released the running share's daemon"
-    agent.stop("s2", 2, driver.handle("s2").to_json())
+    agent.stop("s2", driver.handle("s2").to_json())
     assert not agent.mps_daemons.control.running(gpu) and not driver.violations
 
 
@@ -417,9 +417,9 @@ def test_a_gpu_pinned_to_mps_keeps_its_daemon_until_it_is_unpinned(tmp_path: Pat
     driver = CheckingDriver()
     agent, gpu = _agent(tmp_path, driver)
     agent.launch(_spec("a1", (gpu,), "mps", pinned=True))
-    agent.stop("a1", 1, driver.handle("a1").to_json())
+    agent.stop("a1", driver.handle("a1").to_json())
     assert agent.mps_daemons.control.running(gpu)  # pinned: it stays up between shares
-    agent._build_report()  # and the heartbeat's sweep leaves it
+    agent.reports.build()  # and the heartbeat's sweep leaves it
     assert agent.mps_daemons.control.running(gpu)
     agent.gpu_mode(gpu, "auto")  # the admin lets it follow demand
     assert not agent.mps_daemons.control.running(gpu)
@@ -432,10 +432,10 @@ def test_a_daemon_left_up_by_an_agent_that_died_is_stopped_once_nothing_is_left_
     agent, gpu = _agent(tmp_path, driver)
     agent.launch(_spec("a1", (gpu,), "mps"))
     restarted, _ = _agent(tmp_path, driver)  # the daemon's marker survives, like its pid file
-    restarted._build_report()  # a1 runs, untracked: its daemon must stay
+    restarted.reports.build()  # a1 runs, untracked: its daemon must stay
     assert restarted.mps_daemons.control.running(gpu)
-    restarted.stop("a1", 1, driver.handle("a1").to_json())  # an orphan's stop: it was never adopted
-    restarted._build_report()  # nothing runs and nothing is left to adopt: the daemon goes
+    restarted.stop("a1", driver.handle("a1").to_json())  # an orphan's stop: it was never adopted
+    restarted.reports.build()  # nothing runs and nothing is left to adopt: the daemon goes
     assert not restarted.mps_daemons.control.running(gpu)
     assert isinstance(restarted.mps_daemons.control, SimulatedMps)
     assert restarted.mps_daemons.control.history == [("stop", gpu)]
@@ -447,5 +447,5 @@ def test_a_cpu_only_sandbox_claims_no_gpu(tmp_path: Path, sent_tasks: Any) -> No
     agent.launch(replace(_spec("a1", (), "dedicated"), cpu_limit=2.0))
     agent.launch(_spec("a2", (gpu,), "mps"))
     assert set(driver.live) == {"a1", "a2"} and not driver.violations
-    agent.stop("a1", 1, driver.handle("a1").to_json())
+    agent.stop("a1", driver.handle("a1").to_json())
     assert agent.mps_daemons.control.running(gpu)  # the share still holds it

@@ -12,12 +12,12 @@ import redis
 from django.conf import settings
 from redis.asyncio import Redis as AsyncRedis
 
-from workers import agent as agent_module
 from workers.agent import Agent
 from workers.alerts import XID_QUIET_S, AlertTracker
 from workers.drivers.base import SandboxSpec
 from workers.drivers.process import ProcessDriver
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+from workers.host import sampler as sampler_module
 from workers.rollups import MinuteRollups
 from workers.telemetry import GpuSampleMessage, read_latest
 
@@ -93,9 +93,10 @@ def test_throttling_and_xid() -> None:
     changes = run(tracker, [{"throttle": ["gpu_idle"]}] * 5 + [{"throttle": ["hw_thermal"]}] * 5)
     assert [(s, k) for s, _, k, _ in changes] == [(8, "throttle")]
     assert "hw_thermal" in changes[0][3]["message"]
-    [gpu_alert, box_alert] = tracker.note_xid("GPU-1", 79, 20_000, [7])
+    [gpu_alert] = tracker.note_fault("GPU-1", "xid", 79, "XID 79", 20_000)  # a device fault: the GPU's
+    [box_alert] = tracker.note_fault("GPU-1", "xid", 31, "XID 31", 20_000, [7])  # the tenant's own
     assert (gpu_alert["kind"], gpu_alert["sandbox"], box_alert["sandbox"]) == ("xid", None, 7)
-    assert tracker.note_xid("GPU-1", 79, 21_000, [7]) == []  # already open: not raised twice
+    assert tracker.note_fault("GPU-1", "xid", 79, "XID 79", 21_000) == []  # open: not raised twice
     quiet = run(tracker, [{}] * 3, start_s=21 + XID_QUIET_S)
     assert ("cleared", "xid") in {(st, k) for _, st, k, _ in quiet}
 
@@ -166,26 +167,26 @@ def test_a_tick_streams_rolls_up_raises_and_stores(
 ) -> None:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:2:mig=1"))
     agent = Agent("h", backend, ProcessDriver(tmp_path / "sandboxes", host="h"), tmp_path)
-    agent.inventory()
+    agent.inventory.refresh()
     plain, mig_gpu = backend.list_gpus()
     device = mig_gpu.mig_devices[0].uuid
-    agent.running["a1"] = SandboxSpec(
+    agent.sandboxes.running["a1"] = SandboxSpec(
         "a1", 7, "h", "vision", "olivia", "img", (), (plain.uuid,), False,
         milli_gpu=1000, price_per_gpu_hour_micros=3_600_000, tier="dedicated",
     )  # fmt: skip
-    agent.running["a2"] = SandboxSpec(
+    agent.sandboxes.running["a2"] = SandboxSpec(
         "a2", 8, "h", "vision", "olivia", "img", (), (device,), False, tier="mig"
     )
-    agent.started_ms.update({"a1": 0, "a2": 0})
+    agent.sandboxes.started_ms.update({"a1": 0, "a2": 0})
     backend.inject_overheat(plain.uuid, 95.0)
     layer = FakeLayer()
     clock = {"now": 60_000}
-    monkeypatch.setattr(agent_module, "_now_ms", lambda: clock["now"])
+    monkeypatch.setattr(sampler_module, "now_ms", lambda: clock["now"])
 
     async def ticks(n: int) -> None:
         client = AsyncRedis.from_url(settings.REDIS_URL)
         for tick in range(n):
-            await agent._publish_all(layer, tick, client)
+            await agent.sampler.publish_all(layer, tick, client)
             clock["now"] += 1000
         await client.aclose()
 
@@ -220,6 +221,6 @@ def test_heartbeat_carries_the_alert_policy_version(tmp_path: Path, sent_tasks: 
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     agent = Agent("h", backend, ProcessDriver(tmp_path / "sandboxes", host="h"), tmp_path)
     agent.set_alert_policy({"version": "abc", "fleet": {"temp_high_c": 70, "temp_clear_c": 60}})
-    agent.heartbeat()
+    agent.reports.heartbeat()
     [(_q, _t, args)] = [t for t in sent_tasks if t[1] == "agent_heartbeat"]
     assert args[-1] == "abc" and agent.alerts.fleet["temp_high_c"] == 70

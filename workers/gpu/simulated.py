@@ -46,8 +46,6 @@ FULL_LOAD_TEMP_C = 76.0
 THERMAL_TAU_S = 25.0
 THROTTLE_TEMP_C = 85.0  # software thermal slowdown from here
 HW_SLOWDOWN_TEMP_C = 92.0
-OVERHEAT_TEMP_C = 90.0  # a HealthEvent when crossed upwards
-OVERHEAT_REARM_C = 85.0  # ... and again only after cooling below this
 IDLE_CLOCK_FRACTION = 0.18  # idle SM clock as a share of max (H100: ~350 MHz)
 
 
@@ -159,7 +157,6 @@ class _Gpu:
     last_t: float
     migs: dict[str, MigDevice] = field(default_factory=dict)  # by MIG uuid
     lost: bool = False
-    overheating: bool = False
     ecc_corrected: int = 0
     ecc_uncorrected: int = 0
 
@@ -400,19 +397,11 @@ class SimulatedBackend:
             target = self._equilibrium(gpu)
             gpu.temp_c = target + (gpu.temp_c - target) * math.exp(-dt / THERMAL_TAU_S)
             gpu.last_t = now
-        self._check_overheat(gpu, now)
 
     def _advance_all(self) -> None:
         now = self._clock()
         for gpu in self._gpus.values():
             self._advance(gpu, now)
-
-    def _check_overheat(self, gpu: _Gpu, now: float) -> None:
-        if not gpu.overheating and gpu.temp_c > OVERHEAT_TEMP_C:
-            gpu.overheating = True
-            self._events.append(HealthEvent(gpu.uuid, "overheat", f"{gpu.temp_c:.1f} °C", int(now * 1000)))
-        elif gpu.overheating and gpu.temp_c < OVERHEAT_REARM_C:
-            gpu.overheating = False
 
     def _noise(self, uuid: str, now: float, what: str, amplitude: float) -> float:
         """Seeded noise keyed by device, quantity and 100 ms tick.
@@ -448,13 +437,13 @@ class SimulatedBackend:
                 self._events.append(HealthEvent(uuid, "ecc_dbe", detail, self._now_ms()))
 
     def inject_overheat(self, uuid: str, temp_c: float) -> None:
-        """Set the GPU's temperature now; it relaxes back toward equilibrium from there."""
+        """Set the GPU's temperature now; it relaxes back toward equilibrium from there. A
+        GPU reports its temperature, not a fault: the alert policy's temperature rule (on
+        the agent) decides when it is too hot, as it does for a real GPU."""
         with self._lock:
             gpu, _ = self._device(uuid)
-            now = self._clock()
-            self._advance(gpu, now)
+            self._advance(gpu, self._clock())
             gpu.temp_c = temp_c
-            self._check_overheat(gpu, now)
 
     def mark_lost(self, uuid: str) -> None:
         """The GPU fell off the bus: it leaves the inventory and every call on it fails."""

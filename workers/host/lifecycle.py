@@ -1,0 +1,135 @@
+"""Launching and stopping sandboxes from self-contained specs, and what each reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from workers import dispatch
+from workers.batch_output import OutputPump
+from workers.config import AgentSettings
+from workers.drivers import DRIVER_ISOLATION
+from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
+from workers.gpu.base import GpuBackend
+from workers.gpu.mps_daemons import MpsDaemons
+from workers.host.inventory import HostInventory
+from workers.host.sandboxes import HostSandboxes
+from workers.host.utilization import UtilizationWindows
+
+log = logging.getLogger(__name__)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class SandboxLifecycle:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        backend: GpuBackend,
+        driver: SandboxDriver,
+        sandboxes: HostSandboxes,
+        inventory: HostInventory,
+        mps_daemons: MpsDaemons,
+        utilization: UtilizationWindows,
+        output: OutputPump,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.driver = driver
+        self.sandboxes = sandboxes
+        self.inventory = inventory
+        self.mps_daemons = mps_daemons
+        self.utilization = utilization
+        self.output = output
+
+    def launch(self, spec: SandboxSpec) -> None:
+        box = self.sandboxes
+        with box.lock:
+            if spec.allocation_id in box.stopped:
+                log.info("launch of %s ignored: it was stopped already", spec.allocation_id)
+                return
+        gives = DRIVER_ISOLATION.get(self.driver.name)
+        if spec.isolation and gives and spec.isolation != gives:
+            # The scheduler places by isolation level; a mismatch means a stale or forged
+            # message, and running it anyway would give weaker isolation than was asked for.
+            self._failed(spec, f"host {self.settings.host} runs {gives} sandboxes, not {spec.isolation}")
+            return
+        # Before the driver: its GPU's MPS daemon up for a share, down for anything else. A
+        # repeated launch of what runs or is being launched claims nothing (``claim.new``), so
+        # its failure leaves the first copy's claim alone.
+        claim = self.mps_daemons.claim(spec)
+        if claim.refusal:
+            self._failed(spec, claim.refusal)
+            return
+        if spec.mps is not None and not spec.mps.pipe_dir and spec.device_uuids:
+            pipe = self.mps_daemons.control.pipe_dir(spec.device_uuids[0])
+            spec = dataclasses.replace(spec, mps=dataclasses.replace(spec.mps, pipe_dir=str(pipe)))
+        with box.lock:
+            box.launching[spec.allocation_id] = spec.sandbox_id
+        try:
+            handle = self.driver.launch(spec)
+        except BaseException as exc:  # a refusal (reported) or a bug (the task fails)
+            with box.lock:
+                box.launching.pop(spec.allocation_id, None)
+            if claim.new:
+                self.mps_daemons.release(spec.allocation_id)
+            if not isinstance(exc, DriverError):
+                raise
+            self._failed(spec, str(exc))
+            return
+        started = self.driver.status(handle).started_at_ms or now_ms()
+        with box.lock:
+            box.launching.pop(spec.allocation_id, None)  # the driver lists it from now on
+            stopped_meanwhile = spec.allocation_id in box.stopped
+            if not stopped_meanwhile:
+                box.running[spec.allocation_id] = spec
+                box.handles[spec.allocation_id] = handle
+                box.started_ms[spec.allocation_id] = started
+        if stopped_meanwhile:  # the stop overtook this launch: undo it, report nothing
+            self.driver.stop(handle, grace_s=0)
+            self.mps_daemons.release(spec.allocation_id)
+            return
+        if spec.device_uuids:  # a CPU-only sandbox loads no GPU
+            mem, util = self._simulated_load(spec)
+            self.backend.note_load(spec.allocation_id, list(spec.device_uuids), mem, util)
+        dispatch.to_control("sandbox_launched", spec.allocation_id, handle.to_json(), started)
+
+    def stop(self, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
+        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
+        self.stop_quietly(allocation_id, handle)
+        dispatch.to_control("sandbox_stopped", allocation_id, now_ms())
+
+    def stop_quietly(self, allocation_id: str, handle: SandboxHandle | None) -> None:
+        """Stop a sandbox and forget it, reporting nothing: ``stop`` reports the stop, a fleet
+        plan's report says it stopped (and the control plane relaunches it elsewhere)."""
+        box = self.sandboxes
+        with box.lock:
+            box.stopped.add(allocation_id)  # a late launch must not revive it
+            spec = box.running.get(allocation_id)
+        if handle is not None:
+            self.output.flush(spec, handle)  # a batch's last lines, before its files go
+            self.driver.stop(handle, grace_s=self.settings.stop_grace_s)
+        # Its processes are gone: the last share on a GPU that follows demand stops its daemon.
+        self.mps_daemons.release(allocation_id)
+        self.backend.forget_load(allocation_id)
+        with box.lock:
+            box.running.pop(allocation_id, None)
+            box.handles.pop(allocation_id, None)
+            box.started_ms.pop(allocation_id, None)
+        self.utilization.forget(allocation_id)
+
+    def find(self, allocation_id: str) -> SandboxHandle | None:
+        return next((h for h in self.driver.list_owned() if h.allocation_id == allocation_id), None)
+
+    def _failed(self, spec: SandboxSpec, message: str) -> None:
+        dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, message)
+
+    def _simulated_load(self, spec: SandboxSpec) -> tuple[int, float]:
+        """What a sandbox puts on a simulated GPU; real backends measure it instead."""
+        if spec.mps is not None:  # most of its pinned-memory limit, not all of it: no alert
+            return int(spec.mps.memory_mib * 0.8), float(spec.mps.thread_pct) * 0.9
+        return int(self.inventory.device_memory_mib(spec.device_uuids[0]) * 0.4), 85.0

@@ -1,0 +1,169 @@
+"""The heartbeat, and the report it carries of every sandbox on this host (for reconcile)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import redis
+
+from workers import config, dispatch, liveness
+from workers.config import AgentSettings
+from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle
+from workers.gpu.base import GpuBackend, GpuSample
+from workers.gpu.mps_daemons import MpsDaemons
+from workers.host.inventory import HostInventory
+from workers.host.lifecycle import now_ms
+from workers.host.sandboxes import HostSandboxes
+from workers.host.utilization import UtilizationWindows
+
+log = logging.getLogger(__name__)
+
+
+class HostReports:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        backend: GpuBackend,
+        driver: SandboxDriver,
+        sandboxes: HostSandboxes,
+        inventory: HostInventory,
+        mps_daemons: MpsDaemons,
+        utilization: UtilizationWindows,
+        alert_version: Callable[[], str],
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.driver = driver
+        self.sandboxes = sandboxes
+        self.inventory = inventory
+        self.mps_daemons = mps_daemons
+        self.utilization = utilization
+        self.alert_version = alert_version
+        self._redis: redis.Redis | None = None  # liveness key, written with each heartbeat
+        self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="agent-report")
+        self._job: Future[None] | None = None
+        self._job_lock = threading.Lock()
+        self.ready: tuple[list[dict[str, Any]], int] | None = None
+
+    def heartbeat(self) -> None:
+        """Beat, with the newest finished report of what this host runs.
+
+        The report is built on its own thread: listing sandboxes can block behind a slow
+        driver call (libvirt serialises a connection while it defines a domain, ~40 s on a
+        host with a root-only /dev/kvm), and a beat held up by it would get a healthy host
+        marked lost. A report goes out once, with the time its listing began.
+        """
+        with self._job_lock:
+            if self._job is None or self._job.done():
+                self._job = self._builder.submit(self.build)
+            ready, self.ready = self.ready, None
+        owned, owned_ms = ready if ready is not None else (None, None)
+        beat_ms = now_ms()
+        try:
+            liveness.note_alive(self._liveness_redis(), self.settings.host, beat_ms)
+        except redis.RedisError as exc:  # the beat below still goes (or fails) on its own
+            log.warning("liveness not written: %s", exc)
+        dispatch.to_control(
+            "agent_heartbeat",
+            self.settings.host,
+            beat_ms,
+            self.backend.name,
+            self.driver.name,
+            owned,
+            owned_ms,
+            self.alert_version(),
+        )
+
+    def _liveness_redis(self) -> redis.Redis:
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(config.redis_url(), socket_timeout=2)
+        return self._redis
+
+    def build(self) -> None:
+        taken_ms = now_ms()
+        with self.sandboxes.lock:  # before listing: a launch leaves this only once the driver lists it
+            launching = dict(self.sandboxes.launching)
+        try:
+            handles = self.driver.list_owned()  # listed once, for all uses
+            self.refresh_pid_owners(handles)
+            owned = self.owned(handles, launching)
+        except DriverError as exc:  # the engine is down: beat anyway, reconcile next time
+            log.warning("cannot list sandboxes for the report: %s", exc)
+            return
+        if all(entry.get("tracked") for entry in owned):
+            # Everything that runs here is registered with the daemons (none left to adopt
+            # after a restart): a daemon no share holds was left up, and goes.
+            self.mps_daemons.sweep(g.uuid for g in self.inventory.gpus)
+        with self._job_lock:
+            self.ready = (owned, taken_ms)
+
+    def refresh_pid_owners(self, handles: list[SandboxHandle]) -> None:
+        """Which sandbox each host pid belongs to, for backends (NVML) that report GPU memory
+        by process. Drivers without ``pids`` (or failing) leave the memory unattributed."""
+        pids_of = getattr(self.driver, "pids", None)
+        if pids_of is None or self.backend.simulated:
+            return
+        owners: dict[str, str] = {}
+        running = set(self.sandboxes.specs())
+        for handle in handles:
+            if handle.allocation_id in running:
+                with contextlib.suppress(DriverError):
+                    owners.update({f"pid:{pid}": handle.allocation_id for pid in pids_of(handle)})
+        self._pid_owner = owners
+
+    def memory_of(self, sample: GpuSample, allocation_id: str) -> int:
+        """MiB of GPU memory a sandbox holds: the backend's figure for it (simulated), or the
+        sum over its processes (NVML reports memory by pid, MPS clients included)."""
+        if allocation_id in sample.mem_by_owner:
+            return sample.mem_by_owner[allocation_id]
+        return sum(m for k, m in sample.mem_by_owner.items() if self._pid_owner.get(k) == allocation_id)
+
+    def owned(
+        self, handles: list[SandboxHandle], launching: dict[str, int] | None = None
+    ) -> list[dict[str, Any]]:
+        """Every sandbox the driver owns on this host (``handles``, found by labels or names,
+        so they survive a restart of this agent), with its state and whether this agent
+        tracks it; and those still being launched (``launching``), as ``created``: without
+        them a report taken during a launch and read once the sandbox runs would call it
+        vanished (the driver's start time precedes the report, its listing does not)."""
+        tracked = set(self.sandboxes.specs())
+        self.utilization.keep_only(tracked)
+        report = []
+        for handle in handles:
+            status = self.driver.status(handle)
+            if status.state == "missing":
+                continue
+            report.append(
+                {
+                    "allocation_id": handle.allocation_id,
+                    "sandbox_id": handle.sandbox_id,
+                    "state": status.state,
+                    "exit_code": status.exit_code,
+                    "reason": status.reason,
+                    "started_at_ms": status.started_at_ms,
+                    "handle": handle.to_json(),
+                    "tracked": handle.allocation_id in tracked,
+                    "util": self.utilization.over_window(handle.allocation_id),
+                }
+            )
+        listed = {entry["allocation_id"] for entry in report}
+        for allocation_id, sandbox_id in (launching or {}).items():
+            if allocation_id not in listed:
+                report.append(
+                    {
+                        "allocation_id": allocation_id,
+                        "sandbox_id": sandbox_id,
+                        "state": "created",
+                        "tracked": True,
+                    }
+                )
+        return report
+
+    def shutdown(self) -> None:
+        self._builder.shutdown(wait=False)

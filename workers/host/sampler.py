@@ -1,0 +1,207 @@
+"""The telemetry loop: every tick, sample each GPU and stream it, then each sandbox's device
+to the sandbox's group; fold everything into the minute's rollups, run the alert rules and
+the health checks, keep the newest samples for /metrics, and ship batch output."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+from redis.asyncio import Redis as AsyncRedis
+
+from portal.billing.pricing import cost_micros
+from workers import config, dispatch
+from workers.alerts import AlertTracker
+from workers.batch_output import OutputPump
+from workers.drivers.base import SandboxSpec
+from workers.gpu.base import GpuBackend, GpuBackendError, GpuSample
+from workers.host.health import GpuHealth
+from workers.host.inventory import HostInventory
+from workers.host.lifecycle import now_ms
+from workers.host.reports import HostReports
+from workers.host.sandboxes import HostSandboxes
+from workers.host.utilization import UtilizationWindows
+from workers.rollups import MinuteRollups
+from workers.telemetry import (
+    FLEET_GROUP,
+    AlertMessage,
+    GpuSampleMessage,
+    SandboxFigures,
+    fleet_message,
+    gpu_group,
+    make_layer,
+    publish,
+    sample_message,
+    sandbox_group,
+    store_latest,
+)
+
+log = logging.getLogger(__name__)
+FLEET_EVERY = 5  # the fleet group gets one sample in five
+
+
+class Sampler:
+    def __init__(
+        self,
+        host: str,
+        backend: GpuBackend,
+        sandboxes: HostSandboxes,
+        inventory: HostInventory,
+        reports: HostReports,
+        health: GpuHealth,
+        alerts: AlertTracker,
+        utilization: UtilizationWindows,
+        output: OutputPump,
+    ) -> None:
+        self.host = host
+        self.backend = backend
+        self.sandboxes = sandboxes
+        self.inventory = inventory
+        self.reports = reports
+        self.health = health
+        self.alerts = alerts
+        self.utilization = utilization
+        self.output = output
+        self.rollups = MinuteRollups()
+        self.stopping = threading.Event()
+
+    async def sample_forever(self, interval_s: float, heartbeat_s: float) -> None:
+        layer = make_layer(config.redis_url())
+        latest = AsyncRedis.from_url(config.redis_url())
+        tick = 0
+        next_beat = 0.0
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            if started >= next_beat:
+                await asyncio.to_thread(self.reports.heartbeat)
+                next_beat = started + heartbeat_s
+            try:
+                await self.publish_all(layer, tick, latest)
+            except Exception:  # a bug must not stop the stream for good
+                log.exception("sampling failed")
+            tick += 1
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+    def figures(
+        self, allocation_id: str, spec: SandboxSpec, t_ms: int, mem_mib: int, util_pct: float | None
+    ) -> SandboxFigures:
+        started = self.sandboxes.started_ms.get(allocation_id, t_ms)
+        elapsed_us = max(0, t_ms - started) * 1000
+        cost = cost_micros(spec.price_per_gpu_hour_micros, spec.milli_gpu, elapsed_us)
+        return SandboxFigures(mem_mib=mem_mib, util_pct=util_pct, cost_micros=cost)  # type: ignore[typeddict-item]
+
+    def _sample(self, uuid: str) -> GpuSample | None:
+        """One device's sample; None when the device stopped answering (its GPU is then
+        dropped and reported lost), so one lost GPU does not stop the rest of the host."""
+        try:
+            return self.backend.sample(uuid)
+        except GpuBackendError as exc:
+            log.error("sampling %s on %s failed: %s", uuid, self.host, exc)
+            self.health.gpu_lost(self.inventory.parent_of().get(uuid, uuid))
+            return None
+
+    async def publish_all(self, layer: Any, tick: int, latest: Any) -> None:
+        running = self.sandboxes.specs()
+        t_ms = now_ms()
+        closed = self.rollups.roll(t_ms)
+        if closed is not None:
+            await asyncio.to_thread(dispatch.to_control, "telemetry_rollups", self.host, closed)
+        parent_of = self.inventory.parent_of()
+        samples: dict[str, GpuSample] = {}  # a dedicated sandbox's device is its GPU: sampled once
+        newest: list[GpuSampleMessage] = []
+        changes: list[AlertMessage] = []
+        for gpu in list(self.inventory.gpus):
+            sample = self._sample(gpu.uuid)
+            if sample is None:
+                continue
+            samples[gpu.uuid] = sample
+            devices = {gpu.uuid} | {m.uuid for m in gpu.mig_devices}
+            figures = {
+                str(spec.sandbox_id): self.figures(
+                    key, spec, t_ms, self.reports.memory_of(sample, key), sample.util_pct
+                )
+                for key, spec in running.items()
+                if set(spec.device_uuids) & devices
+            }
+            message = sample_message(
+                sample, self.host, self.backend.simulated, figures, self.health.last_xid.get(gpu.uuid, 0)
+            )
+            await publish(layer, gpu_group(gpu.uuid), message)
+            newest.append(message)
+            self.rollups.add_gpu(message)
+            changes += self.alerts.observe_gpu(message, t_ms)
+        if tick % FLEET_EVERY == 0 and newest:
+            # The fleet gets the host's GPUs as one message: a burst of one per GPU would queue
+            # behind each other in every fleet watcher's channel and age the GPU streams too.
+            await publish(layer, FLEET_GROUP, fleet_message(self.host, t_ms, list(newest)))
+        changes += await asyncio.to_thread(self.health.report, running, changes, parent_of)
+        changes += await self._publish_sandboxes(layer, running, samples, parent_of, newest, t_ms)
+        live = {f"gpu:{g.uuid}" for g in self.inventory.gpus} | {f"gpu:{u}" for u in self.health.lost}
+        live |= {f"sandbox:{s.sandbox_id}" for s in running.values()}
+        changes += self.alerts.forget(live, t_ms)
+        await store_latest(latest, self.host, newest)
+        for piece in await asyncio.to_thread(self.output.collect, running):
+            await publish(layer, sandbox_group(piece["sandbox"]), piece)
+        if changes:
+            await self._publish_alerts(layer, changes)
+
+    async def _publish_sandboxes(
+        self,
+        layer: Any,
+        running: dict[str, SandboxSpec],
+        samples: dict[str, GpuSample],
+        parent_of: dict[str, str],
+        newest: list[GpuSampleMessage],
+        t_ms: int,
+    ) -> list[AlertMessage]:
+        """Each sandbox's device to its group; its utilization window, rollups and alerts."""
+        by_device: dict[str, list[tuple[str, SandboxSpec]]] = {}
+        for key, spec in running.items():
+            for device in spec.device_uuids:
+                by_device.setdefault(device, []).append((key, spec))
+        changes: list[AlertMessage] = []
+        for device, holders in by_device.items():
+            gpu_uuid = parent_of.get(device, device)
+            if gpu_uuid in self.health.lost:
+                continue
+            device_sample = samples.get(device) or self._sample(device)
+            if device_sample is None:
+                continue
+            for key, spec in holders:
+                self.utilization.note(key, t_ms, device_sample.util_pct)
+                own_figures = self.figures(
+                    key, spec, t_ms, self.reports.memory_of(device_sample, key), device_sample.util_pct
+                )
+                own = sample_message(
+                    device_sample,
+                    self.host,
+                    self.backend.simulated,
+                    {str(spec.sandbox_id): own_figures},
+                    self.health.last_xid.get(gpu_uuid, 0),
+                    parent_of.get(device, ""),
+                )
+                await publish(layer, sandbox_group(spec.sandbox_id), own)
+                if device != spec.device_uuids[0]:
+                    continue  # a multi-GPU sandbox is rolled up and judged by its first GPU
+                self.rollups.add_sandbox(str(spec.sandbox_id), own_figures, own)
+                limit = spec.mps.memory_mib if spec.mps else device_sample.mem_total_mib
+                changes += self.alerts.observe_sandbox(
+                    spec.sandbox_id, spec.tier, gpu_uuid, own, own_figures["mem_mib"], limit, t_ms
+                )
+                if device in parent_of:
+                    newest.append(own)  # a MIG device's own figures, for /metrics
+        return changes
+
+    async def _publish_alerts(self, layer: Any, changes: list[AlertMessage]) -> None:
+        """Live to the subject's groups and the fleet; stored by the control worker."""
+        for change in changes:
+            groups = {FLEET_GROUP, gpu_group(change["gpu"])}
+            if change["sandbox"] is not None:
+                groups.add(sandbox_group(change["sandbox"]))
+            for group in groups:
+                await publish(layer, group, change)
+        log.warning("alerts on %s: %s", self.host, [(c["state"], c["message"]) for c in changes])
+        await asyncio.to_thread(dispatch.to_control, "telemetry_alerts", self.host, changes)
