@@ -27,6 +27,7 @@ import pytest
 
 from workers.drivers import uids
 from workers.drivers.base import MpsShare, SandboxSpec
+from workers.gpu import mps
 from workers.gpu.mps import PID_FILE, MpsError, MpsManager, _alive
 
 GPU_A = "GPU-0d6bde6e-8b1e-4a4a-9a64-6a3c2c2f5a10"
@@ -284,3 +285,43 @@ def test_share_feeds_the_sandbox_environment(manager: MpsManager) -> None:
     )
     with pytest.raises(MpsError, match=r"1\.\.100"):
         manager.share(GPU_A, 101, 1)
+
+
+HOLDS_STDOUT = """#!/bin/sh
+# Like the real binary's -d: the daemon it leaves behind inherits stdout and stderr.
+if [ "$1" = "-d" ]; then
+    echo "starting the daemon"
+    sleep 60 &
+    echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+    exit 0
+fi
+exit 1
+"""
+
+
+def test_start_returns_while_the_daemon_holds_the_inherited_stdout(
+    var_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under capture_output the start read the daemon's stdout to its end, which comes only
+    when the daemon exits: it timed out (15 s) with the daemon up."""
+    binary = var_dir / "holds-stdout"
+    binary.write_text(HOLDS_STDOUT)
+    binary.chmod(0o755)
+    monkeypatch.setattr(mps, "COMMAND_TIMEOUT_S", 3.0)  # the old code's wait, shortened
+    manager = MpsManager(var_dir / "mps", control_binary=str(binary))
+    try:
+        assert manager.start(GPU_A) is True
+        assert (manager.log_dir(GPU_A) / mps.START_LOG).read_text() == "starting the daemon\n"
+    finally:
+        pid_file = manager.pipe_dir(GPU_A) / PID_FILE
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_failed_start_says_what_the_binary_printed(var_dir: Path) -> None:
+    binary = var_dir / "fails"
+    binary.write_text('#!/bin/sh\necho "An instance of this daemon is already running" >&2\nexit 1\n')
+    binary.chmod(0o755)
+    manager = MpsManager(var_dir / "mps", control_binary=str(binary))
+    with pytest.raises(MpsError, match="exited 1: An instance of this daemon is already running"):
+        manager.start(GPU_A)

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from workers.drivers import uids
 from workers.drivers.base import MpsShare
@@ -39,6 +40,10 @@ DEVICE_INDEX = 0
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 15.0
+START_LOG = "start.log"  # in the log directory: what ``-d`` printed before it forked
+# How the manager runs the control binary (and systemd-run): subprocess.run's signature, a seam
+# for tests that check command lines.
+Runner = Callable[..., "subprocess.CompletedProcess[Any]"]
 
 
 def mps_root(host: str, var_dir: Path) -> Path:
@@ -70,10 +75,12 @@ class MpsManager:
         root: Path | str,
         control_binary: str = CONTROL_BINARY,
         clock: Callable[[], float] = time.monotonic,
+        runner: Runner = subprocess.run,
     ) -> None:
         self.root = Path(root)  # mps_root(): holds <uuid>/pipe and <uuid>/log per device
         self.control_binary = control_binary
         self._clock = clock
+        self._runner = runner
         self._lock = threading.RLock()
 
     # -- paths and environment ----------------------------------------------------------------
@@ -131,12 +138,7 @@ class MpsManager:
             self._make_dirs(device_uuid)
             # A pid file left by a daemon that died (host crash, kill -9) would hide the new one.
             (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
-            result = self._run(device_uuid, ["-d"], "")
-            if result.returncode != 0:
-                raise MpsError(
-                    f"{self.control_binary} -d for {device_uuid} exited {result.returncode}: "
-                    f"{(result.stderr or result.stdout).strip()}"
-                )
+            self._spawn_daemon(device_uuid)
             deadline = self._clock() + START_TIMEOUT_S
             while not self.running(device_uuid):
                 if self._clock() > deadline:
@@ -246,9 +248,40 @@ class MpsManager:
             return None  # being written, or garbage: not a daemon we can talk to
         return pid if _alive(pid) else None
 
+    def _spawn_daemon(self, device_uuid: str) -> None:
+        """Run ``<control> -d``, its output into ``start.log`` in the log directory.
+
+        Never into pipes: the daemon it forks keeps the inherited stdout and stderr open, so
+        reading them to their end (``capture_output``) waits as long as the daemon lives, and
+        the start ran into its timeout although the daemon was up (review §3.1). A file has no
+        end to wait for; what the binary said before it forked is read back from it."""
+        argv = [self.control_binary, "-d"]
+        output = self.log_dir(device_uuid) / START_LOG
+        with output.open("ab") as sink:
+            offset = sink.tell()
+            try:
+                result = self._runner(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    env=self.env(device_uuid),
+                    timeout=COMMAND_TIMEOUT_S,
+                    check=False,
+                )
+            except FileNotFoundError as err:
+                raise MpsError(f"{argv[0]} not found: is the NVIDIA driver installed?") from err
+            except subprocess.TimeoutExpired as err:
+                raise MpsError(f"{' '.join(argv)} for {device_uuid} timed out") from err
+        if result.returncode != 0:
+            with output.open("rb") as said:
+                said.seek(offset)
+                text = said.read(4096).decode(errors="replace").strip()
+            raise MpsError(f"{' '.join(argv)} for {device_uuid} exited {result.returncode}: {text}")
+
     def _run(self, device_uuid: str, args: list[str], stdin: str) -> subprocess.CompletedProcess[str]:
         try:
-            return subprocess.run(  # noqa: S603 - a fixed binary, no shell, arguments we build
+            return self._runner(
                 [self.control_binary, *args],
                 input=stdin,
                 env=self.env(device_uuid),
