@@ -28,7 +28,7 @@ import pytest
 from workers.drivers import uids
 from workers.drivers.base import MpsShare, SandboxSpec
 from workers.gpu import mps
-from workers.gpu.mps import PID_FILE, MpsError, MpsManager, _alive
+from workers.gpu.mps import PID_FILE, MpsError, MpsManager, _alive, device_key, mps_root
 
 GPU_A = "GPU-0d6bde6e-8b1e-4a4a-9a64-6a3c2c2f5a10"
 GPU_B = "GPU-5b3f0b83-2f5e-4b63-a3a8-9a0b5f1c7e22"
@@ -175,11 +175,13 @@ def test_start_gives_the_pipe_dir_to_the_devices_clients_alone_and_binds_the_dae
     assert not manager.running(GPU_A)
     assert manager.start(GPU_A) is True
     assert manager.running(GPU_A)
-    pipe, logs = var_dir / "mps" / GPU_A / "pipe", var_dir / "mps" / GPU_A / "log"
+    key = device_key(GPU_A)
+    pipe, logs = var_dir / "mps" / key / "pipe", var_dir / "mps" / key / "log"
     assert (manager.pipe_dir(GPU_A), manager.log_dir(GPU_A)) == (pipe, logs)
+    assert (var_dir / "mps" / key / "device").read_text() == GPU_A + "\n"
     # Traversable down to the pipe directory, listable by nobody else; only the device's MPS
     # uid (every client of this daemon runs as it) may enter the pipe directory.
-    dirs = (var_dir / "mps", var_dir / "mps" / GPU_A, pipe, logs)
+    dirs = (var_dir / "mps", var_dir / "mps" / key, pipe, logs)
     assert [mode(d) for d in dirs] == [0o711, 0o711, 0o700, 0o700]
     client = uids.mps_uid(GPU_A) if os.geteuid() == 0 else os.geteuid()
     assert pipe.stat().st_uid == client
@@ -269,7 +271,7 @@ def test_errors_are_mps_errors(manager: MpsManager, var_dir: Path, monkeypatch: 
     with pytest.raises(MpsError, match="not found: is the NVIDIA driver installed"):
         missing.start(GPU_B)
     deep = MpsManager(var_dir / ("x" * 80) / "mps", control_binary=str(var_dir / "nope"))
-    with pytest.raises(MpsError, match="too long for a UNIX socket"):
+    with pytest.raises(MpsError, match=r"too long for a UNIX socket .* set MPS_DIR to a shorter"):
         deep.start(GPU_A)
 
 
@@ -324,4 +326,27 @@ def test_a_failed_start_says_what_the_binary_printed(var_dir: Path) -> None:
     binary.chmod(0o755)
     manager = MpsManager(var_dir / "mps", control_binary=str(binary))
     with pytest.raises(MpsError, match="exited 1: An instance of this daemon is already running"):
+        manager.start(GPU_A)
+
+
+def test_socket_paths_fit_whatever_the_hostname(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Finding 6: the root agent's path held the hostname and the full UUID, so a hostname of
+    19 characters or more (an FQDN) put the control socket past 107 bytes."""
+    monkeypatch.delenv("MPS_DIR", raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    host = "gpu-node-017.rack-12.datacenter-west.example.internal"
+    root = mps_root(host, tmp_path)
+    assert root == Path("/run/gpushare/mps")
+    socket_path = MpsManager(root).pipe_dir(MIG) / "control"
+    assert socket_path == Path("/run/gpushare/mps", device_key(MIG), "pipe", "control")
+    assert len(os.fsencode(socket_path)) <= 40
+    monkeypatch.setenv("MPS_DIR", "/srv/mps")
+    assert mps_root(host, tmp_path) == Path("/srv/mps")
+
+
+def test_two_devices_on_one_key_are_refused_not_mixed_up(manager: MpsManager) -> None:
+    directory = manager.pipe_dir(GPU_A).parent
+    directory.mkdir(parents=True)
+    (directory / "device").write_text(GPU_B + "\n")  # as if GPU_B's UUID hashed to GPU_A's key
+    with pytest.raises(MpsError, match=f"belongs to {GPU_B}, not {GPU_A}: their keys collide"):
         manager.start(GPU_A)

@@ -2,9 +2,10 @@
 
 Each device gets its own ``nvidia-cuda-mps-control`` daemon, started with
 ``CUDA_VISIBLE_DEVICES`` set to that device's UUID and its own pipe and log directories
-(``<mps_root>/<uuid>/{pipe,log}``, see ``mps_root``), so a client can only reach the daemon of the device it
-was given, and stopping one device's daemon leaves the others alone. Sandboxes get the pipe
-directory (``MpsShare.pipe_dir``); the drivers mount it and set ``CUDA_MPS_*`` from the share.
+(``<mps_root>/<device_key>/{pipe,log}``, see ``mps_root``), so a client can only reach the
+daemon of the device it was given, and stopping one device's daemon leaves the others alone.
+Sandboxes get the pipe directory (``MpsShare.pipe_dir``); the drivers mount it and set
+``CUDA_MPS_*`` from the share.
 
 Everything goes through the control binary as NVIDIA documents it (``man
 nvidia-cuda-mps-control``): ``-d`` starts the daemon in the background; commands are lines
@@ -16,6 +17,7 @@ recognised, so ``start`` is idempotent across agent restarts.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import subprocess
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 PID_FILE = "nvidia-cuda-mps-control.pid"  # written by the daemon into its pipe directory
 CONTROL_SOCKET = "control"  # the daemon's UNIX socket in the pipe directory
+DEVICE_FILE = "device"  # in the device's directory: the UUID it belongs to
 SOCKET_PATH_MAX = 108  # sun_path of struct sockaddr_un on Linux, NUL included
 # With CUDA_VISIBLE_DEVICES naming one device, the daemon sees it as device 0: the <dev>
 # argument of the memory-limit commands counts visible devices, not host indices.
@@ -48,14 +51,27 @@ Runner = Callable[..., "subprocess.CompletedProcess[Any]"]
 
 def mps_root(host: str, var_dir: Path) -> Path:
     """Where a host's MPS pipe and log directories live: ``MPS_DIR`` when set; else, for an
-    agent running as root, ``/run/gpushare/<host>/mps``: sandboxes run as unprivileged uids
-    that must traverse every directory above the pipe directory bwrap binds (a checkout under
-    /root, 0700, would hide it), and a short path keeps ``<pipe>/control`` within a UNIX
-    socket's 107 bytes. A non-root agent's sandboxes run as its own uid: ``<var_dir>/mps``."""
+    agent running as root, ``/run/gpushare/mps``: sandboxes run as unprivileged uids that must
+    traverse every directory above the pipe directory bwrap binds (a checkout under /root,
+    0700, would hide it), and the short path keeps ``<pipe>/control`` within a UNIX socket's
+    107 bytes whatever the hostname (``/run/gpushare/mps/<8 hex>/pipe/control`` is 38 bytes;
+    the host's name in it made any hostname over 18 characters refuse every share, review
+    finding 6). A non-root agent's sandboxes run as its own uid: ``<var_dir>/mps``. ``host`` is
+    no longer part of the path; the parameter stays for callers (GPU UUIDs are unique to a
+    host already, simulated ones included)."""
+    del host
     configured = os.environ.get("MPS_DIR")
     if configured:
         return Path(configured)
-    return Path("/run/gpushare", host, "mps") if os.geteuid() == 0 else var_dir / "mps"
+    return Path("/run/gpushare/mps") if os.geteuid() == 0 else var_dir / "mps"
+
+
+def device_key(device_uuid: str) -> str:
+    """The short name of a device's directory (and of its systemd unit): 8 hex digits of the
+    UUID's SHA-256. A UUID (40 characters for a GPU, 41 for a MIG device) would take a third
+    of the socket path's budget; ``DEVICE_FILE`` in the directory names the device, so two
+    UUIDs meeting on one key (one pair in 4 billion) are refused, never mixed up."""
+    return hashlib.sha256(device_uuid.encode()).hexdigest()[:8]
 
 
 class MpsError(RuntimeError):
@@ -92,10 +108,10 @@ class MpsManager:
         return self._device_dir(device_uuid) / "log"
 
     def _device_dir(self, device_uuid: str) -> Path:
-        # A UUID goes into a path: refuse anything that could climb out of var_dir/mps.
+        # Only the UUID's hash goes into the path, but an empty or odd one is a caller's bug.
         if not device_uuid or "/" in device_uuid or device_uuid in (".", "..") or "\0" in device_uuid:
             raise MpsError(f"not a device UUID: {device_uuid!r}")
-        return self.root / device_uuid
+        return self.root / device_key(device_uuid)
 
     def env(self, device_uuid: str) -> dict[str, str]:
         """The environment every call for this device runs in: daemon and commands alike."""
@@ -132,8 +148,9 @@ class MpsManager:
             if len(os.fsencode(socket_path)) >= SOCKET_PATH_MAX:
                 # The daemon would fail to bind with a vague message; say why up front.
                 raise MpsError(
-                    f"{socket_path} is too long for a UNIX socket ({SOCKET_PATH_MAX - 1} bytes at "
-                    "most): choose a shorter var dir"
+                    f"MPS control socket {socket_path} is {len(os.fsencode(socket_path))} bytes, too "
+                    f"long for a UNIX socket ({SOCKET_PATH_MAX - 1} at most): set MPS_DIR to a "
+                    "shorter directory (the default for a root agent is /run/gpushare/mps)"
                 )
             self._make_dirs(device_uuid)
             # A pid file left by a daemon that died (host crash, kill -9) would hide the new one.
@@ -227,6 +244,7 @@ class MpsManager:
         self.root.parent.mkdir(parents=True, exist_ok=True)
         for directory in (self.root, self._device_dir(device_uuid)):
             _make_dir(directory, 0o711)
+        _claim_key(self._device_dir(device_uuid), device_uuid)
         pipe, logs = self._dirs(device_uuid)
         _make_dir(logs, 0o700)
         _make_dir(pipe, 0o700)
@@ -321,6 +339,7 @@ class SimulatedMps(MpsManager):
                 return False
             pipe = self.pipe_dir(device_uuid)
             pipe.mkdir(parents=True, exist_ok=True)
+            _claim_key(self._device_dir(device_uuid), device_uuid)
             # The mount is real: the sandbox's uid must be able to traverse down to it (mkdir's
             # mode is cut by the umask).
             for directory in (pipe, *pipe.parents):
@@ -340,6 +359,18 @@ class SimulatedMps(MpsManager):
             self.history.append(("stop", device_uuid))
             log.info("simulated MPS control daemon for %s stopped", device_uuid)
             return True
+
+
+def _claim_key(directory: Path, device_uuid: str) -> None:
+    """Name the device in its directory, or refuse one another device's UUID named first."""
+    named = directory / DEVICE_FILE
+    try:
+        owner = named.read_text().strip()
+    except FileNotFoundError:
+        named.write_text(device_uuid + "\n")
+        return
+    if owner != device_uuid:
+        raise MpsError(f"{directory} belongs to {owner}, not {device_uuid}: their keys collide")
 
 
 def _make_dir(path: Path, mode: int) -> None:
