@@ -34,6 +34,10 @@ class FakeMps:
     def __init__(self, root: Path, fail: bool = False) -> None:
         self.root, self.fail = root, fail
         self.started: list[str] = []
+        self.limits: dict[str, tuple[int, int]] = {}
+
+    def set_server_limits(self, device: str, thread_pct: int, memory_mib: int) -> None:
+        self.limits[device] = (thread_pct, memory_mib)
 
     def pipe_dir(self, device: str) -> Path:
         return self.root / device / "pipe"
@@ -107,6 +111,7 @@ def test_real_gpu_starts_the_daemon_or_fails_the_launch(
     a.mps_daemons = MpsDaemons(fake)  # type: ignore[arg-type]
     a.launch(spec(device))
     assert fake.started == [device] and len(driver.launched) == 1
+    assert fake.limits == {device: (30, 4096)}  # the server's, before the sandbox starts
     a.mps_daemons = MpsDaemons(FakeMps(tmp_path / "mps", fail=True))  # type: ignore[arg-type]
     a.launch(replace(spec(device), allocation_id="a2"))
     assert len(driver.launched) == 1

@@ -83,6 +83,9 @@ def daemon():
                 defaults["mem"][words[1]] = words[2]
             elif words[0] == "get_default_device_pinned_mem_limit" and len(words) == 2:
                 out.append(defaults["mem"].get(words[1], "0M"))
+            elif words[0] in ("set_active_thread_percentage", "set_device_pinned_mem_limit"):
+                if words[1] not in servers:
+                    out.append("Server %s not found" % words[1])
             elif words == ["get_server_list"]:
                 out.extend(servers)
             elif words[0] == "get_client_list" and len(words) == 2:
@@ -350,3 +353,23 @@ def test_two_devices_on_one_key_are_refused_not_mixed_up(manager: MpsManager) ->
     (directory / "device").write_text(GPU_B + "\n")  # as if GPU_B's UUID hashed to GPU_A's key
     with pytest.raises(MpsError, match=f"belongs to {GPU_B}, not {GPU_A}: their keys collide"):
         manager.start(GPU_A)
+
+
+def test_server_limits_are_the_defaults_and_each_running_servers_own(
+    manager: MpsManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Limits the tenant cannot lift: a client's environment only narrows what the server
+    holds it to. The defaults bind the next server; a running one needs its own, by pid."""
+    monkeypatch.setenv("FAKE_MPS_SERVERS", json.dumps({"4100": [4242]}))
+    manager.start(GPU_A)
+    manager.set_server_limits(GPU_A, 50, 20_000)
+    assert control_log(manager, GPU_A)[1:] == [
+        "Cmd:set_default_active_thread_percentage 50",
+        "Cmd:set_default_device_pinned_mem_limit 0 20000M",
+        "Cmd:get_server_list",
+        "Cmd:set_active_thread_percentage 4100 50",
+        "Cmd:set_device_pinned_mem_limit 4100 0 20000M",
+    ]
+    with pytest.raises(MpsError, match=r"1\.\.100, not 101"):
+        manager.set_server_limits(GPU_A, 101, 1)
+    manager.stop(GPU_A)

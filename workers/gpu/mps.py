@@ -213,6 +213,33 @@ class MpsManager:
             raise MpsError(f"pinned memory limit must be at least 1 MiB, not {memory_mib}")
         self.command(device_uuid, f"set_default_device_pinned_mem_limit {DEVICE_INDEX} {int(memory_mib)}M")
 
+    def set_server_limits(self, device_uuid: str, thread_pct: int, memory_mib: int) -> None:
+        """The limits the device's MPS server holds every client to, whatever the client's
+        environment says: the defaults for a server spawned from now on, and each running
+        server's own for the clients that connect to it from now on.
+
+        NVIDIA: a client's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` "will only further constrain
+        the limit set by the control daemon (via set_default_active_thread_percentage or
+        set_active_thread_percentage ...). If the control daemon has a lower setting, the
+        control daemon setting will be obeyed" (MPS docs, Appendix: Environment Variables,
+        docs.nvidia.com/deploy/mps); ``set_default_*`` "will only affect the next server" once
+        one is spawned (MPS docs, Legacy MPS v2 Interface), hence ``set_*`` with each running
+        server's pid too. Measured on an H200 (driver 580): with the server's default pinned
+        memory limit set, a client that unset its environment still could not allocate past
+        it; with the environment only, it could (3 GiB past a 1 GiB limit). A client keeps the
+        limits it connected with: lowering them later binds only clients that come after."""
+        if not 1 <= thread_pct <= 100:
+            raise MpsError(f"active thread percentage must be 1..100, not {thread_pct}")
+        if memory_mib < 1:
+            raise MpsError(f"pinned memory limit must be at least 1 MiB, not {memory_mib}")
+        self.set_default_active_thread_percentage(device_uuid, thread_pct)
+        self.set_default_pinned_mem_limit(device_uuid, memory_mib)
+        for server in self.server_pids(device_uuid):
+            self.command(device_uuid, f"set_active_thread_percentage {server} {int(thread_pct)}")
+            self.command(
+                device_uuid, f"set_device_pinned_mem_limit {server} {DEVICE_INDEX} {int(memory_mib)}M"
+            )
+
     def server_pids(self, device_uuid: str) -> list[int]:
         """PIDs of the MPS servers this daemon runs (``get_server_list``)."""
         return _pids(self.command(device_uuid, "get_server_list"))
@@ -321,10 +348,13 @@ class SimulatedMps(MpsManager):
     daemon outlives the agent that started it (a marker file in the device's directory
     stands in for the daemon's pid file), so an agent restart finds it up as it would a
     real one. Each start and stop is kept in ``history`` for whoever follows a GPU's
-    daemon (the tests). Commands fail as they would on a host without the NVIDIA driver.
+    daemon (the tests). The server limits a daemon was given are kept beside its marker
+    (``limits``), and go with it. Other commands fail as they would on a host without the
+    NVIDIA driver.
     """
 
     MARKER = "simulated-daemon"
+    LIMITS = "simulated-limits"
 
     def __init__(self, root: Path | str) -> None:
         super().__init__(root)
@@ -356,9 +386,23 @@ class SimulatedMps(MpsManager):
             if not self.running(device_uuid):
                 return False
             (self._device_dir(device_uuid) / self.MARKER).unlink(missing_ok=True)
+            (self._device_dir(device_uuid) / self.LIMITS).unlink(missing_ok=True)
             self.history.append(("stop", device_uuid))
             log.info("simulated MPS control daemon for %s stopped", device_uuid)
             return True
+
+    def set_server_limits(self, device_uuid: str, thread_pct: int, memory_mib: int) -> None:
+        if not self.running(device_uuid):
+            raise MpsError(f"no MPS daemon runs for {device_uuid}")
+        (self._device_dir(device_uuid) / self.LIMITS).write_text(f"{int(thread_pct)} {int(memory_mib)}\n")
+
+    def limits(self, device_uuid: str) -> tuple[int, int] | None:
+        """(thread %, pinned MiB) the device's daemon holds its clients to; None when unset."""
+        try:
+            pct, mib = (self._device_dir(device_uuid) / self.LIMITS).read_text().split()
+        except FileNotFoundError:
+            return None
+        return int(pct), int(mib)
 
 
 def _claim_key(directory: Path, device_uuid: str) -> None:
