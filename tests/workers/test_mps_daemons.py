@@ -37,7 +37,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from workers import dispatch
+from scheduler.defrag import DESTROY, MigMove, MigPlan
+from workers import dispatch, moves
 from workers.agent import Agent
 from workers.drivers.base import DriverError, MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
 from workers.drivers.output import OutputChunk
@@ -504,3 +505,46 @@ def test_a_share_whose_limits_the_daemon_refuses_does_not_run(
     [(_, _task, (_, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
     assert key == "a1" and "Unrecognized command" in message
     assert not driver.live and not agent.mps_daemons.control.running(gpu)  # not left up idle
+
+
+def test_a_mig_re_layout_quits_the_instances_mps_daemon_before_destroying_it(
+    tmp_path: Path, sent_tasks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review §2.2: an MPS server outlives its last client, and NVML refuses to destroy an
+    instance a process (the server) still holds. A share on a MIG instance pinned to MPS
+    leaves its daemon up; the plan that destroys the instance must quit it first."""
+    driver = CheckingDriver()
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1:mig=0"))
+    agent = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
+    agent.inventory()
+    driver.daemons = agent.mps_daemons
+    gpu = backend.list_gpus()[0].uuid
+    doomed, *_ = backend.mig_layout(gpu)
+    agent.launch(_spec("a1", (doomed.uuid,), "mps", pinned=True))
+    agent.stop("a1", 1, driver.handle("a1").to_json())
+    control = agent.mps_daemons.control
+    assert control.running(doomed.uuid)  # pinned: up between shares, as its server would be
+    destroy = backend.destroy_mig
+    held: list[bool] = []
+
+    def destroy_unless_held(parent: str, mig: str) -> None:
+        held.append(control.running(mig))
+        destroy(parent, mig)
+
+    monkeypatch.setattr(backend, "destroy_mig", destroy_unless_held)
+    move = MigMove(DESTROY, gpu, doomed.profile, doomed.start, instance=doomed.uuid)
+    plan = MigPlan(doomed.profile, gpu, doomed.start, (move,), ())
+    outcome = moves.execute_plan(agent, 9, [], plan.to_json(), {})
+    assert outcome.error == "" and held == [False]
+    assert doomed.uuid not in {m.uuid for m in backend.mig_layout(gpu)}
+
+    # A share still on an instance the plan destroys: nothing is stopped, the plan is refused.
+    survivor, *_ = backend.mig_layout(gpu)
+    agent.launch(_spec("a2", (survivor.uuid,), "mps"))
+    move = MigMove(DESTROY, gpu, survivor.profile, survivor.start, instance=survivor.uuid)
+    outcome = moves.execute_plan(agent, 10, [], MigPlan(survivor.profile, gpu, 0, (move,), ()).to_json(), {})
+    assert "it holds sandbox 2; stop the sandbox first" in outcome.error
+    assert control.running(survivor.uuid) and held == [False]
+    with pytest.raises(MpsError, match="MPS shares still run on"):  # asked directly, it says so too
+        agent.mps_daemons.retire(survivor.uuid)
+    assert control.running(survivor.uuid)

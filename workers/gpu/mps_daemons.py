@@ -166,6 +166,20 @@ class MpsDaemons:
                     log.info("MPS daemon of %s runs without shares: stopped", device)
                     self._stop(device)
 
+    def retire(self, device: str) -> None:
+        """Make a MIG instance about to be destroyed free of MPS: its daemon quits (and with
+        it the MPS server, which outlives its last client and holds the instance, so NVML's
+        destroy would fail with IN_USE, review §2.2), and a pin to MPS goes with the instance.
+        MpsError when a share still holds it (the plan's stops should have released it) or
+        the daemon does not quit."""
+        with self._changed:
+            if self._shares.get(device):
+                raise MpsError(f"MPS shares still run on {device}: {', '.join(sorted(self._shares[device]))}")
+            self._pinned.discard(device)
+            self._applied.pop(device, None)
+            if self.control.running(device) and self.control.stop(device):
+                log.info("MPS daemon of %s stopped: the instance is to be destroyed", device)
+
     # -- internals (the lock held) ------------------------------------------------------------
 
     @staticmethod
