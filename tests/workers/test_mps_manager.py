@@ -18,10 +18,12 @@ import os
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -136,6 +138,12 @@ else:
     print("usage: nvidia-cuda-mps-control [-d | -f]", file=sys.stderr)
     sys.exit(2)
 """
+
+
+@pytest.fixture(autouse=True)
+def _no_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Daemons start directly unless a test hands the manager a systemd to run them."""
+    monkeypatch.setattr(mps, "systemd_runs", lambda: False)
 
 
 @pytest.fixture
@@ -373,3 +381,69 @@ def test_server_limits_are_the_defaults_and_each_running_servers_own(
     with pytest.raises(MpsError, match=r"1\.\.100, not 101"):
         manager.set_server_limits(GPU_A, 101, 1)
     manager.stop(GPU_A)
+
+
+def test_under_systemd_each_daemon_is_a_unit_of_its_own_with_only_its_environment(
+    var_dir: Path, control_binary: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 4: daemons started by the agent stayed in its service's cgroup, and every
+    agent stop or restart (KillMode=mixed) killed them and the servers under running
+    sandboxes. Here systemd-run is emulated: it runs the command with --setenv alone."""
+    calls: list[list[str]] = []
+
+    def systemd_run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        calls.append(list(argv))
+        if argv[0] != "systemd-run":
+            return subprocess.run(argv, **kwargs)
+        split = argv.index("--")
+        env = dict(arg.removeprefix("--setenv=").split("=", 1) for arg in argv[:split] if "--setenv=" in arg)
+        env["PATH"] = os.environ["PATH"]
+        return subprocess.run(argv[split + 1 :], **{**kwargs, "env": env})
+
+    monkeypatch.setenv("FAKE_MPS_FAIL", "")  # the agent's environment does not reach the unit
+    manager = MpsManager(
+        var_dir / "mps", control_binary=str(control_binary), runner=systemd_run, systemd=True
+    )
+    assert manager.start(GPU_A) is True
+    key = device_key(GPU_A)
+    assert calls[0] == [
+        "systemd-run",
+        f"--unit=gpushare-mps-{key}.service",
+        f"--description=gpushare MPS control daemon of {GPU_A}",
+        "--collect",
+        "--quiet",
+        "--property=Type=forking",
+        f"--setenv=CUDA_VISIBLE_DEVICES={GPU_A}",
+        f"--setenv=CUDA_MPS_PIPE_DIRECTORY={manager.pipe_dir(GPU_A)}",
+        f"--setenv=CUDA_MPS_LOG_DIRECTORY={manager.log_dir(GPU_A)}",
+        "--",
+        str(control_binary),
+        "-d",
+    ]
+    assert manager.running(GPU_A)
+    manager.stop(GPU_A)
+    assert calls[-1] == [str(control_binary)]  # quit goes through the control socket as before
+
+
+def test_a_restarted_agent_adopts_a_daemon_that_answers_and_refuses_one_that_does_not(
+    manager: MpsManager, control_binary: Path
+) -> None:
+    manager.start(GPU_A)
+    again = MpsManager(manager.root, control_binary=str(control_binary))
+    assert again.start(GPU_A) is False and again.start(GPU_A) is False
+    log = control_log(manager, GPU_A)
+    assert [line for line in log if line.startswith("START")] == [log[0]]
+    assert log.count("Cmd:get_server_list") == 1  # asked once, on adoption
+    again.stop(GPU_A)
+
+    # A pid file naming a live process with no control socket: a daemon that hangs.
+    hung = subprocess.Popen(["sleep", "60"])
+    try:
+        manager.pipe_dir(GPU_B).mkdir(parents=True)
+        (manager.pipe_dir(GPU_B) / PID_FILE).write_text(str(hung.pid))
+        fresh = MpsManager(manager.root, control_binary=str(control_binary))
+        with pytest.raises(MpsError, match=f"daemon {hung.pid} of {GPU_B} does not answer.*kill {hung.pid}"):
+            fresh.start(GPU_B)
+    finally:
+        hung.kill()
+        hung.wait()

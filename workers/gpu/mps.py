@@ -13,6 +13,15 @@ written to the binary's stdin (``echo quit | nvidia-cuda-mps-control``), which f
 to the daemon found through ``CUDA_MPS_PIPE_DIRECTORY`` and prints its answers. The daemon
 writes ``nvidia-cuda-mps-control.pid`` into that directory, which is how a running one is
 recognised, so ``start`` is idempotent across agent restarts.
+
+Lifetime. Where systemd runs (and the agent is root), each daemon starts as a transient
+unit of its own, ``gpushare-mps-<device_key>.service`` (``systemd-run``), outside the agent
+service's cgroup: stopping or restarting the agent (``KillMode=mixed`` kills what is left in
+its cgroup) no longer kills the daemons and the MPS servers under running sandboxes (review
+finding 4). A restarted agent adopts a daemon it finds (pid file, and the daemon answers on
+its control socket) rather than start a second. Without systemd (development, tests) the
+daemon starts directly, stays in whatever cgroup the agent runs in, and a service manager
+that kills that cgroup kills it too; the agent logs so once.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -43,6 +53,8 @@ DEVICE_INDEX = 0
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 15.0
+SYSTEMD_RUN = "systemd-run"
+UNIT_PREFIX = "gpushare-mps-"  # + device_key(uuid): the daemon's transient systemd unit
 START_LOG = "start.log"  # in the log directory: what ``-d`` printed before it forked
 # How the manager runs the control binary (and systemd-run): subprocess.run's signature, a seam
 # for tests that check command lines.
@@ -74,6 +86,14 @@ def device_key(device_uuid: str) -> str:
     return hashlib.sha256(device_uuid.encode()).hexdigest()[:8]
 
 
+def systemd_runs() -> bool:
+    """systemd is this host's init (``sd_booted``) and can be asked for units: root, with
+    ``systemd-run`` installed."""
+    return (
+        os.geteuid() == 0 and Path("/run/systemd/system").is_dir() and shutil.which(SYSTEMD_RUN) is not None
+    )
+
+
 class MpsError(RuntimeError):
     """An MPS daemon did not start, stop or answer as asked."""
 
@@ -92,12 +112,17 @@ class MpsManager:
         control_binary: str = CONTROL_BINARY,
         clock: Callable[[], float] = time.monotonic,
         runner: Runner = subprocess.run,
+        systemd: bool | None = None,
     ) -> None:
-        self.root = Path(root)  # mps_root(): holds <uuid>/pipe and <uuid>/log per device
+        self.root = Path(root)  # mps_root(): holds <key>/pipe and <key>/log per device
         self.control_binary = control_binary
         self._clock = clock
         self._runner = runner
+        # Daemons as units of their own (they outlive the agent), or as the agent's children.
+        self.systemd = systemd_runs() if systemd is None else systemd
         self._lock = threading.RLock()
+        self._known: set[str] = set()  # devices whose daemon this manager started or adopted
+        self._warned = False
 
     # -- paths and environment ----------------------------------------------------------------
 
@@ -141,9 +166,12 @@ class MpsManager:
         MpsError when the binary fails or the daemon does not come up in ``START_TIMEOUT_S``.
         """
         with self._lock:
-            if self.running(device_uuid):
-                self._make_dirs(device_uuid)  # a daemon from before this agent: its clients too
+            pid = self._daemon_pid(device_uuid)
+            if pid is not None:
+                if device_uuid not in self._known:
+                    self._adopt(device_uuid, pid)
                 return False
+            self._known.discard(device_uuid)
             socket_path = self.pipe_dir(device_uuid) / CONTROL_SOCKET
             if len(os.fsencode(socket_path)) >= SOCKET_PATH_MAX:
                 # The daemon would fail to bind with a vague message; say why up front.
@@ -161,8 +189,26 @@ class MpsManager:
                 if self._clock() > deadline:
                     raise MpsError(f"MPS daemon for {device_uuid} did not come up in {START_TIMEOUT_S:.0f} s")
                 time.sleep(0.05)
+            self._known.add(device_uuid)
             log.info("started MPS control daemon for %s", device_uuid)
             return True
+
+    def unit(self, device_uuid: str) -> str:
+        """The daemon's transient systemd unit (where ``systemd`` is on)."""
+        return f"{UNIT_PREFIX}{device_key(device_uuid)}.service"
+
+    def _adopt(self, device_uuid: str, pid: int) -> None:
+        """A daemon this manager did not start (an agent from before a restart did): take it
+        on if it answers; one that does not would take clients in and serve none."""
+        self._make_dirs(device_uuid)  # as this agent makes them: modes, owner, device name
+        result = self._run(device_uuid, [], "get_server_list\n")
+        if result.returncode != 0:
+            raise MpsError(
+                f"MPS daemon {pid} of {device_uuid} does not answer on its control socket "
+                f"({(result.stderr or result.stdout).strip()}): stop it (kill {pid}) and launch again"
+            )
+        self._known.add(device_uuid)
+        log.info("adopted the running MPS control daemon %d of %s", pid, device_uuid)
 
     def stop(self, device_uuid: str) -> bool:
         """Quit the device's daemon; False when none ran. Its clients should be gone first:
@@ -180,6 +226,7 @@ class MpsManager:
                     )
                 time.sleep(0.05)
             (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
+            self._known.discard(device_uuid)
             log.info("stopped MPS control daemon for %s", device_uuid)
             return True
 
@@ -300,7 +347,7 @@ class MpsManager:
         reading them to their end (``capture_output``) waits as long as the daemon lives, and
         the start ran into its timeout although the daemon was up (review §3.1). A file has no
         end to wait for; what the binary said before it forked is read back from it."""
-        argv = [self.control_binary, "-d"]
+        argv = self._daemon_argv(device_uuid)
         output = self.log_dir(device_uuid) / START_LOG
         with output.open("ab") as sink:
             offset = sink.tell()
@@ -323,6 +370,34 @@ class MpsManager:
                 said.seek(offset)
                 text = said.read(4096).decode(errors="replace").strip()
             raise MpsError(f"{' '.join(argv)} for {device_uuid} exited {result.returncode}: {text}")
+
+    def _daemon_argv(self, device_uuid: str) -> list[str]:
+        """``<control> -d``; under systemd, inside a transient unit of its own. The unit's
+        environment is only what ``--setenv`` gives (not the agent's); ``Type=forking``
+        because ``-d`` returns once the daemon forked; ``--collect`` so a daemon that failed
+        leaves no unit behind to block the name."""
+        if not self.systemd:
+            if os.geteuid() == 0 and not self._warned:
+                self._warned = True
+                log.warning(
+                    "no systemd: MPS daemons start in the agent's own cgroup and die with the agent's "
+                    "service when it is stopped or restarted"
+                )
+            return [self.control_binary, "-d"]
+        env = self.env(device_uuid)
+        names = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+        return [
+            SYSTEMD_RUN,
+            f"--unit={self.unit(device_uuid)}",
+            f"--description=gpushare MPS control daemon of {device_uuid}",
+            "--collect",
+            "--quiet",
+            "--property=Type=forking",
+            *(f"--setenv={name}={env[name]}" for name in names),
+            "--",
+            shutil.which(self.control_binary) or self.control_binary,
+            "-d",
+        ]
 
     def _run(self, device_uuid: str, args: list[str], stdin: str) -> subprocess.CompletedProcess[str]:
         try:
@@ -357,7 +432,7 @@ class SimulatedMps(MpsManager):
     LIMITS = "simulated-limits"
 
     def __init__(self, root: Path | str) -> None:
-        super().__init__(root)
+        super().__init__(root, systemd=False)
         self.history: list[tuple[str, str]] = []  # ("start" | "stop", device uuid), in order
 
     def running(self, device_uuid: str) -> bool:
