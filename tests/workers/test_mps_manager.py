@@ -21,7 +21,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ import pytest
 from workers.drivers import uids
 from workers.drivers.base import MpsShare, SandboxSpec
 from workers.gpu import mps
-from workers.gpu.mps import PID_FILE, MpsError, MpsManager, _alive, device_key, mps_root
+from workers.gpu.mps import PID_FILE, MpsError, MpsManager, SimulatedMps, _alive, device_key, mps_root
 
 GPU_A = "GPU-0d6bde6e-8b1e-4a4a-9a64-6a3c2c2f5a10"
 GPU_B = "GPU-5b3f0b83-2f5e-4b63-a3a8-9a0b5f1c7e22"
@@ -447,3 +447,63 @@ def test_a_restarted_agent_adopts_a_daemon_that_answers_and_refuses_one_that_doe
     finally:
         hung.kill()
         hung.wait()
+
+
+class RecordedModes:
+    """The ComputeMode seam: records what NVML would be told, and whether a daemon ran then."""
+
+    def __init__(self, manager: Callable[[], MpsManager | None]) -> None:
+        self.manager = manager
+        self.calls: list[tuple[str, str, bool]] = []
+
+    def _note(self, mode: str, gpu: str) -> None:
+        manager = self.manager()
+        self.calls.append((mode, gpu, manager is not None and manager.running(gpu)))
+
+    def exclusive_process(self, gpu_uuid: str) -> None:
+        self._note("exclusive", gpu_uuid)
+
+    def default(self, gpu_uuid: str) -> None:
+        self._note("default", gpu_uuid)
+
+
+def test_exclusive_process_while_a_whole_gpus_daemon_runs_when_the_operator_allows_it(
+    var_dir: Path, control_binary: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review §3.2: in DEFAULT mode a client that cannot reach MPS quietly runs without it
+    (and without limits); EXCLUSIVE_PROCESS makes it fail instead."""
+    holder: list[MpsManager] = []
+    modes = RecordedModes(lambda: holder[0] if holder else None)
+    manager = MpsManager(
+        var_dir / "mps", control_binary=str(control_binary), exclusive_process=True, compute_mode=modes
+    )
+    holder.append(manager)
+    manager.start(GPU_A)
+    manager.start(MIG)  # a MIG device: the mode is its GPU's, not touched
+    assert modes.calls == [("exclusive", GPU_A, False)]  # before the daemon
+    manager.stop(MIG)
+    manager.stop(GPU_A)
+    assert modes.calls[1:] == [("default", GPU_A, False)]  # after it
+    # A start that fails puts the mode back.
+    monkeypatch.setenv("FAKE_MPS_FAIL", "no CUDA-capable device is detected")
+    with pytest.raises(MpsError, match="no CUDA-capable"):
+        manager.start(GPU_B)
+    assert modes.calls[2:] == [("exclusive", GPU_B, False), ("default", GPU_B, False)]
+    # A later agent with the setting off still undoes what the first one set.
+    monkeypatch.delenv("FAKE_MPS_FAIL")
+    manager.start(GPU_A)
+    later = MpsManager(manager.root, control_binary=str(control_binary), compute_mode=modes)
+    assert later.exclusive_process is False
+    later.stop(GPU_A)
+    assert modes.calls[-1] == ("default", GPU_A, False)
+
+
+def test_compute_mode_is_left_alone_unless_the_operator_asks(
+    manager: MpsManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert manager.exclusive_process is False
+    manager.start(GPU_A)  # no ComputeMode given: NVML would be called, and there is none here
+    manager.stop(GPU_A)
+    monkeypatch.setenv("MPS_EXCLUSIVE_PROCESS", "true")
+    assert MpsManager(manager.root).exclusive_process is True
+    assert SimulatedMps(manager.root).exclusive_process is False

@@ -22,10 +22,19 @@ finding 4). A restarted agent adopts a daemon it finds (pid file, and the daemon
 its control socket) rather than start a second. Without systemd (development, tests) the
 daemon starts directly, stays in whatever cgroup the agent runs in, and a service manager
 that kills that cgroup kills it too; the agent logs so once.
+
+Compute mode. With ``MPS_EXCLUSIVE_PROCESS=true`` (default false) a whole GPU is set to
+EXCLUSIVE_PROCESS before its daemon starts, and back to DEFAULT once it stopped, as NVIDIA's
+multi-user recipe does (MPS docs, "Appendix: Common Tasks"): the MPS server then holds the
+GPU's one context, and a client that cannot reach the daemon (a pipe directory it cannot
+enter, say) fails instead of quietly running without MPS and without limits. A driver
+setting, changed through NVML (``ComputeMode``); MIG devices are left alone (the mode is
+the whole GPU's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -35,8 +44,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from portal.env import env_bool
 from workers.drivers import uids
 from workers.drivers.base import MpsShare
 
@@ -55,6 +65,7 @@ STOP_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 15.0
 SYSTEMD_RUN = "systemd-run"
 UNIT_PREFIX = "gpushare-mps-"  # + device_key(uuid): the daemon's transient systemd unit
+EXCLUSIVE_MARK = "compute-mode-exclusive"  # in the device's directory: set by us, to undo
 START_LOG = "start.log"  # in the log directory: what ``-d`` printed before it forked
 # How the manager runs the control binary (and systemd-run): subprocess.run's signature, a seam
 # for tests that check command lines.
@@ -98,6 +109,40 @@ class MpsError(RuntimeError):
     """An MPS daemon did not start, stop or answer as asked."""
 
 
+class ComputeMode(Protocol):
+    """Sets a whole GPU's compute mode: the seam between the manager and NVML."""
+
+    def exclusive_process(self, gpu_uuid: str) -> None: ...
+
+    def default(self, gpu_uuid: str) -> None: ...
+
+
+class NvmlComputeMode:
+    """``nvmlDeviceSetComputeMode`` (root); what ``nvidia-smi -c`` does. MpsError on failure."""
+
+    def exclusive_process(self, gpu_uuid: str) -> None:
+        self._set(gpu_uuid, "NVML_COMPUTEMODE_EXCLUSIVE_PROCESS")
+
+    def default(self, gpu_uuid: str) -> None:
+        self._set(gpu_uuid, "NVML_COMPUTEMODE_DEFAULT")
+
+    @staticmethod
+    def _set(gpu_uuid: str, mode: str) -> None:
+        import pynvml  # here: a simulated host never needs it
+
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise MpsError(f"compute mode of {gpu_uuid} not set to {mode}: {exc}") from exc
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+            pynvml.nvmlDeviceSetComputeMode(handle, getattr(pynvml, mode))
+        except pynvml.NVMLError as exc:
+            raise MpsError(f"compute mode of {gpu_uuid} not set to {mode}: {exc}") from exc
+        finally:
+            pynvml.nvmlShutdown()
+
+
 class MpsManager:
     """Start, configure, query and stop per-device MPS control daemons.
 
@@ -113,6 +158,8 @@ class MpsManager:
         clock: Callable[[], float] = time.monotonic,
         runner: Runner = subprocess.run,
         systemd: bool | None = None,
+        exclusive_process: bool | None = None,
+        compute_mode: ComputeMode | None = None,
     ) -> None:
         self.root = Path(root)  # mps_root(): holds <key>/pipe and <key>/log per device
         self.control_binary = control_binary
@@ -120,6 +167,12 @@ class MpsManager:
         self._runner = runner
         # Daemons as units of their own (they outlive the agent), or as the agent's children.
         self.systemd = systemd_runs() if systemd is None else systemd
+        # EXCLUSIVE_PROCESS while a whole GPU's daemon runs: the operator's choice (None: read
+        # MPS_EXCLUSIVE_PROCESS), through NVML unless a test gives its own ComputeMode.
+        if exclusive_process is None:
+            exclusive_process = env_bool("MPS_EXCLUSIVE_PROCESS", False)
+        self.exclusive_process = exclusive_process
+        self._compute_mode = compute_mode
         self._lock = threading.RLock()
         self._known: set[str] = set()  # devices whose daemon this manager started or adopted
         self._warned = False
@@ -183,12 +236,20 @@ class MpsManager:
             self._make_dirs(device_uuid)
             # A pid file left by a daemon that died (host crash, kill -9) would hide the new one.
             (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
-            self._spawn_daemon(device_uuid)
-            deadline = self._clock() + START_TIMEOUT_S
-            while not self.running(device_uuid):
-                if self._clock() > deadline:
-                    raise MpsError(f"MPS daemon for {device_uuid} did not come up in {START_TIMEOUT_S:.0f} s")
-                time.sleep(0.05)
+            self._exclusive(device_uuid)  # before the daemon, as NVIDIA's recipe has it
+            try:
+                self._spawn_daemon(device_uuid)
+                deadline = self._clock() + START_TIMEOUT_S
+                while not self.running(device_uuid):
+                    if self._clock() > deadline:
+                        raise MpsError(
+                            f"MPS daemon for {device_uuid} did not come up in {START_TIMEOUT_S:.0f} s"
+                        )
+                    time.sleep(0.05)
+            except MpsError:
+                with contextlib.suppress(MpsError):
+                    self._restore_mode(device_uuid)
+                raise
             self._known.add(device_uuid)
             log.info("started MPS control daemon for %s", device_uuid)
             return True
@@ -228,7 +289,29 @@ class MpsManager:
             (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
             self._known.discard(device_uuid)
             log.info("stopped MPS control daemon for %s", device_uuid)
+            self._restore_mode(device_uuid)  # MpsError: the next sandbox must not meet it
             return True
+
+    def _exclusive(self, device_uuid: str) -> None:
+        """EXCLUSIVE_PROCESS for a whole GPU when the operator asked for it; the mark in its
+        directory says we set it, so whoever stops the daemon (a later agent, the setting
+        since turned off) puts DEFAULT back."""
+        if not self.exclusive_process:
+            return
+        if not device_uuid.startswith("GPU-"):
+            log.info("MPS on %s: compute mode is the whole GPU's, left as it is", device_uuid)
+            return
+        (self._compute_mode or NvmlComputeMode()).exclusive_process(device_uuid)
+        (self._device_dir(device_uuid) / EXCLUSIVE_MARK).touch()
+        log.info("compute mode of %s: EXCLUSIVE_PROCESS, for its MPS daemon", device_uuid)
+
+    def _restore_mode(self, device_uuid: str) -> None:
+        mark = self._device_dir(device_uuid) / EXCLUSIVE_MARK
+        if not mark.exists():
+            return
+        (self._compute_mode or NvmlComputeMode()).default(device_uuid)
+        mark.unlink(missing_ok=True)
+        log.info("compute mode of %s: DEFAULT again", device_uuid)
 
     # -- commands ----------------------------------------------------------------------------------
 
@@ -432,7 +515,7 @@ class SimulatedMps(MpsManager):
     LIMITS = "simulated-limits"
 
     def __init__(self, root: Path | str) -> None:
-        super().__init__(root, systemd=False)
+        super().__init__(root, systemd=False, exclusive_process=False)
         self.history: list[tuple[str, str]] = []  # ("start" | "stop", device uuid), in order
 
     def running(self, device_uuid: str) -> bool:
