@@ -21,6 +21,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -496,6 +497,15 @@ def test_exclusive_process_while_a_whole_gpus_daemon_runs_when_the_operator_allo
     assert later.exclusive_process is False
     later.stop(GPU_A)
     assert modes.calls[-1] == ("default", GPU_A, False)
+    # A daemon killed -9 leaves the mode behind: the next stop (before a dedicated sandbox)
+    # puts it back although no daemon runs.
+    manager.start(GPU_A)
+    os.kill(int((manager.pipe_dir(GPU_A) / PID_FILE).read_text()), signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while manager.running(GPU_A) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert manager.stop(GPU_A) is False
+    assert modes.calls[-2:] == [("exclusive", GPU_A, False), ("default", GPU_A, False)]
 
 
 def test_compute_mode_is_left_alone_unless_the_operator_asks(

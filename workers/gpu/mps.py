@@ -210,7 +210,7 @@ class MpsManager:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def running(self, device_uuid: str) -> bool:
-        """A daemon answers for this device: its pid file names a live process."""
+        """A daemon runs for this device: its pid file names a live process."""
         return self._daemon_pid(device_uuid) is not None
 
     def start(self, device_uuid: str) -> bool:
@@ -273,10 +273,12 @@ class MpsManager:
 
     def stop(self, device_uuid: str) -> bool:
         """Quit the device's daemon; False when none ran. Its clients should be gone first:
-        quitting under running clients ends their MPS server with them."""
+        quitting under running clients ends their MPS server with them. Also puts back the
+        compute mode a daemon that died (killed, crashed) left behind."""
         with self._lock:
             pid = self._daemon_pid(device_uuid)
             if pid is None:
+                self._restore_mode(device_uuid)
                 return False
             self.command(device_uuid, "quit")
             deadline = self._clock() + STOP_TIMEOUT_S

@@ -115,10 +115,10 @@ class MpsDaemons:
                 else:
                     for device in devices:
                         self._pinned.discard(device)  # it takes another mode: no longer pinned to MPS
-                        if self.control.running(device):
+                        self._applied.pop(device, None)
+                        # Also when none runs: one that died may have left the compute mode.
+                        if self.control.stop(device):
                             log.info("MPS daemon of %s up without shares: stopped for %s", device, key)
-                            self._applied.pop(device, None)
-                            self.control.stop(device)
             except (MpsError, OSError) as exc:
                 if share and devices[0] not in self._shares and devices[0] not in self._pinned:
                     self._stop(devices[0])  # started for this share alone: not left up idle
