@@ -353,13 +353,15 @@ class MpsManager:
         NVIDIA: a client's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` "will only further constrain
         the limit set by the control daemon (via set_default_active_thread_percentage or
         set_active_thread_percentage ...). If the control daemon has a lower setting, the
-        control daemon setting will be obeyed" (MPS docs, Appendix: Environment Variables,
-        docs.nvidia.com/deploy/mps); ``set_default_*`` "will only affect the next server" once
-        one is spawned (MPS docs, Legacy MPS v2 Interface), hence ``set_*`` with each running
-        server's pid too. Measured on an H200 (driver 580): with the server's default pinned
-        memory limit set, a client that unset its environment still could not allocate past
-        it; with the environment only, it could (3 GiB past a 1 GiB limit). A client keeps the
-        limits it connected with: lowering them later binds only clients that come after."""
+        control daemon setting will be obeyed" (https://docs.nvidia.com/deploy/mps/latest/
+        appendix-environment-variables.html); ``set_default_*`` "will only affect the next
+        server" once one is spawned (.../mps/latest/mpsv2-interface.html), hence ``set_*``
+        with each running server's pid too. Measured on an H200 (driver 580.159.04): with the
+        server's default pinned memory limit set, a client that unset its environment still
+        could not allocate past it; with the environment only, it could (3 GiB past a 1 GiB
+        limit). A client keeps the limits it connected with: lowering them later binds only
+        clients that come after. The limits are per client process, so a sandbox running
+        several CUDA processes gets them once each."""
         if not 1 <= thread_pct <= 100:
             raise MpsError(f"active thread percentage must be 1..100, not {thread_pct}")
         if memory_mib < 1:
