@@ -517,3 +517,16 @@ def test_compute_mode_is_left_alone_unless_the_operator_asks(
     monkeypatch.setenv("MPS_EXCLUSIVE_PROCESS", "true")
     assert MpsManager(manager.root).exclusive_process is True
     assert SimulatedMps(manager.root).exclusive_process is False
+
+
+def test_the_agent_unit_loads_nvidia_uvm_before_its_hardening_forbids_it() -> None:
+    """Review §7: ProtectKernelModules=yes stops the agent and everything it starts (an MPS
+    server's nvidia-modprobe included) from loading nvidia-uvm; the unit loads it first, with
+    full privileges, and keeps no RuntimeDirectory= that a stop would remove under the
+    daemons' pipe directories."""
+    unit = (Path(__file__).parents[2] / "deploy" / "systemd" / "gpushare-agent.service").read_text()
+    settings = [line.partition("=") for line in unit.splitlines() if line and not line.startswith("#")]
+    pre = [value for key, _, value in settings if key == "ExecStartPre"]
+    assert any(v.lstrip("-@:").startswith("+") and "nvidia-modprobe -u -c 0" in v for v in pre), pre
+    assert ("ProtectKernelModules", "=", "yes") in settings
+    assert not any(key == "RuntimeDirectory" for key, _, _ in settings)
