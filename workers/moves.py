@@ -23,9 +23,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from scheduler.defrag import MigPlan
+from scheduler.defrag import DESTROY, MIGRATE, MigPlan
 from workers.drivers.base import DriverError, SandboxHandle
 from workers.gpu.mig import MigError, MigStep
+from workers.gpu.mps import MpsError
 
 if TYPE_CHECKING:
     from workers.agent import Agent
@@ -85,6 +86,21 @@ def run_checkpoint_hook(
     return True, f"checkpoint done in {took:.1f} s" + (f": {said[0]}" if said[0] else "")
 
 
+def retire_mps(agent: Agent, plan: MigPlan, busy: dict[str, str]) -> None:
+    """Quit the MPS daemon of each free instance the plan destroys, before the destroy: an MPS
+    server outlives its last client and keeps the instance in use, so NVML would refuse the
+    destroy part-way through the re-layout (review §2.2). Busy instances are left to the MIG
+    manager, which refuses the plan for them before changing anything."""
+    for move in plan.moves:
+        if move.kind in (DESTROY, MIGRATE) and move.instance and move.instance not in busy:
+            try:
+                agent.mps_daemons.retire(move.instance)
+            except (MpsError, OSError) as exc:
+                raise MigError(
+                    f"MPS daemon of {move.instance} did not stop before its destroy: {exc}"
+                ) from exc
+
+
 def execute_plan(
     agent: Agent,
     plan_id: int,
@@ -133,8 +149,10 @@ def execute_plan(
             # The control plane's busy set, and what this agent itself still runs on MIG
             # instances: never destroy an instance under a live sandbox.
             still = {**busy, **agent.mig_instances_in_use()}
+            plan = MigPlan.from_json(mig_plan)
             try:
-                outcome.mig_steps = agent.mig.execute_plan(MigPlan.from_json(mig_plan), still)
+                retire_mps(agent, plan, still)
+                outcome.mig_steps = agent.mig.execute_plan(plan, still)
             except MigError as exc:
                 outcome.error, outcome.mig_steps = str(exc), exc.steps
                 log.error("fleet plan %s: MIG re-layout failed: %s", plan_id, exc)

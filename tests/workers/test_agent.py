@@ -11,7 +11,7 @@ import pytest
 
 from workers.agent import Agent
 from workers.drivers.base import MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
-from workers.gpu.mps import MpsError, mps_root
+from workers.gpu.mps import MpsError, device_key, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
@@ -34,6 +34,10 @@ class FakeMps:
     def __init__(self, root: Path, fail: bool = False) -> None:
         self.root, self.fail = root, fail
         self.started: list[str] = []
+        self.limits: dict[str, tuple[int, int]] = {}
+
+    def set_server_limits(self, device: str, thread_pct: int, memory_mib: int) -> None:
+        self.limits[device] = (thread_pct, memory_mib)
 
     def pipe_dir(self, device: str) -> Path:
         return self.root / device / "pipe"
@@ -73,7 +77,8 @@ def test_simulated_gpu_gets_a_pipe_dir_without_a_daemon(
     a, driver, device = agent(tmp_path)
     a.launch(spec(device))
     [launched] = driver.launched
-    assert launched.mps is not None and Path(launched.mps.pipe_dir) == tmp_path / "mps" / device / "pipe"
+    assert launched.mps is not None
+    assert Path(launched.mps.pipe_dir) == tmp_path / "mps" / device_key(device) / "pipe"
     assert Path(launched.mps.pipe_dir).is_dir() and launched.mps.thread_pct == 30
     # Every directory down to the pipe is traversable by the sandbox's unprivileged uid.
     for directory in (Path(launched.mps.pipe_dir), *Path(launched.mps.pipe_dir).parents):
@@ -90,7 +95,7 @@ def test_a_root_agent_keeps_mps_pipes_under_run_whatever_its_var_dir(
     monkeypatch.delenv("MPS_DIR", raising=False)
     root = mps_root("sim-a100-b", tmp_path)
     if os.geteuid() == 0:
-        assert root == Path("/run/gpushare/sim-a100-b/mps")
+        assert root == Path("/run/gpushare/mps")
     else:
         assert root == tmp_path / "mps"
     monkeypatch.setenv("MPS_DIR", "/srv/mps")
@@ -106,6 +111,7 @@ def test_real_gpu_starts_the_daemon_or_fails_the_launch(
     a.mps_daemons = a.lifecycle.mps_daemons = MpsDaemons(fake)  # type: ignore[arg-type]
     a.launch(spec(device))
     assert fake.started == [device] and len(driver.launched) == 1
+    assert fake.limits == {device: (30, 4096)}  # the server's, before the sandbox starts
     a.mps_daemons = a.lifecycle.mps_daemons = MpsDaemons(FakeMps(tmp_path / "mps", fail=True))  # type: ignore[arg-type]
     a.launch(replace(spec(device), allocation_id="a2"))
     assert len(driver.launched) == 1

@@ -37,11 +37,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from workers import dispatch
+from scheduler.defrag import DESTROY, MigMove, MigPlan
+from workers import dispatch, moves
 from workers.agent import Agent
 from workers.drivers.base import DriverError, MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
 from workers.drivers.output import OutputChunk
-from workers.gpu.mps import SimulatedMps
+from workers.gpu.mps import MpsError, SimulatedMps
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
@@ -72,6 +73,13 @@ class CheckingDriver:
                     self.violations.append(f"{spec.allocation_id} started on {device} under an MPS daemon")
             if spec.mps is not None and not spec.mps.pipe_dir:
                 self.violations.append(f"share {spec.allocation_id} got no pipe directory")
+            if spec.mps is not None and spec.device_uuids:
+                # The server's limits, in place before the share's first CUDA call, reach its grant.
+                control = self.daemons.control
+                assert isinstance(control, SimulatedMps)
+                limits = control.limits(spec.device_uuids[0])
+                if limits is None or limits[0] < spec.mps.thread_pct or limits[1] < spec.mps.memory_mib:
+                    self.violations.append(f"share {spec.allocation_id} started under server limits {limits}")
         self.live[spec.allocation_id] = spec
         return self.handle(spec.allocation_id)
 
@@ -104,8 +112,14 @@ class Sent:
             self.failed.append((args[1], args[2]))
 
 
+def grant(key: str) -> tuple[int, int]:
+    """A share's (thread %, pinned MiB): shares of several sizes meet on one GPU."""
+    n = int(key[1:])
+    return 10 * (1 + n % 3), 1024 * (1 + n % 4)
+
+
 def _spec(key: str, devices: tuple[str, ...], kind: str, pinned: bool = False) -> SandboxSpec:
-    share = MpsShare(pipe_dir="", thread_pct=10, memory_mib=1024) if kind == "mps" else None
+    share = MpsShare("", *grant(key)) if kind == "mps" else None
     return SandboxSpec(
         allocation_id=key, sandbox_id=int(key[1:]), host="h", project="p", owner="o", image="",
         command=("sleep",), device_uuids=devices, real_gpu=False, mps=share, mps_pinned=pinned,
@@ -283,6 +297,11 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
                 assert not up, f"{gpu} runs {kinds} under an MPS daemon"
             elif self.told[gpu] != "mps":
                 assert not up, f"{gpu} is idle and its agent knows no MPS pin, yet its daemon runs"
+            shares = [grant(k) for k in self.on(gpu) if self.kind[k] == "mps"]
+            if shares:  # the server holds every client to the largest share, no further
+                assert isinstance(control, SimulatedMps)
+                largest = (max(p for p, _ in shares), max(m for _, m in shares))
+                assert control.limits(gpu) == largest, (gpu, control.limits(gpu), shares)
 
     def teardown(self) -> None:
         event("launches that ran", self.launched)
@@ -449,3 +468,83 @@ def test_a_cpu_only_sandbox_claims_no_gpu(tmp_path: Path, sent_tasks: Any) -> No
     assert set(driver.live) == {"a1", "a2"} and not driver.violations
     agent.stop("a1", driver.handle("a1").to_json())
     assert agent.mps_daemons.control.running(gpu)  # the share still holds it
+
+
+def test_the_server_holds_every_share_to_the_largest_one_on_its_gpu(tmp_path: Path, sent_tasks: Any) -> None:
+    """One MPS uid per GPU, so one server, whose limits cannot differ between clients: they
+    are the largest share's, set before a share's sandbox starts, so a tenant who unsets its
+    environment gets no more than the largest grant on the GPU."""
+    driver = CheckingDriver()
+    agent, gpu = _agent(tmp_path, driver)
+    control = agent.mps_daemons.control
+    assert isinstance(control, SimulatedMps)
+    agent.launch(_spec("a1", (gpu,), "mps"))  # 20 %, 2 GiB
+    assert control.limits(gpu) == (20, 2048)
+    agent.launch(_spec("a5", (gpu,), "mps"))  # 30 %, 2 GiB
+    agent.launch(_spec("a7", (gpu,), "mps"))  # 20 %, 4 GiB
+    assert control.limits(gpu) == (30, 4096) and not driver.violations
+    agent.stop("a7", 7, driver.handle("a7").to_json())
+    assert control.limits(gpu) == (30, 2048)  # lowered for the clients that come next
+    agent.stop("a5", 5, driver.handle("a5").to_json())
+    assert control.limits(gpu) == (20, 2048)
+    agent.stop("a1", 1, driver.handle("a1").to_json())
+    assert not control.running(gpu) and control.limits(gpu) is None
+
+
+def test_a_share_whose_limits_the_daemon_refuses_does_not_run(
+    tmp_path: Path, sent_tasks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    driver = CheckingDriver()
+    agent, gpu = _agent(tmp_path, driver)
+
+    def refuse(device: str, thread_pct: int, memory_mib: int) -> None:
+        raise MpsError("Unrecognized command")
+
+    monkeypatch.setattr(agent.mps_daemons.control, "set_server_limits", refuse)
+    agent.launch(_spec("a1", (gpu,), "mps"))
+    [(_, _task, (_, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
+    assert key == "a1" and "Unrecognized command" in message
+    assert not driver.live and not agent.mps_daemons.control.running(gpu)  # not left up idle
+
+
+def test_a_mig_re_layout_quits_the_instances_mps_daemon_before_destroying_it(
+    tmp_path: Path, sent_tasks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review §2.2: an MPS server outlives its last client, and NVML refuses to destroy an
+    instance a process (the server) still holds. A share on a MIG instance pinned to MPS
+    leaves its daemon up; the plan that destroys the instance must quit it first."""
+    driver = CheckingDriver()
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1:mig=0"))
+    agent = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
+    agent.inventory()
+    driver.daemons = agent.mps_daemons
+    gpu = backend.list_gpus()[0].uuid
+    doomed, *_ = backend.mig_layout(gpu)
+    agent.launch(_spec("a1", (doomed.uuid,), "mps", pinned=True))
+    agent.stop("a1", 1, driver.handle("a1").to_json())
+    control = agent.mps_daemons.control
+    assert control.running(doomed.uuid)  # pinned: up between shares, as its server would be
+    destroy = backend.destroy_mig
+    held: list[bool] = []
+
+    def destroy_unless_held(parent: str, mig: str) -> None:
+        held.append(control.running(mig))
+        destroy(parent, mig)
+
+    monkeypatch.setattr(backend, "destroy_mig", destroy_unless_held)
+    move = MigMove(DESTROY, gpu, doomed.profile, doomed.start, instance=doomed.uuid)
+    plan = MigPlan(doomed.profile, gpu, doomed.start, (move,), ())
+    outcome = moves.execute_plan(agent, 9, [], plan.to_json(), {})
+    assert outcome.error == "" and held == [False]
+    assert doomed.uuid not in {m.uuid for m in backend.mig_layout(gpu)}
+
+    # A share still on an instance the plan destroys: nothing is stopped, the plan is refused.
+    survivor, *_ = backend.mig_layout(gpu)
+    agent.launch(_spec("a2", (survivor.uuid,), "mps"))
+    move = MigMove(DESTROY, gpu, survivor.profile, survivor.start, instance=survivor.uuid)
+    outcome = moves.execute_plan(agent, 10, [], MigPlan(survivor.profile, gpu, 0, (move,), ()).to_json(), {})
+    assert "it holds sandbox 2; stop the sandbox first" in outcome.error
+    assert control.running(survivor.uuid) and held == [False]
+    with pytest.raises(MpsError, match="MPS shares still run on"):  # asked directly, it says so too
+        agent.mps_daemons.retire(survivor.uuid)
+    assert control.running(survivor.uuid)

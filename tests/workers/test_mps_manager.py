@@ -18,16 +18,20 @@ import os
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from workers.drivers import uids
 from workers.drivers.base import MpsShare, SandboxSpec
-from workers.gpu.mps import PID_FILE, MpsError, MpsManager, _alive
+from workers.gpu import mps
+from workers.gpu.mps import PID_FILE, MpsError, MpsManager, SimulatedMps, _alive, device_key, mps_root
 
 GPU_A = "GPU-0d6bde6e-8b1e-4a4a-9a64-6a3c2c2f5a10"
 GPU_B = "GPU-5b3f0b83-2f5e-4b63-a3a8-9a0b5f1c7e22"
@@ -82,6 +86,9 @@ def daemon():
                 defaults["mem"][words[1]] = words[2]
             elif words[0] == "get_default_device_pinned_mem_limit" and len(words) == 2:
                 out.append(defaults["mem"].get(words[1], "0M"))
+            elif words[0] in ("set_active_thread_percentage", "set_device_pinned_mem_limit"):
+                if words[1] not in servers:
+                    out.append("Server %s not found" % words[1])
             elif words == ["get_server_list"]:
                 out.extend(servers)
             elif words[0] == "get_client_list" and len(words) == 2:
@@ -134,6 +141,12 @@ else:
 """
 
 
+@pytest.fixture(autouse=True)
+def _no_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Daemons start directly unless a test hands the manager a systemd to run them."""
+    monkeypatch.setattr(mps, "systemd_runs", lambda: False)
+
+
 @pytest.fixture
 def control_binary(tmp_path: Path) -> Path:
     binary = tmp_path / "bin" / "nvidia-cuda-mps-control"
@@ -174,11 +187,13 @@ def test_start_gives_the_pipe_dir_to_the_devices_clients_alone_and_binds_the_dae
     assert not manager.running(GPU_A)
     assert manager.start(GPU_A) is True
     assert manager.running(GPU_A)
-    pipe, logs = var_dir / "mps" / GPU_A / "pipe", var_dir / "mps" / GPU_A / "log"
+    key = device_key(GPU_A)
+    pipe, logs = var_dir / "mps" / key / "pipe", var_dir / "mps" / key / "log"
     assert (manager.pipe_dir(GPU_A), manager.log_dir(GPU_A)) == (pipe, logs)
+    assert (var_dir / "mps" / key / "device").read_text() == GPU_A + "\n"
     # Traversable down to the pipe directory, listable by nobody else; only the device's MPS
     # uid (every client of this daemon runs as it) may enter the pipe directory.
-    dirs = (var_dir / "mps", var_dir / "mps" / GPU_A, pipe, logs)
+    dirs = (var_dir / "mps", var_dir / "mps" / key, pipe, logs)
     assert [mode(d) for d in dirs] == [0o711, 0o711, 0o700, 0o700]
     client = uids.mps_uid(GPU_A) if os.geteuid() == 0 else os.geteuid()
     assert pipe.stat().st_uid == client
@@ -268,7 +283,7 @@ def test_errors_are_mps_errors(manager: MpsManager, var_dir: Path, monkeypatch: 
     with pytest.raises(MpsError, match="not found: is the NVIDIA driver installed"):
         missing.start(GPU_B)
     deep = MpsManager(var_dir / ("x" * 80) / "mps", control_binary=str(var_dir / "nope"))
-    with pytest.raises(MpsError, match="too long for a UNIX socket"):
+    with pytest.raises(MpsError, match=r"too long for a UNIX socket .* set MPS_DIR to a shorter"):
         deep.start(GPU_A)
 
 
@@ -284,3 +299,234 @@ def test_share_feeds_the_sandbox_environment(manager: MpsManager) -> None:
     )
     with pytest.raises(MpsError, match=r"1\.\.100"):
         manager.share(GPU_A, 101, 1)
+
+
+HOLDS_STDOUT = """#!/bin/sh
+# Like the real binary's -d: the daemon it leaves behind inherits stdout and stderr.
+if [ "$1" = "-d" ]; then
+    echo "starting the daemon"
+    sleep 60 &
+    echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+    exit 0
+fi
+exit 1
+"""
+
+
+def test_start_returns_while_the_daemon_holds_the_inherited_stdout(
+    var_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under capture_output the start read the daemon's stdout to its end, which comes only
+    when the daemon exits: it timed out (15 s) with the daemon up."""
+    binary = var_dir / "holds-stdout"
+    binary.write_text(HOLDS_STDOUT)
+    binary.chmod(0o755)
+    monkeypatch.setattr(mps, "COMMAND_TIMEOUT_S", 3.0)  # the old code's wait, shortened
+    manager = MpsManager(var_dir / "mps", control_binary=str(binary))
+    try:
+        assert manager.start(GPU_A) is True
+        assert (manager.log_dir(GPU_A) / mps.START_LOG).read_text() == "starting the daemon\n"
+    finally:
+        pid_file = manager.pipe_dir(GPU_A) / PID_FILE
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_failed_start_says_what_the_binary_printed(var_dir: Path) -> None:
+    binary = var_dir / "fails"
+    binary.write_text('#!/bin/sh\necho "An instance of this daemon is already running" >&2\nexit 1\n')
+    binary.chmod(0o755)
+    manager = MpsManager(var_dir / "mps", control_binary=str(binary))
+    with pytest.raises(MpsError, match="exited 1: An instance of this daemon is already running"):
+        manager.start(GPU_A)
+
+
+def test_socket_paths_fit_whatever_the_hostname(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Finding 6: the root agent's path held the hostname and the full UUID, so a hostname of
+    19 characters or more (an FQDN) put the control socket past 107 bytes."""
+    monkeypatch.delenv("MPS_DIR", raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    host = "gpu-node-017.rack-12.datacenter-west.example.internal"
+    root = mps_root(host, tmp_path)
+    assert root == Path("/run/gpushare/mps")
+    socket_path = MpsManager(root).pipe_dir(MIG) / "control"
+    assert socket_path == Path("/run/gpushare/mps", device_key(MIG), "pipe", "control")
+    assert len(os.fsencode(socket_path)) <= 40
+    monkeypatch.setenv("MPS_DIR", "/srv/mps")
+    assert mps_root(host, tmp_path) == Path("/srv/mps")
+
+
+def test_two_devices_on_one_key_are_refused_not_mixed_up(manager: MpsManager) -> None:
+    directory = manager.pipe_dir(GPU_A).parent
+    directory.mkdir(parents=True)
+    (directory / "device").write_text(GPU_B + "\n")  # as if GPU_B's UUID hashed to GPU_A's key
+    with pytest.raises(MpsError, match=f"belongs to {GPU_B}, not {GPU_A}: their keys collide"):
+        manager.start(GPU_A)
+
+
+def test_server_limits_are_the_defaults_and_each_running_servers_own(
+    manager: MpsManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Limits the tenant cannot lift: a client's environment only narrows what the server
+    holds it to. The defaults bind the next server; a running one needs its own, by pid."""
+    monkeypatch.setenv("FAKE_MPS_SERVERS", json.dumps({"4100": [4242]}))
+    manager.start(GPU_A)
+    manager.set_server_limits(GPU_A, 50, 20_000)
+    assert control_log(manager, GPU_A)[1:] == [
+        "Cmd:set_default_active_thread_percentage 50",
+        "Cmd:set_default_device_pinned_mem_limit 0 20000M",
+        "Cmd:get_server_list",
+        "Cmd:set_active_thread_percentage 4100 50",
+        "Cmd:set_device_pinned_mem_limit 4100 0 20000M",
+    ]
+    with pytest.raises(MpsError, match=r"1\.\.100, not 101"):
+        manager.set_server_limits(GPU_A, 101, 1)
+    manager.stop(GPU_A)
+
+
+def test_under_systemd_each_daemon_is_a_unit_of_its_own_with_only_its_environment(
+    var_dir: Path, control_binary: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 4: daemons started by the agent stayed in its service's cgroup, and every
+    agent stop or restart (KillMode=mixed) killed them and the servers under running
+    sandboxes. Here systemd-run is emulated: it runs the command with --setenv alone."""
+    calls: list[list[str]] = []
+
+    def systemd_run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        calls.append(list(argv))
+        if argv[0] != "systemd-run":
+            return subprocess.run(argv, **kwargs)
+        split = argv.index("--")
+        env = dict(arg.removeprefix("--setenv=").split("=", 1) for arg in argv[:split] if "--setenv=" in arg)
+        env["PATH"] = os.environ["PATH"]
+        return subprocess.run(argv[split + 1 :], **{**kwargs, "env": env})
+
+    monkeypatch.setenv("FAKE_MPS_FAIL", "")  # the agent's environment does not reach the unit
+    manager = MpsManager(
+        var_dir / "mps", control_binary=str(control_binary), runner=systemd_run, systemd=True
+    )
+    assert manager.start(GPU_A) is True
+    key = device_key(GPU_A)
+    assert calls[0] == [
+        "systemd-run",
+        f"--unit=gpushare-mps-{key}.service",
+        f"--description=gpushare MPS control daemon of {GPU_A}",
+        "--collect",
+        "--quiet",
+        "--property=Type=forking",
+        f"--setenv=CUDA_VISIBLE_DEVICES={GPU_A}",
+        f"--setenv=CUDA_MPS_PIPE_DIRECTORY={manager.pipe_dir(GPU_A)}",
+        f"--setenv=CUDA_MPS_LOG_DIRECTORY={manager.log_dir(GPU_A)}",
+        "--",
+        str(control_binary),
+        "-d",
+    ]
+    assert manager.running(GPU_A)
+    manager.stop(GPU_A)
+    assert calls[-1] == [str(control_binary)]  # quit goes through the control socket as before
+
+
+def test_a_restarted_agent_adopts_a_daemon_that_answers_and_refuses_one_that_does_not(
+    manager: MpsManager, control_binary: Path
+) -> None:
+    manager.start(GPU_A)
+    again = MpsManager(manager.root, control_binary=str(control_binary))
+    assert again.start(GPU_A) is False and again.start(GPU_A) is False
+    log = control_log(manager, GPU_A)
+    assert [line for line in log if line.startswith("START")] == [log[0]]
+    assert log.count("Cmd:get_server_list") == 1  # asked once, on adoption
+    again.stop(GPU_A)
+
+    # A pid file naming a live process with no control socket: a daemon that hangs.
+    hung = subprocess.Popen(["sleep", "60"])
+    try:
+        manager.pipe_dir(GPU_B).mkdir(parents=True)
+        (manager.pipe_dir(GPU_B) / PID_FILE).write_text(str(hung.pid))
+        fresh = MpsManager(manager.root, control_binary=str(control_binary))
+        with pytest.raises(MpsError, match=f"daemon {hung.pid} of {GPU_B} does not answer.*kill {hung.pid}"):
+            fresh.start(GPU_B)
+    finally:
+        hung.kill()
+        hung.wait()
+
+
+class RecordedModes:
+    """The ComputeMode seam: records what NVML would be told, and whether a daemon ran then."""
+
+    def __init__(self, manager: Callable[[], MpsManager | None]) -> None:
+        self.manager = manager
+        self.calls: list[tuple[str, str, bool]] = []
+
+    def _note(self, mode: str, gpu: str) -> None:
+        manager = self.manager()
+        self.calls.append((mode, gpu, manager is not None and manager.running(gpu)))
+
+    def exclusive_process(self, gpu_uuid: str) -> None:
+        self._note("exclusive", gpu_uuid)
+
+    def default(self, gpu_uuid: str) -> None:
+        self._note("default", gpu_uuid)
+
+
+def test_exclusive_process_while_a_whole_gpus_daemon_runs_when_the_operator_allows_it(
+    var_dir: Path, control_binary: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review §3.2: in DEFAULT mode a client that cannot reach MPS quietly runs without it
+    (and without limits); EXCLUSIVE_PROCESS makes it fail instead."""
+    holder: list[MpsManager] = []
+    modes = RecordedModes(lambda: holder[0] if holder else None)
+    manager = MpsManager(
+        var_dir / "mps", control_binary=str(control_binary), exclusive_process=True, compute_mode=modes
+    )
+    holder.append(manager)
+    manager.start(GPU_A)
+    manager.start(MIG)  # a MIG device: the mode is its GPU's, not touched
+    assert modes.calls == [("exclusive", GPU_A, False)]  # before the daemon
+    manager.stop(MIG)
+    manager.stop(GPU_A)
+    assert modes.calls[1:] == [("default", GPU_A, False)]  # after it
+    # A start that fails puts the mode back.
+    monkeypatch.setenv("FAKE_MPS_FAIL", "no CUDA-capable device is detected")
+    with pytest.raises(MpsError, match="no CUDA-capable"):
+        manager.start(GPU_B)
+    assert modes.calls[2:] == [("exclusive", GPU_B, False), ("default", GPU_B, False)]
+    # A later agent with the setting off still undoes what the first one set.
+    monkeypatch.delenv("FAKE_MPS_FAIL")
+    manager.start(GPU_A)
+    later = MpsManager(manager.root, control_binary=str(control_binary), compute_mode=modes)
+    assert later.exclusive_process is False
+    later.stop(GPU_A)
+    assert modes.calls[-1] == ("default", GPU_A, False)
+    # A daemon killed -9 leaves the mode behind: the next stop (before a dedicated sandbox)
+    # puts it back although no daemon runs.
+    manager.start(GPU_A)
+    os.kill(int((manager.pipe_dir(GPU_A) / PID_FILE).read_text()), signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while manager.running(GPU_A) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert manager.stop(GPU_A) is False
+    assert modes.calls[-2:] == [("exclusive", GPU_A, False), ("default", GPU_A, False)]
+
+
+def test_compute_mode_is_left_alone_unless_the_operator_asks(
+    manager: MpsManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert manager.exclusive_process is False
+    manager.start(GPU_A)  # no ComputeMode given: NVML would be called, and there is none here
+    manager.stop(GPU_A)
+    monkeypatch.setenv("MPS_EXCLUSIVE_PROCESS", "true")
+    assert MpsManager(manager.root).exclusive_process is True
+    assert SimulatedMps(manager.root).exclusive_process is False
+
+
+def test_the_agent_unit_loads_nvidia_uvm_before_its_hardening_forbids_it() -> None:
+    """Review §7: ProtectKernelModules=yes stops the agent and everything it starts (an MPS
+    server's nvidia-modprobe included) from loading nvidia-uvm; the unit loads it first, with
+    full privileges, and keeps no RuntimeDirectory= that a stop would remove under the
+    daemons' pipe directories."""
+    unit = (Path(__file__).parents[2] / "deploy" / "systemd" / "gpushare-agent.service").read_text()
+    settings = [line.partition("=") for line in unit.splitlines() if line and not line.startswith("#")]
+    pre = [value for key, _, value in settings if key == "ExecStartPre"]
+    assert any(v.lstrip("-@:").startswith("+") and "nvidia-modprobe -u -c 0" in v for v in pre), pre
+    assert ("ProtectKernelModules", "=", "yes") in settings
+    assert not any(key == "RuntimeDirectory" for key, _, _ in settings)

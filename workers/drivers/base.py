@@ -82,6 +82,9 @@ class SandboxSpec:
         if self.real_gpu or not self.device_uuids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_uuids)
         if self.mps is not None:
+            # The share's own limits. MPS applies them below the server's, and the server holds
+            # every client on the GPU to the largest share there (workers/gpu/mps_daemons.py),
+            # so past that the tenant cannot go; below it these bind only while left set.
             env["CUDA_MPS_PIPE_DIRECTORY"] = self.mps.pipe_dir
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.mps.thread_pct)
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
@@ -102,7 +105,7 @@ PROTECTED_HOST_PATHS = (
 def checked_pipe_dir(path: str) -> str:
     """The MPS pipe directory the drivers bind read-write, after making sure it is one: an
     absolute, normalised path that is neither a protected path, inside a system tree, nor an
-    ancestor of one. The agent makes it (var_dir/mps/<gpu>/pipe); this is defence in depth
+    ancestor of one. The agent makes it (<mps_root>/<device key>/pipe); this is defence in depth
     against a forged or corrupted launch message."""
     if not path.startswith("/") or posixpath.normpath(path) != path or "\0" in path:
         raise DriverError(f"MPS pipe directory {path!r} is not an absolute, normalised path")

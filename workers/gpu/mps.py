@@ -2,9 +2,10 @@
 
 Each device gets its own ``nvidia-cuda-mps-control`` daemon, started with
 ``CUDA_VISIBLE_DEVICES`` set to that device's UUID and its own pipe and log directories
-(``<mps_root>/<uuid>/{pipe,log}``, see ``mps_root``), so a client can only reach the daemon of the device it
-was given, and stopping one device's daemon leaves the others alone. Sandboxes get the pipe
-directory (``MpsShare.pipe_dir``); the drivers mount it and set ``CUDA_MPS_*`` from the share.
+(``<mps_root>/<device_key>/{pipe,log}``, see ``mps_root``), so a client can only reach the
+daemon of the device it was given, and stopping one device's daemon leaves the others alone.
+Sandboxes get the pipe directory (``MpsShare.pipe_dir``); the drivers mount it and set
+``CUDA_MPS_*`` from the share.
 
 Everything goes through the control binary as NVIDIA documents it (``man
 nvidia-cuda-mps-control``): ``-d`` starts the daemon in the background; commands are lines
@@ -12,18 +13,40 @@ written to the binary's stdin (``echo quit | nvidia-cuda-mps-control``), which f
 to the daemon found through ``CUDA_MPS_PIPE_DIRECTORY`` and prints its answers. The daemon
 writes ``nvidia-cuda-mps-control.pid`` into that directory, which is how a running one is
 recognised, so ``start`` is idempotent across agent restarts.
+
+Lifetime. Where systemd runs (and the agent is root), each daemon starts as a transient
+unit of its own, ``gpushare-mps-<device_key>.service`` (``systemd-run``), outside the agent
+service's cgroup: stopping or restarting the agent (``KillMode=mixed`` kills what is left in
+its cgroup) no longer kills the daemons and the MPS servers under running sandboxes (review
+finding 4). A restarted agent adopts a daemon it finds (pid file, and the daemon answers on
+its control socket) rather than start a second. Without systemd (development, tests) the
+daemon starts directly, stays in whatever cgroup the agent runs in, and a service manager
+that kills that cgroup kills it too; the agent logs so once.
+
+Compute mode. With ``MPS_EXCLUSIVE_PROCESS=true`` (default false) a whole GPU is set to
+EXCLUSIVE_PROCESS before its daemon starts, and back to DEFAULT once it stopped, as NVIDIA's
+multi-user recipe does (MPS docs, "Appendix: Common Tasks"): the MPS server then holds the
+GPU's one context, and a client that cannot reach the daemon (a pipe directory it cannot
+enter, say) fails instead of quietly running without MPS and without limits. A driver
+setting, changed through NVML (``ComputeMode``); MIG devices are left alone (the mode is
+the whole GPU's).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
+from portal.env import env_bool
 from workers.drivers import uids
 from workers.drivers.base import MpsShare
 
@@ -32,6 +55,7 @@ log = logging.getLogger(__name__)
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 PID_FILE = "nvidia-cuda-mps-control.pid"  # written by the daemon into its pipe directory
 CONTROL_SOCKET = "control"  # the daemon's UNIX socket in the pipe directory
+DEVICE_FILE = "device"  # in the device's directory: the UUID it belongs to
 SOCKET_PATH_MAX = 108  # sun_path of struct sockaddr_un on Linux, NUL included
 # With CUDA_VISIBLE_DEVICES naming one device, the daemon sees it as device 0: the <dev>
 # argument of the memory-limit commands counts visible devices, not host indices.
@@ -39,22 +63,84 @@ DEVICE_INDEX = 0
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 15.0
+SYSTEMD_RUN = "systemd-run"
+UNIT_PREFIX = "gpushare-mps-"  # + device_key(uuid): the daemon's transient systemd unit
+EXCLUSIVE_MARK = "compute-mode-exclusive"  # in the device's directory: set by us, to undo
+START_LOG = "start.log"  # in the log directory: what ``-d`` printed before it forked
+# How the manager runs the control binary (and systemd-run): subprocess.run's signature, a seam
+# for tests that check command lines.
+Runner = Callable[..., "subprocess.CompletedProcess[Any]"]
 
 
 def mps_root(host: str, var_dir: Path) -> Path:
     """Where a host's MPS pipe and log directories live: ``MPS_DIR`` when set; else, for an
-    agent running as root, ``/run/gpushare/<host>/mps``: sandboxes run as unprivileged uids
-    that must traverse every directory above the pipe directory bwrap binds (a checkout under
-    /root, 0700, would hide it), and a short path keeps ``<pipe>/control`` within a UNIX
-    socket's 107 bytes. A non-root agent's sandboxes run as its own uid: ``<var_dir>/mps``."""
+    agent running as root, ``/run/gpushare/mps``: sandboxes run as unprivileged uids that must
+    traverse every directory above the pipe directory bwrap binds (a checkout under /root,
+    0700, would hide it), and the short path keeps ``<pipe>/control`` within a UNIX socket's
+    107 bytes whatever the hostname (``/run/gpushare/mps/<8 hex>/pipe/control`` is 38 bytes;
+    the host's name in it made any hostname over 18 characters refuse every share, review
+    finding 6). A non-root agent's sandboxes run as its own uid: ``<var_dir>/mps``. ``host`` is
+    no longer part of the path; the parameter stays for callers (GPU UUIDs are unique to a
+    host already, simulated ones included)."""
+    del host
     configured = os.environ.get("MPS_DIR")
     if configured:
         return Path(configured)
-    return Path("/run/gpushare", host, "mps") if os.geteuid() == 0 else var_dir / "mps"
+    return Path("/run/gpushare/mps") if os.geteuid() == 0 else var_dir / "mps"
+
+
+def device_key(device_uuid: str) -> str:
+    """The short name of a device's directory (and of its systemd unit): 8 hex digits of the
+    UUID's SHA-256. A UUID (40 characters for a GPU, 41 for a MIG device) would take a third
+    of the socket path's budget; ``DEVICE_FILE`` in the directory names the device, so two
+    UUIDs meeting on one key (one pair in 4 billion) are refused, never mixed up."""
+    return hashlib.sha256(device_uuid.encode()).hexdigest()[:8]
+
+
+def systemd_runs() -> bool:
+    """systemd is this host's init (``sd_booted``) and can be asked for units: root, with
+    ``systemd-run`` installed."""
+    return (
+        os.geteuid() == 0 and Path("/run/systemd/system").is_dir() and shutil.which(SYSTEMD_RUN) is not None
+    )
 
 
 class MpsError(RuntimeError):
     """An MPS daemon did not start, stop or answer as asked."""
+
+
+class ComputeMode(Protocol):
+    """Sets a whole GPU's compute mode: the seam between the manager and NVML."""
+
+    def exclusive_process(self, gpu_uuid: str) -> None: ...
+
+    def default(self, gpu_uuid: str) -> None: ...
+
+
+class NvmlComputeMode:
+    """``nvmlDeviceSetComputeMode`` (root); what ``nvidia-smi -c`` does. MpsError on failure."""
+
+    def exclusive_process(self, gpu_uuid: str) -> None:
+        self._set(gpu_uuid, "NVML_COMPUTEMODE_EXCLUSIVE_PROCESS")
+
+    def default(self, gpu_uuid: str) -> None:
+        self._set(gpu_uuid, "NVML_COMPUTEMODE_DEFAULT")
+
+    @staticmethod
+    def _set(gpu_uuid: str, mode: str) -> None:
+        import pynvml  # here: a simulated host never needs it
+
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise MpsError(f"compute mode of {gpu_uuid} not set to {mode}: {exc}") from exc
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+            pynvml.nvmlDeviceSetComputeMode(handle, getattr(pynvml, mode))
+        except pynvml.NVMLError as exc:
+            raise MpsError(f"compute mode of {gpu_uuid} not set to {mode}: {exc}") from exc
+        finally:
+            pynvml.nvmlShutdown()
 
 
 class MpsManager:
@@ -70,11 +156,26 @@ class MpsManager:
         root: Path | str,
         control_binary: str = CONTROL_BINARY,
         clock: Callable[[], float] = time.monotonic,
+        runner: Runner = subprocess.run,
+        systemd: bool | None = None,
+        exclusive_process: bool | None = None,
+        compute_mode: ComputeMode | None = None,
     ) -> None:
-        self.root = Path(root)  # mps_root(): holds <uuid>/pipe and <uuid>/log per device
+        self.root = Path(root)  # mps_root(): holds <key>/pipe and <key>/log per device
         self.control_binary = control_binary
         self._clock = clock
+        self._runner = runner
+        # Daemons as units of their own (they outlive the agent), or as the agent's children.
+        self.systemd = systemd_runs() if systemd is None else systemd
+        # EXCLUSIVE_PROCESS while a whole GPU's daemon runs: the operator's choice (None: read
+        # MPS_EXCLUSIVE_PROCESS), through NVML unless a test gives its own ComputeMode.
+        if exclusive_process is None:
+            exclusive_process = env_bool("MPS_EXCLUSIVE_PROCESS", False)
+        self.exclusive_process = exclusive_process
+        self._compute_mode = compute_mode
         self._lock = threading.RLock()
+        self._known: set[str] = set()  # devices whose daemon this manager started or adopted
+        self._warned = False
 
     # -- paths and environment ----------------------------------------------------------------
 
@@ -85,10 +186,10 @@ class MpsManager:
         return self._device_dir(device_uuid) / "log"
 
     def _device_dir(self, device_uuid: str) -> Path:
-        # A UUID goes into a path: refuse anything that could climb out of var_dir/mps.
+        # Only the UUID's hash goes into the path, but an empty or odd one is a caller's bug.
         if not device_uuid or "/" in device_uuid or device_uuid in (".", "..") or "\0" in device_uuid:
             raise MpsError(f"not a device UUID: {device_uuid!r}")
-        return self.root / device_uuid
+        return self.root / device_key(device_uuid)
 
     def env(self, device_uuid: str) -> dict[str, str]:
         """The environment every call for this device runs in: daemon and commands alike."""
@@ -109,7 +210,7 @@ class MpsManager:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def running(self, device_uuid: str) -> bool:
-        """A daemon answers for this device: its pid file names a live process."""
+        """A daemon runs for this device: its pid file names a live process."""
         return self._daemon_pid(device_uuid) is not None
 
     def start(self, device_uuid: str) -> bool:
@@ -118,39 +219,66 @@ class MpsManager:
         MpsError when the binary fails or the daemon does not come up in ``START_TIMEOUT_S``.
         """
         with self._lock:
-            if self.running(device_uuid):
-                self._make_dirs(device_uuid)  # a daemon from before this agent: its clients too
+            pid = self._daemon_pid(device_uuid)
+            if pid is not None:
+                if device_uuid not in self._known:
+                    self._adopt(device_uuid, pid)
                 return False
+            self._known.discard(device_uuid)
             socket_path = self.pipe_dir(device_uuid) / CONTROL_SOCKET
             if len(os.fsencode(socket_path)) >= SOCKET_PATH_MAX:
                 # The daemon would fail to bind with a vague message; say why up front.
                 raise MpsError(
-                    f"{socket_path} is too long for a UNIX socket ({SOCKET_PATH_MAX - 1} bytes at "
-                    "most): choose a shorter var dir"
+                    f"MPS control socket {socket_path} is {len(os.fsencode(socket_path))} bytes, too "
+                    f"long for a UNIX socket ({SOCKET_PATH_MAX - 1} at most): set MPS_DIR to a "
+                    "shorter directory (the default for a root agent is /run/gpushare/mps)"
                 )
             self._make_dirs(device_uuid)
             # A pid file left by a daemon that died (host crash, kill -9) would hide the new one.
             (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
-            result = self._run(device_uuid, ["-d"], "")
-            if result.returncode != 0:
-                raise MpsError(
-                    f"{self.control_binary} -d for {device_uuid} exited {result.returncode}: "
-                    f"{(result.stderr or result.stdout).strip()}"
-                )
-            deadline = self._clock() + START_TIMEOUT_S
-            while not self.running(device_uuid):
-                if self._clock() > deadline:
-                    raise MpsError(f"MPS daemon for {device_uuid} did not come up in {START_TIMEOUT_S:.0f} s")
-                time.sleep(0.05)
+            self._exclusive(device_uuid)  # before the daemon, as NVIDIA's recipe has it
+            try:
+                self._spawn_daemon(device_uuid)
+                deadline = self._clock() + START_TIMEOUT_S
+                while not self.running(device_uuid):
+                    if self._clock() > deadline:
+                        raise MpsError(
+                            f"MPS daemon for {device_uuid} did not come up in {START_TIMEOUT_S:.0f} s"
+                        )
+                    time.sleep(0.05)
+            except MpsError:
+                with contextlib.suppress(MpsError):
+                    self._restore_mode(device_uuid)
+                raise
+            self._known.add(device_uuid)
             log.info("started MPS control daemon for %s", device_uuid)
             return True
 
+    def unit(self, device_uuid: str) -> str:
+        """The daemon's transient systemd unit (where ``systemd`` is on)."""
+        return f"{UNIT_PREFIX}{device_key(device_uuid)}.service"
+
+    def _adopt(self, device_uuid: str, pid: int) -> None:
+        """A daemon this manager did not start (an agent from before a restart did): take it
+        on if it answers; one that does not would take clients in and serve none."""
+        self._make_dirs(device_uuid)  # as this agent makes them: modes, owner, device name
+        result = self._run(device_uuid, [], "get_server_list\n")
+        if result.returncode != 0:
+            raise MpsError(
+                f"MPS daemon {pid} of {device_uuid} does not answer on its control socket "
+                f"({(result.stderr or result.stdout).strip()}): stop it (kill {pid}) and launch again"
+            )
+        self._known.add(device_uuid)
+        log.info("adopted the running MPS control daemon %d of %s", pid, device_uuid)
+
     def stop(self, device_uuid: str) -> bool:
         """Quit the device's daemon; False when none ran. Its clients should be gone first:
-        quitting under running clients ends their MPS server with them."""
+        quitting under running clients ends their MPS server with them. Also puts back the
+        compute mode a daemon that died (killed, crashed) left behind."""
         with self._lock:
             pid = self._daemon_pid(device_uuid)
             if pid is None:
+                self._restore_mode(device_uuid)
                 return False
             self.command(device_uuid, "quit")
             deadline = self._clock() + STOP_TIMEOUT_S
@@ -161,8 +289,31 @@ class MpsManager:
                     )
                 time.sleep(0.05)
             (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
+            self._known.discard(device_uuid)
             log.info("stopped MPS control daemon for %s", device_uuid)
+            self._restore_mode(device_uuid)  # MpsError: the next sandbox must not meet it
             return True
+
+    def _exclusive(self, device_uuid: str) -> None:
+        """EXCLUSIVE_PROCESS for a whole GPU when the operator asked for it; the mark in its
+        directory says we set it, so whoever stops the daemon (a later agent, the setting
+        since turned off) puts DEFAULT back."""
+        if not self.exclusive_process:
+            return
+        if not device_uuid.startswith("GPU-"):
+            log.info("MPS on %s: compute mode is the whole GPU's, left as it is", device_uuid)
+            return
+        (self._compute_mode or NvmlComputeMode()).exclusive_process(device_uuid)
+        (self._device_dir(device_uuid) / EXCLUSIVE_MARK).touch()
+        log.info("compute mode of %s: EXCLUSIVE_PROCESS, for its MPS daemon", device_uuid)
+
+    def _restore_mode(self, device_uuid: str) -> None:
+        mark = self._device_dir(device_uuid) / EXCLUSIVE_MARK
+        if not mark.exists():
+            return
+        (self._compute_mode or NvmlComputeMode()).default(device_uuid)
+        mark.unlink(missing_ok=True)
+        log.info("compute mode of %s: DEFAULT again", device_uuid)
 
     # -- commands ----------------------------------------------------------------------------------
 
@@ -193,6 +344,35 @@ class MpsManager:
         if memory_mib < 1:
             raise MpsError(f"pinned memory limit must be at least 1 MiB, not {memory_mib}")
         self.command(device_uuid, f"set_default_device_pinned_mem_limit {DEVICE_INDEX} {int(memory_mib)}M")
+
+    def set_server_limits(self, device_uuid: str, thread_pct: int, memory_mib: int) -> None:
+        """The limits the device's MPS server holds every client to, whatever the client's
+        environment says: the defaults for a server spawned from now on, and each running
+        server's own for the clients that connect to it from now on.
+
+        NVIDIA: a client's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` "will only further constrain
+        the limit set by the control daemon (via set_default_active_thread_percentage or
+        set_active_thread_percentage ...). If the control daemon has a lower setting, the
+        control daemon setting will be obeyed" (https://docs.nvidia.com/deploy/mps/latest/
+        appendix-environment-variables.html); ``set_default_*`` "will only affect the next
+        server" once one is spawned (.../mps/latest/mpsv2-interface.html), hence ``set_*``
+        with each running server's pid too. Measured on an H200 (driver 580.159.04): with the
+        server's default pinned memory limit set, a client that unset its environment still
+        could not allocate past it; with the environment only, it could (3 GiB past a 1 GiB
+        limit). A client keeps the limits it connected with: lowering them later binds only
+        clients that come after. The limits are per client process, so a sandbox running
+        several CUDA processes gets them once each."""
+        if not 1 <= thread_pct <= 100:
+            raise MpsError(f"active thread percentage must be 1..100, not {thread_pct}")
+        if memory_mib < 1:
+            raise MpsError(f"pinned memory limit must be at least 1 MiB, not {memory_mib}")
+        self.set_default_active_thread_percentage(device_uuid, thread_pct)
+        self.set_default_pinned_mem_limit(device_uuid, memory_mib)
+        for server in self.server_pids(device_uuid):
+            self.command(device_uuid, f"set_active_thread_percentage {server} {int(thread_pct)}")
+            self.command(
+                device_uuid, f"set_device_pinned_mem_limit {server} {DEVICE_INDEX} {int(memory_mib)}M"
+            )
 
     def server_pids(self, device_uuid: str) -> list[int]:
         """PIDs of the MPS servers this daemon runs (``get_server_list``)."""
@@ -225,6 +405,7 @@ class MpsManager:
         self.root.parent.mkdir(parents=True, exist_ok=True)
         for directory in (self.root, self._device_dir(device_uuid)):
             _make_dir(directory, 0o711)
+        _claim_key(self._device_dir(device_uuid), device_uuid)
         pipe, logs = self._dirs(device_uuid)
         _make_dir(logs, 0o700)
         _make_dir(pipe, 0o700)
@@ -246,9 +427,68 @@ class MpsManager:
             return None  # being written, or garbage: not a daemon we can talk to
         return pid if _alive(pid) else None
 
+    def _spawn_daemon(self, device_uuid: str) -> None:
+        """Run ``<control> -d``, its output into ``start.log`` in the log directory.
+
+        Never into pipes: the daemon it forks keeps the inherited stdout and stderr open, so
+        reading them to their end (``capture_output``) waits as long as the daemon lives, and
+        the start ran into its timeout although the daemon was up (review §3.1). A file has no
+        end to wait for; what the binary said before it forked is read back from it."""
+        argv = self._daemon_argv(device_uuid)
+        output = self.log_dir(device_uuid) / START_LOG
+        with output.open("ab") as sink:
+            offset = sink.tell()
+            try:
+                result = self._runner(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    env=self.env(device_uuid),
+                    timeout=COMMAND_TIMEOUT_S,
+                    check=False,
+                )
+            except FileNotFoundError as err:
+                raise MpsError(f"{argv[0]} not found: is the NVIDIA driver installed?") from err
+            except subprocess.TimeoutExpired as err:
+                raise MpsError(f"{' '.join(argv)} for {device_uuid} timed out") from err
+        if result.returncode != 0:
+            with output.open("rb") as said:
+                said.seek(offset)
+                text = said.read(4096).decode(errors="replace").strip()
+            raise MpsError(f"{' '.join(argv)} for {device_uuid} exited {result.returncode}: {text}")
+
+    def _daemon_argv(self, device_uuid: str) -> list[str]:
+        """``<control> -d``; under systemd, inside a transient unit of its own. The unit's
+        environment is only what ``--setenv`` gives (not the agent's); ``Type=forking``
+        because ``-d`` returns once the daemon forked; ``--collect`` so a daemon that failed
+        leaves no unit behind to block the name."""
+        if not self.systemd:
+            if os.geteuid() == 0 and not self._warned:
+                self._warned = True
+                log.warning(
+                    "no systemd: MPS daemons start in the agent's own cgroup and die with the agent's "
+                    "service when it is stopped or restarted"
+                )
+            return [self.control_binary, "-d"]
+        env = self.env(device_uuid)
+        names = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+        return [
+            SYSTEMD_RUN,
+            f"--unit={self.unit(device_uuid)}",
+            f"--description=gpushare MPS control daemon of {device_uuid}",
+            "--collect",
+            "--quiet",
+            "--property=Type=forking",
+            *(f"--setenv={name}={env[name]}" for name in names),
+            "--",
+            shutil.which(self.control_binary) or self.control_binary,
+            "-d",
+        ]
+
     def _run(self, device_uuid: str, args: list[str], stdin: str) -> subprocess.CompletedProcess[str]:
         try:
-            return subprocess.run(  # noqa: S603 - a fixed binary, no shell, arguments we build
+            return self._runner(
                 [self.control_binary, *args],
                 input=stdin,
                 env=self.env(device_uuid),
@@ -270,13 +510,16 @@ class SimulatedMps(MpsManager):
     daemon outlives the agent that started it (a marker file in the device's directory
     stands in for the daemon's pid file), so an agent restart finds it up as it would a
     real one. Each start and stop is kept in ``history`` for whoever follows a GPU's
-    daemon (the tests). Commands fail as they would on a host without the NVIDIA driver.
+    daemon (the tests). The server limits a daemon was given are kept beside its marker
+    (``limits``), and go with it. Other commands fail as they would on a host without the
+    NVIDIA driver.
     """
 
     MARKER = "simulated-daemon"
+    LIMITS = "simulated-limits"
 
     def __init__(self, root: Path | str) -> None:
-        super().__init__(root)
+        super().__init__(root, systemd=False, exclusive_process=False)
         self.history: list[tuple[str, str]] = []  # ("start" | "stop", device uuid), in order
 
     def running(self, device_uuid: str) -> bool:
@@ -288,6 +531,7 @@ class SimulatedMps(MpsManager):
                 return False
             pipe = self.pipe_dir(device_uuid)
             pipe.mkdir(parents=True, exist_ok=True)
+            _claim_key(self._device_dir(device_uuid), device_uuid)
             # The mount is real: the sandbox's uid must be able to traverse down to it (mkdir's
             # mode is cut by the umask).
             for directory in (pipe, *pipe.parents):
@@ -304,9 +548,35 @@ class SimulatedMps(MpsManager):
             if not self.running(device_uuid):
                 return False
             (self._device_dir(device_uuid) / self.MARKER).unlink(missing_ok=True)
+            (self._device_dir(device_uuid) / self.LIMITS).unlink(missing_ok=True)
             self.history.append(("stop", device_uuid))
             log.info("simulated MPS control daemon for %s stopped", device_uuid)
             return True
+
+    def set_server_limits(self, device_uuid: str, thread_pct: int, memory_mib: int) -> None:
+        if not self.running(device_uuid):
+            raise MpsError(f"no MPS daemon runs for {device_uuid}")
+        (self._device_dir(device_uuid) / self.LIMITS).write_text(f"{int(thread_pct)} {int(memory_mib)}\n")
+
+    def limits(self, device_uuid: str) -> tuple[int, int] | None:
+        """(thread %, pinned MiB) the device's daemon holds its clients to; None when unset."""
+        try:
+            pct, mib = (self._device_dir(device_uuid) / self.LIMITS).read_text().split()
+        except FileNotFoundError:
+            return None
+        return int(pct), int(mib)
+
+
+def _claim_key(directory: Path, device_uuid: str) -> None:
+    """Name the device in its directory, or refuse one another device's UUID named first."""
+    named = directory / DEVICE_FILE
+    try:
+        owner = named.read_text().strip()
+    except FileNotFoundError:
+        named.write_text(device_uuid + "\n")
+        return
+    if owner != device_uuid:
+        raise MpsError(f"{directory} belongs to {owner}, not {device_uuid}: their keys collide")
 
 
 def _make_dir(path: Path, mode: int) -> None:

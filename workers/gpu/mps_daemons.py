@@ -24,6 +24,18 @@ start and stop under the same lock, so:
 After a restart the agent knows none of this: its driver still lists what runs, and the
 control plane has it adopted (a launch again, which claims it). ``sweep`` stops daemons
 that no share holds once everything listed is tracked again.
+
+Limits. All shares on a GPU run as that GPU's one MPS uid (``uids.mps_uid``: one server
+serves one uid, a client of another uid waits for it to drain), so they meet in one MPS
+server, and a server's limits cannot differ between its clients. The rule: the server holds
+every client to the largest share now on the GPU (thread % and pinned memory, each the
+largest), set before the share's sandbox starts (so before its first CUDA call). Each
+share's own, smaller, limit is in its environment (``SandboxSpec.gpu_env``), which MPS
+applies below the server's, and which a tenant can unset. So what is enforced whatever the
+tenant does is the largest grant on the GPU; a share's own grant, below that, holds only
+while its environment is left alone (and a client keeps the server limits it connected
+with until it exits). A GPU whose shares all have one size, the common case, is enforced
+exactly.
 """
 
 from __future__ import annotations
@@ -58,6 +70,10 @@ class MpsDaemons:
         self._others: dict[str, set[str]] = {}  # device -> allocation ids of other sandboxes on it
         self._devices: dict[str, tuple[str, ...]] = {}  # allocation id -> the devices it holds
         self._pinned: set[str] = set()  # GPUs pinned to MPS, as the last spec or message said
+        self._grants: dict[str, tuple[int, int]] = {}  # share's allocation id -> (thread %, MiB)
+        # device -> the server limits its daemon was last given (by this agent); dropped when the
+        # daemon stops, unknown for a daemon found running (so given again).
+        self._applied: dict[str, tuple[int, int]] = {}
 
     def claim(self, spec: SandboxSpec) -> Claim:
         """Register ``spec``'s sandbox on its devices and put their daemons in the state it
@@ -92,30 +108,41 @@ class MpsDaemons:
                 return Claim("", new=False)
             try:
                 if share:
-                    self.control.start(devices[0])
+                    if self.control.start(devices[0]):
+                        self._applied.pop(devices[0], None)  # a new daemon has no limits yet
+                    grant = (spec.mps.thread_pct, spec.mps.memory_mib) if spec.mps else None
+                    self._limit(devices[0], extra=grant)
                 else:
                     for device in devices:
                         self._pinned.discard(device)  # it takes another mode: no longer pinned to MPS
-                        if self.control.running(device):
+                        self._applied.pop(device, None)
+                        # Also when none runs: one that died may have left the compute mode.
+                        if self.control.stop(device):
                             log.info("MPS daemon of %s up without shares: stopped for %s", device, key)
-                            self.control.stop(device)
             except (MpsError, OSError) as exc:
+                if share and devices[0] not in self._shares and devices[0] not in self._pinned:
+                    self._stop(devices[0])  # started for this share alone: not left up idle
                 return Claim(f"MPS daemon for {', '.join(targets)}: {exc}", new=False)
             for device in targets:
                 (self._shares if share else self._others).setdefault(device, set()).add(key)
             self._devices[key] = targets
+            if share and spec.mps is not None:
+                self._grants[key] = (spec.mps.thread_pct, spec.mps.memory_mib)
             return Claim("", new=True)
 
     def release(self, allocation_id: str) -> None:
         """Unregister a sandbox its driver stopped (or never made). The last share on a GPU
         not pinned to MPS stops the GPU's daemon."""
         with self._changed:
+            self._grants.pop(allocation_id, None)
             for device in self._devices.pop(allocation_id, ()):
                 self._discard(self._others, device, allocation_id)
                 if allocation_id in self._shares.get(device, ()):
                     self._discard(self._shares, device, allocation_id)
                     if device not in self._shares and device not in self._pinned:
                         self._stop(device)
+                    elif device in self._shares:
+                        self._lower(device)  # the largest share left may be smaller
             self._changed.notify_all()
 
     def set_pinned(self, device: str, pinned: bool) -> None:
@@ -139,6 +166,20 @@ class MpsDaemons:
                     log.info("MPS daemon of %s runs without shares: stopped", device)
                     self._stop(device)
 
+    def retire(self, device: str) -> None:
+        """Make a MIG instance about to be destroyed free of MPS: its daemon quits (and with
+        it the MPS server, which outlives its last client and holds the instance, so NVML's
+        destroy would fail with IN_USE, review §2.2), and a pin to MPS goes with the instance.
+        MpsError when a share still holds it (the plan's stops should have released it) or
+        the daemon does not quit."""
+        with self._changed:
+            if self._shares.get(device):
+                raise MpsError(f"MPS shares still run on {device}: {', '.join(sorted(self._shares[device]))}")
+            self._pinned.discard(device)
+            self._applied.pop(device, None)
+            if self.control.running(device) and self.control.stop(device):
+                log.info("MPS daemon of %s stopped: the instance is to be destroyed", device)
+
     # -- internals (the lock held) ------------------------------------------------------------
 
     @staticmethod
@@ -153,9 +194,39 @@ class MpsDaemons:
             if not held:
                 del by[device]
 
+    def _largest(self, device: str, extra: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        """The largest thread % and the largest pinned memory among the shares on ``device``
+        (and ``extra``, a share about to join): the server limits of the rule above."""
+        grants = [self._grants[key] for key in self._shares.get(device, ()) if key in self._grants]
+        if extra is not None:
+            grants.append(extra)
+        if not grants:
+            return None
+        return max(pct for pct, _ in grants), max(mib for _, mib in grants)
+
+    def _limit(self, device: str, extra: tuple[int, int] | None = None) -> None:
+        """Give the device's server the rule's limits unless it has them. MpsError if the
+        daemon does not take them: the share is refused rather than run with limits its
+        tenant could lift."""
+        limits = self._largest(device, extra)
+        if limits is None or self._applied.get(device) == limits:
+            return
+        self.control.set_server_limits(device, *limits)
+        self._applied[device] = limits
+        log.info("MPS server limits of %s: %d %% of SMs, %d MiB pinned per client", device, *limits)
+
+    def _lower(self, device: str) -> None:
+        """After a share left: the server limits follow the largest share still there. A
+        failure is logged: the limits stay as high as a share that ran, none higher."""
+        try:
+            self._limit(device)
+        except (MpsError, OSError) as exc:
+            log.warning("MPS server limits of %s not lowered: %s", device, exc)
+
     def _stop(self, device: str) -> None:
         """Stop a daemon; a failure is logged (the next launch or sweep tries again)."""
         started = time.monotonic()
+        self._applied.pop(device, None)  # whatever happens, give the limits again next time
         try:
             stopped = self.control.stop(device)
         except (MpsError, OSError) as exc:
