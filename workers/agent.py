@@ -57,9 +57,13 @@ class Agent:
     ) -> None:
         self.settings = settings or AgentSettings(host=host)
         self.host, self.backend, self.driver = host, backend, driver
-        root = mps_root(host, var_dir)
+        root = mps_root(var_dir, self.settings.mps_dir)
         # Each GPU's MPS daemon up exactly while MPS shares (or an admin's MPS pin) hold it.
-        self.mps_daemons = MpsDaemons(SimulatedMps(root) if backend.simulated else MpsManager(root))
+        self.mps_daemons = MpsDaemons(
+            SimulatedMps(root)
+            if backend.simulated
+            else MpsManager(root, exclusive_process=self.settings.mps_exclusive_process)
+        )
         self.mig = MigManager(backend)
         self.sandboxes = HostSandboxes()
         self.inventory = HostInventory(self.settings, backend, driver)

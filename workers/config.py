@@ -82,6 +82,8 @@ class AgentSettings:
     stop_grace_s: float = 5.0
     terminal_idle_s: float = 900.0
     self_test: bool = True
+    mps_dir: str = ""  # MPS_DIR: "" for the default (workers.gpu.mps.mps_root)
+    mps_exclusive_process: bool = False  # EXCLUSIVE_PROCESS compute mode while a GPU runs MPS
     checkpoint_hook: str = "-"  # "-": none (workers.moves)
     checkpoint_timeout_s: int = 300
 
@@ -101,6 +103,8 @@ class AgentSettings:
             stop_grace_s=float(env_int("SANDBOX_STOP_GRACE_S", 5, minimum=0)),
             terminal_idle_s=float(env_int("TERMINAL_IDLE_S", 900, minimum=10)),
             self_test=env_bool("AGENT_SELFTEST", True),
+            mps_dir=os.environ.get("MPS_DIR", ""),
+            mps_exclusive_process=env_bool("MPS_EXCLUSIVE_PROCESS", False),
             checkpoint_hook=env_str("SANDBOX_CHECKPOINT_HOOK", "-"),
             checkpoint_timeout_s=env_int("SANDBOX_CHECKPOINT_TIMEOUT_S", 300, minimum=1),
         )

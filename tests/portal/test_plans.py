@@ -36,17 +36,11 @@ from scheduler.defrag import MigPlan, apply_mig_plan
 from scheduler.gpus import CATALOG, check_layout
 from tests.portal.helpers import client_for, request
 from workers.agent import Agent
+from workers.config import AgentSettings
 from workers.drivers.base import SandboxHandle, SandboxSpec, SandboxStatus
 from workers.gpu.simulated import SimulatedBackend, SimulatedGpuConfig, parse_sim_spec
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def _mps_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The agents' MPS daemons (simulated: marker files that outlive them, as a daemon's pid
-    file does) under the test's own directory, not a root agent's /run/gpushare."""
-    monkeypatch.setenv("MPS_DIR", str(tmp_path / "mps"))
 
 
 class MemoryDriver:
@@ -102,7 +96,10 @@ def pump(sent: list[Any], agents: dict[str, Agent]) -> None:
 
 
 def simulated_host(name: str, configs: list[SimulatedGpuConfig], tmp_path: Path) -> Agent:
-    agent = Agent(name, SimulatedBackend(name, configs), MemoryDriver(), tmp_path / name)  # type: ignore[arg-type]
+    # The MPS daemons (simulated: marker files that outlive an agent, as a daemon's pid file
+    # does) under the test's own directory, not a root agent's /run/gpushare.
+    settings = AgentSettings(host=name, mps_dir=str(tmp_path / "mps"))
+    agent = Agent(name, SimulatedBackend(name, configs), MemoryDriver(), tmp_path / name, settings)  # type: ignore[arg-type]
     do_sync_inventory(name, "simulated", "memory", agent.inventory.refresh(), agent.inventory.facts())
     return agent
 

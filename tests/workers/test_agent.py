@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from workers.agent import Agent
+from workers.config import AgentSettings
 from workers.drivers.base import MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
 from workers.gpu.mps import MpsError, device_key, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
@@ -65,7 +66,7 @@ def spec(device: str) -> SandboxSpec:
 def agent(tmp_path: Path) -> tuple[Agent, RecordingDriver, str]:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     driver = RecordingDriver()
-    a = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
+    a = Agent("h", backend, driver, tmp_path, AgentSettings(host="h", mps_dir=str(tmp_path / "mps")))  # type: ignore[arg-type]
     a.inventory.refresh()
     return a, driver, backend.list_gpus()[0].uuid
 
@@ -73,7 +74,6 @@ def agent(tmp_path: Path) -> tuple[Agent, RecordingDriver, str]:
 def test_simulated_gpu_gets_a_pipe_dir_without_a_daemon(
     tmp_path: Path, sent_tasks: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MPS_DIR", str(tmp_path / "mps"))
     a, driver, device = agent(tmp_path)
     a.launch(spec(device))
     [launched] = driver.launched
@@ -92,14 +92,12 @@ def test_a_root_agent_keeps_mps_pipes_under_run_whatever_its_var_dir(
 ) -> None:
     """A checkout under /root (0700) hid the pipe directory from the sandbox's uid: bwrap
     failed with 'Can't find source path …/pipe: Permission denied' and MPS never ran."""
-    monkeypatch.delenv("MPS_DIR", raising=False)
-    root = mps_root("sim-a100-b", tmp_path)
+    root = mps_root(tmp_path)
     if os.geteuid() == 0:
         assert root == Path("/run/gpushare/mps")
     else:
         assert root == tmp_path / "mps"
-    monkeypatch.setenv("MPS_DIR", "/srv/mps")
-    assert mps_root("h", tmp_path) == Path("/srv/mps")
+    assert mps_root(tmp_path, "/srv/mps") == Path("/srv/mps")  # MPS_DIR
 
 
 def test_real_gpu_starts_the_daemon_or_fails_the_launch(
@@ -169,7 +167,7 @@ def test_a_report_taken_during_a_launch_says_the_sandbox_is_coming(tmp_path: Pat
     sandbox ran, called it vanished: failed after two seconds (seen under load in CI)."""
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     driver = SlowListingDriver()
-    a = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
+    a = Agent("h", backend, driver, tmp_path, AgentSettings(host="h", mps_dir=str(tmp_path / "mps")))  # type: ignore[arg-type]
     driver.agent = a
     a.inventory.refresh()
     a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))
@@ -190,7 +188,8 @@ def test_a_launch_that_crashes_is_no_longer_reported_as_coming(tmp_path: Path) -
             return []
 
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
-    a = Agent("h", backend, CrashingDriver(), tmp_path)  # type: ignore[arg-type]
+    settings = AgentSettings(host="h", mps_dir=str(tmp_path / "mps"))
+    a = Agent("h", backend, CrashingDriver(), tmp_path, settings)  # type: ignore[arg-type]
     a.inventory.refresh()
     with pytest.raises(OSError):
         a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))

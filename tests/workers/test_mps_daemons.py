@@ -15,7 +15,6 @@ Then a few threads race a share's launch against the last share's stop.
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
 import tempfile
 import threading
@@ -40,6 +39,7 @@ from hypothesis.stateful import (
 from scheduler.defrag import DESTROY, MigMove, MigPlan
 from workers import dispatch, moves
 from workers.agent import Agent
+from workers.config import AgentSettings
 from workers.drivers.base import DriverError, MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
 from workers.drivers.output import OutputChunk
 from workers.gpu.mps import MpsError, SimulatedMps
@@ -133,7 +133,6 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
         self.sent = Sent()
         self.patches: list[Any] = [
             mock.patch.multiple(dispatch, to_control=self.sent.to_control, to_host=lambda *a: None),
-            mock.patch.dict(os.environ, {"MPS_DIR": str(self.tmp / "mps")}),  # not /run/gpushare
         ]
         for patch in self.patches:
             patch.start()
@@ -149,7 +148,8 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
         self.launched = 0
 
     def _start_agent(self) -> Agent:
-        agent = Agent("h", self.backend, self.driver, self.tmp)  # type: ignore[arg-type]
+        settings = AgentSettings(host="h", mps_dir=str(self.tmp / "mps"))
+        agent = Agent("h", self.backend, self.driver, self.tmp, settings)  # type: ignore[arg-type]
         agent.mps_daemons.handover_s = 0  # a conflicting launch is refused at once, not waited for
         agent.inventory.refresh()
         self.driver.daemons = agent.mps_daemons
@@ -327,14 +327,9 @@ def test_the_mps_daemon_follows_the_gpus_mode() -> None:
 # --- races ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _mps_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MPS_DIR", str(tmp_path / "mps"))  # a root agent's default is /run/gpushare
-
-
 def _agent(tmp_path: Path, driver: CheckingDriver) -> tuple[Agent, str]:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
-    agent = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
+    agent = Agent("h", backend, driver, tmp_path, AgentSettings(host="h", mps_dir=str(tmp_path / "mps")))  # type: ignore[arg-type]
     agent.inventory.refresh()
     driver.daemons = agent.mps_daemons
     return agent, backend.list_gpus()[0].uuid
@@ -483,11 +478,11 @@ def test_the_server_holds_every_share_to_the_largest_one_on_its_gpu(tmp_path: Pa
     agent.launch(_spec("a5", (gpu,), "mps"))  # 30 %, 2 GiB
     agent.launch(_spec("a7", (gpu,), "mps"))  # 20 %, 4 GiB
     assert control.limits(gpu) == (30, 4096) and not driver.violations
-    agent.stop("a7", 7, driver.handle("a7").to_json())
+    agent.stop("a7", driver.handle("a7").to_json())
     assert control.limits(gpu) == (30, 2048)  # lowered for the clients that come next
-    agent.stop("a5", 5, driver.handle("a5").to_json())
+    agent.stop("a5", driver.handle("a5").to_json())
     assert control.limits(gpu) == (20, 2048)
-    agent.stop("a1", 1, driver.handle("a1").to_json())
+    agent.stop("a1", driver.handle("a1").to_json())
     assert not control.running(gpu) and control.limits(gpu) is None
 
 
@@ -515,13 +510,13 @@ def test_a_mig_re_layout_quits_the_instances_mps_daemon_before_destroying_it(
     leaves its daemon up; the plan that destroys the instance must quit it first."""
     driver = CheckingDriver()
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1:mig=0"))
-    agent = Agent("h", backend, driver, tmp_path)  # type: ignore[arg-type]
-    agent.inventory()
+    agent = Agent("h", backend, driver, tmp_path, AgentSettings(host="h", mps_dir=str(tmp_path / "mps")))  # type: ignore[arg-type]
+    agent.inventory.refresh()
     driver.daemons = agent.mps_daemons
     gpu = backend.list_gpus()[0].uuid
     doomed, *_ = backend.mig_layout(gpu)
     agent.launch(_spec("a1", (doomed.uuid,), "mps", pinned=True))
-    agent.stop("a1", 1, driver.handle("a1").to_json())
+    agent.stop("a1", driver.handle("a1").to_json())
     control = agent.mps_daemons.control
     assert control.running(doomed.uuid)  # pinned: up between shares, as its server would be
     destroy = backend.destroy_mig

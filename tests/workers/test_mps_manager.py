@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from workers.config import AgentSettings
 from workers.drivers import uids
 from workers.drivers.base import MpsShare, SandboxSpec
 from workers.gpu import mps
@@ -344,16 +345,13 @@ def test_a_failed_start_says_what_the_binary_printed(var_dir: Path) -> None:
 def test_socket_paths_fit_whatever_the_hostname(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Finding 6: the root agent's path held the hostname and the full UUID, so a hostname of
     19 characters or more (an FQDN) put the control socket past 107 bytes."""
-    monkeypatch.delenv("MPS_DIR", raising=False)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    host = "gpu-node-017.rack-12.datacenter-west.example.internal"
-    root = mps_root(host, tmp_path)
+    root = mps_root(tmp_path)  # on gpu-node-017.rack-12.datacenter-west.example.internal
     assert root == Path("/run/gpushare/mps")
     socket_path = MpsManager(root).pipe_dir(MIG) / "control"
     assert socket_path == Path("/run/gpushare/mps", device_key(MIG), "pipe", "control")
     assert len(os.fsencode(socket_path)) <= 40
-    monkeypatch.setenv("MPS_DIR", "/srv/mps")
-    assert mps_root(host, tmp_path) == Path("/srv/mps")
+    assert mps_root(tmp_path, "/srv/mps") == Path("/srv/mps")
 
 
 def test_two_devices_on_one_key_are_refused_not_mixed_up(manager: MpsManager) -> None:
@@ -515,7 +513,8 @@ def test_compute_mode_is_left_alone_unless_the_operator_asks(
     manager.start(GPU_A)  # no ComputeMode given: NVML would be called, and there is none here
     manager.stop(GPU_A)
     monkeypatch.setenv("MPS_EXCLUSIVE_PROCESS", "true")
-    assert MpsManager(manager.root).exclusive_process is True
+    monkeypatch.setenv("GPUSHARE_HOST", "h")
+    assert AgentSettings.from_env().mps_exclusive_process is True
     assert SimulatedMps(manager.root).exclusive_process is False
 
 

@@ -46,7 +46,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from portal.env import env_bool
 from workers.drivers import uids
 from workers.drivers.base import MpsShare
 
@@ -72,18 +71,15 @@ START_LOG = "start.log"  # in the log directory: what ``-d`` printed before it f
 Runner = Callable[..., "subprocess.CompletedProcess[Any]"]
 
 
-def mps_root(host: str, var_dir: Path) -> Path:
-    """Where a host's MPS pipe and log directories live: ``MPS_DIR`` when set; else, for an
+def mps_root(var_dir: Path, configured: str = "") -> Path:
+    """Where a host's MPS pipe and log directories live: ``configured`` (``MPS_DIR``) when set; else, for an
     agent running as root, ``/run/gpushare/mps``: sandboxes run as unprivileged uids that must
     traverse every directory above the pipe directory bwrap binds (a checkout under /root,
     0700, would hide it), and the short path keeps ``<pipe>/control`` within a UNIX socket's
     107 bytes whatever the hostname (``/run/gpushare/mps/<8 hex>/pipe/control`` is 38 bytes;
     the host's name in it made any hostname over 18 characters refuse every share, review
-    finding 6). A non-root agent's sandboxes run as its own uid: ``<var_dir>/mps``. ``host`` is
-    no longer part of the path; the parameter stays for callers (GPU UUIDs are unique to a
-    host already, simulated ones included)."""
-    del host
-    configured = os.environ.get("MPS_DIR")
+    finding 6). A non-root agent's sandboxes run as its own uid: ``<var_dir>/mps``. The host's
+    name is not in the path: GPU UUIDs are unique to a host already, simulated ones included."""
     if configured:
         return Path(configured)
     return Path("/run/gpushare/mps") if os.geteuid() == 0 else var_dir / "mps"
@@ -158,7 +154,7 @@ class MpsManager:
         clock: Callable[[], float] = time.monotonic,
         runner: Runner = subprocess.run,
         systemd: bool | None = None,
-        exclusive_process: bool | None = None,
+        exclusive_process: bool = False,
         compute_mode: ComputeMode | None = None,
     ) -> None:
         self.root = Path(root)  # mps_root(): holds <key>/pipe and <key>/log per device
@@ -169,8 +165,6 @@ class MpsManager:
         self.systemd = systemd_runs() if systemd is None else systemd
         # EXCLUSIVE_PROCESS while a whole GPU's daemon runs: the operator's choice (None: read
         # MPS_EXCLUSIVE_PROCESS), through NVML unless a test gives its own ComputeMode.
-        if exclusive_process is None:
-            exclusive_process = env_bool("MPS_EXCLUSIVE_PROCESS", False)
         self.exclusive_process = exclusive_process
         self._compute_mode = compute_mode
         self._lock = threading.RLock()
