@@ -139,6 +139,7 @@ class FakeNvml:
             "nvmlEventSetWait_v2",
             "nvmlEventSetFree",
             "nvmlDeviceGetGpuInstances",
+            "nvmlDeviceGetGpuInstancePossiblePlacements",
             "nvmlDeviceGetMPSComputeRunningProcesses",
             "nvmlGpmQueryDeviceSupport",
             "nvmlGpmSampleAlloc",
@@ -355,6 +356,22 @@ class FakeNvml:
         return SimpleNamespace(
             id=profile_id, name=name, sliceCount=slices, memorySizeMB=memory, instanceCount=7 // slices
         )
+
+    def nvmlDeviceGetGpuInstancePossiblePlacements(
+        self, dev: Dev, profile_id: int, found: Any, count_ref: Any
+    ) -> int:
+        """nvidia-smi mig -lgipp: the same starts on every 8-slice GPU, by profile size."""
+        size = self._live(dev).profile(profile_id)[3]
+        slices = dev.profile(profile_id)[2]
+        starts = {
+            1: range(7),
+            2: (0, 2, 4, 6) if slices == 1 else (0, 2, 4),
+            4: (0, 4) if slices == 3 else (0,),
+        }
+        for i, start in enumerate(starts.get(size, (0,))):
+            found[i] = pynvml.c_nvmlGpuInstancePlacement_t(start=start, size=size)
+            count_ref._obj.value = i + 1
+        return pynvml.NVML_SUCCESS
 
     def nvmlDeviceGetGpuInstances(self, dev: Dev, profile_id: int, found: Any, count_ref: Any) -> int:
         self._live(dev)

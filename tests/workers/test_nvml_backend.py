@@ -614,3 +614,21 @@ def test_failed_gpu_instance_destroy_leaves_a_visible_instance(fake: FakeNvml, b
         backend.destroy_mig(A100_UUID, small)
     left = backend.mig_layout(A100_UUID)[0]
     assert (left.uuid, left.start, left.usable) == (f"{A100_UUID}/gi3", 0, False)
+
+
+def test_mig_on_a_board_without_a_table_takes_placements_from_nvml(
+    fake: FakeNvml, h100_mig: NvmlBackend
+) -> None:
+    """Guards review §2.4: a board scheduler.gpus has no table for (here a made-up Hopper
+    name) was refused MIG ("no MIG geometry known"); its placements come from NVML now."""
+    fake.h100.name = "NVIDIA H100 SXM5 64GB"
+    assert h100_mig.list_gpus()[0].model == ""
+    h100_mig.destroy_mig(H100_UUID, fake.mig(9, H100_UUID).uuid)
+    with pytest.raises(
+        GpuBackendError, match=r"1g\.10gb cannot start at memory slice 7 on .*from NVML.*0, 1, 2"
+    ):
+        h100_mig.create_mig(H100_UUID, "1g.10gb", 7)
+    with pytest.raises(GpuBackendError, match=r"1g\.10gb@3 overlaps 1g\.10gb@3"):
+        h100_mig.create_mig(H100_UUID, "1g.10gb", 3)
+    made = h100_mig.create_mig(H100_UUID, "1g.10gb", 2)
+    assert (made.profile, made.start, made.memory_mib) == ("1g.10gb", 2, 9984)

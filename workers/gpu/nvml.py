@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from scheduler.gpus import free_starts, model_for_name
+from scheduler.gpus import model_for_name
 from workers.gpu.base import (
     GpuBackendError,
     GpuInfo,
@@ -288,27 +288,32 @@ class NvmlBackend:
         raise GpuBackendError(f"created GPU instance {gi_id} on {uuid} but no MIG device shows it")
 
     def _check_placement(self, handle: Any, uuid: str, profile: str, start: int) -> int:
-        """Refuse an illegal or overlapping start with a clear message; return its size."""
+        """Refuse an illegal or overlapping start with a clear message; return its size.
+
+        Legal starts come from scheduler.gpus for a model it knows, else from NVML's own
+        placement list (a board this module has no table for still gets MIG)."""
         name = str(pynvml.nvmlDeviceGetName(handle))
         model = model_for_name(name, int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB)
-        if model is None or profile not in {p.name for p in model.mig_profiles}:
-            raise GpuBackendError(f"no MIG geometry known for {profile} on {name} ({uuid})")
-        mig_profile = model.profile(profile)
-        if start not in mig_profile.starts:
-            legal = ", ".join(map(str, mig_profile.starts))
+        if model is not None and profile in {p.name for p in model.mig_profiles}:
+            known = model.profile(profile)
+            starts, size, where = known.starts, known.memory_slices, model.name
+        else:
+            starts, size = _possible_placements(handle, self._gi_profiles(handle, uuid)[profile])
+            where = f"{name} (placements from NVML)"
+        if start not in starts:
+            legal = ", ".join(map(str, starts))
             raise GpuBackendError(
-                f"{profile} cannot start at memory slice {start} on {model.name}; legal: {legal}"
+                f"{profile} cannot start at memory slice {start} on {where}; legal: {legal}"
             )
-        used = self._mig_devices(handle, uuid)
-        if start not in free_starts(model, profile, [(d.start, d.memory_slices) for d in used]):
-            wanted = set(mig_profile.slots(start))
-            clash = [
-                f"{d.profile}@{d.start}"
-                for d in used
-                if wanted.intersection(range(d.start, d.start + d.memory_slices))
-            ]
+        wanted = set(range(start, start + size))
+        clash = [
+            f"{d.profile}@{d.start}"
+            for d in self._mig_devices(handle, uuid)
+            if wanted.intersection(range(d.start, d.start + d.memory_slices))
+        ]
+        if clash:
             raise GpuBackendError(f"{profile}@{start} overlaps {', '.join(clash)} on {uuid}")
-        return mig_profile.memory_slices
+        return size
 
     def destroy_mig(self, uuid: str, mig_uuid: str) -> None:
         """Destroy a MIG device: its compute instance(s), then its GPU instance.
@@ -556,6 +561,17 @@ def _create_compute_instance(gpu_instance: Any, profile: _GiProfile) -> None:
         pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
     )
     pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_info.id)
+
+
+def _possible_placements(handle: Any, profile: _GiProfile) -> tuple[tuple[int, ...], int]:
+    """(legal starts, memory slices) of a profile as NVML lists them (MIG on or off)."""
+    count = ctypes.c_uint(0)
+    found = (pynvml.c_nvmlGpuInstancePlacement_t * max(1, profile.instance_count))()
+    pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, profile.id, found, ctypes.byref(count))
+    placements = [found[i] for i in range(count.value)]
+    if not placements:
+        raise GpuBackendError(f"NVML lists no placement for MIG profile {profile.name}")
+    return tuple(int(p.start) for p in placements), int(placements[0].size)
 
 
 def _gpu_instances(parent: Any, profile: _GiProfile) -> list[Any]:
