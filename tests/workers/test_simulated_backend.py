@@ -9,7 +9,7 @@ from functools import partial
 
 import pytest
 
-from scheduler.gpus import MEMORY_SLICES, MODELS
+from scheduler.gpus import MEMORY_SLICES, MODELS, model_for_name
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost
 from workers.gpu.simulated import (
@@ -133,6 +133,10 @@ def test_default_layout_is_legal_and_uses_every_slice(model: str) -> None:
     assert sum(m.memory_slices for m in migs) == MEMORY_SLICES
     profiles = MODELS[model]
     assert sum(profiles.profile(m.profile).compute_slices for m in migs) == 7
+    # The name a simulated GPU shows maps back to its model, as NVML's would.
+    name = backend.list_gpus()[0].name
+    found = model_for_name(name, profiles.memory_mib)
+    assert found is not None and found.name == model
 
 
 def test_configured_layout_and_bad_configs() -> None:
