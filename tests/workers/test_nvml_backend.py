@@ -95,7 +95,22 @@ def test_make_backend_picks_nvml(fake: FakeNvml) -> None:
         assert isinstance(backend, NvmlBackend)
         backend.close()
     fake.gpus = []
-    assert make_backend("auto", "host-a", "H100-80GB").simulated
+    assert make_backend("auto", "host-a", "H100-80GB", driver_paths=()).simulated
+
+
+def test_auto_never_simulates_on_a_host_with_the_nvidia_driver(fake: FakeNvml, tmp_path: Path) -> None:
+    """Guards review §1.6: NVML failing on a GPU host (driver/library mismatch) silently gave
+    simulated H100s; now the agent stops with the cause and the driver file it found."""
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15\n")
+    fake.fail["nvmlInit"] = pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH
+    with pytest.raises(
+        GpuBackendError, match=rf"NVML did not initialise: .*{version} exists.*GPU_BACKEND=simulated"
+    ):
+        make_backend("auto", "host-a", "H100-80GB", driver_paths=(version, tmp_path / "nvidiactl"))
+    fake.fail["nvmlInit"] = pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH
+    backend = make_backend("auto", "host-a", "H100-80GB", driver_paths=(tmp_path / "nvidiactl",))
+    assert backend.simulated  # no driver here: a laptop or CI, simulation is what auto means
 
 
 # -- inventory -------------------------------------------------------------------------------

@@ -213,8 +213,8 @@ def test_parse_sim_spec_rejects(spec: str, message: str) -> None:
 
 
 def test_make_backend_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("workers.gpu.nvml_available", lambda: False)
-    backend = make_backend("auto", "host-a", "A100-80GB:2")
+    monkeypatch.setattr("workers.gpu.nvml_problem", lambda: "NVML sees no GPU")
+    backend = make_backend("auto", "host-a", "A100-80GB:2", driver_paths=())
     assert isinstance(backend, SimulatedBackend) and len(backend.list_gpus()) == 2
     assert make_backend("simulated", "host-a", "").list_gpus() == []
     with pytest.raises(ValueError, match="'cuda'"):

@@ -110,14 +110,20 @@ class _GiProfile:
 
 def nvml_available() -> bool:
     """True when NVML loads and sees at least one GPU (GPU_BACKEND=auto picks nvml then)."""
+    return nvml_problem() is None
+
+
+def nvml_problem() -> str | None:
+    """Why NVML cannot drive GPUs here ("NVML did not initialise: Driver Not Loaded", "NVML
+    sees no GPU"), or None when it loads and sees at least one."""
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
+    except pynvml.NVMLError as err:
+        return f"NVML did not initialise: {err}"
     try:
-        return int(pynvml.nvmlDeviceGetCount()) > 0
-    except pynvml.NVMLError:
-        return False
+        return None if int(pynvml.nvmlDeviceGetCount()) > 0 else "NVML sees no GPU"
+    except pynvml.NVMLError as err:
+        return f"NVML could not count GPUs: {err}"
     finally:
         with suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
