@@ -522,6 +522,21 @@ def test_h100_mig_utilization_from_gpm(fake: FakeNvml, h100_mig: NvmlBackend) ->
     assert fake.gpm_samples == {}
 
 
+def test_a_gpm_failure_leaves_utilization_unmeasured_not_the_sample(
+    fake: FakeNvml, h100_mig: NvmlBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    big = fake.mig(2, H100_UUID).uuid
+    h100_mig.sample(big)
+    fake.fail["nvmlGpmMetricsGet"] = pynvml.NVML_ERROR_UNKNOWN
+    sample = h100_mig.sample(big)
+    assert (sample.util_pct, sample.mem_used_mib) == (None, 24_600)
+    assert "GPM utilization of" in caplog.text
+    assert h100_mig.sample(big).util_pct == 55.0  # the next pair measures again
+    fake.fail["nvmlGpmMigSampleGet"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    with pytest.raises(GpuLost):
+        h100_mig.sample(big)
+
+
 def test_destroyed_instance_forgets_its_gpm_sample(fake: FakeNvml, h100_mig: NvmlBackend) -> None:
     small = fake.mig(9, H100_UUID)
     h100_mig.sample(small.uuid)

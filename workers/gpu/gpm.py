@@ -27,6 +27,8 @@ _UNSUPPORTED = (
     pynvml.NVMLError_NoPermission,
     pynvml.NVMLLibraryMismatchError,
 )
+# The board is gone: that must reach the caller (it reports the GPU lost).
+_LOST = (pynvml.NVMLError_GpuIsLost, pynvml.NVMLError_ResetRequired)
 METRIC = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
 
 
@@ -35,6 +37,7 @@ class GpmUtilization:
         self._lock = threading.Lock()
         self._supported: dict[str, bool] = {}  # GPU uuid -> GPM works there
         self._last: dict[tuple[str, int | None], Any] = {}  # (GPU uuid, GI id) -> sample
+        self._warned: set[tuple[str, int | None]] = set()
 
     def supported(self, parent: Any, parent_uuid: str) -> bool:
         """Whether the GPU offers GPM (asked once per GPU; NVML says so per device)."""
@@ -43,7 +46,10 @@ class GpmUtilization:
         if known is None:
             try:
                 known = bool(pynvml.nvmlGpmQueryDeviceSupport(parent).isSupportedDevice)
-            except _UNSUPPORTED:
+            except _LOST:
+                raise
+            except (*_UNSUPPORTED, pynvml.NVMLError) as err:
+                self._note_unmeasured(parent_uuid, None, err)
                 known = False
             with self._lock:
                 self._supported[parent_uuid] = known
@@ -53,7 +59,9 @@ class GpmUtilization:
         """Busy % of the GPU (``gpu_instance_id`` None) or of one of its GPU instances since
         the previous read of the same device; None on the first read or without GPM.
 
-        NVML errors other than "not supported" propagate (a lost GPU must say so)."""
+        A lost GPU's error propagates (the caller reports the loss); any other NVML error
+        leaves the reading unmeasured, with one warning per device, so a GPM quirk never
+        stops the GPU's other figures."""
         if not self.supported(parent, parent_uuid):
             return None
         sample = pynvml.nvmlGpmSampleAlloc()
@@ -62,21 +70,36 @@ class GpmUtilization:
                 pynvml.nvmlGpmSampleGet(parent, sample)
             else:
                 pynvml.nvmlGpmMigSampleGet(parent, gpu_instance_id, sample)
-        except _UNSUPPORTED:
-            _free(sample)
-            return None
-        except BaseException:
+        except _LOST:
             _free(sample)
             raise
+        except (*_UNSUPPORTED, pynvml.NVMLError) as err:
+            _free(sample)
+            self._note_unmeasured(parent_uuid, gpu_instance_id, err)
+            return None
+        key = (parent_uuid, gpu_instance_id)
         with self._lock:
-            key = (parent_uuid, gpu_instance_id)
             previous, self._last[key] = self._last.get(key), sample
         if previous is None:
             return None
         try:
             return _metric(previous, sample)
+        except _LOST:
+            raise
+        except pynvml.NVMLError as err:
+            self._note_unmeasured(parent_uuid, gpu_instance_id, err)
+            return None
         finally:
             _free(previous)
+
+    def _note_unmeasured(self, parent_uuid: str, gpu_instance_id: int | None, err: Exception) -> None:
+        key = (parent_uuid, gpu_instance_id)
+        if not isinstance(err, _UNSUPPORTED) and key not in self._warned:
+            self._warned.add(key)
+            where = (
+                parent_uuid if gpu_instance_id is None else f"{parent_uuid} GPU instance {gpu_instance_id}"
+            )
+            log.warning("GPM utilization of %s unavailable (%s): reported as unmeasured", where, err)
 
     def forget(self, parent_uuid: str, gpu_instance_id: int | None = None) -> None:
         """Drop a device's kept sample (an instance destroyed: its id may be reused)."""
