@@ -608,6 +608,8 @@ def test_gpu_instance_with_two_compute_instances_is_one_entry(fake: FakeNvml, ba
         ("3g.40gb", 4, 1),
     ]
     assert layout[1].uuid == f"{A100_UUID}/gi5"
+    fake.pending = [event(fake.a100, pynvml.nvmlEventTypeXidCriticalError, 48, 5)]
+    assert [e.uuid for e in backend.health_events()] == [A100_UUID]  # no device the portal knows
     backend.destroy_mig(A100_UUID, layout[1].uuid)  # both compute instances, then the GI
     assert len(fake.called("nvmlComputeInstanceDestroy")) == 2
     assert [m.start for m in backend.mig_layout(A100_UUID)] == [0, 4]

@@ -241,7 +241,11 @@ class NvmlBackend:
         with self._lock:
             for device in devices:
                 self._mig_parent[device.uuid] = parent_uuid
-                self._mig_by_gi[(parent_uuid, device.gpu_instance_id)] = device.uuid
+                # An event in an unusable instance names the GPU: the portal knows no such device.
+                if device.usable:
+                    self._mig_by_gi[(parent_uuid, device.gpu_instance_id)] = device.uuid
+                else:
+                    self._mig_by_gi.pop((parent_uuid, device.gpu_instance_id), None)
         return sorted(devices, key=lambda d: (d.start, d.gpu_instance_id))
 
     def _gi_profiles(self, handle: Any, uuid: str) -> dict[str, _GiProfile]:
