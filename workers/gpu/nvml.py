@@ -576,7 +576,8 @@ def _create_compute_instance(gpu_instance: Any, profile: _GiProfile) -> None:
 def _possible_placements(handle: Any, profile: _GiProfile) -> tuple[tuple[int, ...], int]:
     """(legal starts, memory slices) of a profile as NVML lists them (MIG on or off)."""
     count = ctypes.c_uint(0)
-    found = (pynvml.c_nvmlGpuInstancePlacement_t * max(1, profile.instance_count))()
+    # NVML fills as many as the profile allows; a GPU has at most 8 memory slices to start at.
+    found = (pynvml.c_nvmlGpuInstancePlacement_t * max(8, profile.instance_count))()
     pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, profile.id, found, ctypes.byref(count))
     placements = [found[i] for i in range(count.value)]
     if not placements:
@@ -587,7 +588,7 @@ def _possible_placements(handle: Any, profile: _GiProfile) -> tuple[tuple[int, .
 def _gpu_instances(parent: Any, profile: _GiProfile) -> list[Any]:
     """The GPU instances of one profile on a GPU (root only)."""
     count = ctypes.c_uint(0)
-    found = (pynvml.c_nvmlGpuInstance_t * max(1, profile.instance_count))()
+    found = (pynvml.c_nvmlGpuInstance_t * max(8, profile.instance_count))()  # instanceCount is the most
     pynvml.nvmlDeviceGetGpuInstances(parent, profile.id, found, ctypes.byref(count))
     return [found[i] for i in range(count.value)]
 
