@@ -109,9 +109,75 @@ _H100_80GB = GpuModel(
     max_sm_clock_mhz=1980,
     mig_profiles=_mig_table(
         ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
-        (9856, 19968, 40192, 80896),
+        # nvidia-smi mig -lgip on an H100 80GB HBM3: 9.75, 19.62, 39.50, 79.25 GiB
+        (9984, 20090, 40448, 81152),
         (16, 26, 32, 60, 64, 132),
     ),
+)
+
+# The other Hopper boards. On a real host the MIG memory comes from NVML (the profile's
+# memorySizeMB), and so do placements for a profile this module does not know; these
+# tables serve simulation, planning and fit estimates. Figures marked estimated are scaled
+# from the H100 80GB HBM3's by memory (MIG user guide profile names, NVIDIA datasheets).
+_ESTIMATED = (
+    "MIG memory sizes estimated from the H100 80GB HBM3's, scaled by memory; NVML's are used on a host"
+)
+
+_H100_PCIE = GpuModel(
+    "H100-PCIe",
+    memory_mib=81559,
+    sm_count=114,
+    tdp_w=350,
+    idle_w=50,
+    max_sm_clock_mhz=1755,
+    mig_profiles=_mig_table(
+        ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
+        (9984, 20090, 40448, 81152),
+        (14, 14, 28, 42, 56, 114),
+    ),
+    note="H100 PCIe 80GB (HBM2e, 114 SMs); MIG SM counts estimated (7 GPCs of 14-16 SMs).",
+)
+
+_H100_NVL = GpuModel(
+    "H100-NVL",
+    memory_mib=95830,
+    sm_count=132,
+    tdp_w=400,
+    idle_w=60,
+    max_sm_clock_mhz=1785,
+    mig_profiles=_mig_table(
+        ("1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"),
+        (11731, 23606, 47526, 95354),
+        (16, 26, 32, 60, 64, 132),
+    ),
+    note=f"H100 NVL 94GB (PCIe, HBM3); {_ESTIMATED}.",
+)
+
+# Export variant of the H100 SXM: the same GPU, MIG geometry and memory (NVLink is cut).
+_H800 = GpuModel(
+    "H800-80GB",
+    memory_mib=81559,
+    sm_count=132,
+    tdp_w=700,
+    idle_w=70,
+    max_sm_clock_mhz=1980,
+    mig_profiles=_H100_80GB.mig_profiles,
+    note="H800 80GB (an H100 with reduced NVLink); MIG as the H100 80GB HBM3.",
+)
+
+_GH200_96GB = GpuModel(
+    "GH200-96GB",
+    memory_mib=97871,
+    sm_count=132,
+    tdp_w=900,
+    idle_w=90,
+    max_sm_clock_mhz=1980,
+    mig_profiles=_mig_table(
+        ("1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"),
+        (11981, 24108, 48538, 97382),
+        (16, 26, 32, 60, 64, 132),
+    ),
+    note=f"GH200 Grace Hopper with 96 GB HBM3 (NVML says 'GH200 480GB': CPU and GPU memory); {_ESTIMATED}.",
 )
 
 _H200 = GpuModel(
@@ -181,7 +247,9 @@ _TRACE_MODELS = (
 )
 
 # The models the platform runs sandboxes on, and that the simulated backend can imitate.
-MODELS: dict[str, GpuModel] = {m.name: m for m in (_H100_80GB, _A100_80GB, _A100_40GB, _H200)}
+MODELS: dict[str, GpuModel] = {
+    m.name: m for m in (_H100_80GB, _A100_80GB, _A100_40GB, _H200, _H100_PCIE, _H100_NVL, _H800, _GH200_96GB)
+}
 
 # Every model this module knows: MODELS plus the trace's models, for replay and planning.
 CATALOG: dict[str, GpuModel] = {**MODELS, **{m.name: m for m in _TRACE_MODELS}}
@@ -189,9 +257,16 @@ CATALOG: dict[str, GpuModel] = {**MODELS, **{m.name: m for m in _TRACE_MODELS}}
 # NVML reports marketing names; map the ones we know to canonical models: (family as a
 # whole word, a size the name must contain, canonical name, memory the GPU must stay below).
 # Whole words, because "A10" is a prefix of "A100".
+# "GH200" is not the word "H200", so the H200 hint cannot catch it; a GH200 with 144 GB of
+# HBM3e has the H200's memory and MIG geometry.
 _NAME_HINTS = (
+    (r"GH200", "144G", "H200", 0),
+    (r"GH200", "", "GH200-96GB", 0),
+    (r"H100", "NVL", "H100-NVL", 0),
+    (r"H100", "PCIE", "H100-PCIe", 0),
     (r"H100", "80GB", "H100-80GB", 0),
-    (r"H200", "", "H200", 0),
+    (r"H800", "", "H800-80GB", 0),
+    (r"H200", "", "H200", 0),  # H200 SXM and H200 NVL: both 141 GB
     (r"A100", "80GB", "A100-80GB", 0),
     (r"A100", "", "A100-40GB", 60000),
     (r"A10", "", "A10", 0),

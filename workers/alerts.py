@@ -135,19 +135,15 @@ class AlertTracker:
     # --- the rule engine --------------------------------------------------------------
 
     def _readings(self, rules: dict[str, Any], sample: GpuSampleMessage, mem_pct: float) -> list[_Reading]:
+        """The rules' readings of a sample; none for utilization when it is unmeasured (None:
+        a MIG device without GPM), which is neither high nor back to normal."""
         temp, util = sample["temp_c"], sample["util_pct"]
         throttled = sorted(THROTTLING.intersection(sample["throttle"]))
         hold = rules["hold_s"]
-        return [
+        readings = [
             _Reading(
                 "temperature", temp, temp > rules["temp_high_c"], temp < rules["temp_clear_c"],
                 hold, hold, rules["temp_high_c"], f"{temp:.0f} °C, over {rules['temp_high_c']} °C",
-            ),
-            _Reading(
-                "utilization", util, util > rules["util_high_pct"], util < rules["util_clear_pct"],
-                rules["util_s"], hold, rules["util_high_pct"],
-                f"utilization {util:.0f} % held over {rules['util_high_pct']} % for "
-                f"{rules['util_s'] // 60} min",
             ),
             _Reading(
                 "memory", mem_pct, mem_pct > rules["mem_high_pct"], mem_pct < rules["mem_clear_pct"],
@@ -160,6 +156,14 @@ class AlertTracker:
                 f"clocks held down ({', '.join(throttled)}) for {rules['throttle_s']} s",
             ),
         ]  # fmt: skip
+        if util is not None:
+            readings.insert(1, _Reading(
+                "utilization", util, util > rules["util_high_pct"], util < rules["util_clear_pct"],
+                rules["util_s"], hold, rules["util_high_pct"],
+                f"utilization {util:.0f} % held over {rules['util_high_pct']} % for "
+                f"{rules['util_s'] // 60} min",
+            ))  # fmt: skip
+        return readings
 
     def _observe(
         self,

@@ -32,6 +32,15 @@ class _Stat:
     def triple(self, digits: int = 1) -> list[float]:
         return [round(self.low, digits), round(self.total / self.n, digits), round(self.high, digits)]
 
+    def add_measured(self, value: float | None) -> None:
+        """A utilization: None (unmeasured) is left out, never counted as 0 (idle)."""
+        if value is not None:
+            self.add(value)
+
+    def measured_triple(self) -> list[float] | None:
+        """min, mean, max of the measured values; None when the minute measured none."""
+        return self.triple() if self.n else None
+
 
 @dataclass
 class _GpuMinute:
@@ -73,7 +82,7 @@ class MinuteRollups:
     def add_gpu(self, message: GpuSampleMessage) -> None:
         gpu = self._gpus.setdefault(message["gpu"], _GpuMinute())
         gpu.temp.add(message["temp_c"])
-        gpu.util.add(message["util_pct"])
+        gpu.util.add_measured(message["util_pct"])
         gpu.mem.add(message["mem_used_mib"])
         gpu.power.add(message["power_w"])
         gpu.clock.add(message["sm_clock_mhz"])
@@ -84,7 +93,7 @@ class MinuteRollups:
         """A sandbox's own figures plus the temperature and power of the device it runs on."""
         box = self._sandboxes.setdefault(sandbox_id, _SandboxMinute())
         box.mem.add(figures["mem_mib"])
-        box.util.add(figures["util_pct"])
+        box.util.add_measured(figures["util_pct"])
         box.temp.add(device["temp_c"])
         box.power.add(device["power_w"])
         box.cost_micros = max(box.cost_micros, figures["cost_micros"])
@@ -94,7 +103,7 @@ class MinuteRollups:
             uuid: {
                 "samples": g.temp.n,
                 "temp_c": g.temp.triple(),
-                "util_pct": g.util.triple(),
+                "util_pct": g.util.measured_triple(),
                 "mem_mib": [int(v) for v in g.mem.triple(0)],
                 "mem_total_mib": g.mem_total,
                 "power_w": g.power.triple(),
@@ -107,7 +116,7 @@ class MinuteRollups:
             sid: {
                 "samples": b.mem.n,
                 "mem_mib": [int(v) for v in b.mem.triple(0)],
-                "util_pct": b.util.triple(),
+                "util_pct": b.util.measured_triple(),
                 "temp_max_c": round(b.temp.high, 1),
                 "power_mean_w": round(b.power.total / b.power.n, 1),
                 "cost_micros": b.cost_micros,

@@ -22,7 +22,7 @@ FLEET_GROUP = "fleet"
 
 class SandboxFigures(TypedDict):
     mem_mib: int
-    util_pct: float
+    util_pct: float | None  # None: unmeasured (a MIG device without GPM), never "idle"
     cost_micros: int
 
 
@@ -32,7 +32,7 @@ class GpuSampleMessage(TypedDict):
     host: str
     t: int  # epoch ms at the agent
     temp_c: float
-    util_pct: float
+    util_pct: float | None  # None (JSON null): the device's utilization is not measured
     mem_used_mib: int
     mem_total_mib: int
     power_w: float
@@ -100,7 +100,7 @@ def sample_message(
         host=host,
         t=sample.t_ms,
         temp_c=round(sample.temp_c, 1),
-        util_pct=round(sample.util_pct, 1),
+        util_pct=None if sample.util_pct is None else round(sample.util_pct, 1),
         mem_used_mib=sample.mem_used_mib,
         mem_total_mib=sample.mem_total_mib,
         power_w=round(sample.power_w, 1),

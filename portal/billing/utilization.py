@@ -5,7 +5,8 @@
 - **used**: allocated time weighted by the sandbox's GPU utilization, minute by minute,
   from its one-minute ``SandboxRollup`` (``util_mean_pct``, held within 0..100).
 - **unmeasured**: allocated time in minutes with no rollup (an agent down, a minute not yet
-  reported). It is neither used nor idle: we do not know, so it is reported apart rather
+  reported), or with a rollup whose utilization is null (a MIG device NVML cannot measure
+  without GPM: an A100). It is neither used nor idle: we do not know, so it is reported apart rather
   than guessed, and a bill can show it as such.
 - **idle**: the rest, ``allocated - used - unmeasured``: measured minutes the GPU share
   was held but not busy.
@@ -81,6 +82,7 @@ WITH iv AS (
     FROM iv
     JOIN telemetry_sandboxrollup r
       ON r.sandbox_id = iv.sandbox_id AND r.minute < iv.b AND r.minute + interval '1 minute' > iv.a
+     AND r.util_mean_pct IS NOT NULL
     CROSS JOIN LATERAL (
         SELECT LEAST(iv.b, r.minute + interval '1 minute') - GREATEST(iv.a, r.minute) AS part
     ) p
@@ -156,7 +158,7 @@ def _gpu_hours_in_python(
             intervals.append((key, sandbox_id, milli, a, b))
     if not intervals:
         return {}
-    rollups: dict[int, list[tuple[datetime, float]]] = {}
+    rollups: dict[int, list[tuple[datetime, float | None]]] = {}
     for sandbox_id, minute, util in (
         SandboxRollup.objects.filter(
             sandbox_id__in={i[1] for i in intervals},
@@ -173,7 +175,7 @@ def _gpu_hours_in_python(
         total[0] += milli * _seconds(b - a)
         for minute, util in rollups.get(sandbox_id, []):
             part = min(b, minute + _MINUTE) - max(a, minute)
-            if part > timedelta(0):
+            if part > timedelta(0) and util is not None:  # null: unmeasured, not idle
                 held = milli * _seconds(part)
                 total[1] += held
                 total[2] += held * Decimal(f"{min(max(util, 0.0), 100.0):.15g}") / 100

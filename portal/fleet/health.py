@@ -6,6 +6,12 @@ or a temperature over the alert policy's rule drains the GPU automatically, writ
 event and logs an error; only an admin undrains it. The fault's one alert is the agent's
 (``portal.telemetry.alerts``: stored, webhooks, owners told); undraining closes it. Every
 call is one transaction and idempotent: a second report of the same fault changes nothing.
+
+An application XID (workers.gpu.xids: 13, 31, 43, 45, 68, 109, a tenant's own kernel
+fault) never drains: the GPU is healthy, and on MIG it would take every tenant's
+instance out of scheduling for one tenant's bug. It is recorded as an ``info`` fleet
+event; the agent raises its alert for the sandboxes on the device, whose owners hear of
+it. An older agent sends every XID as ``xid``, so the XID number is classified here too.
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ from django.utils import timezone
 
 from portal.fleet.models import FleetEvent, Gpu
 from portal.telemetry.models import Alert
+from workers.gpu.xids import classify, describe
 
 log = logging.getLogger(__name__)
 # Health event kinds from the agents (workers.gpu.base.HealthEvent.kind) that drain a GPU.
 DRAINING_FAULTS = {
-    "xid": "XID error",
+    "xid": "XID error",  # a device XID; an application one is app_xid
     "ecc_dbe": "double-bit ECC error",
     "gpu_lost": "GPU lost (fell off the bus or stopped answering)",
     "overheat": "temperature over the limit",
@@ -71,6 +78,9 @@ def do_health_event(host_name: str, event: dict[str, Any]) -> bool:
     """Apply one health event from an agent: drain the GPU (or the MIG device's parent)
     with an alert. Returns True when it drained a GPU."""
     kind = event.get("kind", "")
+    xid = _xid(event.get("xid"))
+    if kind == "app_xid" or (kind == "xid" and xid is not None and classify(xid).cls == "application"):
+        return _note_app_xid(host_name, event, xid)
     if kind not in DRAINING_FAULTS:
         log.warning("unknown health event from %s ignored: %s", host_name, event)
         return False
@@ -94,6 +104,37 @@ def do_health_event(host_name: str, event: dict[str, Any]) -> bool:
         _drain(gpu, reason, kind, FleetEvent.Severity.INFO, f"drained automatically: {reason}")
     log.error("ALERT: %s GPU %s (%s) drained automatically: %s", host_name, gpu.index, gpu.uuid, reason)
     return True
+
+
+def _xid(value: Any) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _note_app_xid(host_name: str, event: dict[str, Any], xid: int | None) -> bool:
+    """An application XID: recorded for the GPU, never drained. Returns False."""
+    uuid = str(event.get("uuid", ""))
+    what = describe(xid) if xid is not None else "application XID"
+    gpu = (
+        Gpu.objects.select_related("host")
+        .filter(Q(uuid=uuid) | Q(mig_instances__uuid=uuid), host__name=host_name)
+        .first()
+    )
+    if gpu is None:
+        log.warning("application XID for unknown device %s on %s: %s", uuid, host_name, what)
+        return False
+    where = "" if uuid == gpu.uuid else f" on MIG device {uuid}"
+    FleetEvent.objects.create(
+        host=gpu.host,
+        gpu=gpu,
+        kind="app_xid",
+        severity=FleetEvent.Severity.INFO,
+        message=f"{what}{where}: the sandbox's own fault; the GPU stays in service"[:300],
+    )
+    log.info("%s GPU %s (%s): %s%s; not drained", host_name, gpu.index, gpu.uuid, what, where)
+    return False
 
 
 def _drain(gpu: Gpu, reason: str, kind: str, severity: str, message: str, actor: Any = None) -> None:

@@ -174,10 +174,17 @@ def _reconcile_owned(
         repairs.adopted.append(sandbox.pk)
     elif running and sandbox.state == S.RUNNING and entry.get("util"):
         # Not a repair: the utilization window the agent keeps, for idle culling.
+        # util_pct None: the window measured nothing (a MIG device NVML cannot measure without
+        # GPM). Stored as None, which culling skips; an idle streak does not run through it.
         util_pct, window_s = entry["util"]
-        Sandbox.objects.filter(pk=sandbox.pk).update(
-            gpu_util_pct=util_pct, gpu_util_window_s=window_s, gpu_util_at=taken_at
-        )
+        fields: dict[str, Any] = {
+            "gpu_util_pct": util_pct,
+            "gpu_util_window_s": window_s,
+            "gpu_util_at": taken_at,
+        }
+        if util_pct is None:
+            fields.update(idle_since=None, idle_warned_at=None)
+        Sandbox.objects.filter(pk=sandbox.pk).update(**fields)
 
 
 def _launch_overdue(sandbox: Sandbox, taken_at: datetime) -> bool:

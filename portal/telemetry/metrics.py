@@ -119,9 +119,6 @@ DCGM_FIELDS: tuple[tuple[str, str, Callable[[dict[str, Any]], float | None]], ..
 class _Device:
     labels: dict[str, str]
     order: tuple[str, int, int]  # host, GPU index, GPU instance (-1: the whole GPU)
-    # NVML measures no utilization on a MIG device nor on a GPU in MIG mode: a real one
-    # reports 0 there, which is no measurement (dcgm-exporter leaves the field out too).
-    no_util: bool
 
 
 class FleetCollector(Collector):
@@ -172,7 +169,7 @@ class FleetCollector(Collector):
         devices: dict[str, _Device] = {}
         for gpu in gpus:
             order = (gpu["host__name"], gpu["index"], -1)
-            devices[gpu["uuid"]] = _Device(_gpu_labels(gpu), order, no_util=gpu["mig_enabled"])
+            devices[gpu["uuid"]] = _Device(_gpu_labels(gpu), order)
         for mig in MigInstance.objects.filter(uuid__in=sampled_migs).values(
             "uuid", "profile", "gpu_instance_id", "gpu__uuid"
         ):
@@ -182,7 +179,7 @@ class FleetCollector(Collector):
                 labels["GPU_I_PROFILE"] = mig["profile"]
                 labels["GPU_I_ID"] = str(mig["gpu_instance_id"])
                 order = (parent["host__name"], parent["index"], mig["gpu_instance_id"])
-                devices[mig["uuid"]] = _Device(labels, order, no_util=True)
+                devices[mig["uuid"]] = _Device(labels, order)
         for uuid, device in devices.items():
             holder = holders.get(uuid)
             if holder is not None:
@@ -200,8 +197,9 @@ class FleetCollector(Collector):
         for name, help_text, value_of in DCGM_FIELDS:
             family = GaugeMetricFamily(name, help_text)
             for device, message in sampled:
-                if name == "DCGM_FI_DEV_GPU_UTIL" and device.no_util and not message.get("simulated"):
-                    continue
+                # None: not measured (NVML has no utilization on a MIG device nor on a GPU
+                # in MIG mode, and GPM was not there to measure it): the series is left
+                # out, as dcgm-exporter leaves the field out, never exported as 0.
                 value = value_of(message)
                 if value is not None:
                     # A Sample, not add_metric: label sets differ by device (instance and
@@ -309,7 +307,9 @@ class FleetCollector(Collector):
             own = [f for on_mig, f in entries if on_mig] or [f for _, f in entries]
             labels = [sandbox_id, row["project__slug"], row["owner__username"], row["tier__slug"]]
             memory.add_metric(labels, sum(f.get("mem_mib", 0) for f in own) * MIB)
-            util.add_metric(labels, sum(f.get("util_pct", 0.0) for f in own) / len(own) / 100)
+            measured = [f["util_pct"] for f in own if f.get("util_pct") is not None]
+            if measured:  # none measured (MIG without GPM): no series, not an idle 0
+                util.add_metric(labels, sum(measured) / len(measured) / 100)
             spent = max(f.get("cost_micros", 0) for _, f in entries)  # each sample has the same
             cost.add_metric([*labels, row["tier__currency"]], spent)
         yield from (memory, util, cost)

@@ -25,8 +25,15 @@ _GPU_FIELDS = [f.name for f in GpuRollup._meta.fields if f.name not in ("id", "g
 _SANDBOX_FIELDS = [f.name for f in SandboxRollup._meta.fields if f.name not in ("id", "sandbox", "minute")]
 
 
+def _util(figures: dict[str, Any]) -> list[float | None]:
+    """min, mean, max utilization; null for a minute that measured none (a MIG device
+    without GPM), stored as such and never as 0, which would read as idle."""
+    util = figures.get("util_pct")
+    return [None, None, None] if util is None else list(util)
+
+
 def _gpu_row(gpu_id: int, minute: datetime, figures: dict[str, Any]) -> GpuRollup:
-    temp, util, mem, power = figures["temp_c"], figures["util_pct"], figures["mem_mib"], figures["power_w"]
+    temp, util, mem, power = figures["temp_c"], _util(figures), figures["mem_mib"], figures["power_w"]
     return GpuRollup(
         gpu_id=gpu_id,
         minute=minute,
@@ -50,7 +57,7 @@ def _gpu_row(gpu_id: int, minute: datetime, figures: dict[str, Any]) -> GpuRollu
 
 
 def _sandbox_row(sandbox_id: int, minute: datetime, figures: dict[str, Any]) -> SandboxRollup:
-    mem, util = figures["mem_mib"], figures["util_pct"]
+    mem, util = figures["mem_mib"], _util(figures)
     return SandboxRollup(
         sandbox_id=sandbox_id,
         minute=minute,

@@ -8,15 +8,18 @@ import { liveSocket, describeStatus } from "./live.js";
 
 const HISTORY_MINUTES = 60;
 const DEVICE_FRESH_MS = 5000; // a sandbox device silent this long no longer counts
-const NUMBER_FIELDS = ["t", "temp_c", "util_pct", "mem_used_mib", "mem_total_mib", "power_w"];
+const NUMBER_FIELDS = ["t", "temp_c", "mem_used_mib", "mem_total_mib", "power_w"];
 const COLORS = { temp: "#c2410c", util: "#2457d6", mem: "#7c3aed", power: "#15803d", cost: "#0f766e" };
 
+// util_pct may be null: the device's utilization is not measured (a MIG device without
+// GPM). That is shown as "—" and drawn as a gap, never as 0 (idle).
 export function validSample(msg) {
   if (!msg || msg.type !== "gpu.sample" || typeof msg.gpu !== "string") return false;
-  return NUMBER_FIELDS.every((k) => typeof msg[k] === "number" && Number.isFinite(msg[k]));
+  return NUMBER_FIELDS.every((k) => finite(msg[k])) && (msg.util_pct === null || finite(msg.util_pct));
 }
 
 const finite = (v) => typeof v === "number" && Number.isFinite(v);
+export const pctText = (v) => (finite(v) ? `${v.toFixed(0)} %` : "utilization —");
 
 export async function getJson(url) {
   const response = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
@@ -229,14 +232,17 @@ function applyHistory(kind, body, tracks, memTotal) {
 // newest sample of each (hottest temperature, mean utilization, summed memory and power).
 function sandboxFigures(sandboxId, devices, msg) {
   const own = msg.sandboxes && msg.sandboxes[sandboxId];
-  if (!own || !finite(own.mem_mib) || !finite(own.util_pct) || !finite(own.cost_micros)) return null;
+  if (!own || !finite(own.mem_mib) || !(own.util_pct === null || finite(own.util_pct)) || !finite(own.cost_micros)) {
+    return null;
+  }
   devices.set(msg.gpu, { msg, own });
   const fresh = [...devices.values()].filter((d) => d.msg.t > msg.t - DEVICE_FRESH_MS);
   const sum = (f) => fresh.reduce((acc, d) => acc + f(d), 0);
+  const measured = fresh.filter((d) => finite(d.own.util_pct)); // unmeasured devices aside
   return {
     devices: fresh.length,
     temp: Math.max(...fresh.map((d) => d.msg.temp_c)),
-    util: sum((d) => d.own.util_pct) / fresh.length,
+    util: measured.length ? measured.reduce((acc, d) => acc + d.own.util_pct, 0) / measured.length : null,
     mem: sum((d) => d.own.mem_mib) / 1024,
     memTotal: sum((d) => d.msg.mem_total_mib) / 1024,
     power: sum((d) => d.msg.power_w),
@@ -314,7 +320,7 @@ export function mountGpuCharts(root) {
     const throttled = Array.isArray(msg.throttle) && msg.throttle.length ? ` · throttled: ${msg.throttle.join(", ")}` : "";
     const cost = kind === "sandbox" ? ` · ${money(v.cost)} so far` : "";
     status.figures(`${msg.gpu}${several} on ${msg.host || "its host"}${sim} · ${v.temp.toFixed(0)} °C · ` +
-      `${v.util.toFixed(0)} % · ${v.mem.toFixed(1)} / ${v.memTotal.toFixed(0)} GiB · ${v.power.toFixed(0)} W${cost}${throttled}`);
+      `${pctText(v.util)} · ${v.mem.toFixed(1)} / ${v.memTotal.toFixed(0)} GiB · ${v.power.toFixed(0)} W${cost}${throttled}`);
   }
 
   function redraw() {

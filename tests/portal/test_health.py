@@ -38,6 +38,25 @@ def test_an_xid_drains_the_gpu_once(fleet: Any) -> None:
     assert (drained.kind, drained.severity) == ("xid", "info")
 
 
+@pytest.mark.parametrize("kind", ["app_xid", "xid"])  # "xid": an agent from before issue 18
+def test_an_application_xid_is_recorded_and_never_drains(fleet: Any, kind: str) -> None:
+    """Guards review §0 #2: XID 31 (a tenant's page fault) drained the whole GPU, on MIG
+    every tenant's. Now it is an info event and the GPU stays available."""
+    gpu = Gpu.objects.filter(mig_instances__isnull=False).distinct().first()
+    assert gpu is not None
+    instance = gpu.mig_instances.first()
+    assert instance is not None
+    event = {"uuid": instance.uuid, "kind": kind, "xid": 31, "detail": "XID 31", "t_ms": 0}
+    assert do_health_event(gpu.host.name, event) is False
+    gpu.refresh_from_db()
+    assert gpu.state == "available" and gpu.drain_reason == ""
+    [noted] = FleetEvent.objects.filter(gpu=gpu)
+    assert (noted.kind, noted.severity) == ("app_xid", "info")
+    assert noted.message.startswith("XID 31: GPU memory page fault") and instance.uuid in noted.message
+    assert not do_health_event("other-host", event)
+    assert do_health_event(gpu.host.name, {**event, "kind": "xid", "xid": 48}) is True  # a device XID
+
+
 def test_a_fault_on_a_mig_device_drains_its_gpu(fleet: Any) -> None:
     mig_gpu = Gpu.objects.filter(mig_instances__isnull=False).distinct().first()
     assert mig_gpu is not None

@@ -248,18 +248,27 @@ def test_stale_absent_and_unknown_devices_emit_no_gpu_series(running: dict[str, 
 
 
 def test_no_utilization_where_nvml_measures_none(running: dict[str, Any], token: str) -> None:
-    """On real hardware NVML reports 0 % for a MIG device and a GPU in MIG mode: no figure."""
+    """Guards review §1.3: NVML measures nothing on a MIG device or a GPU in MIG mode; the
+    agent says None there, and that is no series (never 0), for the device and its sandbox.
+    A measured figure (GPM on an H100) is exported, a measured 0 too."""
     instance: MigInstance = running["instance"]
     parent = instance.gpu
     host = parent.host.name
+    mig_figures = {str(running["mig"].pk): SandboxFigures(mem_mib=4_000, util_pct=None, cost_micros=1_000)}
     store(
         host,
-        message(parent.uuid, host, simulated=False),
-        message(instance.uuid, host, parent=parent.uuid, simulated=False),
+        message(parent.uuid, host, simulated=False, util_pct=None),
+        message(
+            instance.uuid, host, parent=parent.uuid, simulated=False, util_pct=None, sandboxes=mig_figures
+        ),
     )
     families = scrape()
     assert "DCGM_FI_DEV_GPU_UTIL" not in families
     assert len(families["DCGM_FI_DEV_GPU_TEMP"]) == 2
+    assert families.get("gpushare_sandbox_gpu_utilization_ratio", []) == []
+    assert len(families["gpushare_sandbox_gpu_memory_used_bytes"]) == 1
+    store(host, message(instance.uuid, host, parent=parent.uuid, simulated=False, util_pct=0.0))
+    assert [s.value for s in scrape()["DCGM_FI_DEV_GPU_UTIL"]] == [0.0]
 
 
 def test_gpushare_series(running: dict[str, Any], token: str) -> None:

@@ -275,3 +275,21 @@ def test_the_utilization_window_is_stored_for_idle_culling(
     assert not do_reconcile_host(host_of(sandbox), at, report)  # not a repair
     sandbox.refresh_from_db()
     assert (sandbox.gpu_util_pct, sandbox.gpu_util_window_s, sandbox.gpu_util_at) == (3.5, 590.0, at)
+
+
+def test_an_unmeasured_utilization_window_stops_culling_counting(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """Guards review §1.3: a window with no measured sample (MIG without GPM) reaches the
+    portal as None, not 0: culling skips the sandbox and its idle streak is dropped."""
+    sandbox = placed(people, catalog)
+    Sandbox.objects.filter(pk=sandbox.pk).update(gpu_util_pct=0.0, idle_since=later(), idle_warned_at=later())
+    at = later()
+    assert not do_reconcile_host(host_of(sandbox), at, [{**entry(sandbox), "util": [None, 590.0]}])
+    sandbox.refresh_from_db()
+    assert (sandbox.gpu_util_pct, sandbox.gpu_util_at, sandbox.idle_since, sandbox.idle_warned_at) == (
+        None,
+        at,
+        None,
+        None,
+    )

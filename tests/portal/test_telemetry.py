@@ -74,6 +74,26 @@ def test_rollups_are_stored_once_and_purged_after_the_retention(sandbox: Any, se
     assert GpuRollup.objects.count() == 1 and SandboxRollup.objects.count() == 1
 
 
+def test_an_unmeasured_minute_is_stored_and_served_as_null(people: Any, sandbox: Any) -> None:
+    """Guards review §1.3: a MIG device without GPM measures no utilization; its minute is
+    stored with null utilization (the columns were NOT NULL, so only a fake 0 fitted)."""
+    gpu = sandbox.allocations.get().gpu
+    payload = minute_payload(this_minute(1), gpu.uuid, sandbox.pk)
+    payload["gpus"][gpu.uuid]["util_pct"] = None
+    payload["sandboxes"][str(sandbox.pk)]["util_pct"] = None
+    assert do_store_rollups(gpu.host.name, payload) == (1, 1)
+    row = GpuRollup.objects.get()
+    assert (row.util_min_pct, row.util_mean_pct, row.util_max_pct, row.temp_mean_c) == (
+        None,
+        None,
+        None,
+        60.0,
+    )
+    assert SandboxRollup.objects.get().util_mean_pct is None
+    body = client_for(people["owner"]).get(f"/telemetry/sandboxes/{sandbox.pk}/history/").json()
+    assert body["util_pct"] == {"min": [None], "mean": [None], "max": [None]}
+
+
 def test_an_ended_sandboxs_history_is_its_last_hour_not_the_clocks(people: Any, sandbox: Any) -> None:
     """A sandbox that ended yesterday still shows what it recorded: its window ends at its
     end (the page's chart asked for the last 60 minutes of today and drew nothing)."""

@@ -46,7 +46,7 @@ def usage(sandbox: Sandbox, milli: int, start: datetime, end: datetime | None) -
     )  # fmt: skip
 
 
-def rollup(sandbox: Sandbox, minute: datetime, util: float) -> None:
+def rollup(sandbox: Sandbox, minute: datetime, util: float | None) -> None:
     SandboxRollup.objects.create(
         sandbox=sandbox, minute=minute, samples=60, mem_min_mib=0, mem_mean_mib=0, mem_max_mib=0,
         util_min_pct=util, util_mean_pct=util, util_max_pct=util, temp_max_c=50, power_mean_w=100,
@@ -130,6 +130,19 @@ def test_an_open_interval_counts_up_to_now(sandboxes: dict[str, Sandbox]) -> Non
     # 10 min x 0.5 = 5 GPU-min; 3.5 min (30 s + 60 + 60 + 60) x 0.5 = 1.75 measured at 40 %:
     # 0.7 used, 1.05 idle; 3.25 unmeasured.
     close(later, 5, 0.7, 1.05, 3.25)
+
+
+def test_a_minute_with_unmeasured_utilization_is_unmeasured_not_idle(sandboxes: dict[str, Sandbox]) -> None:
+    """Guards review §1.3: a MIG device without GPM has rollups with null utilization; those
+    minutes are unmeasured, in SQL and in the Python fallback, never counted as idle."""
+    a = sandboxes["a"]
+    for m in (2, 3, 4):  # three more minutes of a, rolled up but not measured
+        rollup(a, T0 + minutes(m), None)
+    for h in (
+        by_sandbox(T0, END, now=NOW, only=[a.pk])[a.pk],
+        _gpu_hours_in_python("sandbox", T0, END, now=NOW, only=[a.pk], projects=None, tiers=None)[a.pk],
+    ):
+        close(h, 10, 1.5, 1.5, 7)  # as before: the null minutes stay with the unmeasured
 
 
 def test_projects_filter_keeps_their_usage_only(

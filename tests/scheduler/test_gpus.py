@@ -18,7 +18,16 @@ from scheduler.gpus import (
     placeable_starts,
 )
 
-MIG_MODELS = ("A100-40GB", "A100-80GB", "H100-80GB", "H200")
+MIG_MODELS = (
+    "A100-40GB",
+    "A100-80GB",
+    "H100-80GB",
+    "H200",
+    "H100-PCIe",
+    "H100-NVL",
+    "H800-80GB",
+    "GH200-96GB",
+)
 
 # "Supported MIG Profiles": names per model, smallest first (1-slice, +me, 2-slice 1g, 2g,
 # 3g, 4g, 7g), and how many instances of each fit on one GPU ("Number of Instances Available").
@@ -27,9 +36,13 @@ PROFILE_NAMES = {
     "A100-80GB": ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
     "H100-80GB": ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
     "H200": ("1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
+    "H100-PCIe": ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
+    "H100-NVL": ("1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"),
+    "H800-80GB": ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
+    "GH200-96GB": ("1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"),
 }
 INSTANCES_AVAILABLE = (7, 1, 4, 3, 2, 1, 1)
-# ``nvidia-smi mig -lgipp`` placements, the same on all four.
+# ``nvidia-smi mig -lgipp`` placements, the same on all of them.
 PLACEMENTS = ((0, 1, 2, 3, 4, 5, 6), (0, 1, 2, 3, 4, 5, 6), (0, 2, 4, 6), (0, 2, 4), (0, 4), (0,), (0,))
 SLICES = ((1, 1), (1, 1), (1, 2), (2, 2), (3, 4), (4, 4), (7, 8))  # (compute, memory)
 
@@ -68,10 +81,17 @@ def test_sizes_spot_checks() -> None:
     assert h200.profile("3g.71gb").memory_mib == int(69.5 * 1024)
     assert CATALOG["A100-40GB"].profile("1g.5gb").memory_mib == 4864  # 4.75 GiB in the guide
     assert [p.sm_count for p in CATALOG["A100-80GB"].mig_profiles] == [14, 14, 14, 28, 42, 56, 98]
+    # Guards review §2.4: nvidia-smi mig -lgip on an H100 80GB HBM3 (the table was 128-256 MiB low).
+    assert [h100.profile(n).memory_mib for n in ("1g.10gb", "1g.20gb", "3g.40gb", "7g.80gb")] == [
+        9984,
+        20090,
+        40448,
+        81152,
+    ]
 
 
 def test_existing_models_and_defaults_kept() -> None:
-    assert list(MODELS) == ["H100-80GB", "A100-80GB", "A100-40GB", "H200"]
+    assert list(MODELS)[:4] == ["H100-80GB", "A100-80GB", "A100-40GB", "H200"]
     assert set(MODELS) < set(CATALOG)
     # The first one-slice 1g profile is the plain one (the simulated default layout relies on it).
     first = next(p for p in MODELS["H100-80GB"].mig_profiles if p.memory_slices == 1)
@@ -103,6 +123,14 @@ def test_trace_models_cannot_do_mig(name: str, memory_mib: int) -> None:
     [
         ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB"),
         ("NVIDIA H200", 143771, "H200"),
+        # Guards review §2.4: the other Hopper boards were unknown, so MIG was refused on them.
+        ("NVIDIA H100 PCIe", 81559, "H100-PCIe"),
+        ("NVIDIA H100 NVL", 95830, "H100-NVL"),
+        ("NVIDIA H800", 81559, "H800-80GB"),
+        ("NVIDIA H800 80GB HBM3", 81559, "H800-80GB"),
+        ("NVIDIA GH200 480GB", 97871, "GH200-96GB"),
+        ("NVIDIA GH200 144G HBM3e", 146831, "H200"),
+        ("NVIDIA H200 NVL", 143771, "H200"),
         ("NVIDIA A100-SXM4-80GB", 81920, "A100-80GB"),
         ("NVIDIA A100-SXM4-40GB", 40960, "A100-40GB"),
         ("NVIDIA A10", 22731, "A10"),

@@ -4,10 +4,16 @@ Two GPUs: an H100 80GB HBM3 with MIG disabled and an A100-80GB in MIG mode with 
 2g.20gb@0 and a 3g.40gb@4 instance. ``install`` replaces every other ``pynvml.nvml*``
 function by a trap, so a call the fake does not model fails the test instead of reaching a
 real driver. Used by test_nvml_backend.py; kept apart so neither file grows past a read.
+
+What it models as NVML does: no utilization for MIG devices nor for a GPU in MIG mode
+(NOT_SUPPORTED); GPM on the H100 only (the A100 has none); MPS clients in a list of their
+own; IN_USE when an instance with processes is destroyed; GPU instances without a compute
+instance, or with several; a lost GPU (``lost``) failing every call with GPU_IS_LOST.
 """
 
 from __future__ import annotations
 
+import ctypes
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,15 +38,16 @@ A100_PROFILES = {
     pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1: (20, "MIG 1g.10gb+me", 1, 1, 9728),
     pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2: (15, "MIG 1g.20gb", 1, 2, 19968),
 }
-# The same for an H100 80GB HBM3 (R535): same profile ids, a little more memory per slice.
+# The same for an H100 80GB HBM3: same profile ids, a little more memory per slice
+# (nvidia-smi mig -lgip: 9.75, 19.62, 39.50, 79.25 GiB).
 H100_PROFILES = {
-    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE: (19, "MIG 1g.10gb", 1, 1, 9856),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE: (14, "MIG 2g.20gb", 2, 2, 19968),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE: (9, "MIG 3g.40gb", 3, 4, 40192),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE: (5, "MIG 4g.40gb", 4, 4, 40192),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_7_SLICE: (0, "MIG 7g.80gb", 7, 8, 80896),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1: (20, "MIG 1g.10gb+me", 1, 1, 9856),
-    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2: (15, "MIG 1g.20gb", 1, 2, 19968),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE: (19, "MIG 1g.10gb", 1, 1, 9984),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE: (14, "MIG 2g.20gb", 2, 2, 20090),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE: (9, "MIG 3g.40gb", 3, 4, 40448),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE: (5, "MIG 4g.40gb", 4, 4, 40448),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_7_SLICE: (0, "MIG 7g.80gb", 7, 8, 81152),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1: (20, "MIG 1g.10gb+me", 1, 1, 9984),
+    pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2: (15, "MIG 1g.20gb", 1, 2, 20090),
 }
 Profiles = dict[int, tuple[int, str, int, int, int]]
 
@@ -63,6 +70,8 @@ class Dev:
     reasons: int = 0
     events_supported: int = 0
     procs: list[SimpleNamespace] = field(default_factory=list)
+    mps_procs: list[SimpleNamespace] = field(default_factory=list)  # MPS clients ("M+C")
+    gpm: bool = False  # GPM (Hopper+): utilization of MIG instances through GPM samples
     parent: Dev | None = None  # set on MIG device handles
     gi_id: int = 0
     ci_id: int = 0
@@ -129,6 +138,15 @@ class FakeNvml:
             "nvmlDeviceRegisterEvents",
             "nvmlEventSetWait_v2",
             "nvmlEventSetFree",
+            "nvmlDeviceGetGpuInstances",
+            "nvmlDeviceGetGpuInstancePossiblePlacements",
+            "nvmlDeviceGetMPSComputeRunningProcesses",
+            "nvmlGpmQueryDeviceSupport",
+            "nvmlGpmSampleAlloc",
+            "nvmlGpmSampleGet",
+            "nvmlGpmMigSampleGet",
+            "nvmlGpmMetricsGet",
+            "nvmlGpmSampleFree",
         }
     )
 
@@ -141,6 +159,12 @@ class FakeNvml:
         self.wait_lost = False
         self.registered: dict[str, int] = {}
         self.freed = False
+        # GPM samples: address of the handle -> utilization recorded (None: not yet taken)
+        self.gpm_samples: dict[int, int | None] = {}
+        self._gpm_keep: list[Any] = []
+        self._gi_handles: dict[int, GpuInstance] = {}  # ctypes handle address -> instance
+        self._gi_keep: list[Any] = []
+        self.made_cis = 0
         xid, dbe = pynvml.nvmlEventTypeXidCriticalError, pynvml.nvmlEventTypeDoubleBitEccError
         self.h100 = Dev(
             H100_UUID,
@@ -151,6 +175,7 @@ class FakeNvml:
             events_supported=xid | dbe | pynvml.nvmlEventTypeSingleBitEccError,
             ecc={pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: 0, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: 0},
             profiles=H100_PROFILES,
+            gpm=True,
             procs=[
                 SimpleNamespace(pid=101, usedGpuMemory=3_000 * MIB),
                 SimpleNamespace(pid=101, usedGpuMemory=100 * MIB),
@@ -227,24 +252,36 @@ class FakeNvml:
         )
         return [ci.mig for gi in instances for ci in gi.cis.values()]
 
-    def _make_instance(self, parent: Dev, profile_id: int, start: int, gi_id: int) -> GpuInstance:
+    def _make_instance(
+        self, parent: Dev, profile_id: int, start: int, gi_id: int, cis: int = 1
+    ) -> GpuInstance:
+        """A GPU instance with ``cis`` compute instances (0: as `nvidia-smi mig -cgi` leaves it)."""
         gi = GpuInstance(parent, gi_id, profile_id, start, parent.profile(profile_id)[3])
         self.instances[(parent.uuid, gi_id)] = gi
-        self._add_compute_instance(gi)
+        for ci_id in range(cis):
+            self._add_compute_instance(gi, ci_id)
         return gi
 
-    def _add_compute_instance(self, gi: GpuInstance) -> ComputeInstance:
+    def _add_compute_instance(self, gi: GpuInstance, ci_id: int = 0, suffix: str = "") -> ComputeInstance:
         mig = Dev(
-            f"MIG-{gi.parent.uuid[4:12]}-gi{gi.id}",
+            f"MIG-{gi.parent.uuid[4:12]}-gi{gi.id}" + (f"-ci{ci_id}" if ci_id else "") + suffix,
             memory_mib=gi.parent.profile(gi.profile_id)[4],
             used_mib=13,
             mig_mode=None,
             parent=gi.parent,
             gi_id=gi.id,
+            ci_id=ci_id,
         )
-        ci = ComputeInstance(0, mig)
-        gi.cis[0] = ci
+        ci = ComputeInstance(ci_id, mig)
+        gi.cis[ci_id] = ci
         return ci
+
+    def _gi(self, handle: Any) -> GpuInstance:
+        """A GPU instance the backend holds: ours, or a ctypes handle nvmlDeviceGetGpuInstances
+        filled in."""
+        if isinstance(handle, GpuInstance):
+            return handle
+        return self._gi_handles[ctypes.addressof(handle.contents)]
 
     # -- the pynvml surface ------------------------------------------------------------------
 
@@ -304,7 +341,8 @@ class FakeNvml:
         except KeyError:
             raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND) from None
 
-    def nvmlGpuInstanceGetInfo(self, gi: GpuInstance) -> SimpleNamespace:
+    def nvmlGpuInstanceGetInfo(self, handle: Any) -> SimpleNamespace:
+        gi = self._gi(handle)
         placement = SimpleNamespace(start=gi.start, size=gi.size)
         return SimpleNamespace(device=gi.parent, id=gi.id, profileId=gi.profile_id, placement=placement)
 
@@ -315,7 +353,45 @@ class FakeNvml:
         if enum not in dev.profiles:
             raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         profile_id, name, slices, _size, memory = dev.profiles[enum]
-        return SimpleNamespace(id=profile_id, name=name, sliceCount=slices, memorySizeMB=memory)
+        return SimpleNamespace(
+            id=profile_id, name=name, sliceCount=slices, memorySizeMB=memory, instanceCount=7 // slices
+        )
+
+    def nvmlDeviceGetGpuInstancePossiblePlacements(
+        self, dev: Dev, profile_id: int, found: Any, count_ref: Any
+    ) -> int:
+        """nvidia-smi mig -lgipp: the same starts on every 8-slice GPU, by profile size."""
+        size = self._live(dev).profile(profile_id)[3]
+        slices = dev.profile(profile_id)[2]
+        starts = {
+            1: range(7),
+            2: (0, 2, 4, 6) if slices == 1 else (0, 2, 4),
+            4: (0, 4) if slices == 3 else (0,),
+        }
+        for i, start in enumerate(starts.get(size, (0,))):
+            found[i] = pynvml.c_nvmlGpuInstancePlacement_t(start=start, size=size)
+            count_ref._obj.value = i + 1
+        return pynvml.NVML_SUCCESS
+
+    def nvmlDeviceGetGpuInstances(self, dev: Dev, profile_id: int, found: Any, count_ref: Any) -> int:
+        self._live(dev)
+        ours = sorted(
+            (
+                gi
+                for (uuid, _), gi in self.instances.items()
+                if uuid == dev.uuid and gi.profile_id == profile_id
+            ),
+            key=lambda gi: gi.id,
+        )
+        if len(ours) > len(found):
+            raise nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+        for i, gi in enumerate(ours):
+            handle = pynvml.c_nvmlGpuInstance_t(pynvml.struct_c_nvmlGpuInstance_t())
+            self._gi_keep.append(handle)
+            self._gi_handles[ctypes.addressof(handle.contents)] = gi
+            found[i] = handle
+        count_ref._obj.value = len(ours)
+        return pynvml.NVML_SUCCESS
 
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, mig: Dev) -> Dev:
         assert mig.parent is not None
@@ -347,6 +423,50 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses(self, dev: Dev) -> list[SimpleNamespace]:
         return self._live(dev).procs
 
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, dev: Dev) -> list[SimpleNamespace]:
+        return self._live(dev).mps_procs
+
+    # GPM: a sample records the utilization of its device when taken; two samples give the
+    # second one's (the fake's "activity since the first").
+
+    def nvmlGpmQueryDeviceSupport(self, dev: Dev) -> SimpleNamespace:
+        return SimpleNamespace(version=1, isSupportedDevice=int(self._live(dev).gpm))
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        sample = pynvml.c_nvmlGpmSample_t(pynvml.struct_c_nvmlGpmSample_t())
+        self._gpm_keep.append(sample)
+        self.gpm_samples[ctypes.addressof(sample.contents)] = None
+        return sample
+
+    def nvmlGpmSampleGet(self, dev: Dev, sample: Any) -> Any:
+        self._gpm_take(self._board_only(self._live(dev)), sample)
+        return sample
+
+    def nvmlGpmMigSampleGet(self, dev: Dev, gi_id: int, sample: Any) -> Any:
+        gi = self.instances.get((self._board_only(self._live(dev)).uuid, gi_id))
+        if gi is None or not gi.cis:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        self._gpm_take(gi.cis[min(gi.cis)].mig, sample)
+        return sample
+
+    def _gpm_take(self, dev: Dev, sample: Any) -> None:
+        if not (dev.parent or dev).gpm:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        self.gpm_samples[ctypes.addressof(sample.contents)] = dev.util
+
+    def nvmlGpmMetricsGet(self, request: Any) -> Any:
+        assert request.version == pynvml.NVML_GPM_METRICS_GET_VERSION and request.numMetrics == 1
+        first = self.gpm_samples[ctypes.addressof(request.sample1.contents)]
+        second = self.gpm_samples[ctypes.addressof(request.sample2.contents)]
+        assert first is not None and second is not None, "a GPM sample used before it was taken"
+        metric = request.metrics[0]
+        assert metric.metricId == pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
+        metric.nvmlReturn, metric.value = pynvml.NVML_SUCCESS, float(second)
+        return request
+
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        del self.gpm_samples[ctypes.addressof(sample.contents)]
+
     def nvmlDeviceGetTotalEccErrors(self, dev: Dev, error_type: int, counter_type: int) -> int:
         assert counter_type == pynvml.NVML_VOLATILE_ECC
         ecc = self._board_only(self._live(dev)).ecc
@@ -377,15 +497,18 @@ class FakeNvml:
         return SimpleNamespace(id=profile + 100)  # a distinct id, to see it passed on
 
     def nvmlGpuInstanceCreateComputeInstance(self, gi: GpuInstance, profile_id: int) -> ComputeInstance:
-        return self._add_compute_instance(gi)
+        # A made compute instance has a new MIG uuid, as on a real GPU.
+        self.made_cis += 1
+        return self._add_compute_instance(self._gi(gi), suffix=f"-new{self.made_cis}")
 
-    def nvmlGpuInstanceDestroy(self, gi: GpuInstance) -> None:
+    def nvmlGpuInstanceDestroy(self, handle: Any) -> None:
+        gi = self._gi(handle)
         if gi.cis:
             raise nvml_error(pynvml.NVML_ERROR_IN_USE)
         del self.instances[(gi.parent.uuid, gi.id)]
 
     def nvmlGpuInstanceGetComputeInstanceById(self, gi: GpuInstance, ci_id: int) -> ComputeInstance:
-        return gi.cis[ci_id]
+        return self._gi(gi).cis[ci_id]
 
     def nvmlComputeInstanceDestroy(self, ci: ComputeInstance) -> None:
         if ci.mig.procs:
@@ -395,6 +518,7 @@ class FakeNvml:
         del gi.cis[ci.id]
 
     def nvmlEventSetCreate(self) -> str:
+        self.freed = False
         return "event-set"
 
     def nvmlDeviceGetSupportedEventTypes(self, dev: Dev) -> int:

@@ -9,9 +9,9 @@ from functools import partial
 
 import pytest
 
-from scheduler.gpus import MEMORY_SLICES, MODELS
+from scheduler.gpus import MEMORY_SLICES, MODELS, model_for_name
 from workers.gpu import make_backend
-from workers.gpu.base import GpuBackend, GpuBackendError
+from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost
 from workers.gpu.simulated import (
     SimulatedBackend,
     SimulatedGpuConfig,
@@ -133,6 +133,10 @@ def test_default_layout_is_legal_and_uses_every_slice(model: str) -> None:
     assert sum(m.memory_slices for m in migs) == MEMORY_SLICES
     profiles = MODELS[model]
     assert sum(profiles.profile(m.profile).compute_slices for m in migs) == 7
+    # The name a simulated GPU shows maps back to its model, as NVML's would.
+    name = backend.list_gpus()[0].name
+    found = model_for_name(name, profiles.memory_mib)
+    assert found is not None and found.name == model
 
 
 def test_configured_layout_and_bad_configs() -> None:
@@ -209,8 +213,8 @@ def test_parse_sim_spec_rejects(spec: str, message: str) -> None:
 
 
 def test_make_backend_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("workers.gpu.nvml_available", lambda: False)
-    backend = make_backend("auto", "host-a", "A100-80GB:2")
+    monkeypatch.setattr("workers.gpu.nvml_problem", lambda: "NVML sees no GPU")
+    backend = make_backend("auto", "host-a", "A100-80GB:2", driver_paths=())
     assert isinstance(backend, SimulatedBackend) and len(backend.list_gpus()) == 2
     assert make_backend("simulated", "host-a", "").list_gpus() == []
     with pytest.raises(ValueError, match="'cuda'"):
@@ -250,7 +254,7 @@ def test_temperature_and_power_follow_load_and_fall_back() -> None:
     model = MODELS["H100-80GB"]
     assert 70 <= hot.temp_c <= 80
     assert hot.power_w >= model.tdp_w * 0.95
-    assert hot.util_pct >= 97
+    assert hot.util_pct is not None and hot.util_pct >= 97
     assert hot.sm_clock_mhz >= model.max_sm_clock_mhz * 0.9
     assert "gpu_idle" not in hot.throttle
     backend.forget_load("alloc-1")
@@ -283,7 +287,7 @@ def test_memory_held_by_owners() -> None:
     sample = backend.sample(gpu0)
     assert sample.mem_by_owner == {"alloc-1": 10_000, "alloc-2": 5_000}
     assert sample.mem_used_mib == 512 + 15_000
-    assert 65 <= sample.util_pct <= 75
+    assert sample.util_pct is not None and 65 <= sample.util_pct <= 75
     assert backend.sample(gpu1).mem_by_owner == {"alloc-1": 10_000}
     backend.note_load("alloc-3", [gpu0], 40_000, 10.0)
     assert backend.sample(gpu0).mem_used_mib == MODELS["A100-40GB"].memory_mib  # capped
@@ -303,8 +307,8 @@ def test_mig_load_lands_on_parent_scaled_by_share() -> None:
         backend.sample(big.uuid),
         backend.sample(small.uuid),
     )
-    assert abs(parent.util_pct - 100 * 3 / 7) <= 2.5
-    assert device.util_pct >= 97 and idle_device.util_pct == 0
+    assert parent.util_pct is not None and abs(parent.util_pct - 100 * 3 / 7) <= 2.5
+    assert device.util_pct is not None and device.util_pct >= 97 and idle_device.util_pct == 0
     assert device.mem_total_mib == big.memory_mib
     assert device.mem_used_mib == 16 + 8_000 and device.mem_by_owner == {"alloc-1": 8_000}
     assert parent.mem_by_owner == {"alloc-1": 8_000} and parent.mem_used_mib == 512 + 8_000
@@ -315,12 +319,12 @@ def test_mig_load_lands_on_parent_scaled_by_share() -> None:
 
 
 def test_samples_are_reproducible_for_a_seed() -> None:
-    def run(seed: int) -> list[float]:
+    def run(seed: int) -> list[float | None]:
         clock = FakeClock()
         backend = SimulatedBackend("h", parse_sim_spec("H100-80GB"), seed=seed, clock=clock)
         gpu = backend.list_gpus()[0].uuid
         backend.note_load("a", [gpu], 100, 50.0)
-        values = []
+        values: list[float | None] = []
         for _ in range(20):
             clock.t += 0.5
             sample = backend.sample(gpu)
@@ -346,8 +350,10 @@ def test_xid_injection_is_drained_once() -> None:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1:mig=0"), clock=FakeClock())
     mig = backend.list_gpus()[0].mig_devices[0]
     backend.inject_xid(mig.uuid, 43)
+    backend.inject_xid(mig.uuid, 79)
     events = backend.health_events()
-    assert [(e.uuid, e.kind, e.xid) for e in events] == [(mig.uuid, "xid", 43)]
+    # 43 is the tenant's own (a killed kernel): app_xid; 79 (fell off the bus) is the board's
+    assert [(e.uuid, e.kind, e.xid) for e in events] == [(mig.uuid, "app_xid", 43), (mig.uuid, "xid", 79)]
     assert events[0].t_ms == 1_700_000_000_000
     assert backend.health_events() == []
 
@@ -379,11 +385,23 @@ def test_lost_gpu_leaves_inventory_and_fails_calls() -> None:
     backend.mark_lost(lost)
     assert [(e.uuid, e.kind) for e in backend.health_events()] == [(lost, "gpu_lost")]
     assert [g.uuid for g in backend.list_gpus()] == [kept]
-    with pytest.raises(GpuBackendError, match="is lost"):
+    with pytest.raises(GpuLost, match="is lost") as caught:
         backend.sample(lost)
+    assert caught.value.uuid == lost
     with pytest.raises(GpuBackendError, match="is lost"):
         backend.mig_layout(lost)
     backend.sample(kept)
+
+
+def test_mig_utilization_can_be_unmeasured() -> None:
+    """As NVML without GPM: MIG devices and a GPU in MIG mode say None, never 0 (idle)."""
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:2:mig=1"), mig_util_unmeasured=True)
+    plain, mig_gpu = backend.list_gpus()
+    device = mig_gpu.mig_devices[0]
+    backend.note_load("a", [device.uuid], 100, 80.0)
+    assert backend.sample(device.uuid).util_pct is None
+    assert backend.sample(mig_gpu.uuid).util_pct is None
+    assert backend.sample(plain.uuid).util_pct == 0.0
 
 
 # -- concurrency -----------------------------------------------------------------------------

@@ -87,6 +87,33 @@ def test_utilization_must_stay_high_for_long_and_memory_is_a_share() -> None:
     assert tracker.version == "v1"
 
 
+def test_unmeasured_utilization_neither_raises_nor_clears() -> None:
+    """Guards review §1.3: a MIG device without GPM has util_pct None; the rules skip it
+    (the old 0.0 would have read as a measured idle GPU)."""
+    tracker = AlertTracker("h")
+    tracker.set_policy({"version": "v1", "fleet": {"util_s": 10, "hold_s": 5}})
+    high = run(tracker, [{"util_pct": 99.0}] * 12)
+    assert [(s, k) for s, _, k, _ in high] == [(10, "utilization")]
+    assert run(tracker, [{"util_pct": None}] * 30, start_s=12) == []  # still open, not cleared
+
+
+def test_rollups_leave_unmeasured_utilization_out() -> None:
+    """Guards review §1.3: unmeasured samples are not averaged in as 0 (idle); a minute that
+    measured none says None (null in the stored rollup)."""
+    rollups = MinuteRollups()
+    rollups.roll(60_000)
+    for second, util in enumerate([None, 80.0, None, 60.0]):
+        rollups.add_gpu(sample(60_000 + second * 1000, util_pct=util))
+        rollups.add_sandbox("9", {"mem_mib": 1, "util_pct": util, "cost_micros": 0}, sample(0))
+    rollups.add_gpu(sample(61_000, gpu="MIG-1", util_pct=None))
+    closed = rollups.roll(120_000)
+    assert closed is not None
+    assert closed["gpus"]["GPU-1"]["util_pct"] == [60.0, 70.0, 80.0]
+    assert closed["gpus"]["GPU-1"]["samples"] == 4
+    assert closed["sandboxes"]["9"]["util_pct"] == [60.0, 70.0, 80.0]
+    assert closed["gpus"]["MIG-1"]["util_pct"] is None
+
+
 def test_throttling_and_xid() -> None:
     tracker = AlertTracker("h")
     tracker.set_policy({"version": "v2", "fleet": {"throttle_s": 3}})

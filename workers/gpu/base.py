@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from workers.gpu.xids import describe, is_application
+
 
 @dataclass(frozen=True)
 class MigDevice:
@@ -21,7 +23,16 @@ class MigDevice:
     memory_slices: int
     memory_mib: int
     gpu_instance_id: int
-    compute_instance_id: int
+    compute_instance_id: int  # -1 when the GPU instance has no compute instance
+    # Compute instances in the GPU instance. 1 is a device a sandbox can be given (uuid is
+    # its MIG uuid); 0 (left by an operator's `-cgi` without `-C`, or a half-failed destroy)
+    # or several (e.g. 2x 1c.3g.40gb) are not, but their GPU instance holds its memory slices
+    # all the same: uuid is then "<GPU uuid>/gi<id>", which no CUDA call accepts.
+    compute_instances: int = 1
+
+    @property
+    def usable(self) -> bool:
+        return self.compute_instances == 1
 
 
 @dataclass(frozen=True)
@@ -32,8 +43,11 @@ class GpuInfo:
     model: str  # canonical, e.g. "H100-80GB" ("" when unknown)
     memory_mib: int
     mig_enabled: bool
-    mig_devices: tuple[MigDevice, ...] = ()
+    mig_devices: tuple[MigDevice, ...] = ()  # the usable ones: one compute instance each
     simulated: bool = False
+    # GPU instances with no or several compute instances (MigDevice.usable is False): no
+    # sandbox can have them, but their memory slices are taken. mig_layout lists them too.
+    unusable_mig: tuple[MigDevice, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,7 +58,9 @@ class GpuSample:
     uuid: str
     t_ms: int  # epoch milliseconds when sampled
     temp_c: float
-    util_pct: float
+    # None: not measured (NVML has no utilization for a MIG device or a GPU in MIG mode,
+    # unless GPM reads it). Never 0 for "unknown": 0 means idle, and idle gets culled.
+    util_pct: float | None
     mem_used_mib: int
     mem_total_mib: int
     power_w: float
@@ -61,15 +77,34 @@ class GpuSample:
 
 @dataclass(frozen=True)
 class HealthEvent:
-    uuid: str
-    kind: str  # "xid" | "ecc_dbe" | "gpu_lost" | "overheat"
+    uuid: str  # the GPU, or the MIG device the fault was tied to
+    # "xid" (a device XID: the GPU is drained) | "app_xid" (an application XID: the tenant's
+    # own fault, for the sandbox's owner; the GPU stays in service) | "ecc_dbe" | "gpu_lost"
+    # | "overheat"
+    kind: str
     detail: str
     t_ms: int
     xid: int | None = None
 
 
+def xid_event(uuid: str, xid: int, t_ms: int) -> HealthEvent:
+    """The health event for ``xid``: ``app_xid`` or ``xid`` as workers.gpu.xids classes it."""
+    kind = "app_xid" if is_application(xid) else "xid"
+    return HealthEvent(uuid, kind, describe(xid), t_ms, xid=xid)
+
+
 class GpuBackendError(RuntimeError):
     """A backend operation that cannot be done (illegal MIG placement, unknown GPU...)."""
+
+
+class GpuLost(GpuBackendError):
+    """The GPU (or the board a MIG device lives on) is lost: NVML_ERROR_GPU_IS_LOST, or it
+    fell off the bus. The backend has queued one ``gpu_lost`` health event for it; the
+    caller drops the GPU from what it samples until the next inventory."""
+
+    def __init__(self, message: str, uuid: str) -> None:
+        super().__init__(message)
+        self.uuid = uuid  # the GPU's uuid (a MIG device's parent)
 
 
 class GpuBackend(Protocol):
@@ -78,7 +113,8 @@ class GpuBackend(Protocol):
 
     def list_gpus(self) -> list[GpuInfo]: ...
 
-    def sample(self, uuid: str) -> GpuSample: ...
+    def sample(self, uuid: str) -> GpuSample:
+        """Raises GpuLost for a lost GPU (or a MIG device on one), GpuBackendError otherwise."""
 
     def mig_layout(self, uuid: str) -> list[MigDevice]: ...
 

@@ -93,7 +93,7 @@ class MigManager:
             doomed = []
             for device in current:
                 key = (device.profile, device.start)
-                if missing[key] > 0:
+                if device.usable and missing[key] > 0:
                     missing[key] -= 1  # already there: keep it, with its sandbox
                 else:
                     doomed.append(device)

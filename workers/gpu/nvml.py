@@ -2,7 +2,11 @@
 
 Every NVML failure leaves this module as a ``GpuBackendError`` naming the operation and
 the device, so the agent handles one exception type. A GPU that answers
-``NVML_ERROR_GPU_IS_LOST`` to any call is also reported once as a ``gpu_lost`` health event.
+``NVML_ERROR_GPU_IS_LOST`` (or ``RESET_REQUIRED``) to any call raises ``GpuLost``, its
+subclass that names the GPU, and is reported once as a ``gpu_lost`` health event.
+
+Utilization is None where NVML cannot measure it (a MIG device, a GPU in MIG mode) unless
+GPM can (Hopper: gpm.py). Never 0 for "unknown": idle culling reads 0 as idle.
 
 MIG: reading and changing GPU instances needs root (the agent runs as root on GPU hosts).
 Changing MIG *mode* is never done here: that needs a GPU reset and stays an operator's job.
@@ -21,8 +25,17 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from scheduler.gpus import free_starts, model_for_name
-from workers.gpu.base import GpuBackendError, GpuInfo, GpuSample, HealthEvent, MigDevice
+from scheduler.gpus import model_for_name
+from workers.gpu.base import (
+    GpuBackendError,
+    GpuInfo,
+    GpuLost,
+    GpuSample,
+    HealthEvent,
+    MigDevice,
+    xid_event,
+)
+from workers.gpu.gpm import GpmUtilization
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +82,19 @@ _HEALTH_EVENT_TYPES = (
 )
 # XID 79: "GPU has fallen off the bus". The board is gone until a reset, whatever else works.
 XID_FELL_OFF_BUS = 79
+_WITHOUT_EVENTS = (
+    "running without NVML events: XIDs and double-bit ECC errors go unseen (a lost GPU is "
+    "still noticed by its failing calls); restart the agent once nvidia-smi works cleanly"
+)
+# Errors that mean the board is gone until someone resets it.
+_LOST = (pynvml.NVMLError_GpuIsLost, pynvml.NVMLError_ResetRequired)
+# Readings a GPU, driver or user cannot take.
+_UNSUPPORTED = (
+    pynvml.NVMLError_NotSupported,
+    pynvml.NVMLError_NoPermission,
+    # pynvml raises this, not an NVMLError, when the driver lacks a versioned call
+    pynvml.NVMLLibraryMismatchError,
+)
 
 T = TypeVar("T")
 
@@ -78,18 +104,26 @@ class _GiProfile:
     id: int  # the profile id NVML's create and info calls use
     name: str  # e.g. "3g.40gb"
     slices: int  # compute slices
+    memory_mib: int  # what NVML says an instance of it holds (memorySizeMB)
+    instance_count: int  # how many of it fit on the GPU
 
 
 def nvml_available() -> bool:
     """True when NVML loads and sees at least one GPU (GPU_BACKEND=auto picks nvml then)."""
+    return nvml_problem() is None
+
+
+def nvml_problem() -> str | None:
+    """Why NVML cannot drive GPUs here ("NVML did not initialise: Driver Not Loaded", "NVML
+    sees no GPU"), or None when it loads and sees at least one."""
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
+    except pynvml.NVMLError as err:
+        return f"NVML did not initialise: {err}"
     try:
-        return int(pynvml.nvmlDeviceGetCount()) > 0
-    except pynvml.NVMLError:
-        return False
+        return None if int(pynvml.nvmlDeviceGetCount()) > 0 else "NVML sees no GPU"
+    except pynvml.NVMLError as err:
+        return f"NVML could not count GPUs: {err}"
     finally:
         with suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
@@ -113,6 +147,7 @@ class NvmlBackend:
         self._mig_by_gi: dict[tuple[str, int], str] = {}  # (GPU uuid, GI id) -> MIG uuid
         self._gi_profiles_by_gpu: dict[str, dict[str, _GiProfile]] = {}
         self._closed = False
+        self._gpm = GpmUtilization()
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as err:
@@ -133,7 +168,7 @@ class NvmlBackend:
             try:
                 gpus.append(self._gpu_info(index))
             except GpuBackendError as err:
-                if isinstance(err.__cause__, pynvml.NVMLError_GpuIsLost):
+                if isinstance(err, GpuLost) or isinstance(err.__cause__, _LOST):
                     continue  # a lost GPU leaves the inventory; a gpu_lost event says why
                 raise
         return gpus
@@ -150,6 +185,16 @@ class NvmlBackend:
             mig_enabled = _mig_enabled(handle)
             migs = self._mig_devices(handle, uuid) if mig_enabled else []
         model = model_for_name(name, memory_mib)
+        unusable = [d for d in migs if not d.usable]
+        if unusable:
+            log.warning(
+                "GPU %s holds GPU instances no sandbox can use (no or several compute "
+                "instances), taking their memory slices: %s",
+                uuid,
+                ", ".join(
+                    f"{d.profile}@{d.start} gi{d.gpu_instance_id}: {d.compute_instances} CI" for d in unusable
+                ),
+            )
         return GpuInfo(
             uuid=uuid,
             index=index,
@@ -157,8 +202,9 @@ class NvmlBackend:
             model=model.name if model else "",
             memory_mib=memory_mib,
             mig_enabled=mig_enabled,
-            mig_devices=tuple(migs),
+            mig_devices=tuple(d for d in migs if d.usable),
             simulated=False,
+            unusable_mig=tuple(unusable),
         )
 
     def mig_layout(self, uuid: str) -> list[MigDevice]:
@@ -167,32 +213,40 @@ class NvmlBackend:
             return self._mig_devices(handle, uuid) if _mig_enabled(handle) else []
 
     def _mig_devices(self, parent: Any, parent_uuid: str) -> list[MigDevice]:
-        names = {p.id: p.name for p in self._gi_profiles(parent, parent_uuid).values()}
+        """Every GPU instance of a GPU in MIG mode, once each, by placement.
+
+        GPU instances are listed per profile (``nvmlDeviceGetGpuInstances``), so one without
+        a compute instance still shows, and a GPU instance with several compute instances is
+        one entry, not one per CI with the same placement. Memory is the profile's, as NVML
+        states it (memorySizeMB); the MIG uuid is the one compute instance's, when it has one.
+        """
+        profiles = list(self._gi_profiles(parent, parent_uuid).values())
+        compute = _compute_instances(parent)
         devices = []
-        for index in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
+        for profile in profiles:
             try:
-                handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
-            except pynvml.NVMLError_NotFound:
-                continue  # an empty MIG device slot
-            gi_id = int(pynvml.nvmlDeviceGetGpuInstanceId(handle))
+                instances = _gpu_instances(parent, profile)
+            except pynvml.NVMLError_NoPermission:
+                instances = []  # not root: the GPU instances that hold a CI still show below
+            for gpu_instance in instances:
+                info = pynvml.nvmlGpuInstanceGetInfo(gpu_instance)
+                cis = compute.pop(int(info.id), [])
+                devices.append(_mig_device(parent_uuid, profile, info, cis))
+        by_id = {p.id: p for p in profiles}
+        for gi_id, cis in compute.items():  # a compute instance whose GI was not listed
             info = pynvml.nvmlGpuInstanceGetInfo(pynvml.nvmlDeviceGetGpuInstanceById(parent, gi_id))
-            profile_id = int(info.profileId)
-            device = MigDevice(
-                uuid=str(pynvml.nvmlDeviceGetUUID(handle)),
-                parent_uuid=parent_uuid,
-                profile=names.get(profile_id, f"profile-{profile_id}"),
-                start=int(info.placement.start),
-                memory_slices=int(info.placement.size),
-                memory_mib=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB,
-                gpu_instance_id=gi_id,
-                compute_instance_id=int(pynvml.nvmlDeviceGetComputeInstanceId(handle)),
-            )
-            devices.append(device)
+            pid = int(info.profileId)
+            known = by_id.get(pid) or _GiProfile(pid, f"profile-{pid}", 0, 0, 0)
+            devices.append(_mig_device(parent_uuid, known, info, cis))
         with self._lock:
             for device in devices:
                 self._mig_parent[device.uuid] = parent_uuid
-                self._mig_by_gi[(parent_uuid, device.gpu_instance_id)] = device.uuid
-        return sorted(devices, key=lambda d: d.start)
+                # An event in an unusable instance names the GPU: the portal knows no such device.
+                if device.usable:
+                    self._mig_by_gi[(parent_uuid, device.gpu_instance_id)] = device.uuid
+                else:
+                    self._mig_by_gi.pop((parent_uuid, device.gpu_instance_id), None)
+        return sorted(devices, key=lambda d: (d.start, d.gpu_instance_id))
 
     def _gi_profiles(self, handle: Any, uuid: str) -> dict[str, _GiProfile]:
         """The GPU instance profiles this GPU offers, by name (cached: they never change)."""
@@ -207,7 +261,9 @@ class NvmlBackend:
             except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
                 continue  # not offered by this GPU
             name = str(info.name).removeprefix("MIG ")  # NVML says e.g. "MIG 3g.40gb"
-            profiles[name] = _GiProfile(int(info.id), name, int(info.sliceCount))
+            profiles[name] = _GiProfile(
+                int(info.id), name, int(info.sliceCount), int(info.memorySizeMB), int(info.instanceCount)
+            )
         with self._lock:
             self._gi_profiles_by_gpu[uuid] = profiles
         return profiles
@@ -229,12 +285,7 @@ class NvmlBackend:
                 handle, gi_profile.id, ctypes.byref(placement)
             )
             try:
-                ci_info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gpu_instance,
-                    _CI_PROFILE_FOR_SLICES[gi_profile.slices],
-                    pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-                )
-                pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_info.id)
+                _create_compute_instance(gpu_instance, gi_profile)
             except pynvml.NVMLError:
                 # A GPU instance without a compute instance is no device a sandbox can use.
                 with suppress(pynvml.NVMLError):
@@ -247,58 +298,106 @@ class NvmlBackend:
         raise GpuBackendError(f"created GPU instance {gi_id} on {uuid} but no MIG device shows it")
 
     def _check_placement(self, handle: Any, uuid: str, profile: str, start: int) -> int:
-        """Refuse an illegal or overlapping start with a clear message; return its size."""
+        """Refuse an illegal or overlapping start with a clear message; return its size.
+
+        Legal starts come from scheduler.gpus for a model it knows, else from NVML's own
+        placement list (a board this module has no table for still gets MIG)."""
         name = str(pynvml.nvmlDeviceGetName(handle))
         model = model_for_name(name, int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB)
-        if model is None or profile not in {p.name for p in model.mig_profiles}:
-            raise GpuBackendError(f"no MIG geometry known for {profile} on {name} ({uuid})")
-        mig_profile = model.profile(profile)
-        if start not in mig_profile.starts:
-            legal = ", ".join(map(str, mig_profile.starts))
+        if model is not None and profile in {p.name for p in model.mig_profiles}:
+            known = model.profile(profile)
+            starts, size, where = known.starts, known.memory_slices, model.name
+        else:
+            starts, size = _possible_placements(handle, self._gi_profiles(handle, uuid)[profile])
+            where = f"{name} (placements from NVML)"
+        if start not in starts:
+            legal = ", ".join(map(str, starts))
             raise GpuBackendError(
-                f"{profile} cannot start at memory slice {start} on {model.name}; legal: {legal}"
+                f"{profile} cannot start at memory slice {start} on {where}; legal: {legal}"
             )
-        used = self._mig_devices(handle, uuid)
-        if start not in free_starts(model, profile, [(d.start, d.memory_slices) for d in used]):
-            wanted = set(mig_profile.slots(start))
-            clash = [
-                f"{d.profile}@{d.start}"
-                for d in used
-                if wanted.intersection(range(d.start, d.start + d.memory_slices))
-            ]
+        wanted = set(range(start, start + size))
+        clash = [
+            f"{d.profile}@{d.start}"
+            for d in self._mig_devices(handle, uuid)
+            if wanted.intersection(range(d.start, d.start + d.memory_slices))
+        ]
+        if clash:
             raise GpuBackendError(f"{profile}@{start} overlaps {', '.join(clash)} on {uuid}")
-        return mig_profile.memory_slices
+        return size
 
     def destroy_mig(self, uuid: str, mig_uuid: str) -> None:
+        """Destroy a MIG device: its compute instance(s), then its GPU instance.
+
+        NVML refuses (IN_USE) while a process runs on it, an MPS server included. When the
+        GPU instance refuses after its compute instance went, the compute instance is made
+        again so the device stays usable (a new MIG uuid), or, failing that, the GPU instance
+        stays in mig_layout as an unusable entry; either way the error says which.
+        """
         with self._guard(f"destroy MIG {mig_uuid}", uuid):
             handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
             device = next((d for d in self._mig_devices(handle, uuid) if d.uuid == mig_uuid), None)
             if device is None:
                 raise GpuBackendError(f"{mig_uuid} is not a MIG device of {uuid}")
             gpu_instance = pynvml.nvmlDeviceGetGpuInstanceById(handle, device.gpu_instance_id)
-            compute_instance = pynvml.nvmlGpuInstanceGetComputeInstanceById(
-                gpu_instance, device.compute_instance_id
-            )
-            pynvml.nvmlComputeInstanceDestroy(compute_instance)
-            pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+            for ci_id, _ in _compute_instances(handle).get(device.gpu_instance_id, []):
+                compute_instance = pynvml.nvmlGpuInstanceGetComputeInstanceById(gpu_instance, ci_id)
+                try:
+                    pynvml.nvmlComputeInstanceDestroy(compute_instance)
+                except pynvml.NVMLError_InUse as err:
+                    raise GpuBackendError(
+                        f"destroy MIG {mig_uuid} on {uuid}: processes still run on it "
+                        f"(an MPS server too keeps it in use): {err}"
+                    ) from err
+            try:
+                pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+            except pynvml.NVMLError as err:
+                if isinstance(err, _LOST):
+                    raise
+                raise GpuBackendError(self._left_behind(handle, uuid, device, gpu_instance, err)) from err
+        self._forget_mig(uuid, device)
+
+    def _left_behind(
+        self, handle: Any, uuid: str, device: MigDevice, gpu_instance: Any, err: pynvml.NVMLError
+    ) -> str:
+        """After a failed GPU instance destroy: put a full compute instance back, and say so."""
+        what = (
+            f"destroy MIG {device.uuid} on {uuid}: its compute instance is gone but GPU instance "
+            f"{device.gpu_instance_id} ({device.profile}@{device.start}) stays ({err})"
+        )
+        profile = self._gi_profiles(handle, uuid).get(device.profile)
+        if device.compute_instances == 1 and profile is not None:
+            try:
+                _create_compute_instance(gpu_instance, profile)
+                again = next(
+                    d for d in self._mig_devices(handle, uuid) if d.gpu_instance_id == device.gpu_instance_id
+                )
+            except (pynvml.NVMLError, StopIteration):
+                log.warning("could not re-create the compute instance of %s", device.uuid, exc_info=True)
+            else:
+                return f"{what}; its compute instance was made again: the device is now {again.uuid}"
+        slices = f"{device.start}-{device.start + device.memory_slices - 1}"
+        return (
+            f"{what}; it holds memory slices {slices} without a compute instance and shows in the "
+            f"MIG layout as {uuid}/gi{device.gpu_instance_id}"
+        )
+
+    def _forget_mig(self, uuid: str, device: MigDevice) -> None:
         with self._lock:
-            self._mig_parent.pop(mig_uuid, None)
+            self._mig_parent.pop(device.uuid, None)
             self._mig_by_gi.pop((uuid, device.gpu_instance_id), None)
+        self._gpm.forget(uuid, device.gpu_instance_id)
 
     # -- telemetry -------------------------------------------------------------------------
 
     def sample(self, uuid: str) -> GpuSample:
-        """Temperature, power and clocks come from the whole GPU; memory from the device."""
+        """Temperature, power and clocks come from the whole GPU; memory and utilization from
+        the device. Raises GpuLost when the GPU (a MIG device's board) is lost."""
         with self._guard("sample", uuid):
             handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-            parent = (
-                pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
-                if uuid.startswith("MIG-")
-                else handle
-            )
+            mig = uuid.startswith("MIG-")
+            parent = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle) if mig else handle
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            # NVML has no utilization for MIG devices, nor for a GPU in MIG mode: 0 there.
-            util = _unless_unsupported(lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu), 0.0)
+            util = self._utilization(handle, parent, uuid, mig)
             power_mw = _unless_unsupported(lambda: int(pynvml.nvmlDeviceGetPowerUsage(parent)), 0)
             reasons = _unless_unsupported(lambda: _clock_reasons(parent), 0)
             # ECC is counted per board: a MIG device reports its parent's counts.
@@ -318,6 +417,16 @@ class NvmlBackend:
                 ecc_uncorrected=uncorrected,
             )
 
+    def _utilization(self, handle: Any, parent: Any, uuid: str, mig: bool) -> float | None:
+        """Busy %, or None when nothing measures it: NVML has no utilization for a MIG
+        device nor for a GPU in MIG mode, so GPM reads those where the GPU has it."""
+        if not mig:
+            with suppress(*_UNSUPPORTED):
+                return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            return self._gpm.read(parent, uuid, None)
+        parent_uuid = self._mig_parent.get(uuid) or str(pynvml.nvmlDeviceGetUUID(parent))
+        return self._gpm.read(parent, parent_uuid, int(pynvml.nvmlDeviceGetGpuInstanceId(handle)))
+
     # -- health ----------------------------------------------------------------------------
 
     def _register_events(self) -> Any:
@@ -327,6 +436,9 @@ class NvmlBackend:
             try:
                 event_set = pynvml.nvmlEventSetCreate()
             except pynvml.NVMLError_NotSupported:
+                return None
+            except pynvml.NVMLError_Unknown as err:
+                log.warning("NVML could not create an event set (%s): %s", err, _WITHOUT_EVENTS)
                 return None
             for index in range(int(pynvml.nvmlDeviceGetCount())):
                 try:
@@ -340,6 +452,17 @@ class NvmlBackend:
                     continue  # such a GPU still reports loss through failing calls
                 except pynvml.NVMLError_GpuIsLost:
                     continue  # already gone: it stays out of list_gpus, the others still work
+                except pynvml.NVMLError_Unknown as err:
+                    # nvml.h: "event set is in undefined state and should be freed"
+                    log.warning(
+                        "NVML could not register health events on GPU %d (%s), so the event set is freed: %s",
+                        index,
+                        err,
+                        _WITHOUT_EVENTS,
+                    )
+                    with suppress(pynvml.NVMLError):
+                        pynvml.nvmlEventSetFree(event_set)
+                    return None
             return event_set
 
     def health_events(self) -> list[HealthEvent]:
@@ -374,7 +497,7 @@ class NvmlBackend:
         kind = int(data.eventType)
         if kind == pynvml.nvmlEventTypeXidCriticalError:
             xid = int(data.eventData)
-            event = HealthEvent(uuid, "xid", f"XID {xid}", t_ms, xid=xid)
+            event = xid_event(uuid, xid, t_ms)
             # The XID first, then the loss it means: it says why the GPU went.
             return [event, *self._mark_lost(gpu_uuid)] if xid == XID_FELL_OFF_BUS else [event]
         if _GPU_UNAVAILABLE and kind == _GPU_UNAVAILABLE:
@@ -409,12 +532,13 @@ class NvmlBackend:
         where = uuid or "this host"
         try:
             yield
-        except pynvml.NVMLError_GpuIsLost as err:
+        except _LOST as err:
             if uuid is None:
                 self._find_lost()
                 raise GpuBackendError(f"{what}: a GPU on this host is lost") from err
-            self._note_lost(self._mig_parent.get(uuid, uuid))
-            raise GpuBackendError(f"{what}: {uuid} is lost") from err
+            gpu = self._mig_parent.get(uuid, uuid)
+            self._note_lost(gpu)
+            raise GpuLost(f"{what}: {uuid} is lost ({err})", gpu) from err
         except pynvml.NVMLError as err:
             raise GpuBackendError(f"{what} on {where}: {err}") from err
 
@@ -431,11 +555,73 @@ class NvmlBackend:
             if self._closed:
                 return
             self._closed = True
+            self._gpm.close()
             if self._event_set is not None:
                 with suppress(pynvml.NVMLError):
                     pynvml.nvmlEventSetFree(self._event_set)
             with suppress(pynvml.NVMLError):
                 pynvml.nvmlShutdown()
+
+
+def _create_compute_instance(gpu_instance: Any, profile: _GiProfile) -> None:
+    """The one compute instance that spans the whole GPU instance (``-C`` of nvidia-smi)."""
+    ci_info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        gpu_instance,
+        _CI_PROFILE_FOR_SLICES[profile.slices],
+        pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+    )
+    pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_info.id)
+
+
+def _possible_placements(handle: Any, profile: _GiProfile) -> tuple[tuple[int, ...], int]:
+    """(legal starts, memory slices) of a profile as NVML lists them (MIG on or off)."""
+    count = ctypes.c_uint(0)
+    # NVML fills as many as the profile allows; a GPU has at most 8 memory slices to start at.
+    found = (pynvml.c_nvmlGpuInstancePlacement_t * max(8, profile.instance_count))()
+    pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, profile.id, found, ctypes.byref(count))
+    placements = [found[i] for i in range(count.value)]
+    if not placements:
+        raise GpuBackendError(f"NVML lists no placement for MIG profile {profile.name}")
+    return tuple(int(p.start) for p in placements), int(placements[0].size)
+
+
+def _gpu_instances(parent: Any, profile: _GiProfile) -> list[Any]:
+    """The GPU instances of one profile on a GPU (root only)."""
+    count = ctypes.c_uint(0)
+    found = (pynvml.c_nvmlGpuInstance_t * max(8, profile.instance_count))()  # instanceCount is the most
+    pynvml.nvmlDeviceGetGpuInstances(parent, profile.id, found, ctypes.byref(count))
+    return [found[i] for i in range(count.value)]
+
+
+def _compute_instances(parent: Any) -> dict[int, list[tuple[int, str]]]:
+    """GPU instance id -> [(compute instance id, MIG uuid)], from the MIG device handles
+    (each compute instance is one MIG device; no privilege needed)."""
+    found: dict[int, list[tuple[int, str]]] = {}
+    for index in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
+        try:
+            handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
+        except pynvml.NVMLError_NotFound:
+            continue  # an empty MIG device slot
+        gi_id = int(pynvml.nvmlDeviceGetGpuInstanceId(handle))
+        ci_id = int(pynvml.nvmlDeviceGetComputeInstanceId(handle))
+        found.setdefault(gi_id, []).append((ci_id, str(pynvml.nvmlDeviceGetUUID(handle))))
+    return {gi: sorted(cis) for gi, cis in found.items()}
+
+
+def _mig_device(parent_uuid: str, profile: _GiProfile, info: Any, cis: list[tuple[int, str]]) -> MigDevice:
+    gi_id = int(info.id)
+    ci_id, uuid = cis[0] if len(cis) == 1 else (cis[0][0] if cis else -1, f"{parent_uuid}/gi{gi_id}")
+    return MigDevice(
+        uuid=uuid,
+        parent_uuid=parent_uuid,
+        profile=profile.name,
+        start=int(info.placement.start),
+        memory_slices=int(info.placement.size),
+        memory_mib=profile.memory_mib,
+        gpu_instance_id=gi_id,
+        compute_instance_id=ci_id,
+        compute_instances=len(cis),
+    )
 
 
 def _mig_enabled(handle: Any) -> bool:
@@ -468,9 +654,20 @@ def _ecc_counts(handle: Any) -> tuple[int, int]:
 
 def _memory_by_pid(handle: Any) -> dict[str, int]:
     """GPU memory per process, keyed "pid:<pid>" (host pids: the agent maps them to sandboxes
-    through their cgroups). On a MIG device handle NVML lists that instance's processes."""
+    through their cgroups). On a MIG device handle NVML lists that instance's processes.
+
+    MPS clients are listed by a call of their own (nvidia-smi's "M+C"); a pid in both lists
+    counts once."""
+    held = _held(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    with suppress(*_UNSUPPORTED):
+        for key, mib in _held(pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)).items():
+            held[key] = max(held.get(key, 0), mib)
+    return held
+
+
+def _held(processes: list[Any]) -> dict[str, int]:
     held: dict[str, int] = {}
-    for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+    for process in processes:
         if process.usedGpuMemory is None:
             continue  # not reported (e.g. without the rights to see other users' processes)
         key = f"pid:{process.pid}"
@@ -482,10 +679,5 @@ def _unless_unsupported(read: Callable[[], T], default: T) -> T:
     """A reading this GPU, driver or user cannot take is left at its default."""
     try:
         return read()
-    except (
-        pynvml.NVMLError_NotSupported,
-        pynvml.NVMLError_NoPermission,
-        # pynvml raises this, not an NVMLError, when the driver lacks a versioned call
-        pynvml.NVMLLibraryMismatchError,
-    ):
+    except _UNSUPPORTED:
         return default

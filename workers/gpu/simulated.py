@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.gpus import COMPUTE_SLICES, MODELS, GpuModel, check_layout
-from workers.gpu.base import GpuBackendError, GpuInfo, GpuSample, HealthEvent, MigDevice
+from workers.gpu.base import GpuBackendError, GpuInfo, GpuLost, GpuSample, HealthEvent, MigDevice, xid_event
 
 # Fixed namespace so UUIDs are stable across processes and releases.
 _UUID_NAMESPACE = uuidlib.UUID("6f1d2c1e-5a7b-4c59-9a43-0b6d5f3e8a21")
@@ -36,6 +36,10 @@ _MARKETING_NAMES = {
     "A100-80GB": "NVIDIA A100-SXM4-80GB",
     "A100-40GB": "NVIDIA A100-SXM4-40GB",
     "H200": "NVIDIA H200",
+    "H100-PCIe": "NVIDIA H100 PCIe",
+    "H100-NVL": "NVIDIA H100 NVL",
+    "H800-80GB": "NVIDIA H800",
+    "GH200-96GB": "NVIDIA GH200 480GB",
 }
 
 DRIVER_OVERHEAD_MIB = 512  # what the driver holds on an idle whole GPU
@@ -171,8 +175,13 @@ class SimulatedBackend:
         gpus: list[SimulatedGpuConfig],
         seed: int = 0,
         clock: Callable[[], float] = time.time,
+        mig_util_unmeasured: bool = False,
     ) -> None:
+        """``mig_util_unmeasured``: MIG devices and GPUs in MIG mode report no utilization
+        (util_pct None), as NVML does on a GPU without GPM (an A100), for tests of what
+        consumers do with an unmeasured device. Off by default: demos show numbers."""
         self._host = host
+        self._mig_util_unmeasured = mig_util_unmeasured
         self._seed = seed
         self._clock = clock
         # The agent samples from its own thread while task threads launch sandboxes.
@@ -303,7 +312,7 @@ class SimulatedBackend:
         with self._lock:
             gpu, mig = self._device(uuid)
             if gpu.lost:
-                raise GpuBackendError(f"{gpu.uuid} is lost")
+                raise GpuLost(f"sample: {uuid} is lost", gpu.uuid)
             now = self._clock()
             self._advance(gpu, now)
             gpu_util = self._gpu_util(gpu)
@@ -322,11 +331,12 @@ class SimulatedBackend:
                 overhead, total = MIG_OVERHEAD_MIB, mig.memory_mib
             if util > 0:
                 util = _pct(util + self._noise(uuid, now, "util", 2.0))
+            unmeasured = self._mig_util_unmeasured and gpu.mig_enabled
             return GpuSample(
                 uuid=uuid,
                 t_ms=int(now * 1000),
                 temp_c=round(temp_c, 1),
-                util_pct=round(util, 1),
+                util_pct=None if unmeasured else round(util, 1),
                 mem_used_mib=min(total, overhead + sum(by_owner.values())),
                 mem_total_mib=total,
                 power_w=round(min(float(gpu.model.tdp_w), noisy_power), 1),
@@ -423,7 +433,7 @@ class SimulatedBackend:
         """Queue an XID error on a GPU or MIG device, as NVML's event set would report it."""
         with self._lock:
             self._device(uuid)
-            self._events.append(HealthEvent(uuid, "xid", f"XID {xid}", self._now_ms(), xid=xid))
+            self._events.append(xid_event(uuid, xid, self._now_ms()))  # app_xid or xid
 
     def inject_ecc(self, uuid: str, corrected: int = 0, uncorrected: int = 0) -> None:
         """Count ECC errors on the board behind ``uuid``; uncorrected ones also raise an

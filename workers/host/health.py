@@ -14,23 +14,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from workers import dispatch
 from workers.alerts import AlertTracker
 from workers.drivers.base import SandboxSpec
 from workers.gpu.base import GpuBackend
-from workers.gpu.xids import describe_xid, is_application_xid
+from workers.gpu.xids import describe, is_application
 from workers.host.inventory import HostInventory
 from workers.telemetry import AlertMessage
 
 log = logging.getLogger(__name__)
 # Health event kind -> the alert kind that tells of it.
-ALERT_KIND = {"xid": "xid", "ecc_dbe": "ecc", "gpu_lost": "gpu_lost"}
+ALERT_KIND = {"xid": "xid", "app_xid": "xid", "ecc_dbe": "ecc", "gpu_lost": "gpu_lost"}
 
 
 def is_application_fault(event: dict[str, Any]) -> bool:
-    return event.get("kind") == "xid" and is_application_xid(int(event.get("xid") or 0))
+    """The backend names an application XID ``app_xid``; an ``xid`` is classified again,
+    so no path drains for one (workers.gpu.xids)."""
+    kind, xid = event.get("kind"), int(event.get("xid") or 0)
+    return kind == "app_xid" or (kind == "xid" and is_application(xid))
 
 
 class GpuHealth:
@@ -80,7 +84,7 @@ class GpuHealth:
             gpu_uuid = parent_of.get(device, device)
             if event["kind"] == "gpu_lost":
                 self.lost.add(gpu_uuid)
-            if event["kind"] == "xid" and event.get("xid"):
+            if event["kind"] in ("xid", "app_xid") and event.get("xid"):
                 self.last_xid[gpu_uuid] = int(event["xid"])
             if event["kind"] not in ALERT_KIND:
                 continue  # overheat: the temperature rule's alert is its alert
@@ -99,25 +103,29 @@ class GpuHealth:
         detail = str(event.get("detail") or "")
         if not is_application_fault(event):
             value = float(event.get("xid") or 0)
-            text = _xid_text(int(event["xid"]), detail) if kind == "xid" else detail or event["kind"]
+            text = detail or (describe(int(event["xid"])) if kind == "xid" else event["kind"])
             return self.alerts.note_fault(gpu_uuid, kind, value, text, t_ms)
-        # An application XID on a MIG instance names the instance: only its sandbox faulted.
-        # On a whole or shared GPU every sandbox on it may have (NVML does not say which).
-        on_device = sorted(
-            spec.sandbox_id
-            for spec in running.values()
-            if any(
-                d == device or (device == gpu_uuid and parent_of.get(d, d) == gpu_uuid)
-                for d in spec.device_uuids
-            )
-        )
+        on_device = sandboxes_hit(device, {s.sandbox_id: s.device_uuids for s in running.values()}, parent_of)
         if not on_device:
             log.warning("application XID %s on %s with no sandbox on it: %s", event["xid"], device, detail)
             return []
-        text = f"{_xid_text(int(event['xid']), detail)}, from a program in the sandbox; the GPU is fine"
+        text = f"{detail or describe(int(event['xid']))}, from a program in the sandbox; the GPU is fine"
         return self.alerts.note_fault(gpu_uuid, kind, float(event["xid"]), text, t_ms, on_device)
 
 
-def _xid_text(xid: int, detail: str) -> str:
-    said = f" ({detail})" if detail and detail != f"XID {xid}" else ""
-    return f"XID {xid}: {describe_xid(xid)}{said}"
+def sandboxes_hit(
+    device_uuid: str, devices_of: Mapping[int, Iterable[str]], parent_of: Mapping[str, str]
+) -> list[int]:
+    """The sandboxes an event on ``device_uuid`` concerns: on a MIG device, those that hold
+    it (NVML names the instance: only its tenant faulted); on a GPU, those on it or on any of
+    its MIG devices (on a shared GPU, NVML does not say whose program it was).
+
+    ``devices_of`` is sandbox id -> its device uuids, ``parent_of`` MIG uuid -> GPU uuid."""
+    hit = []
+    for sandbox_id, devices in devices_of.items():
+        if device_uuid in parent_of:
+            if device_uuid in devices:
+                hit.append(sandbox_id)
+        elif any(parent_of.get(d, d) == device_uuid for d in devices):
+            hit.append(sandbox_id)
+    return sorted(hit)

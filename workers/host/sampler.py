@@ -8,6 +8,8 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
@@ -17,7 +19,7 @@ from workers import config, dispatch
 from workers.alerts import AlertTracker
 from workers.batch_output import OutputPump
 from workers.drivers.base import SandboxSpec
-from workers.gpu.base import GpuBackend, GpuBackendError, GpuSample
+from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost, GpuSample
 from workers.host.health import GpuHealth
 from workers.host.inventory import HostInventory
 from workers.host.lifecycle import now_ms
@@ -91,17 +93,7 @@ class Sampler:
         started = self.sandboxes.started_ms.get(allocation_id, t_ms)
         elapsed_us = max(0, t_ms - started) * 1000
         cost = cost_micros(spec.price_per_gpu_hour_micros, spec.milli_gpu, elapsed_us)
-        return SandboxFigures(mem_mib=mem_mib, util_pct=util_pct, cost_micros=cost)  # type: ignore[typeddict-item]
-
-    def _sample(self, uuid: str) -> GpuSample | None:
-        """One device's sample; None when the device stopped answering (its GPU is then
-        dropped and reported lost), so one lost GPU does not stop the rest of the host."""
-        try:
-            return self.backend.sample(uuid)
-        except GpuBackendError as exc:
-            log.error("sampling %s on %s failed: %s", uuid, self.host, exc)
-            self.health.gpu_lost(self.inventory.parent_of().get(uuid, uuid))
-            return None
+        return SandboxFigures(mem_mib=mem_mib, util_pct=util_pct, cost_micros=cost)
 
     async def publish_all(self, layer: Any, tick: int, latest: Any) -> None:
         running = self.sandboxes.specs()
@@ -110,14 +102,20 @@ class Sampler:
         if closed is not None:
             await asyncio.to_thread(dispatch.to_control, "telemetry_rollups", self.host, closed)
         parent_of = self.inventory.parent_of()
-        samples: dict[str, GpuSample] = {}  # a dedicated sandbox's device is its GPU: sampled once
+        # Every GPU and every sandbox's device, each once (a dedicated sandbox's device is
+        # its GPU), each on its own: a lost GPU stops neither the others nor the health
+        # report that says it is lost.
+        held = [d for spec in running.values() for d in spec.device_uuids]
+        sampled = sample_all(self.backend, [g.uuid for g in self.inventory.gpus] + held, parent_of)
+        for lost in sorted(sampled.lost):
+            self.health.gpu_lost(lost)
+        samples = sampled.samples
         newest: list[GpuSampleMessage] = []
         changes: list[AlertMessage] = []
         for gpu in list(self.inventory.gpus):
-            sample = self._sample(gpu.uuid)
+            sample = samples.get(gpu.uuid)
             if sample is None:
-                continue
-            samples[gpu.uuid] = sample
+                continue  # lost (dropped above) or failed this tick
             devices = {gpu.uuid} | {m.uuid for m in gpu.mig_devices}
             figures = {
                 str(spec.sandbox_id): self.figures(
@@ -165,11 +163,9 @@ class Sampler:
         changes: list[AlertMessage] = []
         for device, holders in by_device.items():
             gpu_uuid = parent_of.get(device, device)
-            if gpu_uuid in self.health.lost:
-                continue
-            device_sample = samples.get(device) or self._sample(device)
+            device_sample = samples.get(device)
             if device_sample is None:
-                continue
+                continue  # its GPU is lost, or its sample failed this tick
             for key, spec in holders:
                 self.utilization.note(key, t_ms, device_sample.util_pct)
                 own_figures = self.figures(
@@ -205,3 +201,37 @@ class Sampler:
                 await publish(layer, group, change)
         log.warning("alerts on %s: %s", self.host, [(c["state"], c["message"]) for c in changes])
         await asyncio.to_thread(dispatch.to_control, "telemetry_alerts", self.host, changes)
+
+
+@dataclass
+class Sampled:
+    samples: dict[str, GpuSample] = field(default_factory=dict)  # device uuid -> sample
+    lost: set[str] = field(default_factory=set)  # GPU uuids (a MIG device's parent) now gone
+    failed: dict[str, str] = field(default_factory=dict)  # device uuid -> why, this tick only
+
+
+def sample_all(
+    backend: GpuBackend, uuids: Iterable[str], parent_of: Mapping[str, str] | None = None
+) -> Sampled:
+    """Sample each device once, on its own: a lost GPU goes to ``lost`` (drop it, and its
+    MIG devices, until the next inventory; the backend has queued its gpu_lost event), any
+    other failure to ``failed`` (skip the device this tick).
+
+    ``parent_of`` (MIG uuid -> GPU uuid) lets a lost GPU's MIG devices go unasked, and
+    drops one sampled before its GPU was found lost: its board is gone."""
+    parent_of = parent_of or {}
+    out = Sampled()
+    for uuid in dict.fromkeys(uuids):
+        if parent_of.get(uuid, uuid) in out.lost:
+            continue
+        try:
+            out.samples[uuid] = backend.sample(uuid)
+        except GpuLost as err:
+            out.lost.add(err.uuid)
+            log.error("GPU %s is lost (%s): no longer sampled", err.uuid, err)
+        except GpuBackendError as err:
+            out.failed[uuid] = str(err)
+            log.warning("sampling %s failed: %s", uuid, err)
+    for uuid in [u for u in out.samples if parent_of.get(u, u) in out.lost]:
+        del out.samples[uuid]
+    return out

@@ -4,33 +4,47 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class UtilWindow:
+    """A sandbox's utilization over the last ``window_s`` seconds, from its device's
+    samples; unmeasured samples (None: NVML has no utilization for a MIG device without
+    GPM) hold the window's time but not its mean."""
+
+    window_s: float
+    _points: deque[tuple[int, float | None]] = field(default_factory=deque)
+
+    def add(self, t_ms: int, util_pct: float | None) -> None:
+        self._points.append((t_ms, util_pct))
+        while self._points and self._points[0][0] < t_ms - self.window_s * 1000:
+            self._points.popleft()
+
+    def mean(self) -> tuple[float | None, float] | None:
+        """(mean %, seconds covered); the mean is None when no sample of the window was
+        measured (culling must skip it, never read it as idle). None before any sample.
+        On a shared GPU (MPS, time-slice) it is the whole GPU's: idle means idle for all."""
+        if not self._points:
+            return None
+        measured = [u for _, u in self._points if u is not None]
+        seconds = (self._points[-1][0] - self._points[0][0]) / 1000
+        return (round(sum(measured) / len(measured), 1) if measured else None), seconds
 
 
 class UtilizationWindows:
+    """One window per sandbox (allocation id)."""
+
     def __init__(self, window_s: int) -> None:
         self.window_s = window_s
-        # allocation id -> (t_ms, utilization %) samples of its devices, oldest first
-        self._windows: dict[str, deque[tuple[int, float]]] = {}
+        self._windows: dict[str, UtilWindow] = {}
 
     def note(self, allocation_id: str, t_ms: int, util_pct: float | None) -> None:
-        """One sample of the sandbox's device. ``None`` is unmeasured (NVML has no
-        utilization for a MIG device without GPM): it adds nothing, so a sandbox whose
-        device is never measured has no figure and is never culled as idle on a made-up 0."""
-        window = self._windows.setdefault(allocation_id, deque())
-        if util_pct is not None:
-            window.append((t_ms, util_pct))
-        while window and window[0][0] < t_ms - self.window_s * 1000:
-            window.popleft()
+        self._windows.setdefault(allocation_id, UtilWindow(self.window_s)).add(t_ms, util_pct)
 
-    def over_window(self, allocation_id: str) -> tuple[float, float] | None:
-        """(mean GPU utilization %, seconds covered) over the window; None before the first
-        measured sample. On a shared GPU (MPS, time-slice) it is the whole GPU's
-        utilization: idle means idle for everyone."""
+    def over_window(self, allocation_id: str) -> tuple[float | None, float] | None:
         window = self._windows.get(allocation_id)
-        if not window:
-            return None
-        mean = sum(u for _, u in window) / len(window)
-        return round(mean, 1), (window[-1][0] - window[0][0]) / 1000
+        return window.mean() if window is not None else None
 
     def keep_only(self, allocation_ids: Iterable[str]) -> None:
         keep = set(allocation_ids)

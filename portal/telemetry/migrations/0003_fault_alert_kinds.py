@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("telemetry", "0001_rollups_and_alerts"),
+        ("telemetry", "0002_rollup_util_unmeasured"),
     ]
 
     operations = [
