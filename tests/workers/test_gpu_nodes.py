@@ -211,3 +211,26 @@ def test_nvml_lookup_without_a_driver_is_a_lookup_error(monkeypatch: pytest.Monk
     monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
     with pytest.raises(LookupError, match="did not initialise"):
         nvml_lookup(GPU_A)
+
+
+def test_create_missing_runs_the_modprobe_for_each_missing_node_once(host: tuple[Path, Path]) -> None:
+    """What the agent can run at start and after a MIG change: libcuda cannot inside bwrap."""
+    proc, dev = host
+    for missing in ("nvidia-uvm", "nvidiactl", "nvidia-caps/nvidia-cap31"):
+        (dev / missing).unlink()
+    nodes = GpuNodes(proc, dev, lookup)
+    ran: list[list[str]] = []
+
+    def modprobe(argv: list[str]) -> None:
+        ran.append(argv)
+        if argv[1] == "-u":
+            (dev / "nvidia-uvm").touch()
+            (dev / "nvidiactl").touch()
+        else:
+            (dev / "nvidia-caps" / "nvidia-cap31").touch()
+
+    access = proc / "capabilities" / "gpu3" / "mig" / "gi1" / "ci0" / "access"
+    expected = [["nvidia-modprobe", "-u", "-c", "3"], ["nvidia-modprobe", "-f", str(access)]]
+    assert nodes.create_missing((MIG_1,), run=modprobe) == expected == ran
+    assert len(nodes.nodes((MIG_1,))) == 6  # all there now
+    assert nodes.create_missing((MIG_1,), run=modprobe) == []  # nothing missing: nothing run

@@ -33,6 +33,7 @@ it against fake trees.
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ PROC_ROOT = Path("/proc/driver/nvidia")
 DEV_ROOT = Path("/dev")
 _REQUIRED_CONTROL = ("nvidiactl", "nvidia-uvm")
 _OPTIONAL_CONTROL = ("nvidia-uvm-tools",)  # profiling only: bound when present
+MODPROBE = "nvidia-modprobe"
 
 
 @dataclass(frozen=True)
@@ -154,39 +156,58 @@ class GpuNodes:
                 "instance been destroyed?"
             ) from exc
 
-    def _node(self, name: str, remedy: str) -> Node:
-        host = self.dev_root / name
-        if not host.exists():
-            raise DriverError(
-                f"device node /dev/{name} is missing on this host ({host}); CUDA cannot create it "
-                f"inside the sandbox: run {remedy} (as root) and launch again"
-            )
-        return Node(host=host, path=f"/dev/{name}")
-
-    def nodes(self, uuids: Iterable[str]) -> list[Node]:
-        """Every node the devices need, each once; none for no device (a CPU-only sandbox).
-        Raises DriverError naming the node and its remedy when one is missing."""
+    def _wanted(self, uuids: Iterable[str]) -> list[tuple[str, list[str]]]:
+        """(node name under /dev, the nvidia-modprobe argv that creates it) for every node
+        the devices need, each once, optional ones only when present."""
         all_ids = [(u, self.ids(u)) for u in uuids]
         if not all_ids:
             return []
         first_minor = all_ids[0][1].minor
-        found: dict[str, Node] = {}
-
-        def add(name: str, remedy: str) -> None:
-            if f"/dev/{name}" not in found:
-                found[f"/dev/{name}"] = self._node(name, remedy)
-
+        wanted: dict[str, list[str]] = {}
         for name in _REQUIRED_CONTROL:
-            add(name, f"nvidia-modprobe -u -c {first_minor}")
+            wanted[name] = [MODPROBE, "-u", "-c", str(first_minor)]
         for name in _OPTIONAL_CONTROL:
             if (self.dev_root / name).exists():
-                add(name, "nvidia-modprobe -u")
+                wanted[name] = [MODPROBE, "-u"]
         for device_uuid, ids in all_ids:
-            add(f"nvidia{ids.minor}", f"nvidia-modprobe -c {ids.minor}")
+            wanted.setdefault(f"nvidia{ids.minor}", [MODPROBE, "-c", str(ids.minor)])
             if ids.gi is None or ids.ci is None:
                 continue
             gi_dir = self.proc_root / "capabilities" / f"gpu{ids.minor}" / "mig" / f"gi{ids.gi}"
             for access in (gi_dir / "access", gi_dir / f"ci{ids.ci}" / "access"):
                 cap = self._cap_minor(access, device_uuid)
-                add(f"nvidia-caps/nvidia-cap{cap}", f"nvidia-modprobe -f {access}")
-        return list(found.values())
+                wanted.setdefault(f"nvidia-caps/nvidia-cap{cap}", [MODPROBE, "-f", str(access)])
+        return list(wanted.items())
+
+    def nodes(self, uuids: Iterable[str]) -> list[Node]:
+        """Every node the devices need, each once; none for no device (a CPU-only sandbox).
+        Raises DriverError naming the node and its remedy when one is missing."""
+        found = []
+        for name, remedy in self._wanted(uuids):
+            host = self.dev_root / name
+            if not host.exists():
+                raise DriverError(
+                    f"device node /dev/{name} is missing on this host ({host}); CUDA cannot create "
+                    f"it inside the sandbox: run {' '.join(remedy)} (as root) and launch again"
+                )
+            found.append(Node(host=host, path=f"/dev/{name}"))
+        return found
+
+    def create_missing(
+        self, uuids: Iterable[str], run: Callable[[list[str]], object] | None = None
+    ) -> list[list[str]]:
+        """Run the ``nvidia-modprobe`` that creates each missing node of ``uuids`` (setuid
+        root where the driver installed it), as libcuda would on the host; the commands run.
+        For the agent at start and after it creates MIG instances, whose caps nodes do not
+        exist until someone asks. A node still missing afterwards fails the launch as usual."""
+        ran: list[list[str]] = []
+        for name, remedy in self._wanted(uuids):
+            if not (self.dev_root / name).exists() and remedy not in ran:
+                (run or _run_modprobe)(remedy)
+                ran.append(remedy)
+        return ran
+
+
+def _run_modprobe(argv: list[str]) -> None:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(argv, capture_output=True, timeout=30, check=False)  # noqa: S603 - fixed tool
