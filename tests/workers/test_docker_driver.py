@@ -19,7 +19,7 @@ import docker.errors
 import pytest
 
 from tests.workers.engines import require_engine
-from workers.drivers import make_driver, uids
+from workers.drivers import base, make_driver, uids
 from workers.drivers.base import DriverError, MpsShare, SandboxSpec
 from workers.drivers.docker import (
     DockerDriver,
@@ -139,7 +139,9 @@ def test_kwargs_size_dev_shm_from_the_spec() -> None:
     assert "shm_size" not in container_kwargs(make_spec())  # an old message: the engine's
 
 
-def test_an_mps_share_that_could_not_reach_its_daemon_is_refused(tmp_path: Path) -> None:
+def test_an_mps_share_that_could_not_reach_its_daemon_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The container runs as the GPU's MPS uid: against a pipe directory it cannot enter
     (an agent's own 0700 directory) its CUDA would run without MPS, silently. Refused before
     the engine is asked for anything."""
@@ -153,6 +155,7 @@ def test_an_mps_share_that_could_not_reach_its_daemon_is_refused(tmp_path: Path)
             return None
 
     driver = Driver(client=NoEngine(), host="h")  # type: ignore[arg-type]
+    monkeypatch.setattr(base, "MPS_SOCKET_WAIT_S", 0.2)
     pipe = tmp_path / "pipe"
     pipe.mkdir(mode=0o700)
     missing = MpsShare(pipe_dir=str(tmp_path / "absent"), thread_pct=25, memory_mib=1024)

@@ -8,6 +8,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.workers.engines import require_engine
-from workers.drivers import DriverUnavailable, make_driver, uids
+from workers.drivers import DriverUnavailable, base, make_driver, uids
 from workers.drivers.base import DriverError, MpsShare, SandboxHandle, SandboxSpec, require_mps_pipe
 from workers.drivers.cgroups import cgroup_mounts
 from workers.drivers.gpu_nodes import DeviceIds, GpuNodes
@@ -145,9 +146,10 @@ def test_a_gpu_sandbox_keeps_the_agents_driver_library_path(
 
 @pytest.mark.parametrize("real_gpu", [False, True])
 def test_an_mps_share_that_could_not_reach_its_daemon_is_refused(
-    tmp_path: Path, fake_gpu_host: GpuNodes, real_gpu: bool
+    tmp_path: Path, fake_gpu_host: GpuNodes, real_gpu: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """CUDA that cannot connect to the daemon runs silently without MPS: no limits at all."""
+    monkeypatch.setattr(base, "MPS_SOCKET_WAIT_S", 0.2)
     driver = ProcessDriver(tmp_path / "state", gpu_nodes=fake_gpu_host)
     pipe = Path(tempfile.mkdtemp(prefix="gpushare-mps-"))
     try:
@@ -173,6 +175,23 @@ def test_an_mps_share_that_could_not_reach_its_daemon_is_refused(
                 require_mps_pipe(str(pipe), uid, real_gpu=True)
         require_mps_pipe(str(pipe), uid, real_gpu=False)
         assert driver.list_owned() == []
+        if real_gpu:  # a daemon counted up by its pid file may make its socket a moment later
+            later = pipe / "later"
+            later.mkdir()
+            later.chmod(0o777)
+            late = socket.socket(socket.AF_UNIX)
+
+            def daemon_comes_up() -> None:
+                late.bind(str(later / "control"))
+                (later / "control").chmod(0o777)  # as the daemon makes it
+
+            timer = threading.Timer(0.1, daemon_comes_up)
+            timer.start()
+            try:
+                require_mps_pipe(str(later), uid, real_gpu=True, socket_wait_s=5.0)
+            finally:
+                timer.join()
+                late.close()
     finally:
         shutil.rmtree(pipe)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import posixpath
 import stat
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -122,6 +123,7 @@ def checked_pipe_dir(path: str) -> str:
 
 
 MPS_CONTROL_SOCKET = "control"  # the control daemon's socket in its pipe directory
+MPS_SOCKET_WAIT_S = 5.0  # how long a launch waits for a just-started daemon's socket
 
 
 def _grants(info: os.stat_result, uid: int, bits: int) -> bool:
@@ -138,14 +140,15 @@ def _grants(info: os.stat_result, uid: int, bits: int) -> bool:
     return (info.st_mode >> shift) & bits == bits
 
 
-def require_mps_pipe(path: str, uid: int, *, real_gpu: bool) -> None:
+def require_mps_pipe(path: str, uid: int, *, real_gpu: bool, socket_wait_s: float | None = None) -> None:
     """Refuse an MPS launch whose client could not reach the GPU's MPS daemon.
 
     A CUDA client that cannot connect to ``<pipe_dir>/control`` does not fail: it runs as if
     MPS did not exist (man nvidia-cuda-mps-control), with the whole GPU and no thread or
     memory limit. So the pipe directory must exist and be searchable by the sandbox's host
     ``uid``, and on a real GPU the daemon's control socket must be there and writable by it
-    (connect() needs both). A simulated host's daemon makes no socket."""
+    (connect() needs both); it is waited for (``MPS_SOCKET_WAIT_S``), since the agent
+    counts a daemon as up once its pid file names it. A simulated host's daemon makes no socket."""
     where = f"MPS pipe directory {path}"
     try:
         info = os.stat(path)
@@ -164,6 +167,9 @@ def require_mps_pipe(path: str, uid: int, *, real_gpu: bool) -> None:
     if not real_gpu:
         return
     control = os.path.join(path, MPS_CONTROL_SOCKET)
+    deadline = time.monotonic() + (MPS_SOCKET_WAIT_S if socket_wait_s is None else socket_wait_s)
+    while not os.path.exists(control) and time.monotonic() < deadline:
+        time.sleep(0.05)
     try:
         sock = os.stat(control)
     except OSError as exc:
