@@ -42,7 +42,7 @@ static/dist/app.js: package.json package-lock.json $(wildcard static/src/*.js)
 	npm ci --no-audit --no-fund --loglevel=error
 	npm run build --silent
 
-# The sandbox base image, built locally from busybox (no registry pulls); needs Docker.
+# The sandbox base image, a Debian minbase built locally (no registry pulls); needs Docker.
 image:
 	bash scripts/build-sandbox-image.sh
 

@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # Build the local sandbox base image (gpushare/sandbox-base:1) without a registry.
 #
-# The image is a busybox-static rootfs imported with `docker import`: sandbox hosts often
-# have no registry access, and the docker driver only needs a shell, coreutils and a
-# `sandbox` user for images run by hand. The driver runs each container as its own uid from
-# SANDBOX_UID_BASE up (workers/drivers/uids.py), with HOME=/home/sandbox on a tmpfs it owns.
+# A Debian minbase rootfs (debootstrap --variant=minbase of the host's own release, from the
+# host's apt mirror) imported with `docker import`: sandbox hosts often have no registry
+# access, and a GPU sandbox needs glibc, because the NVIDIA container toolkit injects the
+# host's glibc-linked nvidia-smi and libcuda.so into the container (a static busybox rootfs
+# could run neither). The rootfs has a `sandbox` user; the docker driver runs each container
+# as its own uid from SANDBOX_UID_BASE up (workers/drivers/uids.py), HOME=/home/sandbox.
+# About 45 s with a nearby mirror (measured on the CI machines), once per host.
 #
 # Usage: scripts/build-sandbox-image.sh [--force] [--image NAME:TAG]
-# Idempotent: does nothing when the image already exists, unless --force.
+# Environment: SANDBOX_MIRROR (default: the host's first deb.debian.org-style apt source),
+#              SANDBOX_SUITE (default: the host's VERSION_CODENAME).
+# Idempotent: does nothing when the image already exists in this version, unless --force.
 set -euo pipefail
 
 image="gpushare/sandbox-base:1"
+version="2"  # 1: static busybox; 2: Debian minbase (glibc). An older image is rebuilt.
 force=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --force) force=1; shift ;;
         --image) image="${2:?--image needs a value}"; shift 2 ;;
-        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
         *) echo "build-sandbox-image: unknown argument: $1" >&2; exit 2 ;;
     esac
 done
@@ -26,50 +32,52 @@ die() { echo "build-sandbox-image: $*" >&2; exit 1; }
 command -v docker >/dev/null 2>&1 || die "docker CLI not found (install docker.io)"
 docker info >/dev/null 2>&1 || die "cannot reach the Docker engine (is dockerd running?)"
 
-# Only a statically linked busybox works in an otherwise empty rootfs; Debian's
-# busybox-static ships it at /bin/busybox.
-busybox="${BUSYBOX:-/bin/busybox}"
-[[ -x "$busybox" ]] || die "$busybox not found (install busybox-static)"
-if command -v file >/dev/null 2>&1 && ! file -L "$busybox" | grep -q "statically linked"; then
-    die "$busybox is dynamically linked; install busybox-static"
-fi
-
-if [[ $force -eq 0 ]] && docker image inspect "$image" >/dev/null 2>&1; then
+label="io.gpushare.sandbox-image"
+if [[ $force -eq 0 ]] \
+    && [[ "$(docker image inspect -f "{{index .Config.Labels \"$label\"}}" "$image" 2>/dev/null)" == "$version" ]]; then
     echo "build-sandbox-image: $image already exists (use --force to rebuild)"
     exit 0
 fi
 
+command -v debootstrap >/dev/null 2>&1 || die "debootstrap not found (apt-get install debootstrap)"
+[[ $(id -u) -eq 0 ]] || die "debootstrap needs root (run with sudo)"
+# shellcheck disable=SC1091
+suite="${SANDBOX_SUITE:-$(. /etc/os-release && echo "${VERSION_CODENAME:-}")}"
+[[ -n "$suite" ]] || die "cannot tell the host's Debian release; set SANDBOX_SUITE (e.g. bookworm)"
+mirror="${SANDBOX_MIRROR:-}"
+if [[ -z "$mirror" ]]; then
+    # The host's own apt mirror for its main archive (deb822 or one-line sources).
+    mirror="$(grep -hsE '^(URIs:|deb )' /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list \
+        /etc/apt/sources.list | grep -v -- '-security' | grep -oE '(https?|file)://[^ ]+' | head -1 || true)"
+fi
+mirror="${mirror:-http://deb.debian.org/debian}"
+
 rootfs="$(mktemp -d /tmp/gpushare-rootfs.XXXXXX)"
 trap 'rm -rf "$rootfs"' EXIT
 
-mkdir -p "$rootfs"/{bin,sbin,usr/bin,usr/sbin,etc,proc,sys,dev,home/sandbox,tmp,root}
-install -m 0755 "$busybox" "$rootfs/bin/busybox"
-# One symlink per applet at the path busybox itself lists, so /bin/sh, /bin/sleep,
-# /usr/bin/env... all resolve inside the image.
-while read -r applet; do
-    [[ "$applet" == "bin/busybox" || -e "$rootfs/$applet" ]] && continue
-    mkdir -p "$rootfs/$(dirname "$applet")"
-    ln -s /bin/busybox "$rootfs/$applet"
-done < <("$busybox" --list-full)
+started=$(date +%s)
+echo "build-sandbox-image: debootstrap --variant=minbase $suite from $mirror"
+if ! debootstrap --variant=minbase "$suite" "$rootfs" "$mirror" >"$rootfs.log" 2>&1; then
+    tail -20 "$rootfs.log" >&2
+    rm -f "$rootfs.log"
+    die "debootstrap failed (see above); set SANDBOX_MIRROR to a reachable Debian mirror"
+fi
+rm -f "$rootfs.log"
 
-cat > "$rootfs/etc/passwd" <<'PASSWD'
-root:x:0:0:root:/root:/bin/sh
-sandbox:x:1000:1000:sandbox:/home/sandbox:/bin/sh
-nobody:x:65534:65534:nobody:/nonexistent:/bin/false
-PASSWD
-cat > "$rootfs/etc/group" <<'GROUP'
-root:x:0:
-sandbox:x:1000:
-nogroup:x:65534:
-GROUP
+# Nothing of the build's downloads, docs or translations in the image.
+rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
+    "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/locale/* \
+    "$rootfs"/var/log/*.log "$rootfs"/var/cache/debconf/*-old
+chroot "$rootfs" /usr/sbin/groupadd --gid 1000 sandbox
+chroot "$rootfs" /usr/sbin/useradd --uid 1000 --gid 1000 --home-dir /home/sandbox --create-home \
+    --shell /bin/bash sandbox
 chmod 1777 "$rootfs/tmp"
-chmod 0700 "$rootfs/root"
-chown 1000:1000 "$rootfs/home/sandbox"
 
 tar --numeric-owner -C "$rootfs" -c . | docker import \
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'WORKDIR /home/sandbox' \
     --change 'CMD ["/bin/sh"]' \
-    --message "gpushare sandbox base (busybox $("$busybox" | head -1 | awk '{print $2}'))" \
+    --change "LABEL $label=$version" \
+    --message "gpushare sandbox base (Debian $suite minbase)" \
     - "$image" >/dev/null
-echo "build-sandbox-image: built $image"
+echo "build-sandbox-image: built $image (Debian $suite minbase) in $(($(date +%s) - started)) s"

@@ -2,7 +2,7 @@
 # What the whole test suite needs on this machine, set up idempotently: `make test` runs it
 # first (and so does .ci/run, through `make test`). A second run only checks and returns.
 #
-#   - Debian packages: Docker, busybox, bubblewrap, Chromium, nginx/openssl/systemd (the
+#   - Debian packages: Docker, busybox, debootstrap, bubblewrap, Chromium, nginx/openssl/systemd (the
 #     deployment test), libvirt + QEMU + the libvirt headers, and what the VM guest's kernel
 #     build needs. Installed with apt-get when we are root; otherwise the exact command is
 #     printed and the script fails.
@@ -21,6 +21,8 @@ VM_KERNEL="${VM_KERNEL:-/var/lib/libvirt/images/gpushare/vmlinuz}"
 
 step "Debian packages"
 packages=(docker.io busybox-static bubblewrap chromium fonts-dejavu-core
+  # the sandbox image: a Debian minbase rootfs (scripts/build-sandbox-image.sh).
+  debootstrap
   # deployment test (tests/e2e/test_deployment.py): the reverse proxy, TLS, systemd-analyze.
   nginx openssl systemd
   # libvirt driver: the daemon, QEMU (TCG when there is no usable KVM), headers for

@@ -55,7 +55,18 @@ class Tier(models.Model):
     max_gpus = models.PositiveSmallIntegerField(default=1, help_text="Dedicated tiers: GPUs per sandbox.")
     cpu_limit = models.FloatField(default=2.0)
     memory_limit_mib = models.PositiveIntegerField(default=4096)
-    pids_limit = models.PositiveIntegerField(default=512)
+    # A pids cgroup counts threads, not processes: PyTorch's OpenMP pool (a thread per host
+    # core) in each DataLoader worker takes hundreds, so 512 failed real training runs.
+    pids_limit = models.PositiveIntegerField(
+        default=4096, help_text="Processes and threads (each thread counts) a sandbox may run."
+    )
+    # Docker's default /dev/shm is 64 MiB: PyTorch DataLoader workers die with "bus error",
+    # NCCL with "failed to extend /dev/shm". Its pages count against the memory limit.
+    shm_size_mib = models.PositiveIntegerField(
+        default=0,
+        help_text="Size of the sandbox's /dev/shm in MiB (shared memory, counted in its memory "
+        "limit); 0: half the memory limit.",
+    )
     network = models.BooleanField(default=False, help_text="Sandboxes get a network.")
     requeue_on_failure = models.BooleanField(
         default=False,
@@ -88,6 +99,11 @@ class Tier(models.Model):
                 violation_error_message="Dedicated sandboxes take 1 to 8 GPUs of one host.",
             ),
             models.CheckConstraint(
+                condition=models.Q(shm_size_mib__lte=models.F("memory_limit_mib")),
+                name="%(app_label)s_%(class)s_shm_within_memory",
+                violation_error_message="Shared memory cannot be larger than the memory limit: it is memory.",
+            ),
+            models.CheckConstraint(
                 condition=~models.Q(sharing_mode=SharingMode.CPU) | models.Q(idle_util_pct=0),
                 name="%(app_label)s_%(class)s_cpu_tiers_not_culled_by_gpu",
                 violation_error_message="A CPU-only tier has no GPU utilization to cull by: "
@@ -113,6 +129,11 @@ class Tier(models.Model):
             f"stopped when GPU utilization stays under {self.idle_util_pct}% for "
             f"{self.idle_minutes + self.idle_grace_minutes} min (warned after {self.idle_minutes} min)"
         )
+
+    @property
+    def shm_mib(self) -> int:
+        """The /dev/shm size a sandbox of this tier gets (the field, or half its memory)."""
+        return self.shm_size_mib or max(1, self.memory_limit_mib // 2)
 
     @property
     def cpu_only(self) -> bool:

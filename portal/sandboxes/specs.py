@@ -30,6 +30,7 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         cpu_limit=tier.cpu_limit,
         memory_limit_mib=tier.memory_limit_mib,
         pids_limit=tier.pids_limit,
+        shm_size_mib=tier.shm_mib,
         network=tier.network,
         mps=mps,
         # Pinned to MPS, the GPU's daemon may outlive its last share; following demand, not.

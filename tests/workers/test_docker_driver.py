@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -17,13 +19,14 @@ import docker.errors
 import pytest
 
 from tests.workers.engines import require_engine
-from workers.drivers import make_driver, uids
+from workers.drivers import base, make_driver, uids
 from workers.drivers.base import DriverError, MpsShare, SandboxSpec
 from workers.drivers.docker import (
     DockerDriver,
     _parse_docker_time,
     container_kwargs,
     docker_available,
+    sandbox_user,
 )
 from workers.drivers.process import ProcessDriver
 
@@ -128,6 +131,42 @@ def test_kwargs_mps_mounts_pipe_dir_and_sets_variables() -> None:
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == mps.pipe_dir
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+
+
+def test_kwargs_size_dev_shm_from_the_spec() -> None:
+    """Docker's own /dev/shm is 64 MiB: DataLoader workers die with a bus error."""
+    assert container_kwargs(make_spec(shm_size_mib=2048))["shm_size"] == "2048m"
+    assert "shm_size" not in container_kwargs(make_spec())  # an old message: the engine's
+
+
+def test_an_mps_share_that_could_not_reach_its_daemon_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The container runs as the GPU's MPS uid: against a pipe directory it cannot enter
+    (an agent's own 0700 directory) its CUDA would run without MPS, silently. Refused before
+    the engine is asked for anything."""
+
+    class NoEngine:
+        def __getattr__(self, name: str) -> object:
+            raise AssertionError(f"the engine was asked for {name}")
+
+    class Driver(DockerDriver):
+        def _find(self, allocation_id: str) -> None:
+            return None
+
+    driver = Driver(client=NoEngine(), host="h")  # type: ignore[arg-type]
+    monkeypatch.setattr(base, "MPS_SOCKET_WAIT_S", 0.2)
+    pipe = tmp_path / "pipe"
+    pipe.mkdir(mode=0o700)
+    missing = MpsShare(pipe_dir=str(tmp_path / "absent"), thread_pct=25, memory_mib=1024)
+    with pytest.raises(DriverError, match="absent is missing"):
+        driver.launch(make_spec(mps=missing, device_uuids=("GPU-aaaa",)))
+    share = MpsShare(pipe_dir=str(pipe), thread_pct=25, memory_mib=1024)
+    with pytest.raises(DriverError, match=r"cannot be entered by the sandbox's uid \d+"):
+        driver.launch(make_spec(mps=share, device_uuids=("GPU-aaaa",)))
+    pipe.chmod(0o711)
+    with pytest.raises(DriverError, match="control is missing"):  # a real GPU needs the daemon's socket
+        driver.launch(make_spec(mps=share, device_uuids=("GPU-aaaa",), real_gpu=True))
 
 
 def test_kwargs_network_only_when_allowed() -> None:
@@ -277,7 +316,12 @@ def test_launch_is_idempotent(driver: DockerDriver, client: docker.DockerClient,
 def test_mps_env_and_mount(driver: DockerDriver, client: docker.DockerClient, host: str) -> None:
     with tempfile.TemporaryDirectory(prefix="gpushare-mps-") as pipe_dir:
         mps = MpsShare(pipe_dir=pipe_dir, thread_pct=30, memory_mib=2048)
-        handle = driver.launch(make_spec(host, mps=mps, device_uuids=("GPU-aaaa",)))
+        spec = make_spec(host, mps=mps, device_uuids=("GPU-aaaa",))
+        if os.geteuid() == 0:  # the agent's MpsManager gives the pipe directory to the MPS uid
+            os.chown(pipe_dir, sandbox_user(spec), -1)
+        else:
+            os.chmod(pipe_dir, 0o711)  # noqa: S103 - what a client of another uid needs
+        handle = driver.launch(spec)
         container = client.containers.get(handle.ref)
         (mount,) = container.attrs["Mounts"]
         assert mount["Type"] == "bind"
@@ -411,3 +455,38 @@ def test_pids_are_the_containers_host_pids(
     assert inspected in pids
     driver.stop(handle, grace_s=0)
     assert driver.pids(handle) == []
+
+
+@pytest.mark.docker
+def test_the_image_runs_glibc_binaries(driver: DockerDriver, client: docker.DockerClient, host: str) -> None:
+    """The NVIDIA toolkit injects the host's glibc-linked nvidia-smi and libcuda into GPU
+    containers: the old static-busybox image had no loader to run them ("not found")."""
+    script = "/lib64/ld-linux-x86-64.so.2 --version | head -1; ldd /bin/ls; /bin/ls -d / && echo ran"
+    handle = driver.launch(make_spec(host, command=("sh", "-c", script)))
+    deadline = time.monotonic() + 20
+    while driver.status(handle).state == "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out = driver.read_output(handle, 0, 1 << 16).data.decode()
+    assert driver.status(handle).exit_code == 0, out
+    assert "GLIBC" in out and "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6" in out and "ran" in out
+    # A host binary bound in, as the toolkit binds nvidia-smi, under the sandbox's confinement.
+    host_binary = shutil.which("env")
+    assert host_binary is not None
+    uid = uids.sandbox_uid(42)
+    out_bytes = client.containers.run(
+        IMAGE, ["/usr/local/bin/injected", "echo", "injected-ok"], remove=True, user=f"{uid}:{uid}",
+        read_only=True, cap_drop=["ALL"], network_mode="none",
+        volumes={os.path.realpath(host_binary): {"bind": "/usr/local/bin/injected", "mode": "ro"}},
+    )  # fmt: skip
+    assert out_bytes.decode().strip() == "injected-ok"
+
+
+@pytest.mark.docker
+def test_dev_shm_has_the_tiers_size(driver: DockerDriver, client: docker.DockerClient, host: str) -> None:
+    handle = driver.launch(make_spec(host, shm_size_mib=96))
+    container = client.containers.get(handle.ref)
+    assert container.attrs["HostConfig"]["ShmSize"] == 96 * 2**20
+    code, out = container.exec_run(["sh", "-c", "df -k /dev/shm | tail -1; touch /dev/shm/x && echo ok"])
+    assert code == 0 and isinstance(out, bytes), out
+    assert out.decode().split()[1] == str(96 * 1024) and "ok" in out.decode()
+    driver.stop(handle, grace_s=0)

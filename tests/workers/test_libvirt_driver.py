@@ -35,6 +35,7 @@ from workers.drivers.libvirt import (  # noqa: E402
     kvm_usable,
     labels_from_metadata,
     libvirt_available,
+    normalize_pci_address,
 )
 
 IMAGE = GuestImage(kernel=Path("/images/vmlinuz"), initrd=Path("/images/initramfs.cpio.gz"))
@@ -164,6 +165,34 @@ def test_xml_cpu_only_passes_no_gpu_through() -> None:
     root = parse(spec)
     assert root.find("devices/hostdev") is None
     assert "export NVIDIA_VISIBLE_DEVICES=void" in guest_script(spec)
+
+
+def test_nvmls_bus_id_is_a_pci_address() -> None:
+    """NVML's busId has an 8-hex-digit domain; the resolver may hand it over as it is."""
+    assert normalize_pci_address("GPU-a", "00000000:3B:00.0") == "0000:3b:00.0"
+    assert normalize_pci_address("GPU-a", " 0001:af:1f.7\n") == "0001:af:1f.7"
+    spec = make_spec(real_gpu=True)
+    hostdev = parse(spec, resolve_pci=lambda _uuid: "00000000:3B:00.0").find("devices/hostdev/source/address")
+    assert hostdev is not None
+    assert hostdev.attrib == {"domain": "0x0000", "bus": "0x3b", "slot": "0x00", "function": "0x0"}
+    for bad in ("00010000:3b:00.0", "000:3b:00.0", "0000:3b:00.8", "3b:00.0"):
+        with pytest.raises(DriverError, match="not a PCI address"):
+            normalize_pci_address("GPU-a", bad)
+
+
+def test_a_vm_with_a_real_gpu_is_refused_before_anything_is_defined(tmp_path: Path) -> None:
+    """Passthrough cannot work yet (no NVIDIA driver in the guest, a PCI hole smaller than
+    the BAR, no drain before the unbind): refused, saying so, not hung in an unbind."""
+    image = GuestImage(kernel=tmp_path / "vmlinuz", initrd=tmp_path / "initrd")
+    driver = LibvirtDriver(
+        host="h1", uri="test:///nonexistent", image=image, domain_type="qemu",
+        resolve_pci=lambda _uuid: "0000:3b:00.0",
+    )  # fmt: skip
+    with pytest.raises(DriverError) as refused:
+        driver.launch(make_spec(real_gpu=True))
+    assert "passed-through GPU are not supported yet" in str(refused.value)
+    assert "docs/gpu-hosts.md" in str(refused.value)
+    assert driver._conn is None  # libvirt was never even asked
 
 
 def test_xml_vfio_errors_name_the_problem() -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
+import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,9 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.workers.engines import require_engine
-from workers.drivers.base import DriverError, MpsShare, SandboxHandle, SandboxSpec
+from workers.drivers import DriverUnavailable, base, make_driver, uids
+from workers.drivers.base import DriverError, MpsShare, SandboxHandle, SandboxSpec, require_mps_pipe
 from workers.drivers.cgroups import cgroup_mounts
-from workers.drivers.process import ProcessDriver, _gpu_device_nodes, bwrap_available
+from workers.drivers.gpu_nodes import DeviceIds, GpuNodes
+from workers.drivers.process import ProcessDriver, bwrap_available, bwrap_problem
 from workers.drivers.process_terminal import ProcessTerminal
 
 READY = "READY"
@@ -47,18 +52,173 @@ def make_spec(host: str = "h1", **overrides: object) -> SandboxSpec:
 # --- no engine needed --------------------------------------------------------------------
 
 
-def test_gpu_nodes_by_device_minor(tmp_path: Path) -> None:
-    for bus, uuid_, minor in (("0000:01:00.0", "GPU-aaaa", 0), ("0000:02:00.0", "GPU-bbbb", 3)):
-        (tmp_path / bus).mkdir()
-        (tmp_path / bus / "information").write_text(
-            f"Model: \t\t NVIDIA H100\nGPU UUID: \t {uuid_}\nDevice Minor: \t {minor}\n"
+@pytest.fixture
+def fake_gpu_host() -> Iterator[GpuNodes]:
+    """A /dev with two GPUs' nodes (minors 0 and 3) and a MIG instance's caps on GPU 3, in a
+    directory the sandbox's unprivileged uid can reach (bwrap binds them as that uid)."""
+    root = Path(tempfile.mkdtemp(prefix="gpushare-dev-"))
+    root.chmod(0o755)
+    dev, proc = root / "dev", root / "proc"
+    (dev / "nvidia-caps").mkdir(parents=True)
+    for name in (
+        "nvidiactl",
+        "nvidia-uvm",
+        "nvidia0",
+        "nvidia3",
+        *(f"nvidia-caps/nvidia-cap{c}" for c in (1, 21, 22)),
+    ):
+        (dev / name).write_text(name)
+    for access, minor in (("gi1/access", 21), ("gi1/ci0/access", 22)):
+        path = proc / "capabilities" / "gpu3" / "mig" / access
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\n")
+    ids = {"GPU-aaaa": DeviceIds(0), "GPU-bbbb": DeviceIds(3), "MIG-cccc": DeviceIds(3, gi=1, ci=0)}
+    yield GpuNodes(proc_root=proc, dev_root=dev, nvml=ids.__getitem__)
+    shutil.rmtree(root)
+
+
+def options_of(argv: list[str], option: str) -> list[tuple[str, ...]]:
+    return [tuple(argv[i + 1 : i + 3]) for i, arg in enumerate(argv) if arg == option]
+
+
+def test_a_mig_sandbox_binds_its_parent_and_its_two_caps_only(
+    tmp_path: Path, fake_gpu_host: GpuNodes
+) -> None:
+    """Before, a MIG sandbox got every /dev/nvidiaN and all of /dev/nvidia-caps, isolated only
+    by CUDA_VISIBLE_DEVICES; and nodes were bound with --dev-bind-try, a missing one skipped."""
+    driver = ProcessDriver(tmp_path, gpu_nodes=fake_gpu_host)
+    argv = driver._bwrap_args(make_spec(device_uuids=("MIG-cccc",), real_gpu=True), 3, 4, 5, 6)
+    dev = fake_gpu_host.dev_root
+    assert options_of(argv, "--dev-bind") == [
+        (str(dev / name), f"/dev/{name}")
+        for name in (
+            "nvidiactl",
+            "nvidia-uvm",
+            "nvidia3",
+            "nvidia-caps/nvidia-cap21",
+            "nvidia-caps/nvidia-cap22",
         )
-    nodes = _gpu_device_nodes(("GPU-bbbb",), tmp_path)
-    assert "/dev/nvidia3" in nodes and "/dev/nvidia0" not in nodes
-    assert "/dev/nvidiactl" in nodes
-    # A MIG device has no minor of its own: every GPU node plus the capability nodes.
-    assert "/dev/nvidia-caps" in _gpu_device_nodes(("MIG-cccc",), tmp_path)
-    assert _gpu_device_nodes((), tmp_path) == []  # no GPU named (CPU only): no GPU node at all
+    ]
+    assert "--dev-bind-try" not in argv
+    dedicated = driver._bwrap_args(make_spec(device_uuids=("GPU-aaaa",), real_gpu=True), 3, 4, 5, 6)
+    assert [target for _, target in options_of(dedicated, "--dev-bind")][-1] == "/dev/nvidia0"
+    assert ("/sys", "/sys") in options_of(dedicated, "--ro-bind")
+    # Simulated GPUs (real_gpu false) get no node, whatever they are called.
+    assert options_of(driver._bwrap_args(make_spec(), 3, 4, 5, 6), "--dev-bind") == []
+
+
+def test_a_missing_node_fails_the_launch_and_leaves_nothing(tmp_path: Path, fake_gpu_host: GpuNodes) -> None:
+    (fake_gpu_host.dev_root / "nvidia-uvm").unlink()
+    driver = ProcessDriver(tmp_path / "state", gpu_nodes=fake_gpu_host)
+    with pytest.raises(DriverError, match=r"/dev/nvidia-uvm is missing.*nvidia-modprobe -u -c 0"):
+        driver.launch(make_spec(real_gpu=True))
+    assert driver.list_owned() == [] and not list(driver.state_dir.glob("t*"))
+
+
+def test_dev_shm_is_the_tiers_size(tmp_path: Path) -> None:
+    driver = ProcessDriver(tmp_path)
+    argv = driver._bwrap_args(make_spec(shm_size_mib=2048), 3, 4, 5, 6)
+    at = argv.index("/dev/shm")
+    assert argv[at - 5 : at] == ["--size", str(2048 * 2**20), "--perms", "1777", "--tmpfs"]
+    # Old messages (no size): the same size as /tmp's.
+    argv = driver._bwrap_args(make_spec(memory_limit_mib=400), 3, 4, 5, 6)
+    assert argv[argv.index("/dev/shm") - 4] == str(100 * 2**20)
+
+
+def test_a_gpu_sandbox_keeps_the_agents_driver_library_path(
+    tmp_path: Path, fake_gpu_host: GpuNodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host whose libcuda is found through LD_LIBRARY_PATH (a containerised driver) gave
+    GPU sandboxes "CUDA driver version is insufficient" under --clearenv."""
+    libs = tmp_path / "run" / "nvidia" / "driver" / "lib"
+    libs.mkdir(parents=True)
+    value = f"{libs}:/usr/lib/x86_64-linux-gnu:relative:/etc:/home/dev/lib:/nonexistent:/"
+    monkeypatch.setenv("LD_LIBRARY_PATH", value)
+    driver = ProcessDriver(tmp_path, gpu_nodes=fake_gpu_host)
+    argv = driver._bwrap_args(make_spec(real_gpu=True), 3, 4, 5, 6)
+    assert ("LD_LIBRARY_PATH", f"{libs}:/usr/lib/x86_64-linux-gnu") in options_of(argv, "--setenv")
+    assert (str(libs), str(libs)) in options_of(argv, "--ro-bind")  # /usr is bound already
+    assert not [s for s, _ in options_of(argv, "--ro-bind") if s.startswith("/usr/lib")]
+    # Nothing of it for a sandbox without a GPU.
+    cpu = driver._bwrap_args(make_spec(device_uuids=(), real_gpu=True), 3, 4, 5, 6)
+    assert "LD_LIBRARY_PATH" not in cpu and str(libs) not in cpu
+
+
+@pytest.mark.parametrize("real_gpu", [False, True])
+def test_an_mps_share_that_could_not_reach_its_daemon_is_refused(
+    tmp_path: Path, fake_gpu_host: GpuNodes, real_gpu: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA that cannot connect to the daemon runs silently without MPS: no limits at all."""
+    monkeypatch.setattr(base, "MPS_SOCKET_WAIT_S", 0.2)
+    driver = ProcessDriver(tmp_path / "state", gpu_nodes=fake_gpu_host)
+    pipe = Path(tempfile.mkdtemp(prefix="gpushare-mps-"))
+    try:
+        share = MpsShare(pipe_dir=str(pipe / "absent"), thread_pct=25, memory_mib=1024)
+        with pytest.raises(DriverError, match=r"absent is missing.*MPS daemon is not running"):
+            driver.launch(make_spec(mps=share, real_gpu=real_gpu))
+        share = MpsShare(pipe_dir=str(pipe), thread_pct=25, memory_mib=1024)
+        if os.geteuid() == 0:  # 0700, root's: the sandbox's uid cannot enter it
+            with pytest.raises(DriverError, match=r"cannot be entered by the sandbox's uid \d+"):
+                driver.launch(make_spec(mps=share, real_gpu=real_gpu))
+            os.chown(pipe, uids.mps_uid("GPU-aaaa"), -1)
+        uid = uids.mps_uid("GPU-aaaa") if os.geteuid() == 0 else os.geteuid()
+        if real_gpu:  # the directory, but no daemon's socket in it
+            with pytest.raises(DriverError, match="control is missing"):
+                driver.launch(make_spec(mps=share, real_gpu=real_gpu))
+            with socket.socket(socket.AF_UNIX) as control:
+                control.bind(str(pipe / "control"))
+                (pipe / "control").chmod(0o755)
+                if os.geteuid() == 0:  # connect() needs write permission on the socket
+                    with pytest.raises(DriverError, match="not a socket the sandbox's uid"):
+                        require_mps_pipe(str(pipe), uid, real_gpu=True)
+                (pipe / "control").chmod(0o777)  # as the daemon makes it
+                require_mps_pipe(str(pipe), uid, real_gpu=True)
+        require_mps_pipe(str(pipe), uid, real_gpu=False)
+        assert driver.list_owned() == []
+        if real_gpu:  # a daemon counted up by its pid file may make its socket a moment later
+            later = pipe / "later"
+            later.mkdir()
+            later.chmod(0o777)
+            late = socket.socket(socket.AF_UNIX)
+
+            def daemon_comes_up() -> None:
+                late.bind(str(later / "control"))
+                (later / "control").chmod(0o777)  # as the daemon makes it
+
+            timer = threading.Timer(0.1, daemon_comes_up)
+            timer.start()
+            try:
+                require_mps_pipe(str(later), uid, real_gpu=True, socket_wait_s=5.0)
+            finally:
+                timer.join()
+                late.close()
+    finally:
+        shutil.rmtree(pipe)
+
+
+def test_bwrap_is_probed_as_the_unprivileged_uid_it_runs_as(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that lets only root make user namespaces (Ubuntu 24.04's AppArmor restriction):
+    the probe ran bwrap as root and passed, then every launch (as the sandbox's uid) failed."""
+    if os.geteuid() != 0:
+        pytest.skip("launches drop to another uid only under a root agent")
+    fake = Path(tempfile.mkdtemp(prefix="gpushare-bwrap-"))
+    try:
+        fake.chmod(0o755)
+        (fake / "bwrap").write_text(
+            '#!/bin/sh\n[ "$(id -u)" = 0 ] && exit 0\n'
+            'echo "bwrap: setting up uid map: Permission denied" >&2; exit 1\n'
+        )
+        (fake / "bwrap").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+        problem = bwrap_problem()
+        assert problem is not None and "uid map: Permission denied" in problem, problem
+        assert f"as uid {uids.sandbox_uid(0)}" in problem
+        assert not bwrap_available()
+        with pytest.raises(DriverUnavailable) as unavailable:
+            make_driver("process", "h1", fake / "state")
+        assert "apparmor_restrict_unprivileged_userns" in unavailable.value.remedy
+    finally:
+        shutil.rmtree(fake)
 
 
 def test_rejects_bad_arguments(tmp_path: Path) -> None:
@@ -201,7 +361,8 @@ def test_a_cpu_only_sandbox_runs_with_no_gpu_node(driver: ProcessDriver, tmp_pat
     gpus = tmp_path / "gpus" / "0000:01:00.0"
     gpus.mkdir(parents=True)
     gpus.joinpath("information").write_text("GPU UUID: \t GPU-aaaa\nDevice Minor: \t 0\n")
-    confined = ProcessDriver(driver.state_dir, host="h1", limits=driver.limits, gpus_dir=gpus.parent)
+    nodes = GpuNodes(proc_root=tmp_path, nvml=None)
+    confined = ProcessDriver(driver.state_dir, host="h1", limits=driver.limits, gpu_nodes=nodes)
     script = f"env; echo nodes=$(ls /dev | grep -c nvidia); echo {READY}; exec sleep 300"
     spec = make_spec(device_uuids=(), real_gpu=True, command=("sh", "-c", script))
     argv = confined._bwrap_args(spec, 3, 4, 5, 6)
@@ -322,9 +483,8 @@ def test_mps_pipe_dir_and_env(driver: ProcessDriver) -> None:
 
 @pytest.mark.bwrap
 def test_failed_start_is_an_error_and_leaves_nothing(driver: ProcessDriver) -> None:
-    mps = MpsShare(pipe_dir="/nonexistent/mps", thread_pct=30, memory_mib=2048)
     with pytest.raises(DriverError, match=r"failed to start.*nonexistent"):
-        driver.launch(make_spec(mps=mps))
+        driver.launch(make_spec(command=("/nonexistent/command",)))
     assert driver.list_owned() == []
     assert not list(driver.state_dir.glob("t*"))
 
@@ -416,3 +576,27 @@ def test_pids_are_the_sandboxes_host_pids(driver: ProcessDriver) -> None:
     assert command_pid(handle) in driver.pids(handle)
     driver.stop(handle, grace_s=0)
     assert driver.pids(handle) == []
+
+
+@pytest.mark.bwrap
+def test_the_sandbox_sees_exactly_its_gpu_nodes_and_its_shm(
+    driver: ProcessDriver, fake_gpu_host: GpuNodes
+) -> None:
+    confined = ProcessDriver(driver.state_dir, host="h1", limits=driver.limits, gpu_nodes=fake_gpu_host)
+    script = (
+        "find /dev -name 'nvidia*' | sort; cat /dev/nvidia-caps/nvidia-cap22; echo; "
+        f"df -k /dev/shm | tail -1; touch /dev/shm/x && echo shm-writable; echo {READY}; exec sleep 300"
+    )
+    spec = make_spec(device_uuids=("MIG-cccc",), real_gpu=True, shm_size_mib=48, command=("sh", "-c", script))
+    handle = confined.launch(spec)
+    lines = wait_for_log(confined, handle, READY).splitlines()
+    found = [line for line in lines if line.startswith("/dev/nvidia")]
+    assert found == sorted(
+        ["/dev/nvidia-caps", "/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22",
+         "/dev/nvidia-uvm", "/dev/nvidia3", "/dev/nvidiactl"]
+    ), lines  # fmt: skip
+    assert "nvidia-caps/nvidia-cap22" in lines  # the host's node itself, bound
+    shm = next(line for line in lines if line.endswith("/dev/shm"))
+    assert shm.split()[1] == str(48 * 1024), shm
+    assert "shm-writable" in lines
+    confined.stop(handle, grace_s=0)

@@ -8,6 +8,7 @@ and ``domain_xml`` (libvirt) are pure builders, checked here over hypothesis-mad
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from workers.drivers import uids
 from workers.drivers.base import DriverError, MpsShare, SandboxSpec, checked_pipe_dir
 from workers.drivers.docker import container_kwargs, sandbox_user
+from workers.drivers.gpu_nodes import GpuNodes, Node
 from workers.drivers.libvirt import GuestImage, domain_xml
 from workers.drivers.process import ProcessDriver
 
@@ -52,6 +54,7 @@ specs = st.builds(
     cpu_limit=st.floats(0.01, 64),
     memory_limit_mib=st.integers(16, 1 << 20),
     pids_limit=st.integers(1, 1 << 16),
+    shm_size_mib=st.integers(0, 1 << 20),
     network=st.booleans(),
     mps=st.none() | st.builds(MpsShare, st.one_of(SAFE_PIPES, BAD_PIPES), st.integers(), st.integers()),
     env=st.dictionaries(WORDS.filter(bool), WORDS, max_size=4),
@@ -81,7 +84,7 @@ def test_protected_paths_are_no_pipe_dir(path: str) -> None:
 DOCKER_KEYS = {
     "image", "command", "name", "hostname", "labels", "environment", "user", "working_dir", "cap_drop",
     "security_opt", "read_only", "tmpfs", "mem_limit", "memswap_limit", "nano_cpus", "pids_limit", "init",
-    "restart_policy", "auto_remove", "network_mode", "device_requests", "mounts", "log_config",
+    "restart_policy", "auto_remove", "network_mode", "device_requests", "mounts", "log_config", "shm_size",
 }  # fmt: skip
 
 
@@ -121,7 +124,7 @@ _ARITY = {
     "--die-with-parent": 0, "--new-session": 0, "--clearenv": 0,
     "--uid": 1, "--gid": 1, "--hostname": 1, "--tmpfs": 1, "--proc": 1, "--dev": 1, "--size": 1,
     "--perms": 1, "--chdir": 1, "--json-status-fd": 1,
-    "--ro-bind": 2, "--ro-bind-try": 2, "--bind": 2, "--dev-bind-try": 2, "--symlink": 2, "--setenv": 2,
+    "--ro-bind": 2, "--ro-bind-try": 2, "--bind": 2, "--dev-bind": 2, "--symlink": 2, "--setenv": 2,
     "--ro-bind-data": 2,
 }  # fmt: skip
 _RO_SOURCES = {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/sys"}
@@ -140,10 +143,17 @@ def bwrap_options(argv: list[str]) -> tuple[list[tuple[str, list[str]]], list[st
     return options, argv[i + 1 :]
 
 
+class OneNodePerDevice(GpuNodes):
+    """A host where every device resolves (the real resolver checks the nodes exist)."""
+
+    def nodes(self, uuids: Iterable[str]) -> list[Node]:
+        return [Node(Path(f"/dev/nvidia{i}"), f"/dev/nvidia{i}") for i, _ in enumerate(uuids)]
+
+
 @settings(max_examples=300, deadline=None)
 @given(specs)
 def test_bwrap_never_shares_the_host(spec: SandboxSpec) -> None:
-    driver = ProcessDriver(Path("/nonexistent/state"), gpus_dir=Path("/nonexistent/gpus"))
+    driver = ProcessDriver(Path("/nonexistent/state"), gpu_nodes=OneNodePerDevice())
     if spec.network or not _pipe_is_safe(spec):
         with pytest.raises(DriverError):
             driver._bwrap_args(spec, 3, 4, 5, 6)
@@ -156,7 +166,7 @@ def test_bwrap_never_shares_the_host(spec: SandboxSpec) -> None:
     assert "--disable-userns" in flags and ("--seccomp", ["6"]) in options
     assert command == list(spec.command)
     for name, args in options:
-        if name in ("--bind", "--dev-bind-try"):  # read-write
+        if name in ("--bind", "--dev-bind"):  # read-write
             source = args[0]
             allowed = source.startswith("/dev/nvidia") or (spec.mps and source == spec.mps.pipe_dir)
             assert allowed, f"read-write bind of {source}"

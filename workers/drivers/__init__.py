@@ -14,6 +14,14 @@ DRIVER_KINDS = ("docker", "process", "libvirt", "auto")
 DRIVER_ISOLATION = {"docker": "container", "process": "process", "libvirt": "vm"}
 
 
+USERNS_REMEDY = (
+    "let unprivileged users create user namespaces for bwrap: on Ubuntu 23.10 and later give "
+    "/usr/bin/bwrap an AppArmor profile with 'userns,' (or sysctl -w "
+    "kernel.apparmor_restrict_unprivileged_userns=0); elsewhere sysctl -w "
+    "kernel.unprivileged_userns_clone=1 user.max_user_namespaces=15000"
+)
+
+
 class DriverUnavailable(RuntimeError):
     """The driver cannot be used on this host at all: what is missing, and how to get it."""
 
@@ -60,6 +68,11 @@ def make_driver(kind: str, host: str, state_dir: Path) -> SandboxDriver:
     if shutil.which("bwrap") is None:
         missing = "bubblewrap (bwrap) is not installed"
         raise DriverUnavailable("process", missing, install_command("bubblewrap"))
-    from workers.drivers.process import ProcessDriver
+    from workers.drivers.process import ProcessDriver, bwrap_problem
 
+    # Probed as launches run it (through setpriv as an unprivileged uid under a root agent),
+    # so a host that allows user namespaces to root only fails here, not at every launch.
+    problem = bwrap_problem()
+    if problem is not None:
+        raise DriverUnavailable("process", problem, USERNS_REMEDY)
     return ProcessDriver(state_dir, host=host)

@@ -8,7 +8,10 @@ from which ``list_owned`` rebuilds the agent's picture after a restart.
 
 from __future__ import annotations
 
+import os
 import posixpath
+import stat
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -38,7 +41,13 @@ class SandboxSpec:
     real_gpu: bool
     cpu_limit: float = 1.0
     memory_limit_mib: int = 1024
-    pids_limit: int = 256
+    # A pids cgroup (docker) or RLIMIT_NPROC (process, without cgroups) counts threads, not
+    # just processes: PyTorch's OpenMP pool (a thread per core) in each DataLoader worker
+    # reaches hundreds, so the tiers' default is in the thousands (portal Tier.pids_limit).
+    pids_limit: int = 4096
+    # Size of the sandbox's /dev/shm (shared memory: PyTorch DataLoader workers, NCCL);
+    # 0: the driver's own default (Docker's 64 MiB; the process driver's tmpfs size).
+    shm_size_mib: int = 0
     network: bool = False
     mps: MpsShare | None = None
     # The GPU is pinned to MPS by its admin: its daemon may stay up once the last share on it
@@ -114,6 +123,68 @@ def checked_pipe_dir(path: str) -> str:
         if path == protected or protected.startswith(path.rstrip("/") + "/") or inside_system:
             raise DriverError(f"MPS pipe directory {path!r} would expose {protected} to the sandbox")
     return path
+
+
+MPS_CONTROL_SOCKET = "control"  # the control daemon's socket in its pipe directory
+MPS_SOCKET_WAIT_S = 5.0  # how long a launch waits for a just-started daemon's socket
+
+
+def _grants(info: os.stat_result, uid: int, bits: int) -> bool:
+    """Whether ``uid`` (whose only group is its own gid, as the drivers run it) has the
+    permission ``bits`` (4 read, 2 write, 1 search) on a file with this ``stat``."""
+    if uid == 0:
+        return True
+    if info.st_uid == uid:
+        shift = 6
+    elif info.st_gid == uid:
+        shift = 3
+    else:
+        shift = 0
+    return (info.st_mode >> shift) & bits == bits
+
+
+def require_mps_pipe(path: str, uid: int, *, real_gpu: bool, socket_wait_s: float | None = None) -> None:
+    """Refuse an MPS launch whose client could not reach the GPU's MPS daemon.
+
+    A CUDA client that cannot connect to ``<pipe_dir>/control`` does not fail: it runs as if
+    MPS did not exist (man nvidia-cuda-mps-control), with the whole GPU and no thread or
+    memory limit. So the pipe directory must exist and be searchable by the sandbox's host
+    ``uid``, and on a real GPU the daemon's control socket must be there and writable by it
+    (connect() needs both); it is waited for (``MPS_SOCKET_WAIT_S``), since the agent
+    counts a daemon as up once its pid file names it. A simulated host's daemon makes no socket."""
+    where = f"MPS pipe directory {path}"
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise DriverError(
+            f"{where} is missing ({exc.strerror}): the GPU's MPS daemon is not running; refusing "
+            "to start a share that would run without MPS"
+        ) from exc
+    if not stat.S_ISDIR(info.st_mode):
+        raise DriverError(f"{where} is not a directory")
+    if not _grants(info, uid, 1):
+        raise DriverError(
+            f"{where} (mode {stat.S_IMODE(info.st_mode):o}, owner {info.st_uid}) cannot be entered by "
+            f"the sandbox's uid {uid}: its CUDA would silently run without MPS"
+        )
+    if not real_gpu:
+        return
+    control = os.path.join(path, MPS_CONTROL_SOCKET)
+    deadline = time.monotonic() + (MPS_SOCKET_WAIT_S if socket_wait_s is None else socket_wait_s)
+    while not os.path.exists(control) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        sock = os.stat(control)
+    except OSError as exc:
+        raise DriverError(
+            f"{control} is missing ({exc.strerror}): the GPU's MPS daemon is not running; refusing "
+            "to start a share that would run without MPS"
+        ) from exc
+    if not stat.S_ISSOCK(sock.st_mode) or not _grants(sock, uid, 2):
+        raise DriverError(
+            f"{control} is not a socket the sandbox's uid {uid} can connect to: its CUDA would "
+            "silently run without MPS"
+        )
 
 
 @dataclass(frozen=True)

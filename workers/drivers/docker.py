@@ -43,6 +43,7 @@ from workers.drivers.base import (
     SandboxSpec,
     SandboxStatus,
     checked_pipe_dir,
+    require_mps_pipe,
 )
 from workers.drivers.docker_logs import ContainerLogReader, log_config
 from workers.drivers.output import OutputChunk, cap_bytes
@@ -100,6 +101,7 @@ def container_kwargs(spec: SandboxSpec, output_cap: int | None = None) -> dict[s
         "mem_limit": f"{spec.memory_limit_mib}m",
         "memswap_limit": f"{spec.memory_limit_mib}m",  # equal to mem_limit: no swap
         "nano_cpus": round(spec.cpu_limit * 1e9),
+        # Counts threads (the pids cgroup): the tiers' default is thousands (SandboxSpec).
         "pids_limit": spec.pids_limit,
         "init": True,  # reap zombies and forward signals, so stop's grace period works
         "restart_policy": {"Name": "no"},
@@ -109,6 +111,10 @@ def container_kwargs(spec: SandboxSpec, output_cap: int | None = None) -> dict[s
             **log_config(output_cap if output_cap is not None else cap_bytes())
         ),
     }
+    if spec.shm_size_mib > 0:
+        # Docker's default /dev/shm is 64 MiB: PyTorch DataLoader workers die with "bus
+        # error", NCCL with "failed to extend /dev/shm". Charged to the memory limit.
+        kwargs["shm_size"] = f"{spec.shm_size_mib}m"
     if not spec.network:
         kwargs["network_mode"] = "none"
     if spec.real_gpu and spec.device_uuids:  # a CPU-only sandbox asks the runtime for no GPU
@@ -116,7 +122,10 @@ def container_kwargs(spec: SandboxSpec, output_cap: int | None = None) -> dict[s
             docker.types.DeviceRequest(device_ids=list(spec.device_uuids), capabilities=[["gpu"]])
         ]
     if spec.mps is not None:
-        # Read-write: clients create and connect to sockets in the pipe directory.
+        # Read-write: clients create and connect to sockets in the pipe directory. The IPC
+        # namespace and /dev/shm stay the container's own: on an H200 with driver 580 an MPS
+        # client in a private IPC namespace with its own /dev/shm reached the host's server
+        # and got its limits (gpu-checks/mps_checks.sh step 6), so no ipc_mode="host".
         pipe_dir = checked_pipe_dir(spec.mps.pipe_dir)
         kwargs["mounts"] = [
             docker.types.Mount(target=pipe_dir, source=pipe_dir, type="bind", read_only=False)
@@ -284,6 +293,9 @@ class DockerDriver:
                     # A previous launch died between create and start: finish it.
                     existing.start()
                 return self._handle(existing)
+            if spec.mps is not None:
+                # A container whose uid cannot reach the daemon would run without MPS.
+                require_mps_pipe(spec.mps.pipe_dir, sandbox_user(spec), real_gpu=spec.real_gpu)
             try:
                 container = self.client.containers.create(**container_kwargs(spec))
             except docker.errors.ImageNotFound as exc:

@@ -18,7 +18,9 @@ function of the spec:
   copies to a log file, from which ``status`` reads the command's exit code;
 * no network interface unless ``spec.network``; no graphics, USB or balloon devices;
 * on real GPU hosts, one VFIO ``<hostdev>`` per dedicated GPU, at the PCI address an
-  injectable resolver gives for its UUID (MIG instances cannot be passed through).
+  injectable resolver gives for its UUID (MIG instances cannot be passed through). Not
+  reachable yet: ``launch`` refuses a real GPU (``GPU_PASSTHROUGH_UNSUPPORTED``), because
+  the rest of what passthrough needs is missing (docs/gpu-hosts.md).
 * ``<metadata>`` in the gpushare namespace holding ``spec.labels()``, from which
   ``list_owned`` rebuilds the agent's picture after a restart.
 
@@ -76,8 +78,16 @@ _UUID_NAMESPACE = uuid.UUID("6f1c2b0e-7f55-4c59-9a43-2d1d8f0f5a11")
 # x86 COMMAND_LINE_SIZE is 2048 bytes; leave room for what the kernel appends.
 _MAX_CMDLINE = 2000
 _BASE_CMDLINE = "console=ttyS0 panic=-1 quiet"
+# NVML's busId has an 8-hex-digit domain ("00000000:3B:00.0"), sysfs and libvirt 4 digits.
 _PCI_ADDRESS = re.compile(
-    r"(?P<domain>[0-9a-fA-F]{4}):(?P<bus>[0-9a-fA-F]{2}):(?P<slot>[0-9a-fA-F]{2})\.(?P<function>[0-7])"
+    r"(?P<domain>[0-9a-fA-F]{8}|[0-9a-fA-F]{4}):(?P<bus>[0-9a-fA-F]{2}):(?P<slot>[0-9a-fA-F]{2})"
+    r"\.(?P<function>[0-7])"
+)
+GPU_PASSTHROUGH_UNSUPPORTED = (
+    "VM sandboxes with a passed-through GPU are not supported yet: the guest image has no "
+    "NVIDIA driver, the domain's 64-bit PCI hole is smaller than the GPU's BAR, and nothing "
+    "drains the GPU before libvirt unbinds it (see docs/gpu-hosts.md). Give GPU tiers container "
+    "or process isolation; VM isolation serves CPU-only sandboxes on this host"
 )
 _EXIT_LINE = re.compile(rb"gpushare-guest: exit (\d+)")
 # /dev/kvm ioctls (linux/kvm.h): _IO(0xAE, 0x00) and _IO(0xAE, 0x01).
@@ -182,12 +192,21 @@ def kernel_cmdline(spec: SandboxSpec) -> str:
     return cmdline
 
 
-def pci_address(device_uuid: str, address: str) -> dict[str, str]:
-    """libvirt ``<address>`` attributes for a PCI address such as ``0000:3b:00.0``."""
+def normalize_pci_address(device_uuid: str, address: str) -> str:
+    """``0000:3b:00.0`` from sysfs' form or NVML's (``00000000:3B:00.0``, 8-digit domain)."""
     match = _PCI_ADDRESS.fullmatch(address.strip())
-    if match is None:
+    if match is None or int(match["domain"], 16) > 0xFFFF:
         raise DriverError(f"GPU {device_uuid}: {address!r} is not a PCI address like 0000:3b:00.0")
-    return {name: f"0x{value.lower()}" for name, value in match.groupdict().items()}
+    domain = int(match["domain"], 16)
+    return f"{domain:04x}:{match['bus'].lower()}:{match['slot'].lower()}.{match['function']}"
+
+
+def pci_address(device_uuid: str, address: str) -> dict[str, str]:
+    """libvirt ``<address>`` attributes for a PCI address such as ``0000:3b:00.0`` (or
+    NVML's ``00000000:3B:00.0``)."""
+    domain, bus, slot_function = normalize_pci_address(device_uuid, address).split(":")
+    slot, function = slot_function.split(".")
+    return {"domain": f"0x{domain}", "bus": f"0x{bus}", "slot": f"0x{slot}", "function": f"0x{function}"}
 
 
 def _sub(parent: ET.Element, tag: str, text: str | None = None, **attrs: str) -> ET.Element:
@@ -511,6 +530,10 @@ class LibvirtDriver:
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         action = f"launch sandbox {spec.allocation_id} as a VM"
+        if spec.real_gpu and spec.device_uuids:
+            # Refused before anything is defined: a domain with a hostdev would hang in the
+            # unbind or boot a guest that cannot use the GPU (docs/gpu-hosts.md).
+            raise DriverError(f"{action}: {GPU_PASSTHROUGH_UNSUPPORTED}")
         name = domain_name(spec.allocation_id)
         log_path = self.console_log(spec.allocation_id)
         with _libvirt_errors(action):

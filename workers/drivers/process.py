@@ -32,8 +32,24 @@ Process tree, and why each link is there::
 Limits: cgroups, else rlimits (workers/drivers/cgroups.py); the log line says which applied.
 The web terminal's shell enters the sandbox with the same confinement (enter_sandbox.py).
 
-GPU isolation here is by device node where the driver exposes a minor number for the GPU
-UUID, and by ``CUDA_VISIBLE_DEVICES`` only for MIG devices (all GPU nodes are bound).
+GPU isolation is by device node: the sandbox's /dev holds exactly its GPUs' nodes (for a MIG
+device its parent's node and the capability nodes of its GPU and compute instance), found
+by workers/drivers/gpu_nodes.py; a node that is missing fails the launch with the command
+that creates it. ``CUDA_VISIBLE_DEVICES``, which the tenant can unset, is not what isolates.
+
+Driver libraries reach the sandbox through the host's /usr, /lib* and ld.so.cache. A host
+whose driver is found only through ``LD_LIBRARY_PATH`` (a containerised driver under
+/run/nvidia/driver, an /opt install) gives the agent that variable: a GPU sandbox gets it
+too, its directories bound read-only (only absolute, existing directories outside the
+trees a sandbox must never see; see ``_driver_lib_dirs``).
+
+MPS (measured on an H200, driver 580, with this driver and gpu-checks/mps_checks.sh step
+6): a client in a private IPC namespace with a /dev/shm of its own reaches the host's MPS
+server through the pipe directory alone and gets its thread and memory limits, so the
+sandbox keeps private IPC and /dev/shm (NVIDIA's device plugin shares the daemon's shm with
+its clients; this driver version does not need it). The pipe directory is bound read-write,
+and a launch whose pipe directory (or, on a real GPU, control socket) the sandbox's uid
+cannot reach is refused: CUDA would otherwise run silently without MPS.
 """
 
 from __future__ import annotations
@@ -55,8 +71,17 @@ from pathlib import Path
 from typing import Any
 
 from workers.drivers import DriverUnavailable, output, procfs, seccomp, uids
-from workers.drivers.base import DriverError, SandboxHandle, SandboxSpec, SandboxStatus, checked_pipe_dir
+from workers.drivers.base import (
+    PROTECTED_HOST_PATHS,
+    DriverError,
+    SandboxHandle,
+    SandboxSpec,
+    SandboxStatus,
+    checked_pipe_dir,
+    require_mps_pipe,
+)
 from workers.drivers.cgroups import Limits, make_cgroups, oom_kills, remove_cgroups, rlimits
+from workers.drivers.gpu_nodes import GpuNodes, Node
 from workers.drivers.process_terminal import ProcessTerminal
 
 log = logging.getLogger(__name__)
@@ -64,6 +89,7 @@ log = logging.getLogger(__name__)
 SANDBOX_UID = 1000
 SANDBOX_HOME = "/home/sandbox"
 SANDBOX_TMP = "/tmp"  # noqa: S108 - the sandbox's own tmpfs, not the host's /tmp
+SANDBOX_SHM = "/dev/shm"  # noqa: S108 - the sandbox's own tmpfs in its own /dev
 NOBODY_UID = 65534
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _START_TIMEOUT_S = 10.0
@@ -90,39 +116,74 @@ _OUTPUT_WRITER = str(Path(output.__file__).resolve())
 _ENTER_SANDBOX = str(Path(__file__).with_name("enter_sandbox.py").resolve())
 
 
-def bwrap_available() -> bool:
-    """True when bwrap is installed and can create the namespaces the sandbox needs."""
+def _as_sandbox_uid(argv: list[str]) -> list[str]:
+    """``argv`` run the way launches run bwrap: as root, through setpriv as an unprivileged
+    host uid (a sandbox's own, from the range no account uses)."""
+    if os.geteuid() != 0:
+        return argv
+    uid = str(uids.sandbox_uid(0))
+    return ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--", *argv]
+
+
+def bwrap_problem() -> str | None:
+    """Why bwrap cannot make the sandbox's namespaces here (None when it can), probed the
+    way launches run it: a root agent launches bwrap as an unprivileged uid, so a host that
+    restricts unprivileged user namespaces (Ubuntu 24.04's AppArmor
+    ``apparmor_restrict_unprivileged_userns``, ``kernel.unprivileged_userns_clone=0``) fails
+    every launch while bwrap run as root would still work."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
-        return False
-    probe = [bwrap, "--unshare-all", "--ro-bind", "/", "/", "--proc", "/proc", "true"]
+        return "bubblewrap (bwrap) is not installed"
+    probe = _as_sandbox_uid(
+        [bwrap, "--unshare-all", "--unshare-user", "--ro-bind", "/", "/", "--proc", "/proc", "true"]
+    )
     try:
-        probed = subprocess.run(probe, capture_output=True, timeout=10, check=False)  # noqa: S603
-        return probed.returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        probed = subprocess.run(  # noqa: S603 - argv built here
+            probe, capture_output=True, timeout=10, check=False, cwd="/", env={"PATH": _BASE_PATH}
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap could not be run: {exc}"
+    if probed.returncode == 0:
+        return None
+    said = probed.stderr.decode(errors="replace").strip() or f"exit code {probed.returncode}"
+    who = f"as uid {probe[2]}" if probe[0] == "setpriv" else "as this user"
+    return f"bwrap cannot create user namespaces {who}: {said}"
+
+
+def bwrap_available() -> bool:
+    """True when bwrap is installed and can create the namespaces the sandbox needs."""
+    return bwrap_problem() is None
 
 
 def _gpu_device_nodes(uuids: tuple[str, ...], gpus_dir: Path) -> list[str]:
-    """The /dev nodes that give access to ``uuids`` and no other GPU, where possible; none
-    for none (a CPU-only sandbox): the fallback below must never hand it every GPU."""
-    if not uuids:
-        return []
-    common = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
-    minors: dict[str, int] = {}
-    with contextlib.suppress(OSError):
-        for info in gpus_dir.glob("*/information"):
-            fields = dict(line.split(":", 1) for line in info.read_text().splitlines() if ":" in line)
-            with contextlib.suppress(KeyError, ValueError):
-                minors[fields["GPU UUID"].strip()] = int(fields["Device Minor"])
-    if uuids and all(uuid in minors for uuid in uuids):
-        return common + [f"/dev/nvidia{minors[uuid]}" for uuid in uuids]
-    # MIG devices (and GPUs the driver does not list) are reached through their parent's
-    # node plus capability nodes; without that mapping bind them all and rely on
-    # CUDA_VISIBLE_DEVICES.
-    log.info("binding every GPU node: no device minor for %s", ", ".join(uuids) or "(none)")
-    nodes = sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))
-    return [*common, *nodes, "/dev/nvidia-caps"]
+    """The sandbox paths of the nodes for ``uuids`` (for gpu-checks/procdriver_check.py)."""
+    return [node.path for node in GpuNodes(proc_root=gpus_dir.parent).nodes(uuids)]
+
+
+# The host trees every sandbox sees read-only (/usr first, then the top-level ones).
+_BOUND_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# Directories of LD_LIBRARY_PATH a GPU sandbox never gets bound, beyond the protected
+# paths and their ancestors: the scratch roots themselves (the sandbox has its own /tmp),
+# and anything inside homes, /etc, the kernel's trees and gpushare's state.
+_NEVER_BIND_EXACT = ("/tmp", "/var/tmp")  # noqa: S108 - names refused, nothing written
+_NEVER_BIND_UNDER = ("/home", "/root", "/etc", "/proc", "/sys", "/dev", "/run/user", "/run/gpushare",
+                     "/var/lib/gpushare")  # fmt: skip
+
+
+def _driver_lib_dirs(value: str) -> list[str]:
+    """The directories of the agent's ``LD_LIBRARY_PATH`` a GPU sandbox may read: absolute,
+    normalised, existing, and neither a protected host path (the drivers' list) or an
+    ancestor of one, nor one of the names above. Others are dropped, silently: the
+    variable is the host's, not the tenant's."""
+    kept: list[str] = []
+    for entry in value.split(":"):
+        if not entry.startswith("/") or os.path.normpath(entry) != entry or not os.path.isdir(entry):
+            continue
+        protected = any(entry == p or p.startswith(entry.rstrip("/") + "/") for p in PROTECTED_HOST_PATHS)
+        refused = entry in _NEVER_BIND_EXACT or any(entry.startswith(p + "/") for p in _NEVER_BIND_UNDER)
+        if not protected and not refused and entry not in kept:
+            kept.append(entry)
+    return kept
 
 
 # --- driver ------------------------------------------------------------------------------
@@ -137,7 +198,7 @@ class ProcessDriver:
         host: str = "",
         *,
         limits: str = "auto",
-        gpus_dir: Path = Path("/proc/driver/nvidia/gpus"),
+        gpu_nodes: GpuNodes | None = None,
         output_cap: int | None = None,
     ) -> None:
         if limits not in ("auto", "cgroup", "rlimit"):
@@ -147,7 +208,7 @@ class ProcessDriver:
         self.limits = limits
         if os.geteuid() == 0 and (problem := uids.check_range()):
             raise DriverUnavailable("process", problem, "set SANDBOX_UID_BASE for every agent of this host")
-        self.gpus_dir = gpus_dir
+        self.gpu_nodes = gpu_nodes or GpuNodes()
         self.output_cap = output.cap_bytes() if output_cap is None else output_cap
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._thread_lock = threading.Lock()
@@ -252,15 +313,30 @@ class ProcessDriver:
         if spec.mps is not None:
             checked_pipe_dir(spec.mps.pipe_dir)
 
+    def _device_nodes(self, spec: SandboxSpec) -> list[Node]:
+        """The GPU nodes to bind: none without a real GPU named (a CPU-only or simulated
+        sandbox); exactly its devices' otherwise (raises DriverError for a missing one)."""
+        if not (spec.real_gpu and spec.device_uuids):
+            return []
+        return self.gpu_nodes.nodes(spec.device_uuids)
+
     def _bwrap_args(
-        self, spec: SandboxSpec, passwd_fd: int, group_fd: int, status_fd: int, seccomp_fd: int
+        self,
+        spec: SandboxSpec,
+        passwd_fd: int,
+        group_fd: int,
+        status_fd: int,
+        seccomp_fd: int,
+        nodes: list[Node] | None = None,
     ) -> list[str]:
         self._refuse_unsafe(spec)
+        if nodes is None:
+            nodes = self._device_nodes(spec)
         args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--seccomp", str(seccomp_fd)]
         args += ["--die-with-parent", "--new-session"]
         args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
         args += ["--hostname", f"sandbox-{spec.sandbox_id}", "--ro-bind", "/usr", "/usr"]
-        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        for top in _BOUND_TREES[1:]:
             if os.path.islink(top):  # merged-/usr hosts: keep the symlink into /usr
                 args += ["--symlink", os.readlink(top), top]
             elif os.path.isdir(top):
@@ -273,21 +349,36 @@ class ProcessDriver:
         tmpfs_bytes = str(max(16, spec.memory_limit_mib // 4) * 1024 * 1024)
         args += ["--size", tmpfs_bytes, "--perms", "1777", "--tmpfs", SANDBOX_TMP]
         args += ["--size", tmpfs_bytes, "--perms", "0700", "--tmpfs", SANDBOX_HOME]
-        # No device, no node: without UUIDs _gpu_device_nodes would fall back to binding them all.
-        if spec.real_gpu and spec.device_uuids:
-            for node in _gpu_device_nodes(spec.device_uuids, self.gpus_dir):
-                args += ["--dev-bind-try", node, node]
+        # POSIX shared memory (DataLoader workers, NCCL): the tier's size, a private tmpfs
+        # (charged to the sandbox's memory cgroup like the others).
+        shm_bytes = str(spec.shm_size_mib * 1024 * 1024) if spec.shm_size_mib > 0 else tmpfs_bytes
+        args += ["--size", shm_bytes, "--perms", "1777", "--tmpfs", SANDBOX_SHM]
+        # Exactly the sandbox's GPU nodes, each checked to exist (no --dev-bind-try: a
+        # missing node is a launch error, not a sandbox whose CUDA fails with error 999).
+        for node in nodes:
+            args += ["--dev-bind", str(node.host), node.path]
+        if nodes:
             # CUDA and NVML read PCI topology and NUMA nodes from sysfs; containers get a
             # read-only sysfs as well.
             args += ["--ro-bind", "/sys", "/sys"]
+            for lib_dir in self._lib_dirs():
+                if not any(lib_dir == t or lib_dir.startswith(t + "/") for t in _BOUND_TREES):
+                    args += ["--ro-bind", lib_dir, lib_dir]
         if spec.mps is not None:
             # Read-write: the client creates and connects to sockets in the pipe directory.
             args += ["--bind", spec.mps.pipe_dir, spec.mps.pipe_dir]
         args += ["--chdir", SANDBOX_HOME, "--clearenv"]
-        for key, value in self._sandbox_env(spec).items():
+        env = self._sandbox_env(spec)
+        if nodes and (lib_dirs := self._lib_dirs()):
+            env = {"LD_LIBRARY_PATH": ":".join(lib_dirs), **env}
+        for key, value in env.items():
             args += ["--setenv", key, value]
         args += ["--json-status-fd", str(status_fd), "--", *spec.command]
         return args
+
+    @staticmethod
+    def _lib_dirs() -> list[str]:
+        return _driver_lib_dirs(os.environ.get("LD_LIBRARY_PATH", ""))
 
     @staticmethod
     def _sandbox_env(spec: SandboxSpec) -> dict[str, str]:
@@ -299,6 +390,11 @@ class ProcessDriver:
         if spec.mps is not None and spec.device_uuids:
             return uids.mps_uid(spec.device_uuids[0])
         return uids.sandbox_uid(spec.sandbox_id)
+
+    def _run_uid(self, spec: SandboxSpec) -> int:
+        """The host uid the sandbox runs as: its own (or its GPU's MPS uid) under a root
+        agent, which drops to it with setpriv; the agent's own uid otherwise."""
+        return self._host_uid(spec) if os.geteuid() == 0 else os.geteuid()
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         if not spec.command:
@@ -313,12 +409,17 @@ class ProcessDriver:
             return self._spawn(spec)
 
     def _spawn(self, spec: SandboxSpec) -> SandboxHandle:
+        # Before anything is made: a missing node or an unreachable MPS daemon fails the
+        # launch with nothing to clean up.
+        nodes = self._device_nodes(spec)
+        if spec.mps is not None:
+            require_mps_pipe(spec.mps.pipe_dir, self._run_uid(spec), real_gpu=spec.real_gpu)
         limits = self._choose_limits(spec)
         output_dir = self._output_dir(spec.allocation_id)
         status_path = self._path(spec.allocation_id, "status")
         drop = []
         if os.geteuid() == 0:
-            uid = str(self._host_uid(spec))
+            uid = str(self._run_uid(spec))
             drop = ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--"]
         fds: list[int] = []
         try:
@@ -332,7 +433,7 @@ class ProcessDriver:
                 os.lseek(fd, 0, os.SEEK_SET)
             argv = [
                 "/bin/sh", "-c", _JOIN_AND_WAIT, "gpushare-sandbox", *limits.procs_files, "--",
-                *drop, *limits.prlimit, *self._bwrap_args(spec, *fds),
+                *drop, *limits.prlimit, *self._bwrap_args(spec, fds[0], fds[1], fds[2], fds[3], nodes),
             ]  # fmt: skip
             # stdout and stderr go through a pipe to the capped writer (workers/drivers/
             # output.py), never straight to a file: a tenant printing without end would fill
