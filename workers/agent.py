@@ -27,6 +27,7 @@ from workers.celery import app
 from workers.config import AgentSettings
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.base import SandboxDriver, SandboxHandle, SandboxSpec
+from workers.drivers.gpu_nodes import GpuNodes
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend
 from workers.gpu.mig import MigManager
@@ -79,6 +80,10 @@ class Agent:
             self.utilization, lambda: self.alerts.version,
         )  # fmt: skip
         self.health = GpuHealth(host, backend, self.inventory, self.alerts)
+        # Real GPUs: the device nodes a sandbox binds (MIG caps nodes exist only once asked
+        # for, /dev/nvidia-uvm once something loaded the module) are made at start and after
+        # each MIG change, as libcuda would make them on the host.
+        self.device_nodes = None if backend.simulated else GpuNodes()
         self.sampler = Sampler(
             host, backend, self.sandboxes, self.inventory, self.reports, self.health, self.alerts,
             self.utilization, self.output,
@@ -132,8 +137,16 @@ class Agent:
             self.alerts.set_policy(policy)
         log.info("agent %s: alert policy %s", self.host, self.alerts.version)
 
+    def _make_device_nodes(self) -> None:
+        if self.device_nodes is not None:
+            gpus = self.inventory.gpus
+            self.device_nodes.create_missing(
+                [g.uuid for g in gpus] + [m.uuid for g in gpus for m in g.mig_devices]
+            )
+
     def start(self) -> None:
         self.inventory.report()
+        self._make_device_nodes()
         # Alerts this host raised before a restart can no longer clear themselves.
         dispatch.to_control("telemetry_agent_started", self.host)
         loop = self.sampler.sample_forever(self.settings.sample_interval_s, self.settings.heartbeat_s)

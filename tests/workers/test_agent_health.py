@@ -162,3 +162,23 @@ def _parts() -> list[Any]:
 
     names = [p.stem for p in Path(workers.host.__file__).parent.glob("*.py") if p.stem != "__init__"]
     return [importlib.import_module(f"workers.host.{name}") for name in sorted(names)]
+
+
+def test_a_real_gpu_host_makes_the_device_nodes_of_every_gpu_and_mig_instance(tmp_path: Path) -> None:
+    """Review §5: /dev/nvidia-uvm and a new MIG instance's caps nodes exist only once
+    something asks; inside bwrap nothing can, so the agent asks at start and after MIG
+    changes (the process driver then fails a launch loudly if one is still missing)."""
+    agent, _ = host(tmp_path)
+    assert agent.device_nodes is None  # simulated GPUs have no nodes to make
+
+    class Recorder:
+        asked: list[str] = []
+
+        def create_missing(self, uuids: list[str]) -> list[list[str]]:
+            self.asked += uuids
+            return []
+
+    agent.device_nodes = Recorder()  # type: ignore[assignment]
+    agent._make_device_nodes()
+    gpus = agent.inventory.gpus
+    assert Recorder.asked == [g.uuid for g in gpus] + [m.uuid for g in gpus for m in g.mig_devices]
