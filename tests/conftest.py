@@ -104,12 +104,19 @@ def catalog(db: Any) -> dict[str, Any]:
     }
 
 
-def seed_host(name: str, spec: str, sharing: dict[int, str] | None = None, driver: str = "docker") -> None:
-    """A simulated host in the database, as if its agent had reported its inventory."""
+def seed_host(
+    name: str,
+    spec: str,
+    sharing: dict[int, str] | None = None,
+    driver: str = "docker",
+    backend: str = "simulated",
+) -> None:
+    """A host in the database, as if its agent had reported its inventory (simulated GPUs,
+    which ``backend`` may call real)."""
     from portal.fleet.models import Gpu
 
     gpus = SimulatedBackend(name, parse_sim_spec(spec)).list_gpus()
-    do_sync_inventory(name, "simulated", driver, [g.to_json() for g in gpus])
+    do_sync_inventory(name, backend, driver, [g.to_json() for g in gpus])
     for index, mode in (sharing or {}).items():
         Gpu.objects.filter(host__name=name, index=index).update(sharing_mode=mode)
 

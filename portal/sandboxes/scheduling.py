@@ -188,9 +188,15 @@ def build_snapshot() -> Snapshot:
     # GPUs a defragmentation plan is changing take nothing new until it is done.
     planned = running_plan_gpus()
     hosts = list(
-        Host.objects.order_by("name").values_list("pk", "name", "state", "cpu_cores", "memory_mib", "driver")
+        Host.objects.order_by("name").values_list(
+            "pk", "name", "state", "cpu_cores", "memory_mib", "driver", "backend"
+        )
     )
     names = {pk: name for pk, name, *_ in hosts}
+    # A VM cannot take a real GPU yet (the libvirt driver refuses passthrough, see
+    # docs/gpu-hosts.md): such a host offers its CPU and memory only, so a GPU request for a
+    # VM waits instead of being placed where its launch can only fail.
+    no_gpus = {pk for pk, *_, driver, backend in hosts if driver == "libvirt" and backend != "simulated"}
     gpus: dict[int, list[GpuState]] = defaultdict(list)
     for pk, host_id, index, uuid, model, memory_mib, sharing_mode, replicas, state in gpu_rows:
         used = held.get(pk) or _Held()
@@ -215,12 +221,12 @@ def build_snapshot() -> Snapshot:
         HostState(
             name=name,
             up=state == Host.State.UP,
-            gpus=gpus.get(pk, []),
+            gpus=[] if pk in no_gpus else gpus.get(pk, []),
             cpu_milli=cpu_cores * 1000,  # 0 until its agent reports: not tracked
             memory_mib=memory_mib,
             isolation_levels=(DRIVER_ISOLATION[driver],) if driver in DRIVER_ISOLATION else (),
         )
-        for pk, name, state, cpu_cores, memory_mib, driver in hosts
+        for pk, name, state, cpu_cores, memory_mib, driver, _backend in hosts
     ]
     running = _running(grants)
     by_name = {h.name: h for h in states}

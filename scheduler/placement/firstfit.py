@@ -73,6 +73,9 @@ def hosts_with_room(snapshot: Snapshot, request: Request) -> list[HostState] | P
         if request.isolation and any(h.up for h in snapshot.hosts):
             return Pending(request.id, f"no GPU host that is up runs {request.isolation} sandboxes")
         return Pending(request.id, "no GPU host is up")
+    if request.isolation and request.mode != CPU_ONLY and not any(h.gpus for h in up):
+        # e.g. VM hosts with real GPUs, which offer none (the portal's snapshot: no passthrough)
+        return Pending(request.id, f"no host that runs {request.isolation} sandboxes has a GPU to offer")
     roomy = [h for h in up if h.has_room(request.cpu_milli, request.memory_mib)]
     if not roomy:
         return Pending(

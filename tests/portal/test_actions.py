@@ -132,6 +132,24 @@ def test_a_vm_request_waits_for_a_host_that_runs_vms_and_lands_only_there(
     assert spec["isolation"] == "vm"
 
 
+def test_a_vm_host_with_real_gpus_offers_no_gpu(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """Issue 18, finding 5: the libvirt driver refuses GPU passthrough, so a GPU request for a
+    VM must wait rather than land on a VM host with real GPUs and fail at its launch."""
+    from tests.conftest import seed_host
+
+    tier = catalog["dedicated"]
+    tier.isolation_levels = ["container", "vm"]
+    tier.save()
+    seed_host("vmhost", "H100-80GB:1", driver="libvirt", backend="nvml")
+    sandbox = request(people["owner"], people["project"], tier, catalog["image"], isolation="vm")
+    place_all()
+    sandbox.refresh_from_db()
+    assert sandbox.state == "queued" and "vm" in sandbox.pending_reason
+    assert not [t for t in sent_tasks if t[1] == "launch_sandbox"]
+
+
 def test_stop_before_placement_ends_at_once(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
     sandbox = request(
         people["owner"], people["project"], catalog["mig"], catalog["image"], mig_profile="7g.80gb"
