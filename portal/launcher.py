@@ -40,17 +40,17 @@ def _celery(*args: str) -> list[str]:
     return [PY, *root, "-m", "celery", *quiet, "-A", "workers", *args, f"--loglevel={LOG_LEVEL}"]
 
 
-def ensure_bubblewrap() -> str:
-    """bubblewrap for the process driver: installed with apt-get when we are root and it is
-    missing. Returns "" when bwrap is there, else what stopped us (the self-test says what
-    to do)."""
-    if shutil.which("bwrap"):
+def ensure_package(package: str, command: str, purpose: str) -> str:
+    """A Debian package ``make run`` needs (``command`` is how we see it is there): installed
+    with apt-get when we are root and it is missing. Returns "" when it is there, else what
+    stopped us (printed; the caller's fallback or the agents' self-test says what to do)."""
+    if shutil.which(command):
         return ""
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return "bubblewrap is not installed"
-    print("gpushare: installing bubblewrap for process sandboxes (apt-get install bubblewrap)…", flush=True)
+        return f"{package} is not installed"
+    print(f"gpushare: installing {package} {purpose} (apt-get install {package})…", flush=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "bubblewrap"]
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
 
     errors: list[str] = []
 
@@ -63,9 +63,13 @@ def ensure_bubblewrap() -> str:
     # A fresh machine's package lists may be missing or stale: update once and try again.
     if run(install) or (run(["apt-get", "update", "-q"]) and run(install)):
         return ""
-    problem = "apt-get could not install bubblewrap: " + (errors[-1].splitlines() or ["no message"])[-1]
-    print(f"gpushare: {problem}", flush=True)  # the agents' self-test then says what to do
+    problem = f"apt-get could not install {package}: " + (errors[-1].splitlines() or ["no message"])[-1]
+    print(f"gpushare: {problem}", flush=True)
     return problem
+
+
+def ensure_bubblewrap() -> str:
+    return ensure_package("bubblewrap", "bwrap", "for process sandboxes")
 
 
 def choose_driver() -> tuple[str, str]:
@@ -85,6 +89,8 @@ def choose_driver() -> tuple[str, str]:
     try:
         docker.from_env().images.get(SANDBOX_IMAGE)
     except docker.errors.ImageNotFound:
+        # The image is a Debian minbase (glibc, for what the NVIDIA toolkit injects).
+        ensure_package("debootstrap", "debootstrap", "to build the sandbox image")
         print(f"gpushare: building the sandbox image {SANDBOX_IMAGE} (once)…", flush=True)
         built = subprocess.run(["bash", str(ROOT / "scripts" / "build-sandbox-image.sh")], check=False)  # noqa: S603, S607
         if built.returncode != 0:

@@ -1,5 +1,6 @@
-"""make run on a machine without bubblewrap: the launcher installs it with apt-get as root,
-quietly when that works, and names apt's own complaint when it does not."""
+"""make run on a machine without bubblewrap (or, with Docker, debootstrap for the image): the
+launcher installs it with apt-get as root, quietly when that works, and names apt's own
+complaint when it does not."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from portal.launcher import ensure_bubblewrap
+from portal.launcher import ensure_bubblewrap, ensure_package
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the launcher installs packages only as root")
 
@@ -37,3 +38,13 @@ def test_a_failed_install_names_apts_reason(
     problem = ensure_bubblewrap()
     assert problem == "apt-get could not install bubblewrap: E: Unable to locate package bubblewrap"
     assert problem in capsys.readouterr().out
+
+
+def test_the_image_builds_prerequisite_is_installed_the_same_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_apt(tmp_path, f'echo "$@" > {tmp_path}/asked\nexit 0\n')
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert ensure_package("debootstrap", "debootstrap", "to build the sandbox image") == ""
+    assert (tmp_path / "asked").read_text().split()[-1] == "debootstrap"
+    assert "installing debootstrap to build the sandbox image" in capsys.readouterr().out
