@@ -3,10 +3,6 @@ skip unmeasured samples, and the sandboxes an event concerns (issue 18)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-
 from tests.workers.nvml_fake import A100_UUID, H100_UUID, FakeNvml
 from workers.gpu.base import GpuSample
 from workers.gpu.nvml import NvmlBackend
@@ -14,20 +10,6 @@ from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 from workers.host.health import sandboxes_hit
 from workers.host.sampler import sample_all
 from workers.host.utilization import UtilWindow
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
-    nvml = FakeNvml()
-    nvml.install(monkeypatch)
-    return nvml
-
-
-@pytest.fixture
-def backend(fake: FakeNvml) -> Iterator[NvmlBackend]:
-    instance = NvmlBackend()
-    yield instance
-    instance.close()
 
 
 def test_a_lost_gpu_does_not_stop_the_others(fake: FakeNvml, backend: NvmlBackend) -> None:

@@ -23,21 +23,6 @@ from workers.gpu import nvml as nvml_module
 from workers.gpu.base import GpuBackendError, GpuLost
 from workers.gpu.nvml import NvmlBackend, decode_clock_reasons, nvml_available
 
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
-    nvml = FakeNvml()
-    nvml.install(monkeypatch)
-    return nvml
-
-
-@pytest.fixture
-def backend(fake: FakeNvml) -> Iterator[NvmlBackend]:
-    instance = NvmlBackend()
-    yield instance
-    instance.close()
-
-
 # -- the fake itself -------------------------------------------------------------------------
 
 
