@@ -182,3 +182,11 @@ def test_a_real_gpu_host_makes_the_device_nodes_of_every_gpu_and_mig_instance(tm
     agent._make_device_nodes()
     gpus = agent.inventory.gpus
     assert Recorder.asked == [g.uuid for g in gpus] + [m.uuid for g in gpus for m in g.mig_devices]
+
+
+def test_a_gpu_reported_lost_by_an_event_is_no_longer_sampled(tmp_path: Path, sent_tasks: Any) -> None:
+    agent, backend = host(tmp_path, "H100-80GB:2")
+    lost, kept = (g.uuid for g in agent.inventory.gpus)
+    backend.mark_lost(lost)  # its event is queued before any sample of it fails
+    agent.health.report({}, [], agent.inventory.parent_of())
+    assert drains(sent_tasks) == [(lost, "gpu_lost")] and [g.uuid for g in agent.inventory.gpus] == [kept]

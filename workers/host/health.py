@@ -51,6 +51,8 @@ class GpuHealth:
     def gpu_lost(self, uuid: str) -> None:
         """Sampling the GPU failed for good: stop sampling it (the backend queued the
         ``gpu_lost`` event, reported with this tick's faults); the rest of the host goes on."""
+        if uuid in self.lost:
+            return
         log.error("GPU %s on %s stopped answering: no longer sampled", uuid, self.host)
         self.lost.add(uuid)
         self.inventory.drop(uuid)
@@ -83,7 +85,7 @@ class GpuHealth:
             device = event["uuid"]
             gpu_uuid = parent_of.get(device, device)
             if event["kind"] == "gpu_lost":
-                self.lost.add(gpu_uuid)
+                self.gpu_lost(gpu_uuid)  # reported by an event before a sample failed, too
             if event["kind"] in ("xid", "app_xid") and event.get("xid"):
                 self.last_xid[gpu_uuid] = int(event["xid"])
             if event["kind"] not in ALERT_KIND:

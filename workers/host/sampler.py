@@ -9,7 +9,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
@@ -105,17 +104,13 @@ class Sampler:
         # Every GPU and every sandbox's device, each once (a dedicated sandbox's device is
         # its GPU), each on its own: a lost GPU stops neither the others nor the health
         # report that says it is lost.
-        held = [d for spec in running.values() for d in spec.device_uuids]
-        sampled = sample_all(self.backend, [g.uuid for g in self.inventory.gpus] + held, parent_of)
-        for lost in sorted(sampled.lost):
-            self.health.gpu_lost(lost)
-        samples = sampled.samples
+        samples = TickSamples(self.backend, parent_of)
         newest: list[GpuSampleMessage] = []
         changes: list[AlertMessage] = []
         for gpu in list(self.inventory.gpus):
             sample = samples.get(gpu.uuid)
             if sample is None:
-                continue  # lost (dropped above) or failed this tick
+                continue  # lost or failed this tick
             devices = {gpu.uuid} | {m.uuid for m in gpu.mig_devices}
             figures = {
                 str(spec.sandbox_id): self.figures(
@@ -131,12 +126,14 @@ class Sampler:
             newest.append(message)
             self.rollups.add_gpu(message)
             changes += self.alerts.observe_gpu(message, t_ms)
+        self._drop_lost(samples)
         if tick % FLEET_EVERY == 0 and newest:
             # The fleet gets the host's GPUs as one message: a burst of one per GPU would queue
             # behind each other in every fleet watcher's channel and age the GPU streams too.
             await publish(layer, FLEET_GROUP, fleet_message(self.host, t_ms, list(newest)))
         changes += await asyncio.to_thread(self.health.report, running, changes, parent_of)
         changes += await self._publish_sandboxes(layer, running, samples, parent_of, newest, t_ms)
+        self._drop_lost(samples)
         live = {f"gpu:{g.uuid}" for g in self.inventory.gpus} | {f"gpu:{u}" for u in self.health.lost}
         live |= {f"sandbox:{s.sandbox_id}" for s in running.values()}
         changes += self.alerts.forget(live, t_ms)
@@ -150,7 +147,7 @@ class Sampler:
         self,
         layer: Any,
         running: dict[str, SandboxSpec],
-        samples: dict[str, GpuSample],
+        samples: TickSamples,
         parent_of: dict[str, str],
         newest: list[GpuSampleMessage],
         t_ms: int,
@@ -191,6 +188,10 @@ class Sampler:
                     newest.append(own)  # a MIG device's own figures, for /metrics
         return changes
 
+    def _drop_lost(self, samples: TickSamples) -> None:
+        for lost in sorted(samples.lost):
+            self.health.gpu_lost(lost)
+
     async def _publish_alerts(self, layer: Any, changes: list[AlertMessage]) -> None:
         """Live to the subject's groups and the fleet; stored by the control worker."""
         for change in changes:
@@ -203,35 +204,49 @@ class Sampler:
         await asyncio.to_thread(dispatch.to_control, "telemetry_alerts", self.host, changes)
 
 
-@dataclass
-class Sampled:
-    samples: dict[str, GpuSample] = field(default_factory=dict)  # device uuid -> sample
-    lost: set[str] = field(default_factory=set)  # GPU uuids (a MIG device's parent) now gone
-    failed: dict[str, str] = field(default_factory=dict)  # device uuid -> why, this tick only
+class TickSamples:
+    """One tick's samples, each device's taken when first asked, so a GPU's message leaves as
+    soon as its sample is taken (sampling every device first aged each stream by the rest's
+    sampling: 16 ms p50 on 64 GPUs instead of 1), and each on its own: a lost GPU goes to
+    ``lost`` (drop it, and its MIG devices, until the next inventory; the backend has queued
+    its gpu_lost event), any other failure to ``failed`` (skip the device this tick).
+
+    ``parent_of`` (MIG uuid -> GPU uuid) lets a lost GPU's MIG devices go unasked, and drops
+    one sampled before its GPU was found lost: its board is gone."""
+
+    def __init__(self, backend: GpuBackend, parent_of: Mapping[str, str] | None = None) -> None:
+        self.backend = backend
+        self.parent_of = parent_of or {}
+        self._taken: dict[str, GpuSample] = {}
+        self.lost: set[str] = set()  # GPU uuids (a MIG device's parent) now gone
+        self.failed: dict[str, str] = {}  # device uuid -> why, this tick only
+
+    def get(self, uuid: str) -> GpuSample | None:
+        if self.parent_of.get(uuid, uuid) in self.lost or uuid in self.failed:
+            return None
+        if uuid not in self._taken:
+            try:
+                self._taken[uuid] = self.backend.sample(uuid)
+            except GpuLost as err:
+                self.lost.add(err.uuid)
+                log.error("GPU %s is lost (%s): no longer sampled", err.uuid, err)
+                return None
+            except GpuBackendError as err:
+                self.failed[uuid] = str(err)
+                log.warning("sampling %s failed: %s", uuid, err)
+                return None
+        return self._taken[uuid]
+
+    @property
+    def samples(self) -> dict[str, GpuSample]:
+        return {u: s for u, s in self._taken.items() if self.parent_of.get(u, u) not in self.lost}
 
 
 def sample_all(
     backend: GpuBackend, uuids: Iterable[str], parent_of: Mapping[str, str] | None = None
-) -> Sampled:
-    """Sample each device once, on its own: a lost GPU goes to ``lost`` (drop it, and its
-    MIG devices, until the next inventory; the backend has queued its gpu_lost event), any
-    other failure to ``failed`` (skip the device this tick).
-
-    ``parent_of`` (MIG uuid -> GPU uuid) lets a lost GPU's MIG devices go unasked, and
-    drops one sampled before its GPU was found lost: its board is gone."""
-    parent_of = parent_of or {}
-    out = Sampled()
+) -> TickSamples:
+    """Each of ``uuids`` sampled once, in order (see TickSamples)."""
+    tick = TickSamples(backend, parent_of)
     for uuid in dict.fromkeys(uuids):
-        if parent_of.get(uuid, uuid) in out.lost:
-            continue
-        try:
-            out.samples[uuid] = backend.sample(uuid)
-        except GpuLost as err:
-            out.lost.add(err.uuid)
-            log.error("GPU %s is lost (%s): no longer sampled", err.uuid, err)
-        except GpuBackendError as err:
-            out.failed[uuid] = str(err)
-            log.warning("sampling %s failed: %s", uuid, err)
-    for uuid in [u for u in out.samples if parent_of.get(u, u) in out.lost]:
-        del out.samples[uuid]
-    return out
+        tick.get(uuid)
+    return tick
