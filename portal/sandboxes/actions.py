@@ -38,6 +38,7 @@ from portal.sandboxes.models import (
     Sandbox,
     SandboxEvent,
     SandboxState,
+    StopCause,
 )
 from scheduler.cluster import DeviceGrant
 from scheduler.gpus import MODELS
@@ -483,7 +484,8 @@ def do_mark_stopped(allocation_key: str, ended_at: datetime, message: str = "sto
         if sandbox is None or sandbox.state not in (S.STOPPING, S.RUNNING, S.STARTING):
             return
         if sandbox.state != S.STOPPING:
-            _transition(sandbox, S.STOPPING, message="the sandbox exited by itself")
+            sandbox.stop_cause = StopCause.EXITED
+            _transition(sandbox, S.STOPPING, message="the sandbox exited by itself", also=("stop_cause",))
         _end_stopping(sandbox, ended_at, message)
 
 
@@ -542,8 +544,7 @@ def _end_stopping(sandbox: Sandbox, ended_at: datetime, message: str, why: str =
         note = f"preempted for sandbox {sandbox.preempted_for_id}" + (f"; {why}" if why else "")
         _end(sandbox, S.PREEMPTED, ended_at, note)
         return S.PREEMPTED
-    asked = sandbox.events.filter(to_state=S.STOPPING).order_by("-at", "-pk").first()
-    if asked is not None and asked.data.get("expired"):
+    if sandbox.stop_cause == StopCause.EXPIRED:
         _end(sandbox, S.EXPIRED, ended_at, "expired: it reached its time limit")
         return S.EXPIRED
     _end(sandbox, S.STOPPED, ended_at, message)
@@ -573,10 +574,13 @@ def do_preempt(victim_id: int, beneficiary_id: int, reason: str) -> bool:
         victim = _locked(victim_id)
         if victim is None or victim.state not in (S.PLACING, S.STARTING, S.RUNNING):
             return False
-        victim.preempted_for_id = beneficiary_id
-        victim.save(update_fields=["preempted_for"])
+        victim.preempted_for_id, victim.stop_cause = beneficiary_id, StopCause.PREEMPTED
         _transition(
-            victim, S.STOPPING, message=f"preempted: {reason}", data={"preempted_for": beneficiary_id}
+            victim,
+            S.STOPPING,
+            message=f"preempted: {reason}",
+            data={"preempted_for": beneficiary_id},
+            also=("preempted_for", "stop_cause"),
         )
         _send_stop_after_commit(victim)
     return True
@@ -588,8 +592,11 @@ def _send_stop_after_commit(sandbox: Sandbox) -> None:
     transaction.on_commit(lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle))
 
 
-def do_request_stop(sandbox_id: int, actor: Any, reason: str = "stop requested") -> None:
-    """Stop a sandbox: a queued one ends at once, a placed one is stopped by its agent."""
+def do_request_stop(
+    sandbox_id: int, actor: Any, reason: str = "stop requested", cause: str = StopCause.ASKED
+) -> None:
+    """Stop a sandbox: a queued one ends at once, a placed one is stopped by its agent.
+    ``cause``: a person asked (``actor``), or idle culling did."""
     with transaction.atomic():
         sandbox = _locked(sandbox_id)
         if sandbox is None or sandbox.state not in LIVE_STATES or sandbox.state == S.STOPPING:
@@ -599,7 +606,8 @@ def do_request_stop(sandbox_id: int, actor: Any, reason: str = "stop requested")
             sandbox.ended_at = timezone.now()
             sandbox.save(update_fields=["ended_at"])
             return
-        _transition(sandbox, S.STOPPING, actor=actor, message=reason)
+        sandbox.stop_cause = cause
+        _transition(sandbox, S.STOPPING, actor=actor, message=reason, also=("stop_cause",))
         _send_stop_after_commit(sandbox)
 
 
@@ -744,7 +752,8 @@ def do_expire_overdue(now: datetime, warn_before: timedelta = timedelta(minutes=
                 sandbox = _locked(sandbox_id)
                 if sandbox is None or sandbox.state != S.RUNNING:
                     continue
-                _transition(sandbox, S.STOPPING, message="time limit reached", data={"expired": True})
+                sandbox.stop_cause = StopCause.EXPIRED
+                _transition(sandbox, S.STOPPING, message="time limit reached", also=("stop_cause",))
                 _send_stop_after_commit(sandbox)
             expired.append(sandbox_id)
         else:

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from django.db import transaction
 
 from portal.sandboxes import actions
-from portal.sandboxes.models import Notification, Sandbox, SandboxEvent, SandboxState
+from portal.sandboxes.models import Notification, Sandbox, SandboxEvent, SandboxState, StopCause
 from portal.sandboxes.notify import notify
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def _cull_one(sandbox_id: int, now: datetime) -> bool:
                 f"Sandbox {sandbox.pk} was stopped: {reason}.",
                 sandbox,
             )
-            actions.do_request_stop(sandbox.pk, None, reason)
+            actions.do_request_stop(sandbox.pk, None, reason, cause=StopCause.CULLED)
             return True
         if idle_for >= warn_after and sandbox.idle_warned_at is None:
             deadline = now + (stop_after - idle_for)

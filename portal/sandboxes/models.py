@@ -49,6 +49,17 @@ ENDED_STATES = (SandboxState.STOPPED, SandboxState.FAILED, SandboxState.PREEMPTE
 PENDING_REASON_MAX = 200
 
 
+class StopCause(models.TextChoices):
+    """Why a sandbox went to ``stopping``: what its end is called and who is told, kept as a
+    field (set with the transition) rather than read back from an event's words."""
+
+    ASKED = "asked", "Asked by a person"
+    CULLED = "culled", "Culled as idle"
+    EXPIRED = "expired", "Reached its time limit"
+    PREEMPTED = "preempted", "Preempted"
+    EXITED = "exited", "Exited by itself"
+
+
 class Sandbox(models.Model):
     project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="sandboxes")
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="sandboxes")
@@ -80,6 +91,7 @@ class Sandbox(models.Model):
         "self", on_delete=models.SET_NULL, null=True, blank=True, related_name="preempted"
     )
     handle = models.JSONField(null=True, blank=True)
+    stop_cause = models.CharField(max_length=10, choices=StopCause.choices, blank=True)
     # Set while a defragmentation plan moves it (stop, checkpoint, relaunch elsewhere):
     # reconciliation leaves it to the plan, and the plan's report decides where it goes.
     moving_plan = models.ForeignKey(

@@ -28,7 +28,7 @@ def notify(user: Any, kind: str, message: str, sandbox: Sandbox | None = None) -
 def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
     """The owner hears of a start, a requeue, a stop someone else asked for, and of every
     end they did not cause themselves (culling tells its own story when it stops one)."""
-    from portal.sandboxes.models import Notification, SandboxState
+    from portal.sandboxes.models import Notification, SandboxState, StopCause
 
     S = SandboxState
     label = f"Sandbox {sandbox.pk}" + (f" ({sandbox.name})" if sandbox.name else "")
@@ -38,7 +38,7 @@ def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
     if to == S.RUNNING:
         where = f" on {sandbox.host.name}" if sandbox.host else ""
         notify(sandbox.owner, Notification.Kind.STARTED, f"{label} is running{where}.", sandbox)
-    elif to == S.QUEUED and message.startswith("requeued"):
+    elif to == S.QUEUED and sandbox.state != S.REQUESTED:  # back in the queue: requeued
         notify(sandbox.owner, Notification.Kind.QUEUED, f"{label}: {message}", sandbox)
     elif to == S.STOPPING and actor_id is not None:
         who = actor.get_username() if hasattr(actor, "get_username") else "an admin"
@@ -50,8 +50,7 @@ def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
         kind = kinds.get(to, Notification.Kind.ENDED)
         notify(sandbox.owner, kind, f"{label}: {message}", sandbox)
     elif to == S.STOPPED and sandbox.state == S.STOPPING:
-        asked = sandbox.events.filter(to_state=S.STOPPING).order_by("-at", "-pk").first()
-        if asked is not None and (asked.actor_id is not None or asked.message.startswith("culled")):
+        if sandbox.stop_cause in (StopCause.ASKED, StopCause.CULLED):
             return  # asked by a person (told then, or it was the owner) or by culling (told then)
         notify(sandbox.owner, Notification.Kind.ENDED, f"{label}: {message}", sandbox)
 

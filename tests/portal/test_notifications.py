@@ -14,7 +14,7 @@ from portal.fleet.health import do_drain_gpu
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
 from portal.sandboxes.culling import do_cull_idle
-from portal.sandboxes.models import Notification, Sandbox
+from portal.sandboxes.models import Notification, Sandbox, StopCause
 from tests.portal.helpers import client_for, place_all, request
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -138,3 +138,23 @@ def test_the_notifications_page_is_each_users_own(
     assert not Notification.objects.filter(read_at=None).exists()
     assert b'class="count"' not in owner.get("/notifications/").content
     assert Client().get("/notifications/").status_code == 302
+
+
+def test_why_a_sandbox_stopped_is_a_field_not_read_back_from_words(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """Issue 19: whom an end is told to, and whether it is called expired, came from the
+    words or data of the stopping event (a message starting "culled", data "expired")."""
+    owner = people["owner"]
+    idle = running(people, catalog)
+    actions.do_request_stop(idle.pk, None, "idle for a long while", cause=StopCause.CULLED)
+    actions.do_mark_stopped(idle.allocation_key, timezone.now())
+    idle.refresh_from_db()
+    assert (idle.state, idle.stop_cause) == ("stopped", "culled")
+    assert not Notification.objects.filter(user=owner, kind="ended").exists()  # culling told them
+
+    gone = running(people, catalog)
+    actions.do_mark_stopped(gone.allocation_key, timezone.now(), "exited with code 0")
+    gone.refresh_from_db()
+    assert (gone.state, gone.stop_cause) == ("stopped", "exited")
+    assert Notification.objects.filter(user=owner, kind="ended", sandbox=gone).exists()
