@@ -17,10 +17,6 @@ def visible_projects(user: Any) -> QuerySet[Project]:
     return Project.objects.filter(memberships__user=user)
 
 
-def can_see_project(user: Any, project_id: int) -> bool:
-    return visible_projects(user).filter(pk=project_id).exists()
-
-
 def can_manage_sandbox(user: Any, sandbox: Any) -> bool:
     """Stop/extend: the owner, the project's managers and admins."""
     if not user.is_authenticated:

@@ -191,7 +191,3 @@ class Alert(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
-
-    @property
-    def is_open(self) -> bool:
-        return self.cleared_at is None

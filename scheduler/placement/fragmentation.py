@@ -187,9 +187,6 @@ class StrandedCapacity:
         return value
 
 
-_Filler = tuple[int, int, tuple[str, ...]]  # (GPU milli, CPU milli, accepted models)
-
-
 class EventualWaste:
     """E(n): the GPU milli that common shares would leave unfilled on a node, summed per GPU."""
 

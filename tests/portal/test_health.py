@@ -99,7 +99,7 @@ def test_undrain_closes_the_gpus_fault_alerts(people: Any, fleet: Any) -> None:
     assert do_undrain_gpu(gpu.uuid, people["admin"])
     # The agent never sees an ECC error go away: undraining is what clears it. A temperature
     # alert clears itself as the GPU cools.
-    assert [(a.kind, a.is_open) for a in Alert.objects.order_by("kind")] == [
+    assert [(a.kind, a.cleared_at is None) for a in Alert.objects.order_by("kind")] == [
         ("ecc", False),
         ("temperature", True),
     ]
