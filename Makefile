@@ -64,6 +64,7 @@ test: setup-test
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff format --check .
 	DEBUG=true $(VENV)/bin/mypy .
 

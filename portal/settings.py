@@ -56,12 +56,15 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "portal.api",
+    "portal.audit",
     "portal.accounts",
     "portal.catalog",
     "portal.fleet",
     "portal.quotas",
     "portal.sandboxes",
     "portal.billing",
+    "portal.webhooks",
     "portal.telemetry",
     "portal.console",
 ]
@@ -74,7 +77,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "portal.console.audit.AuditActorMiddleware",
+    "portal.audit.trail.AuditActorMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -224,8 +227,8 @@ REST_FRAMEWORK = {
         "portal.accounts.permissions.TokenScopes",
     ],
     "DEFAULT_THROTTLE_CLASSES": [
-        "portal.accounts.permissions.BurstRate",
-        "portal.accounts.permissions.SustainedRate",
+        "portal.api.throttles.BurstRate",
+        "portal.api.throttles.SustainedRate",
     ],
     # Per token (or per signed-in user): a short burst, and a sustained hourly budget.
     "DEFAULT_THROTTLE_RATES": {
@@ -233,13 +236,13 @@ REST_FRAMEWORK = {
         "sustained": _api_rate("API_RATE_SUSTAINED", "10000/hour"),
     },
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "portal.billing.api_common.CheckedPageSize",
+    "DEFAULT_PAGINATION_CLASS": "portal.api.pagination.CheckedPageSize",
     # Anonymous rate limits key on the socket's address (already the client's behind a
     # trusted proxy): DRF would otherwise key on X-Forwarded-For as the client sent it.
     "NUM_PROXIES": 0,
     # Every route parses JSON strictly (duplicate keys, NaN, lone surrogates, deep nesting).
     "DEFAULT_PARSER_CLASSES": [
-        "portal.billing.api_common.StrictJSONParser",
+        "portal.api.parsers.StrictJSONParser",
         "rest_framework.parsers.FormParser",
         "rest_framework.parsers.MultiPartParser",
     ],
@@ -294,7 +297,17 @@ TELEMETRY_RETENTION_DAYS = env_int("TELEMETRY_RETENTION_DAYS", 30, minimum=1)
 # land first); drafts of open months are refreshed at most this often.
 INVOICE_FINALIZE_AFTER_DAYS = env_int("INVOICE_FINALIZE_AFTER_DAYS", 3, minimum=0)
 INVOICE_DRAFT_REFRESH_SECONDS = env_int("INVOICE_DRAFT_REFRESH_SECONDS", 600, minimum=30)
-# Alert webhooks are signed with HMAC-SHA256 of the body under this secret (unset: unsigned).
+# Webhooks (portal.webhooks; Django admin, *Webhook endpoints*) are signed the Standard
+# Webhooks way, each endpoint with its own whsec_ secret. "Rotate secret" in the admin gives
+# an endpoint a new one and keeps signing with the old one as well for this many hours, so
+# its receiver can switch over (0: the old secret stops at once).
+WEBHOOK_SECRET_GRACE_HOURS = env_int("WEBHOOK_SECRET_GRACE_HOURS", 24, minimum=0)
+# Alert webhooks were once a URL on the alert policy signed with this one global secret.
+# It is read only by the migration that turns those URLs into webhook endpoints (telemetry
+# 0004, run once on upgrade): their secret is this key as whsec_<base64> (the same key
+# bytes, so receivers keep it; unset: a new random secret). Afterwards alert webhooks are
+# endpoints subscribed to alert.raised / alert.cleared, their secrets rotated in the admin,
+# and this setting changes nothing.
 ALERT_WEBHOOK_SECRET = env_str("ALERT_WEBHOOK_SECRET", "")
 # Bearer token Prometheus scrapes /metrics with (METRICS_TOKEN_FILE: read from a file);
 # unset, only staff sessions may read /metrics.

@@ -2,21 +2,23 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from django.views.generic import RedirectView
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
+from drf_spectacular.views import SpectacularSwaggerSplitView
 from rest_framework.routers import DefaultRouter
 
 from portal.accounts import token_views
-from portal.accounts import views as accounts
+from portal.accounts.api import ProjectViewSet
 from portal.accounts.throttle import ThrottledLoginView, ThrottledPasswordResetView
-from portal.billing.api import SandboxViewSet, UsageExportView, UsageRecordViewSet
-from portal.billing.api_catalog import PriceViewSet, ProjectViewSet, QuotaViewSet
-from portal.billing.api_invoices import InvoiceViewSet
-from portal.billing.api_utilization import UtilizationView
+from portal.api.schema import SchemaView
+from portal.billing.api import InvoiceViewSet, PriceViewSet, UsageExportView, UsageRecordViewSet
 from portal.billing.views import invoice_detail
 from portal.console import views as console
+from portal.projects import views as projects
+from portal.quotas.api import QuotaViewSet
 from portal.sandboxes import views as sandboxes
+from portal.sandboxes.api import SandboxViewSet
 from portal.telemetry import pages as telemetry_pages
 from portal.telemetry import views as telemetry
+from portal.telemetry.api import UtilizationView
 from portal.telemetry.health import healthz
 from portal.telemetry.metrics import metrics
 
@@ -53,9 +55,9 @@ urlpatterns = [
     path("notifications/", sandboxes.notifications, name="notifications"),
     path("account/tokens/", token_views.api_tokens, name="api-tokens"),
     path("account/tokens/<int:pk>/revoke/", token_views.api_token_revoke, name="api-token-revoke"),
-    path("projects/", accounts.project_list, name="project-list"),
-    path("projects/<slug:slug>/", accounts.project_detail, name="project-detail"),
-    path("projects/<slug:slug>/members/", accounts.project_members, name="project-members"),
+    path("projects/", projects.project_list, name="project-list"),
+    path("projects/<slug:slug>/", projects.project_detail, name="project-detail"),
+    path("projects/<slug:slug>/members/", projects.project_members, name="project-members"),
     path("projects/<slug:slug>/invoices/<int:pk>/", invoice_detail, name="invoice-detail"),
     path("sandboxes/<int:pk>/", sandboxes.sandbox_detail, name="sandbox-detail"),
     path("sandboxes/<int:pk>/status/", sandboxes.sandbox_status, name="sandbox-status"),
@@ -88,7 +90,7 @@ urlpatterns = [
     path("api/v1/usage/export.csv", UsageExportView.as_view(), name="api-usage-export"),
     path("api/v1/utilization/", UtilizationView.as_view(), name="api-utilization"),
     path("api/v1/", include((router.urls, "api"), namespace="api")),
-    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("api/schema/", SchemaView.as_view(), name="api-schema"),
     # The split view serves Swagger UI's start-up script as a file: no inline script for CSP.
     path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="api-schema"), name="api-docs"),
 ]

@@ -57,19 +57,6 @@ class GpuState:
             or self.replicas_used
         )
 
-    @property
-    def current_mode(self) -> str:
-        """The mode it is in now: its pinned one, else what holds it; AUTO when idle."""
-        if self.mode != AUTO:
-            return self.mode
-        if self.exclusive_busy:
-            return DEDICATED
-        if self.mps_used_threads or self.mps_used_mib:
-            return MPS
-        if self.replicas_used:
-            return TIMESLICE
-        return AUTO
-
     def serves(self, mode: str) -> bool:
         """Whether a ``mode`` request may be placed on it, capacity aside: its pinned mode,
         or, following demand, any mode an idle GPU can turn into and the one it is in."""

@@ -88,11 +88,6 @@ def revert(snapshot: Snapshot, decisions: Sequence[Decision], requests: Sequence
                 snapshot.changed(victim.host)
 
 
-def order_queue(queue: list[Request]) -> list[Request]:
-    """Higher priority first, then oldest first; the id breaks ties deterministically."""
-    return sorted(queue, key=lambda r: (-r.priority, r.submitted_at, r.id))
-
-
 def run_cycle(
     snapshot: Snapshot,
     queue: list[Request],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from scheduler.cluster import CPU_ONLY, DEDICATED, MIG, MPS, FairShareState, ProjectShare, Request, Running
 from scheduler.gpus import COMPUTE_SLICES
@@ -48,31 +48,6 @@ def decayed_usage(intervals: Iterable[tuple[float, float, int]], now: float, hal
     return total
 
 
-def accrue(state: FairShareState, now: float, used_gpu_s: Mapping[str, float]) -> FairShareState:
-    """The state to keep for the next cycle: usage decayed to ``now`` plus what was used since."""
-    since = now - state.usage_at if state.usage_at is not None else 0.0
-    projects = dict(state.projects)
-    for name in sorted(set(projects) | set(used_gpu_s)):
-        share = projects.get(name, ProjectShare())
-        usage = decay(share.usage_gpu_s, since, state.half_life_s) + used_gpu_s.get(name, 0.0)
-        projects[name] = ProjectShare(share.weight, share.guaranteed_milli, share.limit_milli, usage)
-    return FairShareState(projects, state.half_life_s, now, state.horizon_s)
-
-
-def fairshare_factor(usage: float, weight: float, total_usage: float, total_weight: float) -> float:
-    """Slurm's classic factor ``2**(-U/S)`` in (0, 1]: 1 for an idle project, 0.5 at its share.
-
-    U is the project's part of all usage, S its part of all weight. Ordering by this factor
-    (highest first) is ordering by usage / weight (lowest first), which is what ``FairOrder``
-    does, counting in usage what running sandboxes will add over the state's horizon.
-    """
-    if weight <= 0 or total_weight <= 0:
-        return 0.0
-    if total_usage <= 0:
-        return 1.0
-    return math.pow(2.0, -(usage / total_usage) / (weight / total_weight))
-
-
 def demand_milli(request: Request, timeslice_milli: int = 1000) -> int:
     """What the request will count against its quota, before it is placed: nothing for a
     CPU-only request, which holds no GPU (its placement's grants are empty, too)."""
@@ -101,7 +76,9 @@ class FairOrder:
     Each project's standing is recomputed as its requests are placed (``settle``), so one
     cycle shares the free capacity out by weight instead of giving all of it to the project
     that was furthest behind when the cycle began. Without a ``FairShareState`` the order is
-    priority, age, id, exactly as ``order_queue``.
+    priority, then age, then id (every project's standing is equal). Ordering by standing,
+    usage / weight lowest first, is ordering by Slurm's classic factor ``2**(-U/S)`` highest
+    first (U the project's part of all usage, S its part of all weight).
     """
 
     def __init__(

@@ -289,15 +289,6 @@ def model_for_name(nvml_name: str, memory_mib: int) -> GpuModel | None:
     return None
 
 
-def free_starts(model: GpuModel, profile_name: str, used: list[tuple[int, int]]) -> list[int]:
-    """Legal starts for ``profile_name`` given used (start, memory_slices) instances."""
-    profile = model.profile(profile_name)
-    taken: set[int] = set()
-    for start, size in used:
-        taken.update(range(start, start + size))
-    return [s for s in profile.starts if not taken.intersection(profile.slots(s))]
-
-
 def check_layout(model: GpuModel, layout: Sequence[tuple[str, int]]) -> list[str]:
     """Why ``layout`` ([(profile, start), ...]) cannot exist on one ``model`` GPU; [] if it can."""
     if not model.mig_capable:
@@ -332,10 +323,9 @@ def check_layout(model: GpuModel, layout: Sequence[tuple[str, int]]) -> list[str
 
 
 def placeable_starts(model: GpuModel, profile_name: str, layout: Sequence[tuple[str, int]]) -> list[int]:
-    """Starts where ``profile_name`` can be added to a legal ``layout`` and keep it legal.
-
-    Unlike ``free_starts`` this also counts compute slices and the one ``+me`` instance.
-    """
+    """Starts where ``profile_name`` can be added to a legal ``layout`` and keep it legal:
+    free memory slices, compute slices left and at most one ``+me`` instance. The tests'
+    oracle for the planners' choices (``check_layout`` judges whole layouts)."""
     profile = model.profile(profile_name)
     taken = compute = media = 0
     for name, start in layout:

@@ -23,7 +23,14 @@ os.environ.setdefault("DB_CONN_MAX_AGE", "0")
 # again, on SQLite with the embedded Redis, every test that touches the database; the rest
 # (the scheduler core, drivers, pure helpers) does not depend on the backend and ran once.
 _DATABASE_FIXTURES = frozenset(
-    {"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback", "live_server"}
+    {
+        "db",
+        "transactional_db",
+        "django_db_reset_sequences",
+        "django_db_serialized_rollback",
+        "live_server",
+        "django_db_setup",  # what a module-scoped database fixture (conftest's scenario_db) takes
+    }
 )
 
 

@@ -33,7 +33,7 @@ from workers.gpu.base import GpuBackend
 from workers.gpu.mig import MigManager
 from workers.gpu.mps import MpsManager, SimulatedMps, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
-from workers.host.health import GpuHealth
+from workers.host.faults import GpuFaults
 from workers.host.inventory import HostInventory
 from workers.host.lifecycle import SandboxLifecycle
 from workers.host.reports import HostReports
@@ -79,13 +79,13 @@ class Agent:
             self.settings, backend, driver, self.sandboxes, self.inventory, self.mps_daemons,
             self.utilization, lambda: self.alerts.version,
         )  # fmt: skip
-        self.health = GpuHealth(host, backend, self.inventory, self.alerts)
+        self.faults = GpuFaults(host, backend, self.inventory, self.alerts)
         # Real GPUs: the device nodes a sandbox binds (MIG caps nodes exist only once asked
         # for, /dev/nvidia-uvm once something loaded the module) are made at start and after
         # each MIG change, as libcuda would make them on the host.
         self.device_nodes = None if backend.simulated else GpuNodes()
         self.sampler = Sampler(
-            host, backend, self.sandboxes, self.inventory, self.reports, self.health, self.alerts,
+            host, backend, self.sandboxes, self.inventory, self.reports, self.faults, self.alerts,
             self.utilization, self.output,
         )  # fmt: skip
 
@@ -158,6 +158,18 @@ class Agent:
         self.backend.close()
 
 
+def refuse_state_only_on_real_gpus(backend: GpuBackend, driver: SandboxDriver) -> None:
+    """The simulated driver's sandboxes run nothing: on real GPUs they would be placed and
+    billed and never run, so an agent with real GPUs refuses it."""
+    if driver.name == "simulated" and not backend.simulated:
+        raise DriverUnavailable(
+            "simulated",
+            f"the state-only driver runs nothing, and this host's GPUs are real ({backend.name})",
+            "set SANDBOX_DRIVER to docker, process or libvirt (the simulated driver is for "
+            "GPU_BACKEND=simulated hosts)",
+        )
+
+
 _agent: Agent | None = None
 _agent_lock = threading.Lock()
 
@@ -172,6 +184,7 @@ def get_agent() -> Agent:
             var.mkdir(parents=True, exist_ok=True)
             backend = make_backend(settings.gpu_backend, host, settings.sim_gpus)
             driver = make_driver(settings.sandbox_driver, host, var / "sandboxes")
+            refuse_state_only_on_real_gpus(backend, driver)
             log.info("agent %s: GPU backend %s, sandbox driver %s", host, backend.name, driver.name)
             _agent = Agent(host, backend, driver, var, settings)
         return _agent

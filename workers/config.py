@@ -14,7 +14,7 @@ from portal.env import ConfigError, env_bool, env_choice, env_int, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 GPU_BACKENDS = ("auto", "nvml", "simulated")
-SANDBOX_DRIVERS = ("auto", "docker", "process", "libvirt")
+SANDBOX_DRIVERS = ("auto", "docker", "process", "libvirt", "simulated")
 
 
 def var_dir() -> Path:

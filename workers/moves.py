@@ -1,6 +1,6 @@
 """A host's part of a fleet plan: checkpoint and stop sandboxes, then change the MIG layout.
 
-``portal.fleet.plans`` sends each host ``execute_plan`` with the sandboxes it must stop and,
+``portal.control.plans`` sends each host ``execute_plan`` with the sandboxes it must stop and,
 for a MIG re-layout, the plan itself. The agent answers with one ``plan_executed`` report;
 the control worker relaunches the sandboxes on their new slots. Nothing here touches the
 database.

@@ -59,7 +59,6 @@ class _SandboxMinute:
     util: _Stat = field(default_factory=_Stat)
     temp: _Stat = field(default_factory=_Stat)
     power: _Stat = field(default_factory=_Stat)
-    cost_micros: int = 0
 
 
 class MinuteRollups:
@@ -96,7 +95,6 @@ class MinuteRollups:
         box.util.add_measured(figures["util_pct"])
         box.temp.add(device["temp_c"])
         box.power.add(device["power_w"])
-        box.cost_micros = max(box.cost_micros, figures["cost_micros"])
 
     def _payload(self, minute_s: int) -> dict[str, Any]:
         gpus = {
@@ -119,7 +117,6 @@ class MinuteRollups:
                 "util_pct": b.util.measured_triple(),
                 "temp_max_c": round(b.temp.high, 1),
                 "power_mean_w": round(b.power.total / b.power.n, 1),
-                "cost_micros": b.cost_micros,
             }
             for sid, b in self._sandboxes.items()
         }

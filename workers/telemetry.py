@@ -1,4 +1,4 @@
-"""The one typed publisher of live samples (DESIGN.md seam 4), used by every sender.
+"""The one typed publisher of live samples (seam 4 in docs/architecture.md), used by every sender.
 
 Messages go to the channel layer groups ``gpu.<uuid>``, ``sandbox.<id>`` and ``fleet``;
 ``type`` names the consumer handler (``gpu.sample`` -> ``gpu_sample``, ``alert.changed``
@@ -21,9 +21,12 @@ FLEET_GROUP = "fleet"
 
 
 class SandboxFigures(TypedDict):
+    """A sandbox's own figures in a sample. No cost: the agent knows no price; the portal's
+    billing computes the running cost (portal.billing.ledger) and the sandbox stream's
+    consumer adds it to the samples it forwards (portal/telemetry/consumers.py)."""
+
     mem_mib: int
     util_pct: float | None  # None: unmeasured (a MIG device without GPM), never "idle"
-    cost_micros: int
 
 
 class GpuSampleMessage(TypedDict):
@@ -40,7 +43,7 @@ class GpuSampleMessage(TypedDict):
     throttle: list[str]
     simulated: bool
     sandboxes: dict[str, SandboxFigures]
-    # Beyond DESIGN.md's shape, for /metrics and alerts: board ECC counts, the last XID
+    # Beyond the seam's first shape, for /metrics and alerts: board ECC counts, the last XID
     # seen (0: none) and, for a MIG device's sample, its parent GPU's UUID ("" otherwise).
     ecc_corrected: int
     ecc_uncorrected: int

@@ -1,6 +1,6 @@
 """Web terminals: a sandbox's pty relayed between its host agent and a browser.
 
-The portal never reaches a GPU host directly (DESIGN: agents only share the broker and the
+The portal never reaches a GPU host directly (docs/architecture.md: agents only share the broker and the
 channel layer). A browser's WebSocket consumer mints a session id nobody else knows, joins
 ``term-out.<session>`` and asks the sandbox's agent, through its Celery queue, to
 ``open_terminal``. The agent opens the driver's pty (``exec_terminal``) and relays:

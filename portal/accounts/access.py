@@ -6,7 +6,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from portal.accounts.models import Project
+from portal.accounts.models import Membership, Project
 
 
 def visible_projects(user: Any) -> QuerySet[Project]:
@@ -23,8 +23,6 @@ def can_manage_sandbox(user: Any, sandbox: Any) -> bool:
         return False
     if user.is_staff or sandbox.owner_id == user.pk:
         return True
-    from portal.accounts.models import Membership
-
     return Membership.objects.filter(
         user=user, project_id=sandbox.project_id, role=Membership.Role.MANAGER
     ).exists()

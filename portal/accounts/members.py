@@ -3,7 +3,7 @@
 Project managers (and admins) add people by username, change their role and remove them.
 A project always keeps at least one manager, so nobody locks a project out of its own
 administration. Every change is in the audit log (``Membership`` is watched by
-``portal.console.audit``).
+``portal.audit.trail``).
 """
 
 from __future__ import annotations

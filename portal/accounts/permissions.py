@@ -1,4 +1,5 @@
-"""API permissions: token scopes, the projects a caller reaches, and rate limits.
+"""API permissions: token scopes and the projects a caller reaches (rate limits:
+``portal.api.throttles``).
 
 A session (the browser) has the user's full rights; a token has the user's rights cut
 down to its scopes: ``read:usage`` reads, ``write:sandboxes`` changes sandboxes,
@@ -10,9 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import QuerySet
-from rest_framework import permissions, throttling
+from rest_framework import permissions
 from rest_framework.request import Request
-from rest_framework.settings import api_settings
 
 from portal.accounts.access import can_manage_sandbox, visible_projects
 from portal.accounts.models import ApiToken, Membership, Project
@@ -83,35 +83,3 @@ class TokenScopes(permissions.BasePermission):
             return True
         self.message = f"This API token lacks the scope '{scope}'."
         return False
-
-
-class _RateFromSettings(throttling.UserRateThrottle):
-    """Rates read at request time from REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], so tests
-    and operators can change them without re-importing; keyed per token, else per user."""
-
-    def get_rate(self) -> str | None:
-        rate = api_settings.DEFAULT_THROTTLE_RATES.get(self.scope or "")
-        return None if rate is None else str(rate)
-
-    def allow_request(self, request: Request, view: Any) -> bool:
-        self.rate = self.get_rate()
-        self.num_requests, self.duration = self.parse_rate(self.rate)
-        return super().allow_request(request, view)
-
-    def get_cache_key(self, request: Request, view: Any) -> str | None:
-        token = token_of(request)
-        if token is not None:
-            ident = f"token-{token.pk}"
-        elif request.user.is_authenticated:
-            ident = f"user-{request.user.pk}"
-        else:
-            ident = f"ip-{self.get_ident(request)}"
-        return self.cache_format % {"scope": self.scope, "ident": ident}
-
-
-class BurstRate(_RateFromSettings):
-    scope = "burst"
-
-
-class SustainedRate(_RateFromSettings):
-    scope = "sustained"

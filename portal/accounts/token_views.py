@@ -22,7 +22,7 @@ from portal.accounts.tokens import (
     scopes_for,
     tokens_visible_to,
 )
-from portal.billing.api_common import repeated_fields, text_problem, unknown_fields
+from portal.api.text import repeated_fields, text_problem, unknown_fields
 
 _CHOOSE = {"invalid_choice": "Choose one of the listed options."}
 

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from portal.accounts.models import ApiToken
-from portal.console import audit
+from portal.audit import trail
 
 EXPIRY_DAYS = (7, 30, 90, 365)  # a token always ends; a year at most
 DEFAULT_EXPIRY_DAYS = 90
@@ -52,7 +52,7 @@ def do_issue_token(user: Any, name: str, scopes: list[str], expiry_days: int) ->
         token, key = ApiToken.issue(
             user, name.strip(), sorted(set(scopes)), expires_at=timezone.now() + timedelta(days=expiry_days)
         )
-        audit.record(
+        trail.record(
             user,
             "api_token.created",
             token,
@@ -80,7 +80,7 @@ def do_revoke_token(actor: Any, token_id: int) -> ApiToken | None:
         token.revoked_by = actor
         token.save(update_fields=["revoked_at", "revoked_by"])
         owner = token.user.get_username()
-        audit.record(
+        trail.record(
             actor,
             "api_token.revoked",
             token,

@@ -1,35 +1,37 @@
-"""Billing and self-service REST API (/api/v1/). Objects outside the caller's projects
-are 404, exactly as in the HTML views. Sandboxes: api_sandboxes; catalog: api_catalog."""
+"""The money API (/api/v1/): usage intervals and their CSV export, invoices with their
+lines and credit notes, and prices (open tiers). Objects outside the caller's projects are
+404, exactly as in the HTML views."""
 
 from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Iterator
+from datetime import date
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Prefetch, QuerySet
 from django.db.models.functions import Coalesce
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, extend_schema_view
-from rest_framework import mixins, renderers, serializers, views, viewsets
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+)
+from rest_framework import exceptions, mixins, renderers, serializers, views, viewsets
 from rest_framework.request import Request
 
 from portal.accounts.permissions import api_projects, api_sees_all
-from portal.billing.api_common import (
-    ERRORS,
-    FILTER_PARAMETERS,
-    FILTERS,
-    ApiView,
-    NewestFirst,
-    errors,
-    filter_by,
-)
-from portal.billing.api_sandboxes import SandboxViewSet
-from portal.billing.models import UsageRecord
-
-__all__ = ["SandboxViewSet", "UsageExportView", "UsageRecordViewSet"]
+from portal.api.errors import ERRORS, errors
+from portal.api.filters import FILTER_PARAMETERS, FILTERS, filter_by
+from portal.api.pagination import BySlug, CheckedPageSize, NewestFirst
+from portal.api.views import ApiView
+from portal.billing.models import CreditNote, Invoice, InvoiceLine, InvoiceState, UsageRecord
+from portal.catalog.models import Tier
 
 
 class UsageRecordSerializer(serializers.ModelSerializer[UsageRecord]):
@@ -186,3 +188,150 @@ class UsageExportView(ApiView, views.APIView):
         response = StreamingHttpResponse(_csv_rows(qs), content_type="text/csv; charset=utf-8")
         response["Content-Disposition"] = 'attachment; filename="usage.csv"'
         return response
+
+
+# --- invoices ---
+
+
+class InvoiceLineSerializer(serializers.ModelSerializer[InvoiceLine]):
+    tier: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+
+    class Meta:
+        model = InvoiceLine
+        fields = [
+            "id", "usage_record", "sandbox_id", "tier", "gpu_model", "milli_gpu",
+            "price_per_gpu_hour_micros", "started_at", "ended_at", "seconds", "cost_micros",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+
+class CreditNoteSerializer(serializers.ModelSerializer[CreditNote]):
+    class Meta:
+        model = CreditNote
+        fields = ["number", "reason", "amount_micros", "created_at"]
+        read_only_fields = fields
+
+
+class InvoiceSerializer(serializers.ModelSerializer[Invoice]):
+    project: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True
+    )
+
+    class Meta:
+        model = Invoice
+        fields = [
+            "id", "number", "project", "period_start", "currency", "state", "total_micros",
+            "created_at", "finalized_at",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+
+class InvoiceDetailSerializer(InvoiceSerializer):
+    lines = InvoiceLineSerializer(many=True, read_only=True)
+    credit_notes = CreditNoteSerializer(many=True, read_only=True)
+
+    class Meta(InvoiceSerializer.Meta):
+        fields = [*InvoiceSerializer.Meta.fields, "lines", "credit_notes"]
+        read_only_fields = fields
+
+
+class NewestPeriodFirst(CheckedPageSize):
+    ordering = ("-period_start", "-id")
+
+
+INVOICE_FILTERS = [
+    OpenApiParameter("project", OpenApiTypes.STR, description="Project slug."),
+    OpenApiParameter("period", OpenApiTypes.STR, description="Billed month, YYYY-MM (UTC)."),
+    OpenApiParameter("state", OpenApiTypes.STR, enum=InvoiceState.values, description="draft or finalized."),
+]
+
+
+def _period(raw: str) -> date:
+    if not re.fullmatch(r"\d{4}-\d{2}", raw) or not 1 <= int(raw[5:]) <= 12 or int(raw[:4]) < 1:
+        raise exceptions.ValidationError({"period": ["Give the month as YYYY-MM, e.g. 2026-11."]})
+    return date(int(raw[:4]), int(raw[5:]), 1)
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Invoices",
+        description="One per project, month and currency, newest month first. Drafts change as usage "
+        "closes; finalized ones are frozen (corrections are credit notes). Scope read:usage.",
+        parameters=INVOICE_FILTERS,
+        responses={200: InvoiceSerializer(many=True), **ERRORS},
+    ),
+    retrieve=extend_schema(
+        summary="One invoice, with its lines and credit notes",
+        responses={200: InvoiceDetailSerializer, **ERRORS},
+    ),
+)
+class InvoiceViewSet(
+    ApiView, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet[Invoice]
+):
+    pagination_class = NewestPeriodFirst
+    filters = ("project", "period", "state")
+    queryset = Invoice.objects.none()  # for the schema; get_queryset scopes it
+
+    def get_serializer_class(self) -> type[serializers.BaseSerializer[Invoice]]:
+        return InvoiceDetailSerializer if self.action == "retrieve" else InvoiceSerializer
+
+    def get_queryset(self) -> QuerySet[Invoice]:
+        qs = Invoice.objects.filter(project__in=api_projects(self.request)).select_related("project")
+        if self.action == "retrieve":
+            return qs.prefetch_related(
+                Prefetch("lines", InvoiceLine.objects.select_related("tier")), "credit_notes"
+            )
+        params = self.request.query_params
+        for name in ("project", "period", "state"):
+            if "\x00" in params.get(name, ""):  # PostgreSQL refuses NUL in text
+                raise exceptions.ValidationError({name: ["Null characters are not allowed."]})
+        if project := params.get("project"):
+            qs = qs.filter(project__slug=project)
+        if period := params.get("period"):
+            qs = qs.filter(period_start=_period(period))
+        if state := params.get("state"):
+            if state not in InvoiceState.values:
+                raise exceptions.ValidationError({"state": ["Give draft or finalized."]})
+            qs = qs.filter(state=state)
+        return qs
+
+
+# --- prices ---
+
+
+class PriceSerializer(serializers.ModelSerializer[Tier]):
+    mode = serializers.CharField(source="sharing_mode")
+    max_duration_hours = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Tier
+        fields = [
+            "slug",
+            "name",
+            "description",
+            "mode",
+            "isolation_levels",
+            "price_per_gpu_hour_micros",
+            "currency",
+            "max_gpus",
+            "max_duration_hours",
+        ]
+        read_only_fields = fields
+
+    def get_max_duration_hours(self, obj: Tier) -> float:
+        return obj.max_duration.total_seconds() / 3600
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Prices",
+        description="Open tiers with their price per GPU-hour in micro-units of `currency`; a "
+        "CPU-only tier (`mode` cpu) holds no GPU and charges that price per hour of each sandbox. "
+        "Scope read:usage.",
+        responses={200: PriceSerializer(many=True), **ERRORS},
+    )
+)
+class PriceViewSet(ApiView, mixins.ListModelMixin, viewsets.GenericViewSet[Tier]):
+    serializer_class = PriceSerializer
+    pagination_class = BySlug
+    queryset = Tier.objects.filter(active=True)

@@ -30,16 +30,16 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from portal.billing import webhooks
 from portal.billing.models import (
     CreditNote,
     Invoice,
     InvoiceLine,
     InvoiceState,
     UsageRecord,
-    WebhookEvent,
     cost_micros,
 )
+from portal.webhooks.deliveries import emit
+from portal.webhooks.models import WebhookEvent
 
 log = logging.getLogger(__name__)
 _MICROSECOND = timedelta(microseconds=1)
@@ -243,7 +243,7 @@ def do_finalize(invoice: Invoice, actor: Any = None, now: datetime | None = None
         locked.updated_at = now
         locked.save(update_fields=["number", "total_micros", "state", "finalized_at", "updated_at"])
         log.info("invoice %s finalized by %s", locked.number, getattr(actor, "username", "system"))
-        webhooks.emit(
+        emit(
             WebhookEvent.INVOICE_FINALIZED,
             invoice_payload(locked),
             locked.project_id,

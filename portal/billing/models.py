@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
@@ -20,9 +19,6 @@ __all__ = [
     "InvoiceLine",
     "InvoiceState",
     "UsageRecord",
-    "WebhookDelivery",
-    "WebhookEndpoint",
-    "WebhookEvent",
     "cost_micros",
 ]
 
@@ -275,83 +271,3 @@ class CreditNote(models.Model):
 
     def delete(self, *args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
         raise PermissionError("credit notes are insert-only: issue another one")
-
-
-class WebhookEvent(models.TextChoices):
-    INVOICE_FINALIZED = "invoice.finalized", "invoice.finalized"
-    SANDBOX_STOPPED = "sandbox.stopped", "sandbox.stopped"
-    USAGE_CLOSED = "usage.closed", "usage.closed"
-
-
-class WebhookEndpoint(models.Model):
-    """Where events are POSTed, signed with ``secret`` (HMAC-SHA256 of the body)."""
-
-    url = models.URLField(max_length=500)
-    secret = models.CharField(max_length=200)
-    events = models.JSONField(
-        default=list, help_text="Among invoice.finalized, sandbox.stopped, usage.closed."
-    )
-    # Null: every project's events; otherwise that project's only.
-    project = models.ForeignKey(
-        Project, on_delete=models.CASCADE, null=True, blank=True, related_name="webhook_endpoints"
-    )
-    active = models.BooleanField(default=True)
-    created_at = models.DateTimeField(default=timezone.now)
-
-    class Meta:
-        ordering = ["pk"]
-
-    def __str__(self) -> str:
-        return self.url
-
-    def clean(self) -> None:
-        known = set(WebhookEvent.values)
-        if not isinstance(self.events, list) or not self.events or not set(self.events) <= known:
-            raise ValidationError(
-                {"events": f"a non-empty list among {', '.join(sorted(known))}; got {self.events!r}"}
-            )
-
-
-class WebhookDelivery(models.Model):
-    """One event for one endpoint, with the outcome of its attempts (``attempt_log`` keeps
-    each: time, HTTP status or error, milliseconds). Receivers dedupe on ``event_id``."""
-
-    endpoint = models.ForeignKey(WebhookEndpoint, on_delete=models.CASCADE, related_name="deliveries")
-    event = models.CharField(max_length=40, choices=WebhookEvent.choices)
-    event_id = models.UUIDField()
-    payload = models.JSONField()
-    attempts = models.PositiveIntegerField(default=0)
-    last_status = models.IntegerField(null=True, blank=True)
-    last_error = models.CharField(max_length=300, blank=True)
-    attempt_log = models.JSONField(default=list, blank=True)
-    next_attempt_at = models.DateTimeField(null=True, blank=True)
-    delivered_at = models.DateTimeField(null=True, blank=True)
-    created_at = models.DateTimeField(default=timezone.now)
-
-    class Meta:
-        ordering = ["-created_at", "-pk"]
-        verbose_name_plural = "webhook deliveries"
-        constraints = [
-            models.UniqueConstraint(
-                fields=["endpoint", "event_id"],
-                name="%(app_label)s_%(class)s_once_per_endpoint",
-                violation_error_message="An event is delivered once to each endpoint.",
-            ),
-        ]
-        indexes = [
-            # The sweeper re-enqueues due retries: WHERE delivered_at IS NULL AND next_attempt_at <= now.
-            models.Index(
-                fields=["next_attempt_at"],
-                name="webhook_delivery_due_idx",
-                condition=models.Q(delivered_at__isnull=True, next_attempt_at__isnull=False),
-            ),
-        ]
-
-    def __str__(self) -> str:
-        return f"{self.event} {self.event_id} -> {self.endpoint_id}"
-
-    @property
-    def status(self) -> str:
-        if self.delivered_at is not None:
-            return "delivered"
-        return "pending" if self.next_attempt_at is not None else "failed"

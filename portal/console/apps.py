@@ -10,8 +10,8 @@ class ConsoleConfig(AppConfig):
         from django.contrib.auth import get_user_model
 
         from portal.accounts.models import Membership, Project
+        from portal.audit.trail import watch
         from portal.catalog.models import PriorityClass, SandboxImage, Tier
-        from portal.console.audit import watch
         from portal.fleet.models import Gpu
         from portal.quotas.models import QuotaPolicy
 

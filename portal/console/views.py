@@ -14,6 +14,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from portal.audit.models import AuditEntry
 from portal.catalog.models import PriorityClass, SandboxImage, Tier
 from portal.console.forms import (
     ConsolidationForm,
@@ -24,20 +25,19 @@ from portal.console.forms import (
     QuotaForm,
     TierForm,
 )
-from portal.console.models import AuditEntry
-from portal.fleet.health import do_drain_gpu, do_undrain_gpu
-from portal.fleet.models import FleetPlan, Gpu, Host, PlanStep
-from portal.fleet.modes import GpuModeError, describe, do_set_gpu_mode, serving
-from portal.fleet.plans import (
+from portal.control.faults import do_drain_gpu, do_undrain_gpu
+from portal.control.plans import (
     MigPreview,
     PlanError,
     do_start_consolidation,
     do_start_mig_plan,
     preview_mig_plan,
 )
+from portal.fleet.models import FleetPlan, Gpu, Host, PlanStep
+from portal.fleet.modes import GpuModeError, describe, do_set_gpu_mode, serving
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes.models import Allocation, Sandbox
-from portal.sandboxes.scheduling import build_fairshare, build_queue, build_snapshot
+from portal.sandboxes.snapshot import build_fairshare, build_queue, build_snapshot
 from scheduler.fairshare import FairOrder
 
 

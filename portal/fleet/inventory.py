@@ -1,4 +1,7 @@
-"""Applying what host agents report: heartbeats and GPU inventory."""
+"""Applying what host agents report: heartbeats and GPU inventory.
+
+State changes (a lost host back up, a GPU gone or back) go through ``portal.fleet.actions``.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +10,19 @@ from typing import Any
 
 from django.db import transaction
 
+from portal.fleet import actions
 from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 
 
 def do_heartbeat(host_name: str, at: datetime, backend: str, driver: str) -> bool:
-    """Record an agent's heartbeat; a lost host that beats again comes back up."""
+    """Record an agent's heartbeat; a lost host that beats again comes back up. False for
+    a host the database does not know."""
     updated = Host.objects.filter(name=host_name).update(last_heartbeat_at=at, backend=backend, driver=driver)
-    Host.objects.filter(name=host_name, state=Host.State.LOST).update(state=Host.State.UP)
+    if updated and Host.objects.filter(name=host_name, state=Host.State.LOST).exists():
+        with transaction.atomic():
+            host = Host.objects.select_for_update().filter(name=host_name, state=Host.State.LOST).first()
+            if host is not None:  # not regained by another beat meanwhile
+                actions.regain_host(host)
     return bool(updated)
 
 
@@ -35,9 +44,12 @@ def do_sync_inventory(
         host.cpu_cores, host.memory_mib = facts["cpu_cores"], facts["memory_mib"]
     host.save(update_fields=["backend", "driver", "cpu_cores", "memory_mib"])
     seen = set()
+    # Locked, so that a drain (portal.control.faults) cannot land between reading a GPU here
+    # and writing it back.
+    known = {gpu.uuid: gpu for gpu in Gpu.objects.select_for_update().filter(host=host)}
     for info in gpus:
         seen.add(info["uuid"])
-        gpu, created = Gpu.objects.get_or_create(
+        gpu, created = Gpu.objects.select_for_update().get_or_create(
             uuid=info["uuid"],
             defaults={
                 "host": host,
@@ -56,11 +68,11 @@ def do_sync_inventory(
                 gpu.sharing_mode = GpuMode.MIG
             elif gpu.sharing_mode == GpuMode.MIG:
                 gpu.sharing_mode = GpuMode.AUTO
-            if gpu.state == Gpu.State.UNAVAILABLE:
-                gpu.state = Gpu.State.AVAILABLE
-            gpu.save()
+            gpu.save(update_fields=["name", "model", "memory_mib", "mig_enabled", "sharing_mode"])
+            actions.gpu_available(gpu, f"available: host {host.name}'s agent sees it again")
         _sync_mig(gpu, info.get("mig_devices") or [])
-    Gpu.objects.filter(host=host).exclude(uuid__in=seen).update(state=Gpu.State.UNAVAILABLE)
+    gone = [gpu for uuid, gpu in known.items() if uuid not in seen]
+    actions.gpus_unavailable(gone, f"unavailable: host {host.name}'s agent no longer sees it")
     return host
 
 

@@ -50,6 +50,11 @@ class Host(models.Model):
         return self.backend == "simulated"
 
     @property
+    def simulated_sandboxes(self) -> bool:
+        """Its agent's driver keeps state only: its sandboxes run nothing (the cluster twin)."""
+        return self.driver == "simulated"
+
+    @property
     def queue(self) -> str:
         return f"host.{self.name}"
 
@@ -123,7 +128,8 @@ class MigInstance(models.Model):
 
 
 class FleetEvent(models.Model):
-    """Something that happened to a host or GPU: a drain, an undrain, a health event.
+    """Something that happened to a host or GPU (``portal.fleet.actions`` writes one per state
+    change): lost, regained, a drain, an undrain, a fault.
 
     A fault's drain is an ``info`` event: the fault's alert is the agent's
     (``portal.telemetry.models.Alert``). ``alert`` severity is on rows written before.
@@ -136,7 +142,9 @@ class FleetEvent(models.Model):
     at = models.DateTimeField(default=timezone.now)
     host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="events")
     gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, null=True, blank=True, related_name="events")
-    kind = models.CharField(max_length=32)  # drained, undrained, xid, ecc_dbe, gpu_lost, overheat
+    # host_lost, host_regained, drained, undrained, unavailable, available, mode, or a fault:
+    # xid, app_xid, ecc_dbe, gpu_lost, overheat
+    kind = models.CharField(max_length=32)
     severity = models.CharField(max_length=8, choices=Severity.choices, default=Severity.INFO)
     message = models.CharField(max_length=300)
     actor = models.ForeignKey(
@@ -191,6 +199,16 @@ class FleetPlan(models.Model):
 
     def __str__(self) -> str:
         return f"plan {self.pk}: {self.get_kind_display()} ({self.state})"
+
+
+def running_plan_gpus() -> set[str]:
+    """GPUs touched by a plan still running: the scheduling cycle places nothing on them."""
+    touched: set[str] = set()
+    for gpus in FleetPlan.objects.filter(state=FleetPlan.State.RUNNING).values_list(
+        "touched_gpus", flat=True
+    ):
+        touched.update(gpus)
+    return touched
 
 
 class PlanStep(models.Model):

@@ -4,7 +4,7 @@ A non-MIG GPU follows demand (``GpuMode.AUTO``) unless an admin pins it to dedic
 or time-slice. Following demand, an idle GPU takes whichever of those the scheduler
 places on it and serves that mode until the last sandbox of it leaves. A GPU in MIG mode
 stays ``mig``: leaving MIG mode needs a GPU reset, and its slices change only through
-re-layout plans (``portal.fleet.plans``).
+re-layout plans (``portal.control.plans``).
 
 ``do_set_gpu_mode`` is the one writer of a GPU's mode (the console's fleet page and the
 Django admin call it). Pinning is refused while the GPU holds sandboxes of another mode:

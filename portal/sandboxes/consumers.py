@@ -26,7 +26,7 @@ from django.utils import timezone
 
 from portal.accounts.access import can_manage_sandbox
 from portal.accounts.streams import Recheck
-from portal.console import audit
+from portal.audit import trail
 from portal.sandboxes.models import Sandbox, SandboxEvent, SandboxState
 from workers import dispatch
 from workers.terminal_relay import decode, encode, term_in_group, term_out_group
@@ -88,12 +88,16 @@ class SandboxTerminal(AsyncWebsocketConsumer):
             return Refusal(
                 CONFLICT, "Terminals open into container and process sandboxes; a VM has its console."
             )
+        if sandbox.host.simulated_sandboxes:
+            return Refusal(
+                CONFLICT, "The sandbox is simulated (its host keeps state only): nothing runs in it."
+            )
         SandboxEvent.objects.create(
             sandbox=sandbox, at=timezone.now(), from_state=sandbox.state, to_state=sandbox.state,
             actor=user, message=f"terminal opened by {user.get_username()}",
         )  # fmt: skip
         if user.pk != sandbox.owner_id:
-            audit.record(user, "sandbox.terminal", sandbox, None, None, "opened a terminal in it")
+            trail.record(user, "sandbox.terminal", sandbox, None, None, "opened a terminal in it")
         return sandbox.host.name, sandbox.allocation_key, sandbox.handle
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:

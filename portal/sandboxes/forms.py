@@ -10,7 +10,7 @@ from typing import Any
 from django import forms
 
 from portal.accounts.models import Membership, Project
-from portal.billing.api_common import repeated_fields, text_problem, unknown_fields
+from portal.api.text import repeated_fields, text_problem, unknown_fields
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
 from portal.fleet.models import Host
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
@@ -20,6 +20,8 @@ from workers.drivers import DRIVER_ISOLATION
 MIG_PROFILES = sorted(
     {p.name for m in MODELS.values() for p in m.mig_profiles}, key=lambda n: (int(n.split("g")[0]), n)
 )
+
+EXTEND_CHOICES_H = (1, 2, 4, 8)  # hours a user may add to a sandbox's time limit at once
 
 # Django's message echoes the value, however long or odd: name the choices' place instead.
 _CHOOSE = {"invalid_choice": "Choose one of the listed options."}

@@ -7,29 +7,30 @@ scheduling cycle (a request starts waiting), culling (idle warnings), drains.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db.models import Sum
+from django.utils import timezone
 
 from portal.quotas.models import QuotaPolicy
-
-if TYPE_CHECKING:
-    from portal.sandboxes.models import Sandbox
+from portal.quotas.usage import gpu_hours_since, month_start
+from portal.sandboxes.models import LIVE_STATES, Allocation, Notification, Sandbox, SandboxState, StopCause
 
 NEAR_QUOTA = 0.8  # a project using this share of a quota limit hears about it
 
 
 def notify(user: Any, kind: str, message: str, sandbox: Sandbox | None = None) -> None:
-    from portal.sandboxes.models import Notification
-
     Notification.objects.create(user=user, sandbox=sandbox, kind=kind, message=message[:300])
+
+
+def _tell_owner(sandbox: Sandbox, kind: str, message: str) -> None:
+    """By the owner's id: an action's locked sandbox does not load its owner's row."""
+    Notification.objects.create(user_id=sandbox.owner_id, sandbox=sandbox, kind=kind, message=message[:300])
 
 
 def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
     """The owner hears of a start, a requeue, a stop someone else asked for, and of every
     end they did not cause themselves (culling tells its own story when it stops one)."""
-    from portal.sandboxes.models import Notification, SandboxState, StopCause
-
     S = SandboxState
     label = f"Sandbox {sandbox.pk}" + (f" ({sandbox.name})" if sandbox.name else "")
     actor_id = getattr(actor, "pk", None)
@@ -37,29 +38,25 @@ def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
         return
     if to == S.RUNNING:
         where = f" on {sandbox.host.name}" if sandbox.host else ""
-        notify(sandbox.owner, Notification.Kind.STARTED, f"{label} is running{where}.", sandbox)
+        _tell_owner(sandbox, Notification.Kind.STARTED, f"{label} is running{where}.")
     elif to == S.QUEUED and sandbox.state != S.REQUESTED:  # back in the queue: requeued
-        notify(sandbox.owner, Notification.Kind.QUEUED, f"{label}: {message}", sandbox)
+        _tell_owner(sandbox, Notification.Kind.QUEUED, f"{label}: {message}")
     elif to == S.STOPPING and actor_id is not None:
         who = actor.get_username() if hasattr(actor, "get_username") else "an admin"
-        notify(
-            sandbox.owner, Notification.Kind.ENDED, f"{label} is being stopped by {who}: {message}", sandbox
-        )
+        _tell_owner(sandbox, Notification.Kind.ENDED, f"{label} is being stopped by {who}: {message}")
     elif to in (S.PREEMPTED, S.FAILED, S.EXPIRED):
         kinds: dict[str, str] = {S.PREEMPTED: Notification.Kind.PREEMPTED, S.FAILED: Notification.Kind.FAILED}
         kind = kinds.get(to, Notification.Kind.ENDED)
-        notify(sandbox.owner, kind, f"{label}: {message}", sandbox)
+        _tell_owner(sandbox, kind, f"{label}: {message}")
     elif to == S.STOPPED and sandbox.state == S.STOPPING:
         if sandbox.stop_cause in (StopCause.ASKED, StopCause.CULLED):
             return  # asked by a person (told then, or it was the owner) or by culling (told then)
-        notify(sandbox.owner, Notification.Kind.ENDED, f"{label}: {message}", sandbox)
+        _tell_owner(sandbox, Notification.Kind.ENDED, f"{label}: {message}")
 
 
 def on_first_waits(waits: list[tuple[int, int, str]]) -> None:
     """Owners hear why their sandbox waits, the first time it does: (sandbox id, owner id,
     reason) each, written at once (a burst of requests all start waiting in one cycle)."""
-    from portal.sandboxes.models import Notification
-
     Notification.objects.bulk_create(
         Notification(
             user_id=owner,
@@ -73,8 +70,6 @@ def on_first_waits(waits: list[tuple[int, int, str]]) -> None:
 
 def on_request(sandbox: Sandbox) -> None:
     """Tell the requester when their project is near a quota limit."""
-    from portal.sandboxes.models import LIVE_STATES, Allocation, Notification, Sandbox
-
     quota = QuotaPolicy.objects.filter(project_id=sandbox.project_id).first()
     if quota is None:
         return
@@ -91,10 +86,6 @@ def on_request(sandbox: Sandbox) -> None:
     if quota.max_gpus and held >= NEAR_QUOTA * quota.max_gpus * 1000:
         notes.append(f"{held / 1000:g} of its {quota.max_gpus} GPUs")
     if quota.max_gpu_hours_month:
-        from django.utils import timezone
-
-        from portal.quotas.usage import gpu_hours_since, month_start
-
         now = timezone.now()
         used = gpu_hours_since(sandbox.project_id, month_start(now), now)
         if used >= NEAR_QUOTA * quota.max_gpu_hours_month:

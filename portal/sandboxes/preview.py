@@ -37,7 +37,7 @@ from portal.gc_pause import collection_paused
 from portal.sandboxes import digest
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
 from portal.sandboxes.policy import new_policy, warm, workload_of
-from portal.sandboxes.scheduling import build_fairshare, build_queue, build_snapshot, scheduler_request
+from portal.sandboxes.snapshot import build_fairshare, build_queue, build_snapshot, scheduler_request
 from scheduler.cluster import (
     DEDICATED,
     MIG,

@@ -37,8 +37,6 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         mps_pinned=mps_alloc is not None and mps_alloc.gpu.sharing_mode == GpuMode.MPS,
         isolation=sandbox.isolation,
         env={"GPUSHARE_SANDBOX_ID": str(sandbox.pk), "GPUSHARE_PROJECT": sandbox.project.slug},
-        milli_gpu=sum(a.milli_gpu for a in allocations),
-        price_per_gpu_hour_micros=tier.price_per_gpu_hour_micros,
         tier=tier.slug,
         batch=sandbox.batch,
     )

@@ -15,17 +15,15 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from portal.accounts.access import can_manage_sandbox, visible_projects
-from portal.billing.ledger import running_cost_micros
+from portal.billing.ledger import cost_by
 from portal.catalog.models import Tier
 from portal.inputs import whole_number
 from portal.sandboxes import actions
 from portal.sandboxes.consumers import TERMINAL_ISOLATION
-from portal.sandboxes.forms import SandboxRequestForm
+from portal.sandboxes.forms import EXTEND_CHOICES_H, SandboxRequestForm
 from portal.sandboxes.models import Notification, Sandbox
 from portal.sandboxes.output import read_output
 from portal.sandboxes.preview import Preview, preview_request
-
-EXTEND_CHOICES_H = (1, 2, 4, 8)  # hours a user may add to a sandbox's time limit at once
 
 
 def _sandboxes_for_user(user: object) -> QuerySet[Sandbox]:
@@ -116,7 +114,7 @@ def _whole_seconds(delta: timedelta) -> timedelta:
 def _detail_context(sandbox: Sandbox) -> dict[str, object]:
     usage = list(sandbox.usage.all())
     now = timezone.now()
-    cost = sum(running_cost_micros(u, now) for u in usage)
+    cost = cost_by(usage, now)
     return {
         "sandbox": sandbox,
         "extend_hours": EXTEND_CHOICES_H,
@@ -140,6 +138,7 @@ def sandbox_detail(request: HttpRequest, pk: int) -> HttpResponse:
     context["can_open_terminal"] = (
         sandbox.is_live
         and sandbox.isolation in TERMINAL_ISOLATION
+        and not (sandbox.host and sandbox.host.simulated_sandboxes)
         and can_manage_sandbox(request.user, sandbox)
     )
     if sandbox.batch:  # its output's tail; the page follows it live from there

@@ -1,22 +1,21 @@
 """Alerts on the control side: the policy agents evaluate, storing what they raise and
-clear, and the signed webhook that tells an operator's tooling.
+clear, and the webhook events that tell an operator's tooling.
 
 Agents run the rules (workers/alerts.py); here a raised alert becomes a row (once, keyed
-by the agent's key), its clearing closes that row, a sandbox's owner is notified, and the
-fleet's (and the tier's) webhook gets a signed POST, retried with backoff by Celery.
+by the agent's key), its clearing closes that row, a sandbox's owner is notified, and an
+``alert.raised`` / ``alert.cleared`` webhook event is emitted (``portal.webhooks``: every
+endpoint subscribed to it, the global ones and, for a sandbox's alert, its project's;
+signed, recorded, retried and redeliverable like every other webhook).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import hmac
 import json
 import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -24,6 +23,8 @@ from portal.fleet.models import Gpu, Host
 from portal.sandboxes.models import Notification, Sandbox
 from portal.sandboxes.notify import notify
 from portal.telemetry.models import Alert, AlertPolicy
+from portal.webhooks.deliveries import emit
+from portal.webhooks.models import WebhookEvent
 
 log = logging.getLogger(__name__)
 KINDS = {k.value for k in Alert.Kind}
@@ -53,7 +54,8 @@ def _when(t_ms: Any) -> datetime:
 
 def do_record_alerts(host: str, changes: list[dict[str, Any]]) -> list[tuple[int, str]]:
     """Store raised alerts and close cleared ones; returns (alert id, state) of each row that
-    changed, for the webhook. A change seen before (redelivered) changes nothing."""
+    changed. A change seen before (redelivered) changes nothing; each change emits its
+    webhook event in the same transaction."""
     host_row = Host.objects.filter(name=host).first()
     if host_row is None:
         log.warning("alerts from unknown host %s ignored", host)
@@ -70,6 +72,7 @@ def do_record_alerts(host: str, changes: list[dict[str, Any]]) -> list[tuple[int
             if change.get("state") == "raised":
                 alert = _raise(host_row, key, kind, change)
                 if alert is not None:
+                    emit_alert_event(alert, "raised")
                     changed.append((alert.pk, "raised"))
             elif change.get("state") == "cleared":
                 at = _when(change.get("t"))
@@ -78,9 +81,8 @@ def do_record_alerts(host: str, changes: list[dict[str, Any]]) -> list[tuple[int
                 if open_alert is not None:
                     open_alert.cleared_at, open_alert.clear_reason = at, reason
                     open_alert.save(update_fields=["cleared_at", "clear_reason"])
+                    emit_alert_event(open_alert, "cleared")
                     changed.append((open_alert.pk, "cleared"))
-    for alert_id, state in changed:
-        transaction.on_commit(functools.partial(_send_webhooks, alert_id, state))
     return changed
 
 
@@ -116,64 +118,28 @@ def do_close_host_alerts(host: str, reason: str) -> int:
 
 # --- webhooks ----------------------------------------------------------------------------
 
+ALERT_EVENTS = {"raised": WebhookEvent.ALERT_RAISED, "cleared": WebhookEvent.ALERT_CLEARED}
 
-def webhook_body(alert: Alert, state: str) -> bytes:
-    payload = {
-        "event": f"alert.{state}",
-        "alert": {
-            "key": alert.key,
-            "kind": alert.kind,
-            "state": state,
-            "message": alert.message,
-            "value": alert.value,
-            "threshold": alert.threshold,
-            "host": alert.host.name,
-            "gpu": alert.gpu.uuid if alert.gpu else None,
-            "sandbox": alert.sandbox_id,
-            "raised_at": alert.raised_at.isoformat(),
-            "cleared_at": alert.cleared_at.isoformat() if alert.cleared_at else None,
-        },
+
+def alert_payload(alert: Alert, state: str) -> dict[str, Any]:
+    return {
+        "alert_id": alert.pk,
+        "key": alert.key,
+        "kind": alert.kind,
+        "state": state,
+        "message": alert.message,
+        "value": alert.value,
+        "threshold": alert.threshold,
+        "host": alert.host.name,
+        "gpu": alert.gpu.uuid if alert.gpu else None,
+        "sandbox": alert.sandbox_id,
+        "raised_at": alert.raised_at.isoformat(),
+        "cleared_at": alert.cleared_at.isoformat() if alert.cleared_at else None,
     }
-    return json.dumps(payload, sort_keys=True).encode()
 
 
-def signature(body: bytes, secret: str) -> str:
-    """``X-Gpushare-Signature``: ``sha256=<hex HMAC of the body>``, as GitHub signs its hooks."""
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-
-
-def webhook_urls(alert: Alert) -> list[str]:
-    """The fleet's webhook, and the tier's for a sandbox's alert (each URL once)."""
-    urls = list(
-        AlertPolicy.objects.filter(tier__isnull=True)
-        .exclude(webhook_url="")
-        .values_list("webhook_url", flat=True)
-    )
-    if alert.sandbox_id is not None:
-        tier_url = (
-            AlertPolicy.objects.filter(tier__sandboxes=alert.sandbox_id)
-            .exclude(webhook_url="")
-            .values_list("webhook_url", flat=True)
-            .first()
-        )
-        if tier_url and tier_url not in urls:
-            urls.append(tier_url)
-    return urls
-
-
-def _send_webhooks(alert_id: int, state: str) -> None:
-    alert = Alert.objects.filter(pk=alert_id).first()
-    if alert is None:
-        return
-    from workers import dispatch
-
-    for url in webhook_urls(alert):
-        dispatch.to_control("deliver_alert_webhook", alert_id, state, url)
-
-
-def note_delivery(alert_id: int, status: str) -> None:
-    Alert.objects.filter(pk=alert_id).update(webhook_status=status[:120])
-
-
-def secret() -> str:
-    return str(settings.ALERT_WEBHOOK_SECRET)
+def emit_alert_event(alert: Alert, state: str) -> None:
+    """``alert.raised`` / ``alert.cleared`` to the global endpoints that want it and, for a
+    sandbox's alert, its project's; keyed by the alert, so once per alert and state."""
+    project_id = alert.sandbox.project_id if alert.sandbox is not None else None
+    emit(ALERT_EVENTS[state], alert_payload(alert, state), project_id, key=f"alert.{state}:{alert.pk}")

@@ -10,6 +10,8 @@ the socket can take more (the ASGI server holds ``send`` while the client's TCP 
 full). So a client that stops reading costs one sample per device it watches, the channel
 layer is drained at the agents' pace whatever the clients do, and an agent's ``group_send``
 never waits on a browser. Alerts are few and each matters: they queue (bounded) instead.
+
+A sandbox's own stream also carries its running cost, which the portal adds (SandboxSamples).
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ import contextlib
 import logging
 import re
 from collections import deque
+from datetime import UTC, datetime
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from portal.accounts.streams import Recheck
+from portal.billing.ledger import cost_by, sandbox_usage
+from portal.billing.models import UsageRecord
 from portal.telemetry.access import may_watch_fleet, may_watch_gpu, may_watch_sandbox, sandboxes_seen_on_gpu
 from workers.telemetry import FLEET_GROUP, gpu_group, sandbox_group
 
@@ -175,9 +180,29 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
 
 
 class SandboxSamples(_SampleConsumer):
+    """A sandbox's own samples, each with its running cost added to its figures: agents know
+    no price and compute no cost, so the cost is billing's (``portal.billing.ledger``), at the
+    sample's time, from the sandbox's usage intervals. Those are read with each permission
+    check (connect, then every ``STREAM_RECHECK_S``), so the handler stays off the database
+    and a new placement's interval joins within one re-check."""
+
+    usage: list[UsageRecord]
+
     def authorize(self, user: Any) -> str | None:
         sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
-        return sandbox_group(sandbox_id) if may_watch_sandbox(user, sandbox_id) else None
+        if not may_watch_sandbox(user, sandbox_id):
+            return None
+        self.usage = sandbox_usage(sandbox_id)
+        return sandbox_group(sandbox_id)
+
+    async def gpu_sample(self, event: dict[str, Any]) -> None:
+        key = str(self.scope["url_route"]["kwargs"]["sandbox_id"])
+        own = (event.get("sandboxes") or {}).get(key)
+        t_ms = event.get("t")
+        if isinstance(own, dict) and isinstance(t_ms, int | float) and not isinstance(t_ms, bool):
+            cost = cost_by(self.usage, datetime.fromtimestamp(t_ms / 1000, tz=UTC))
+            event = {**event, "sandboxes": {**event["sandboxes"], key: {**own, "cost_micros": cost}}}
+        await super().gpu_sample(event)
 
 
 class GpuSamples(_SampleConsumer):

@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from portal.billing.ledger import running_cost_micros
+from portal.billing.ledger import COSTED_FIELDS, running_cost_micros
 from portal.billing.models import UsageRecord
 from portal.catalog.models import Tier
 from portal.fleet.models import Gpu, Host, MigInstance
@@ -275,7 +275,8 @@ class FleetCollector(Collector):
     def _running_sandboxes(self) -> Iterator[Metric]:
         """Per sandbox, from the samples' figures. A sandbox appears in the sample of its GPU
         and, on MIG, of its MIG device too: the device's own figures are preferred, and
-        a sandbox on several GPUs adds up their memory and averages their utilization."""
+        a sandbox on several GPUs adds up their memory and averages their utilization. Its
+        cost is billing's: its open usage interval's running cost (the samples carry none)."""
         seen: dict[str, list[tuple[bool, dict[str, Any]]]] = defaultdict(list)
         for message in self.latest.values():
             for sandbox_id, figures in (message.get("sandboxes") or {}).items():
@@ -287,6 +288,12 @@ class FleetCollector(Collector):
                 "pk", "project__slug", "owner__username", "tier__slug", "tier__currency"
             )
         }
+        placed = UsageRecord.objects.filter(sandbox_id__in=ids, ended_at__isnull=True).only(
+            "sandbox_id", *COSTED_FIELDS
+        )
+        spent: dict[str, int] = defaultdict(int)
+        for record in placed:
+            spent[str(record.sandbox_id)] += running_cost_micros(record, self.now)
         names = ["sandbox", "project", "owner", "tier"]
         memory = GaugeMetricFamily(
             "gpushare_sandbox_gpu_memory_used_bytes", "GPU memory a running sandbox holds.", labels=names
@@ -310,8 +317,7 @@ class FleetCollector(Collector):
             measured = [f["util_pct"] for f in own if f.get("util_pct") is not None]
             if measured:  # none measured (MIG without GPM): no series, not an idle 0
                 util.add_metric(labels, sum(measured) / len(measured) / 100)
-            spent = max(f.get("cost_micros", 0) for _, f in entries)  # each sample has the same
-            cost.add_metric([*labels, row["tier__currency"]], spent)
+            cost.add_metric([*labels, row["tier__currency"]], spent[sandbox_id])
         yield from (memory, util, cost)
 
     def _alerts_and_cost(self) -> Iterator[Metric]:
@@ -335,15 +341,7 @@ class FleetCollector(Collector):
         open_records = (
             UsageRecord.objects.filter(ended_at__isnull=True)
             .select_related("project")
-            .only(
-                "project__slug",
-                "currency",
-                "price_per_gpu_hour_micros",
-                "milli_gpu",
-                "billed_milli",
-                "started_at",
-                "cost_micros",
-            )
+            .only("project__slug", "currency", *COSTED_FIELDS)
         )
         for record in open_records:
             totals[(record.project.slug, record.currency)] += running_cost_micros(record, self.now)

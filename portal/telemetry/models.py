@@ -47,8 +47,9 @@ class GpuRollup(models.Model):
 
 
 class SandboxRollup(models.Model):
-    """One sandbox's figures over one minute: the GPU memory it held, the utilization of its
-    device and its running cost at the minute's last sample."""
+    """One sandbox's figures over one minute: the GPU memory it held and the utilization,
+    temperature and power of its device. No cost: the usage ledger has it for any moment
+    (portal.billing.ledger.cost_by), and the chart's history reads it from there."""
 
     sandbox = models.ForeignKey("sandboxes.Sandbox", on_delete=models.CASCADE, related_name="rollups")
     minute = models.DateTimeField()
@@ -61,7 +62,6 @@ class SandboxRollup(models.Model):
     util_max_pct = models.FloatField(null=True, blank=True)
     temp_max_c = models.FloatField()
     power_mean_w = models.FloatField()
-    cost_micros = models.BigIntegerField()
 
     class Meta:
         constraints = [
@@ -102,7 +102,6 @@ class AlertPolicy(models.Model):
     hold_s = models.PositiveSmallIntegerField(
         default=10, help_text="Seconds a temperature or memory value must hold before it raises or clears."
     )
-    webhook_url = models.URLField(blank=True, help_text="POSTed every alert raised and cleared (signed).")
 
     class Meta:
         verbose_name_plural = "alert policies"
@@ -183,7 +182,6 @@ class Alert(models.Model):
     raised_at = models.DateTimeField()
     cleared_at = models.DateTimeField(null=True, blank=True)
     clear_reason = models.CharField(max_length=120, blank=True)
-    webhook_status = models.CharField(max_length=120, blank=True)
 
     class Meta:
         ordering = ["-raised_at"]

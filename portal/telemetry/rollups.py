@@ -70,7 +70,6 @@ def _sandbox_row(sandbox_id: int, minute: datetime, figures: dict[str, Any]) -> 
         util_max_pct=util[2],
         temp_max_c=figures["temp_max_c"],
         power_mean_w=figures["power_mean_w"],
-        cost_micros=figures["cost_micros"],
     )
 
 

@@ -1,4 +1,5 @@
-"""History for the charts (from the one-minute rollups) and the alerts panel, as JSON.
+"""History for the charts (from the one-minute rollups; a sandbox's cost from the usage
+ledger) and the alerts panel, as JSON.
 
 Each endpoint grants exactly what the matching WebSocket grants (portal/telemetry/access.py).
 A window is given in minutes, 1 to the retention; anything else is a 400 naming the field.
@@ -17,6 +18,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from portal.accounts.access import visible_projects
+from portal.billing.ledger import cost_by, sandbox_usage
 from portal.fleet.models import Gpu
 from portal.inputs import whole_number
 from portal.sandboxes.models import Sandbox
@@ -31,6 +33,7 @@ FLEET_METRICS = {
     "mem_pct": None,  # mem_mean_mib / mem_total_mib
 }
 RECENT_CLEARED = 20
+ONE_MINUTE = timedelta(minutes=1)
 
 
 class BadParameter(ValueError):
@@ -121,6 +124,7 @@ def sandbox_history(request: HttpRequest, pk: int) -> JsonResponse:
         .order_by("minute")
         .values()
     ]
+    usage = sandbox_usage(sandbox_id) if rows else []
     return JsonResponse(
         {
             "sandbox": sandbox_id,
@@ -130,7 +134,8 @@ def sandbox_history(request: HttpRequest, pk: int) -> JsonResponse:
             "mem_mib": _triple(rows, "mem", "mib"),
             "temp_max_c": [r["temp_max_c"] for r in rows],
             "power_mean_w": [r["power_mean_w"] for r in rows],
-            "cost_micros": [r["cost_micros"] for r in rows],
+            # The cost so far at each minute's end, from the usage ledger (billing's figure).
+            "cost_micros": [cost_by(usage, r["minute"] + ONE_MINUTE) for r in rows],
             "currency": currency or "",
         }
     )

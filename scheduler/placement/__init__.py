@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from scheduler.cluster import Pending, Place, Request, Snapshot
+from scheduler.placement.firstfit import FirstFit
+from scheduler.placement.gpushare import GpusharePolicy
 
 # What the portal runs unless SCHEDULER_POLICY says otherwise, and what the benchmarks measure.
 DEFAULT_POLICY = "gpushare"
@@ -24,9 +26,6 @@ class Policy(Protocol):
 def get_policy(name: str) -> Policy:
     """A new placement policy by name: ``gpushare`` (the default) or ``first-fit`` (a plain
     baseline)."""
-    from scheduler.placement.firstfit import FirstFit
-    from scheduler.placement.gpushare import GpusharePolicy
-
     policies: dict[str, type[Policy]] = {"first-fit": FirstFit, "gpushare": GpusharePolicy}
     try:
         return policies[name]()

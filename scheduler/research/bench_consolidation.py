@@ -17,7 +17,8 @@ from typing import Any
 from scheduler.bench import write_section
 from scheduler.defrag import HostRoom, Share, SharedGpu, plan_consolidation
 from scheduler.research.bench_trace import TRACES
-from scheduler.research.replay import ReplayResult, replay
+from scheduler.research.replay import replay
+from scheduler.research.result import ReplayResult
 from scheduler.research.trace import Workload, build_workload, load_nodes, load_pods
 
 BEGIN, END = "<!-- bench:consolidation:begin -->", "<!-- bench:consolidation:end -->"

@@ -31,7 +31,8 @@ from scheduler.research.bench_trace import (
     unallocated,
 )
 from scheduler.research.live_replay import DEFAULT_BATCH, replay_live
-from scheduler.research.replay import ReplayResult, replay
+from scheduler.research.replay import replay
+from scheduler.research.result import ReplayResult
 from scheduler.research.trace import Workload, build_workload, load_nodes, load_pods
 
 SEEDS = tuple(range(42, 52))

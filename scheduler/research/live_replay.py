@@ -43,7 +43,7 @@ from scheduler.gpus import CATALOG
 from scheduler.placement import DEFAULT_POLICY, Policy, get_policy
 from scheduler.placement.fragmentation import Fragmentation
 from scheduler.placement.gpushare import GpusharePolicy
-from scheduler.research.replay import ReplayResult
+from scheduler.research.result import ReplayResult
 from scheduler.research.trace import NodeSpec, PodSpec, Workload
 
 TIMESLICE_REPLICAS = 4

@@ -31,14 +31,16 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from scheduler.placement import DEFAULT_POLICY
 from scheduler.placement.fragmentation import Fragmentation
+from scheduler.research.live_replay import replay_live, replay_offline
 from scheduler.research.paper import PAPER_POLICIES
 from scheduler.research.paper.base import ReplayContext, TracePolicy
 from scheduler.research.paper.cluster import Cluster
+from scheduler.research.result import ReplayResult
 from scheduler.research.trace import PodSpec, Workload, build_workload, load_nodes, load_pods
 
 PolicyFactory = Callable[[ReplayContext], TracePolicy]
@@ -60,26 +62,6 @@ def register_policy(name: str, factory: PolicyFactory) -> None:
 
 
 @dataclass
-class ReplayResult:
-    workload: Workload
-    node: list[int] = field(default_factory=list)  # per pod: node index, -1 when it failed
-    gpus: list[tuple[int, ...]] = field(default_factory=list)
-    arrived_milli: list[int] = field(default_factory=list)  # cumulative GPU milli requested
-    used_milli: list[int] = field(default_factory=list)  # GPU milli allocated after the pod
-    frag_milli: list[float] = field(default_factory=list)  # sum of F(n) after the pod
-    decision_s: list[float] = field(default_factory=list)
-    wall_s: float = 0.0
-
-    @property
-    def failed(self) -> int:
-        return self.node.count(-1)
-
-    def pct(self, milli: float) -> float:
-        """As the paper's analysis computes it: milli / #GPUs / 10, i.e. % of capacity."""
-        return milli / self.workload.total_gpus / 10
-
-
-@dataclass
 class _ShapeCache:
     keys: list[int]
     seen: int  # length of the change log when ``keys`` was last brought up to date
@@ -92,8 +74,6 @@ def _shape(pod: PodSpec) -> _ShapeKey:
 def replay(workload: Workload, policy_name: str) -> ReplayResult:
     """Schedule every pod of ``workload`` in order with the named policy."""
     if policy_name == PRODUCT_POLICY:
-        from scheduler.research.live_replay import replay_offline
-
         return replay_offline(workload, policy_name)
     start = time.perf_counter()
     nodes = workload.nodes
@@ -228,8 +208,6 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     workload = build_workload(load_nodes(args.nodes), load_pods(args.pods), args.seed, args.tune)
     if args.engine == "live":
-        from scheduler.research.live_replay import replay_live
-
         result, label = replay_live(workload, args.batch), f"{PRODUCT_POLICY} (live, batch {args.batch})"
     else:
         result, label = replay(workload, args.policy), args.policy

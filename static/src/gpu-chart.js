@@ -229,16 +229,19 @@ function applyHistory(kind, body, tracks, memTotal) {
 }
 
 // A sandbox with several devices gets one sample per device per tick: its point combines the
-// newest sample of each (hottest temperature, mean utilization, summed memory and power).
+// newest sample of each (hottest temperature, mean utilization, summed memory and power). Its
+// cost so far is the portal's (billing's figure, added to the sandbox stream's samples; the
+// GPU hosts compute none): a sample without one still plots, with no cost point.
 function sandboxFigures(sandboxId, devices, msg) {
   const own = msg.sandboxes && msg.sandboxes[sandboxId];
-  if (!own || !finite(own.mem_mib) || !(own.util_pct === null || finite(own.util_pct)) || !finite(own.cost_micros)) {
+  if (!own || !finite(own.mem_mib) || !(own.util_pct === null || finite(own.util_pct))) {
     return null;
   }
   devices.set(msg.gpu, { msg, own });
   const fresh = [...devices.values()].filter((d) => d.msg.t > msg.t - DEVICE_FRESH_MS);
   const sum = (f) => fresh.reduce((acc, d) => acc + f(d), 0);
   const measured = fresh.filter((d) => finite(d.own.util_pct)); // unmeasured devices aside
+  const costs = fresh.map((d) => d.own.cost_micros).filter(finite);
   return {
     devices: fresh.length,
     temp: Math.max(...fresh.map((d) => d.msg.temp_c)),
@@ -246,7 +249,7 @@ function sandboxFigures(sandboxId, devices, msg) {
     mem: sum((d) => d.own.mem_mib) / 1024,
     memTotal: sum((d) => d.msg.mem_total_mib) / 1024,
     power: sum((d) => d.msg.power_w),
-    cost: Math.max(...fresh.map((d) => d.own.cost_micros)) / 1e6,
+    cost: costs.length ? Math.max(...costs) / 1e6 : null,
   };
 }
 
@@ -318,7 +321,7 @@ export function mountGpuCharts(root) {
     const sim = msg.simulated ? " (simulated GPU: modelled figures, not a real device)" : "";
     const several = v.devices > 1 ? ` and ${v.devices - 1} more` : "";
     const throttled = Array.isArray(msg.throttle) && msg.throttle.length ? ` · throttled: ${msg.throttle.join(", ")}` : "";
-    const cost = kind === "sandbox" ? ` · ${money(v.cost)} so far` : "";
+    const cost = kind === "sandbox" && v.cost !== null ? ` · ${money(v.cost)} so far` : "";
     status.figures(`${msg.gpu}${several} on ${msg.host || "its host"}${sim} · ${v.temp.toFixed(0)} °C · ` +
       `${pctText(v.util)} · ${v.mem.toFixed(1)} / ${v.memTotal.toFixed(0)} GiB · ${v.power.toFixed(0)} W${cost}${throttled}`);
   }

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import pytest
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -36,6 +38,23 @@ from scheduler.research.bench_trace import TRACES
 from scheduler.research.live_replay import mirror_snapshot, pod_request, replay_offline_on
 from scheduler.research.trace import PodSpec, build_workload, load_nodes, load_pods
 from tests.factories import UserFactory
+
+# What an openb bench module marks itself with: a bench, committed data, PostgreSQL only.
+OPENB_BENCH = [
+    pytest.mark.bench,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        settings.DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql",
+        reason="measured on PostgreSQL, as deployed at this size",
+    ),
+]
+WRITES = ("INSERT", "UPDATE", "DELETE")  # the statements a bench counts as writes
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
 
 SEED, TUNE = 42, 1.3
 PENDING = 1000

@@ -30,38 +30,25 @@ from statistics import median
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from portal.accounts.models import Membership
-from portal.sandboxes import actions, digest, policy, scheduling
+from portal.control import scheduling
+from portal.sandboxes import actions, digest, policy
 from portal.sandboxes.models import Sandbox
 from scheduler.bench import write_section
-from tests.bench.openb_fleet import Seeded, seed_openb
+from tests.bench.openb_fleet import OPENB_BENCH, WRITES, Seeded, percentile, seed_openb
 
-pytestmark = [
-    pytest.mark.bench,
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        settings.DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql",
-        reason="measured on PostgreSQL, as deployed at this size",
-    ),
-]
+pytestmark = OPENB_BENCH
 ROOT = Path(__file__).resolve().parents[2]
 BEGIN, END = "<!-- bench:portal-cycle:begin -->", "<!-- bench:portal-cycle:end -->"
 STEADY = 10
 CHURN_CYCLES, CHURN = 10, 10
 PREVIEWS, AFTER_PUBLICATION, FALLBACK_PREVIEWS = 60, 10, 3
 PARTS = ("queue", "snapshot", "fairshare", "learn", "decide", "commit", "encode", "launch", "publish")
-WRITES = ("INSERT", "UPDATE", "DELETE")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def cycle() -> tuple[float, dict[str, float], tuple[int, int]]:

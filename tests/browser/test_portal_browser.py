@@ -1,18 +1,21 @@
 """Chromium through Playwright against the real platform: sign in, request, watch, stop.
 
-Screenshots go to docs/screenshots/ (the README shows them).
+Two scenarios, each one platform and one page for its steps (a class marked ``steps``): a
+failure names the step, and the steps after it are skipped. Screenshots go to
+docs/screenshots/ (the README shows them).
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.browser.pages import shot, sign_in, wait_until
-from tests.e2e.platform import running_platform
+from tests.conftest import make_catalog, make_people
+from tests.e2e.platform import Platform, running_platform
 from tests.workers.engines import require_engine
 
 pytestmark = [
@@ -20,18 +23,55 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.docker,
     pytest.mark.slow,
-    pytest.mark.django_db(transaction=True),
 ]
 
 
-def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Path, browser_page: Any) -> None:
+@pytest.fixture(scope="class")
+def world(scenario_db: None) -> dict[str, Any]:
+    """The personas and the demo catalog, committed for the scenario's platform to see."""
+    return {**make_people(), **make_catalog()}
+
+
+@pytest.fixture(scope="class")
+def platform(
+    request: pytest.FixtureRequest, world: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Platform]:
+    """The scenario's platform: its class says which simulated GPUs (SIM_GPUS) and which of
+    them an admin pinned to a sharing mode (PINNED, index -> mode)."""
+    from portal.fleet.models import Gpu
     from workers.drivers.docker import docker_available
 
     require_engine(docker_available(), "a Docker engine")
-    page = browser_page
-    # GPUs 0 and 1 dedicated, GPU 2 in MIG mode.
-    with running_platform(tmp_path, web=True, sim_gpus="H100-80GB:3:mig=2") as platform:
-        base = f"http://127.0.0.1:{platform.port}"
+    with running_platform(
+        tmp_path_factory.mktemp("platform"), web=True, sim_gpus=request.cls.SIM_GPUS
+    ) as platform:
+        for index, mode in getattr(request.cls, "PINNED", {}).items():
+            Gpu.objects.filter(host__name=platform.host, index=index).update(sharing_mode=mode)
+        yield platform
+
+
+@pytest.fixture
+def base(platform: Platform) -> str:
+    return f"http://127.0.0.1:{platform.port}"
+
+
+def go_to_request_form(page: Any, base: str, tier: str) -> None:
+    page.goto(f"{base}/sandboxes/new/")
+    page.select_option("select[name=project]", label="Vision")
+    page.select_option("select[name=tier]", label=tier)
+    page.select_option("select[name=image]", label="busybox")
+
+
+@pytest.mark.steps
+@pytest.mark.usefixtures("scenario_db")
+class TestSignInRequestWatchAndStop:
+    """A user signs in, requests a dedicated GPU, watches it run, uses its terminal, stops
+    it and reads the bill; an admin then reshapes the MIG GPU for a whole-GPU instance."""
+
+    SIM_GPUS = "H100-80GB:3:mig=2"  # GPUs 0 and 1 dedicated, GPU 2 in MIG mode
+
+    def test_01_sign_in(self, scenario_page: Any, base: str) -> None:
+        page = scenario_page
         page.goto(f"{base}/login/")
         shot(page, "login")
         page.fill("input[name=username]", "olivia")
@@ -39,18 +79,21 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         page.click("button[type=submit]")
         page.wait_for_url(f"{base}/sandboxes/")
 
-        page.goto(f"{base}/sandboxes/new/")
-        page.select_option("select[name=project]", label="Vision")
-        page.select_option("select[name=tier]", label="Dedicated")
-        page.select_option("select[name=image]", label="busybox")
+    def test_02_request_form_previews_a_start_now(self, scenario_page: Any, base: str) -> None:
+        page = scenario_page
+        go_to_request_form(page, base, "Dedicated")
         page.fill("input[name=gpu_count]", "1")
         page.locator("input[name=gpu_count]").dispatch_event("change")
         page.locator("#preview .verdict-now", has_text="Starts now on").wait_for(timeout=10_000)
         assert "Dedicated" in page.locator(".tier-facts").inner_text()
         shot(page, "request-form")
-        page.click("form.request-form button[type=submit]")
-        page.wait_for_url("**/sandboxes/*/")
 
+    def test_03_request_opens_the_sandbox_page(self, scenario_page: Any) -> None:
+        scenario_page.click("form.request-form button[type=submit]")
+        scenario_page.wait_for_url("**/sandboxes/*/")
+
+    def test_04_sandbox_reaches_running_with_a_live_chart(self, scenario_page: Any) -> None:
+        page = scenario_page
         page.wait_for_selector("#sandbox-state:text('Running')", timeout=60_000)
         chart = page.locator("#gpu-chart")
         wait_until(
@@ -67,7 +110,8 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         assert page.locator(".badge.sim").count() >= 1  # the page says the host is simulated
         shot(page, "sandbox-running")
 
-        # A shell in the container, in the page.
+    def test_05_terminal_runs_a_command_in_the_container(self, scenario_page: Any) -> None:
+        page = scenario_page
         page.click("[data-open-terminal]")
         page.locator(".terminal-status", has_text="Connected").wait_for(timeout=20_000)
         page.locator(".terminal-screen .xterm").click()
@@ -80,12 +124,11 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         page.locator("#terminal").scroll_into_view_if_needed()
         shot(page, "sandbox-terminal")
 
-        # One of the two dedicated GPUs is taken: two would wait (with a place, an earliest
-        # start and the one GPU that could start now instead).
-        page.goto(f"{base}/sandboxes/new/")
-        page.select_option("select[name=project]", label="Vision")
-        page.select_option("select[name=tier]", label="Dedicated")
-        page.select_option("select[name=image]", label="busybox")
+    def test_06_a_second_request_for_two_gpus_would_wait(self, scenario_page: Any, base: str) -> None:
+        """One of the two dedicated GPUs is taken: two would wait (with a place, an earliest
+        start and the one GPU that could start now instead)."""
+        page = scenario_page
+        go_to_request_form(page, base, "Dedicated")
         page.fill("input[name=gpu_count]", "2")
         page.locator("input[name=gpu_count]").dispatch_event("change")
         page.locator("#preview .verdict-waits").wait_for(timeout=10_000)
@@ -96,24 +139,31 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         page.go_back()
         page.wait_for_selector("#sandbox-state:text('Running')", timeout=10_000)
 
+    def test_07_stop_ends_the_sandbox_and_shows_its_cost(self, scenario_page: Any) -> None:
+        page = scenario_page
         page.click("#stop-button")
         page.wait_for_selector("#sandbox-state:text('Stopped')", timeout=60_000)
         assert "EUR" in page.locator("#usage").inner_text()
         shot(page, "sandbox-stopped")
 
+    def test_08_list_and_notifications(self, scenario_page: Any, base: str) -> None:
+        page = scenario_page
         page.goto(f"{base}/sandboxes/")
         shot(page, "sandbox-list")
         page.click("#notifications-link")
         page.wait_for_url(f"{base}/notifications/")
         assert page.locator("ul.notifications li", has_text="is running on").count() >= 1
         shot(page, "notifications")
-        page.click("nav >> text=Projects")
-        shot(page, "projects")
-        # The month's draft invoice, as the control worker's invoice tick would make it.
+
+    def test_09_project_page_and_its_draft_invoice(self, scenario_page: Any, base: str) -> None:
         from django.utils import timezone
 
         from portal.billing.invoices import do_draft_invoices
 
+        page = scenario_page
+        page.click("nav >> text=Projects")
+        shot(page, "projects")
+        # The month's draft invoice, as the control worker's invoice tick would make it.
         do_draft_invoices(timezone.now().date().replace(day=1))
         page.click("text=Vision")
         page.wait_for_url(f"{base}/projects/vision/")
@@ -125,7 +175,10 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         assert page.locator("table.grid tbody tr").count() == 1
         shot(page, "invoice")
 
-        # An admin sees the fleet, and that this host's GPUs are simulated.
+    def test_10_admin_sees_the_fleet_is_simulated(
+        self, scenario_page: Any, base: str, platform: Platform
+    ) -> None:
+        page = scenario_page
         page.click("text=Sign out")
         page.goto(f"{base}/login/?next=/console/fleet/")
         page.fill("input[name=username]", "ada")
@@ -138,7 +191,11 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         page.goto(f"{base}/console/queue/")
         shot(page, "queue")
 
-        # It reshapes the MIG GPU (all its instances idle) for a whole-GPU 7g instance.
+    def test_11_mig_relayout_preview_disturbs_nothing(
+        self, scenario_page: Any, base: str, platform: Platform
+    ) -> None:
+        """The admin reshapes the MIG GPU (all its instances idle) for a whole-GPU 7g instance."""
+        page = scenario_page
         page.click("text=defragmentation plans")
         page.wait_for_url(f"{base}/console/plans/")
         page.select_option("select[name=host]", label=platform.host)
@@ -149,6 +206,9 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         assert "create 7g.80gb@0 on GPU 2" in page.locator("#plan-preview").inner_text()
         assert "No running sandbox is disturbed." in page.locator("#plan-preview").inner_text()
         shot(page, "plan-preview")
+
+    def test_12_mig_relayout_runs_to_done(self, scenario_page: Any, base: str) -> None:
+        page = scenario_page
         page.locator("form[action$='/plans/mig/'] button[value=run]").click()
         page.wait_for_selector('.flash:has-text("started: make room for 7g.80gb")', timeout=10_000)
         deadline = time.monotonic() + 30
@@ -162,53 +222,60 @@ def test_sign_in_request_watch_and_stop(people: Any, catalog: Any, tmp_path: Pat
         assert page.locator(".mig-layout .slice", has_text="7g.80gb").count() == 1
 
 
-def test_every_sharing_mode_a_lowered_quota_and_a_drain(
-    people: Any, catalog: Any, tmp_path: Path, browser_page: Any
-) -> None:
+SHARING_MODES = [
+    ("Dedicated", {"input[name=gpu_count]": "1"}),
+    ("Mig", {"select[name=mig_profile]": "1g.10gb"}),
+    ("Mps", {"input[name=mps_memory_gib]": "8", "input[name=mps_thread_pct]": "30"}),
+    ("Timeslice", {}),
+]
+
+
+@pytest.mark.steps
+@pytest.mark.usefixtures("scenario_db")
+class TestEverySharingModeALoweredQuotaAndADrain:
     """A user runs one sandbox of each sharing mode; an admin lowers the project's quota and
     the next request is refused naming it; the admin drains a GPU and the user is told."""
-    from portal.fleet.models import Gpu
-    from workers.drivers.docker import docker_available
 
-    require_engine(docker_available(), "a Docker engine")
-    page = browser_page
-    with running_platform(tmp_path, web=True, sim_gpus="H100-80GB:4:mig=1") as platform:
-        base = f"http://127.0.0.1:{platform.port}"
-        Gpu.objects.filter(host__name=platform.host, index=2).update(sharing_mode="mps")
-        Gpu.objects.filter(host__name=platform.host, index=3).update(sharing_mode="timeslice")
-        sign_in(page, base, "olivia", "/sandboxes/new/")
-        asks = [
-            ("Dedicated", {"input[name=gpu_count]": "1"}),
-            ("Mig", {"select[name=mig_profile]": "1g.10gb"}),
-            ("Mps", {"input[name=mps_memory_gib]": "8", "input[name=mps_thread_pct]": "30"}),
-            ("Timeslice", {}),
-        ]
-        for tier, fields in asks:
-            page.goto(f"{base}/sandboxes/new/")
-            page.select_option("select[name=project]", label="Vision")
-            page.select_option("select[name=tier]", label=tier)
-            page.select_option("select[name=image]", label="busybox")
-            for selector, value in fields.items():
-                if selector.startswith("select"):
-                    page.select_option(selector, value)
-                else:
-                    page.fill(selector, value)
-            page.locator("#preview .verdict-now").wait_for(timeout=10_000)
-            page.click("form.request-form button[type=submit]")
-            page.wait_for_url("**/sandboxes/*/")
-            page.wait_for_selector("#sandbox-state:text('Running')", timeout=60_000)
-        page.goto(f"{base}/sandboxes/")
-        assert page.locator(".state-running").count() == 4
-        shot(page, "sandbox-list-every-mode")
+    SIM_GPUS = "H100-80GB:4:mig=1"
+    PINNED = {2: "mps", 3: "timeslice"}
 
-        # The admin caps Vision at the 4 live sandboxes it has.
+    def test_01_sign_in(self, scenario_page: Any, base: str) -> None:
+        sign_in(scenario_page, base, "olivia", "/sandboxes/new/")
+
+    @pytest.mark.parametrize(("tier", "fields"), SHARING_MODES, ids=[tier for tier, _ in SHARING_MODES])
+    def test_02_a_sandbox_of_this_mode_reaches_running(
+        self, scenario_page: Any, base: str, tier: str, fields: dict[str, str]
+    ) -> None:
+        page = scenario_page
+        go_to_request_form(page, base, tier)
+        for selector, value in fields.items():
+            if selector.startswith("select"):
+                page.select_option(selector, value)
+            else:
+                page.fill(selector, value)
+        page.locator("#preview .verdict-now").wait_for(timeout=10_000)
+        page.click("form.request-form button[type=submit]")
+        page.wait_for_url("**/sandboxes/*/")
+        page.wait_for_selector("#sandbox-state:text('Running')", timeout=60_000)
+
+    def test_03_the_list_shows_four_running(self, scenario_page: Any, base: str) -> None:
+        scenario_page.goto(f"{base}/sandboxes/")
+        assert scenario_page.locator(".state-running").count() == 4
+        shot(scenario_page, "sandbox-list-every-mode")
+
+    def test_04_admin_caps_the_project_at_its_four_live_sandboxes(
+        self, scenario_page: Any, base: str
+    ) -> None:
+        page = scenario_page
         page.click("text=Sign out")
         sign_in(page, base, "ada", "/admin/quotas/quotapolicy/add/")
         page.select_option("select[name=project]", label="Vision")
         page.fill("input[name=max_live_sandboxes]", "4")
         page.click("input[name=_save]")
         page.wait_for_url(f"{base}/admin/quotas/quotapolicy/")
-        # ... and drains the GPU of Olivia's dedicated sandbox.
+
+    def test_05_admin_drains_the_gpu_of_the_dedicated_sandbox(self, scenario_page: Any, base: str) -> None:
+        page = scenario_page
         page.goto(f"{base}/console/fleet/")
         # GPU 0 follows demand and serves the dedicated sandbox now (each row's mode form
         # lists every mode, so the row is found by what its GPU serves, not by an option).
@@ -216,7 +283,9 @@ def test_every_sharing_mode_a_lowered_quota_and_a_drain(
         row.locator("input[name=reason]").fill("fan failure")
         row.locator("button", has_text="Drain").click()
         page.locator(".flash", has_text="drained").wait_for(timeout=10_000)
-        # Live figures for every GPU, a MIG layout with a busy slice, the MPS share.
+
+    def test_06_fleet_shows_live_figures_a_busy_mig_slice_and_the_mps_share(self, scenario_page: Any) -> None:
+        page = scenario_page
         wait_until(
             page,
             "[...document.querySelectorAll('[data-live-gpu]')].every(c => c.textContent.includes('°C'))",
@@ -226,17 +295,25 @@ def test_every_sharing_mode_a_lowered_quota_and_a_drain(
         mps_row = page.locator("tr", has=page.locator(".mode-now", has_text="Pinned: MPS")).first
         assert "30%" in mps_row.inner_text()
         shot(page, "fleet-in-use")
+
+    def test_07_audit_log_records_the_quota_and_the_drain(self, scenario_page: Any, base: str) -> None:
+        page = scenario_page
         page.click("text=audit log")
         page.wait_for_url(f"{base}/console/audit/")
         assert page.locator("td", has_text="quotas.quotapolicy").count() == 1
         assert page.locator("td", has_text="fan failure").count() == 1
         shot(page, "audit-log")
+
+    def test_08_catalog_and_its_tier_editor(self, scenario_page: Any, base: str) -> None:
+        page = scenario_page
         page.goto(f"{base}/console/catalog/")
         shot(page, "catalog")
         page.click("a:has-text('Edit Mps')")
         page.locator("form.catalog-form").wait_for(timeout=10_000)
         shot(page, "catalog-edit-tier")
 
+    def test_09_the_next_request_is_refused_naming_the_quota(self, scenario_page: Any, base: str) -> None:
+        page = scenario_page
         page.click("text=Sign out")
         sign_in(page, base, "olivia", "/sandboxes/new/")
         page.select_option("select[name=project]", label="Vision")
@@ -251,6 +328,9 @@ def test_every_sharing_mode_a_lowered_quota_and_a_drain(
             in page.locator(".errors, .error").first.inner_text()
         )
         shot(page, "request-refused-by-quota")
+
+    def test_10_the_user_is_told_of_the_drain(self, scenario_page: Any, base: str) -> None:
+        page = scenario_page
         page.goto(f"{base}/notifications/")
         told = page.locator("ul.notifications li", has_text="taken out of service")
         assert told.count() == 1 and "fan failure" in told.inner_text()

@@ -3,7 +3,8 @@
 A running sandbox on a simulated host: its charts take the rollup history and then move with
 the live samples, slow down while the tab is hidden, and an alert shows (and clears) live; the
 admin's GPU page does the same for one GPU; the fleet heatmap draws every GPU of a 200-GPU
-fleet with a live column. Screenshots go to docs/screenshots/telemetry-*.png.
+fleet with a live column. One platform and one page for the scenario's steps (a class marked
+``steps``): a failure names the step. Screenshots go to docs/screenshots/telemetry-*.png.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ import math
 import os
 import random
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 from django.utils import timezone
 
 from tests.browser.pages import SHOTS, accessibility_problems, publish, shot, sign_in, wait_until
-from tests.e2e.platform import running_platform, wait_for
+from tests.conftest import make_catalog, make_people
+from tests.e2e.platform import Platform, running_platform, wait_for
 from tests.workers.engines import require_engine
 
 pytestmark = [
@@ -28,9 +30,11 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.docker,
     pytest.mark.slow,
-    pytest.mark.django_db(transaction=True),
 ]
 RACKS, PER_RACK = 25, 8  # beside the platform's 3 GPUs: a fleet of 203
+CHART = "#gpu-chart"
+HEATMAP = "#heatmap"
+HOT = "GPU at 91 °C, over the 85 °C limit"
 
 
 def alert(
@@ -98,63 +102,108 @@ def numbers(page: Any, selector: str, *names: str) -> list[float]:
     return [float(page.locator(selector).get_attribute(f"data-{n}") or 0) for n in names]
 
 
-def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Path, browser_page: Any) -> None:
-    from portal.fleet.models import Gpu
-    from portal.sandboxes.models import Sandbox
-    from portal.telemetry.models import Alert, SandboxRollup
-    from tests.conftest import seed_host
-    from tests.portal.helpers import request
+@pytest.fixture(scope="class")
+def world(scenario_db: None) -> dict[str, Any]:
+    return {**make_people(), **make_catalog()}
+
+
+@pytest.fixture(scope="class")
+def state() -> dict[str, Any]:
+    """What a step found that a later one uses (the sandbox, its GPU, the fleet's size...)."""
+    return {"started": timezone.now()}
+
+
+@pytest.fixture(scope="class")
+def platform(
+    world: Any, state: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Platform]:
     from workers.drivers.docker import docker_available
-    from workers.telemetry import FLEET_GROUP, gpu_group, sandbox_group
 
     require_engine(docker_available(), "a Docker engine")
-    page = browser_page
-    started = timezone.now()
-    with running_platform(tmp_path, web=True, sim_gpus="H100-80GB:3:mig=2") as platform:
-        base = f"http://127.0.0.1:{platform.port}"
-        sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+    state["started"] = timezone.now()
+    with running_platform(
+        tmp_path_factory.mktemp("platform"), web=True, sim_gpus="H100-80GB:3:mig=2"
+    ) as platform:
+        yield platform
+
+
+@pytest.fixture
+def base(platform: Platform) -> str:
+    return f"http://127.0.0.1:{platform.port}"
+
+
+@pytest.mark.steps
+@pytest.mark.usefixtures("scenario_db")
+class TestLiveChartsHeatmapAndAlerts:
+    def test_01_a_sandbox_runs_on_the_simulated_host(
+        self, world: dict[str, Any], platform: Platform, state: dict[str, Any]
+    ) -> None:
+        from portal.fleet.models import Gpu
+        from portal.sandboxes.models import Sandbox
+        from tests.portal.helpers import request
+
+        sandbox = request(world["owner"], world["project"], world["dedicated"], world["image"])
         wait_for(
             lambda: Sandbox.objects.filter(pk=sandbox.pk, state="running").exists(), 60, "the sandbox to run"
         )
-        gpu = Gpu.objects.get(allocations__sandbox=sandbox, allocations__active=True)
+        state["sandbox"] = sandbox
+        state["gpu"] = Gpu.objects.get(allocations__sandbox=sandbox, allocations__active=True)
+
+    def test_02_a_fleet_of_203_gpus_with_an_hour_of_history(
+        self, platform: Platform, state: dict[str, Any]
+    ) -> None:
+        from portal.fleet.models import Gpu
+        from tests.conftest import seed_host
+
         # The rest of the fleet, once the sandbox is placed: these hosts have no agent.
         for rack in range(RACKS):
             seed_host(f"rack-{rack:02d}", f"A100-80GB:{PER_RACK}")
-        seed_gpu_history(platform.host, started)
-        fleet_size = Gpu.objects.count()
-        assert fleet_size == RACKS * PER_RACK + 3
-        # The sandbox's first one-minute rollup comes when its first minute closes.
-        wait_for(lambda: SandboxRollup.objects.filter(sandbox=sandbox).exists(), 90, "a sandbox rollup", 1)
+        seed_gpu_history(platform.host, state["started"])
+        state["fleet_size"] = Gpu.objects.count()
+        assert state["fleet_size"] == RACKS * PER_RACK + 3
 
-        # --- The sandbox page: history, then live samples; the chart moves. ---
-        sign_in(page, base, "olivia", f"/sandboxes/{sandbox.pk}/")
-        chart = "#gpu-chart"
+    def test_03_the_sandbox_gets_its_first_minute_rollup(self, state: dict[str, Any]) -> None:
+        from portal.telemetry.models import SandboxRollup
+
+        # The sandbox's first one-minute rollup comes when its first minute closes.
+        wait_for(
+            lambda: SandboxRollup.objects.filter(sandbox=state["sandbox"]).exists(), 90, "a sandbox rollup", 1
+        )
+
+    def test_04_the_sandbox_chart_takes_the_history_then_moves_live(
+        self, scenario_page: Any, base: str, state: dict[str, Any]
+    ) -> None:
+        page = scenario_page
+        sign_in(page, base, "olivia", f"/sandboxes/{state['sandbox'].pk}/")
         wait_until(
             page, "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3", timeout=30_000
         )
-        samples, points = numbers(page, chart, "samples", "points")
+        samples, points = numbers(page, CHART, "samples", "points")
         wait_until(
             page,
             f"Number(document.getElementById('gpu-chart').dataset.samples) > {samples + 2} && "
             f"Number(document.getElementById('gpu-chart').dataset.points) > {points}",
             timeout=30_000,
         )
-        assert numbers(page, chart, "history-minutes")[0] >= 1  # the rollup came first
+        assert numbers(page, CHART, "history-minutes")[0] >= 1  # the rollup came first
         assert page.locator("#gpu-chart canvas").count() == 2
         assert page.locator("#cost-chart canvas").count() == 1
         status = page.locator("#chart-status").inner_text()
         assert "Live: connected" in status and "simulated GPU" in status and "so far" in status, status
 
-        # Hidden tab: the page asks for one sample every 10 s and says so.
+    def test_05_a_hidden_tab_gets_a_sample_every_10_s_and_the_stream_resumes_when_shown(
+        self, scenario_page: Any, state: dict[str, Any]
+    ) -> None:
+        page = scenario_page
         page.evaluate(
             "() => { Object.defineProperty(document, 'hidden', {configurable: true, get: () => true});"
             " document.dispatchEvent(new Event('visibilitychange')); }"
         )
         assert "Tab hidden" in page.locator("#chart-status").inner_text()
         time.sleep(1)  # the interval reaches the server; what was under way still arrives
-        (hidden_from,) = numbers(page, chart, "samples")
+        (hidden_from,) = numbers(page, CHART, "samples")
         time.sleep(5)
-        (hidden_to,) = numbers(page, chart, "samples")
+        (hidden_to,) = numbers(page, CHART, "samples")
         page.evaluate(
             "() => { Object.defineProperty(document, 'hidden', {configurable: true, get: () => false});"
             " document.dispatchEvent(new Event('visibilitychange')); }"
@@ -171,31 +220,48 @@ def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Pat
             f"5 more {time.monotonic() - shown:.1f} s after shown"
         )
         assert hidden_to - hidden_from <= 2
-        (visible_to,) = numbers(page, chart, "samples")
+        (state["visible_to"],) = numbers(page, CHART, "samples")
 
-        # An alert raised live shows among the open ones; cleared, it moves to the recent ones.
-        key = f"{platform.host}:{gpu.uuid}:temperature:{sandbox.pk}"
-        text = "GPU at 91 °C, over the 85 °C limit"
+    def test_06_a_live_alert_shows_among_the_open_ones(
+        self, scenario_page: Any, platform: Platform, state: dict[str, Any]
+    ) -> None:
+        from workers.telemetry import sandbox_group
+
+        page, sandbox, gpu = scenario_page, state["sandbox"], state["gpu"]
+        state["key"] = key = f"{platform.host}:{gpu.uuid}:temperature:{sandbox.pk}"
         publish(
             sandbox_group(sandbox.pk),
-            alert("raised", key, "temperature", platform.host, gpu.uuid, sandbox.pk, text),
+            alert("raised", key, "temperature", platform.host, gpu.uuid, sandbox.pk, HOT),
         )
-        page.locator("#alerts-panel [data-alerts-open] li.alert", has_text=text).wait_for(timeout=10_000)
+        page.locator("#alerts-panel [data-alerts-open] li.alert", has_text=HOT).wait_for(timeout=10_000)
         page.locator("#alerts-panel").scroll_into_view_if_needed()
         wait_until(
             page,
-            f"Number(document.getElementById('gpu-chart').dataset.samples) > {visible_to + 2}",
+            f"Number(document.getElementById('gpu-chart').dataset.samples) > {state['visible_to'] + 2}",
             timeout=30_000,
         )
         shot(page, "telemetry-sandbox")
+
+    def test_07_the_alert_cleared_moves_to_the_recent_ones(
+        self, scenario_page: Any, platform: Platform, state: dict[str, Any]
+    ) -> None:
+        from workers.telemetry import sandbox_group
+
+        page, sandbox, gpu = scenario_page, state["sandbox"], state["gpu"]
         publish(
             sandbox_group(sandbox.pk),
-            alert("cleared", key, "temperature", platform.host, gpu.uuid, sandbox.pk, text),
+            alert("cleared", state["key"], "temperature", platform.host, gpu.uuid, sandbox.pk, HOT),
         )
-        page.locator("#alerts-panel [data-alerts-recent] li.alert", has_text=text).wait_for(timeout=10_000)
+        page.locator("#alerts-panel [data-alerts-recent] li.alert", has_text=HOT).wait_for(timeout=10_000)
         assert page.locator("#alerts-panel [data-alerts-open] li.alert").count() == 0
 
-        # --- The fleet console: stored alerts, a live one, links to GPU pages and the heatmap. ---
+    def test_08_the_fleet_console_shows_stored_and_live_alerts(
+        self, scenario_page: Any, base: str, platform: Platform, state: dict[str, Any]
+    ) -> None:
+        from portal.telemetry.models import Alert
+        from workers.telemetry import FLEET_GROUP
+
+        page, gpu = scenario_page, state["gpu"]
         Alert.objects.create(
             key=f"{platform.host}:{gpu.uuid}:throttle",
             kind="throttle",
@@ -222,51 +288,66 @@ def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Pat
             alert("raised", "rack-03:xid", "xid", "rack-03", "", None, "XID 79: GPU fell off the bus"),
         )
         panel.locator("[data-alerts-open] li.alert", has_text="XID 79").wait_for(timeout=10_000)
-        assert panel.locator("[data-alerts-recent] li.alert", has_text=text).count() == 0  # never stored
+        assert panel.locator("[data-alerts-recent] li.alert", has_text=HOT).count() == 0  # never stored
         problems = accessibility_problems(page)
         assert not problems, problems
         # The top of the page only: 200-odd GPU rows follow.
         page.screenshot(path=str(SHOTS / "telemetry-fleet.png"))
+
+    def test_09_the_gpu_page_shows_an_hour_of_history_live_samples_and_alerts(
+        self, scenario_page: Any, base: str, platform: Platform, state: dict[str, Any]
+    ) -> None:
+        from workers.telemetry import gpu_group
+
+        page, sandbox, gpu = scenario_page, state["sandbox"], state["gpu"]
         page.locator(f"a[href='/console/gpus/{gpu.uuid}/']").first.click()
         page.wait_for_url(f"{base}/console/gpus/{gpu.uuid}/")
-
-        # --- The GPU page: an hour of history with its bands, live samples, its alerts. ---
         wait_until(
             page, "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3", timeout=30_000
         )
-        samples, points = numbers(page, chart, "samples", "points")
+        (points,) = numbers(page, CHART, "points")
         wait_until(
             page, f"Number(document.getElementById('gpu-chart').dataset.points) > {points}", timeout=30_000
         )
         # The last hour: seeded minutes up to the agent's start, its own rollups after; the
         # newest finished minute may still be on its way to the control worker.
-        assert numbers(page, chart, "history-minutes")[0] >= 59
+        assert numbers(page, CHART, "history-minutes")[0] >= 59
         facts = page.locator("#gpu-facts").inner_text()
         assert platform.host in facts and "simulated GPU" in facts and f"#{sandbox.pk}" in facts, facts
         page.locator("#alerts-panel [data-alerts-open] li.alert", has_text="Clocks held down").wait_for()
         publish(
             gpu_group(gpu.uuid),
-            alert("raised", f"{key}:gpu", "temperature", platform.host, gpu.uuid, None, "GPU at 88 °C"),
+            alert(
+                "raised", f"{state['key']}:gpu", "temperature", platform.host, gpu.uuid, None, "GPU at 88 °C"
+            ),
         )
         page.locator("#alerts-panel [data-alerts-open] li.alert", has_text="GPU at 88 °C").wait_for(
             timeout=10_000
         )
         shot(page, "telemetry-gpu")
 
-        # --- The heatmap: every GPU, an hour of minutes, a live column. ---
+    def test_10_the_heatmap_has_a_row_for_every_gpu_and_a_live_column(
+        self, scenario_page: Any, base: str, platform: Platform, state: dict[str, Any]
+    ) -> None:
+        page, fleet_size = scenario_page, state["fleet_size"]
         page.goto(f"{base}/console/fleet/")
         page.click("h1 >> text=heatmap")
         page.wait_for_url(f"{base}/console/heatmap/")
-        heatmap = "#heatmap"
-        wait_until(page, f"Number(document.querySelector('{heatmap}').dataset.rows) === {fleet_size}")
+        wait_until(page, f"Number(document.querySelector('{HEATMAP}').dataset.rows) === {fleet_size}")
         wait_until(
-            page, f"Number(document.querySelector('{heatmap}').dataset.liveSamples || 0) >= 3", timeout=30_000
+            page, f"Number(document.querySelector('{HEATMAP}').dataset.liveSamples || 0) >= 3", timeout=30_000
         )
+        # The canvas is sized by a draw, which follows the samples by up to a second (or the
+        # history's load): measure it after a draw that came after them.
+        (draws,) = numbers(page, HEATMAP, "draws")
+        drawn = f"Number(document.querySelector('{HEATMAP}').dataset.draws) > {draws}"
+        wait_until(page, drawn, timeout=15_000)
         grid = page.locator("canvas.heatmap-grid").bounding_box()
         assert grid is not None
         cell_w = (grid["width"] - 150 - 4) / 61
         row_h = max(3, min(20, 640 // fleet_size))
         assert grid["height"] >= fleet_size * row_h  # a row for every GPU
+        state["grid"] = grid, cell_w, row_h
 
         def hover(slot: float, row: int) -> str:
             page.mouse.move(grid["x"] + 150 + cell_w * slot, grid["y"] + row_h * (row + 0.5))
@@ -280,18 +361,22 @@ def test_live_charts_heatmap_and_alerts(people: Any, catalog: Any, tmp_path: Pat
         old_tip = hover(30.5, fleet_size - 1)
         assert f"rack-{RACKS - 1:02d}/gpu{PER_RACK - 1}" in old_tip and "%" in old_tip, old_tip
         assert "no data" not in old_tip, old_tip
+
+    def test_11_the_heatmap_redraws_for_another_metric(
+        self, scenario_page: Any, state: dict[str, Any]
+    ) -> None:
+        page = scenario_page
         page.select_option("select[name=metric]", "temp_c")
         page.locator("[data-legend-max]", has_text="°C").wait_for()
         page.select_option("select[name=metric]", "util_pct")
         page.locator("[data-legend-max]", has_text="100 %").wait_for()
-        draws = page.locator(heatmap).get_attribute("data-draws")
-        wait_until(page, f"document.querySelector('{heatmap}').dataset.draws !== '{draws}'", timeout=10_000)
+        draws = page.locator(HEATMAP).get_attribute("data-draws")
+        wait_until(page, f"document.querySelector('{HEATMAP}').dataset.draws !== '{draws}'", timeout=10_000)
         print(
-            f"heatmap of {fleet_size} GPUs x 61 minutes: "
-            f"drawn in {page.locator(heatmap).get_attribute('data-draw-ms')} ms"
+            f"heatmap of {state['fleet_size']} GPUs x 61 minutes: "
+            f"drawn in {page.locator(HEATMAP).get_attribute('data-draw-ms')} ms"
         )
+        grid, cell_w, row_h = state["grid"]
         page.mouse.move(grid["x"] + 150 + cell_w * 45.5, grid["y"] + row_h * 1.5)
         shot(page, "telemetry-heatmap")
-    assert os.path.exists(
-        Path(__file__).resolve().parents[2] / "docs" / "screenshots" / "telemetry-heatmap.png"
-    )
+        assert os.path.exists(SHOTS / "telemetry-heatmap.png")

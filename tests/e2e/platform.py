@@ -38,14 +38,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, what: str | Callable[[], str], every: float = 0.1
+) -> Any:
+    """``what`` may be a callable, called only on a timeout: logs read then say what happened
+    while waiting (read before, they stop where the wait began)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
 
 
 class Platform:
@@ -187,8 +191,13 @@ class Platform:
         self.start(name, argv, **extra)
 
     def logs(self) -> str:
+        """Each process's last lines, without DEBUG ones (the control worker's per-task pool
+        lines would fill the tail)."""
         return "\n".join(
-            f"--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}"
+            f"--- {p.name} ---\n"
+            + "\n".join(line for line in p.read_text(errors="replace").splitlines() if " DEBUG " not in line)[
+                -4000:
+            ]
             for p in sorted(self.log_dir.glob("*.log"))
         )
 

@@ -297,8 +297,23 @@ def set_cookie(response: http.client.HTTPResponse, name: str) -> str:
     return next(h for h in response.headers.get_all("Set-Cookie") or [] if h.startswith(f"{name}="))
 
 
-@pytest.mark.django_db(transaction=True)
-def test_the_portal_behind_the_reverse_proxy(tmp_path: Path) -> None:
+class Stack:
+    """nginx, the web unit and the control unit, started from their configuration and command
+    lines; ``logs`` is what they said (attached to a failing step's report)."""
+
+    def __init__(self, tmp_path: Path, http_port: int, proxy: Proxy, procs: dict[str, Any]) -> None:
+        self.tmp_path, self.http_port, self.proxy, self.procs = tmp_path, http_port, proxy, procs
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {log.name} ---\n{log.read_text(errors='replace')[-4000:]}"
+            for log in sorted(self.tmp_path.glob("*.log"))
+        )
+
+
+@pytest.fixture(scope="class")
+def stack(scenario_db: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp_path = tmp_path_factory.mktemp("proxy")
     nginx, openssl = need("nginx"), need("openssl")
     tls = tmp_path / "tls"
     tls.mkdir()
@@ -329,19 +344,33 @@ def test_the_portal_behind_the_reverse_proxy(tmp_path: Path) -> None:
     control = locally(exec_start("gpushare-control.service"), **{"%H": socket.gethostname(), "-c 4": "-c 1"})
     control[control.index("-n") + 1] = f"control-deploy-{uuid.uuid4().hex[:6]}@%h"
     with (
-        process([nginx, "-c", str(conf), "-g", "daemon off;"], env, tmp_path / "nginx.log"),
-        process(web, web_env, tmp_path / "web.log"),
+        process([nginx, "-c", str(conf), "-g", "daemon off;"], env, tmp_path / "nginx.log") as nginx_proc,
+        process(web, web_env, tmp_path / "web.log") as web_proc,
         process(
             control,
             {**env, "GPUSHARE_ROLE": unit_env("gpushare-control.service")["GPUSHARE_ROLE"]},
             tmp_path / "control.log",
-        ),
+        ) as control_proc,
     ):
-        proxy = Proxy(https_port, tls / "fullchain.pem")
+        procs = {"nginx": nginx_proc, "web": web_proc, "control": control_proc}
+        yield Stack(tmp_path, http_port, Proxy(https_port, tls / "fullchain.pem"), procs)
 
+
+@pytest.fixture(scope="class")
+def state() -> dict[str, Any]:
+    """What a step found that a later one uses."""
+    return {}
+
+
+@pytest.mark.steps
+@pytest.mark.usefixtures("scenario_db")
+class TestThePortalBehindTheReverseProxy:
+    def test_01_the_sign_in_page_answers_over_https_with_secure_cookies_and_hsts(
+        self, stack: Stack, state: dict[str, Any]
+    ) -> None:
         def login_page() -> Any:
             try:
-                answer = proxy.request("GET", "/login/")
+                answer = stack.proxy.request("GET", "/login/")
             except OSError:  # nginx not listening yet
                 return None
             return None if answer[0].status == 502 else answer  # uvicorn not yet
@@ -353,30 +382,37 @@ def test_the_portal_behind_the_reverse_proxy(tmp_path: Path) -> None:
         assert "; Secure" in set_cookie(response, "csrftoken")
         assert response.headers["Strict-Transport-Security"].startswith("max-age=")
         assert len(response.headers.get_all("X-Frame-Options") or []) == 1  # not doubled by nginx
+        state["login_page"] = body
 
-        # Plain HTTP is redirected to https by nginx.
-        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=10)
+    def test_02_plain_http_is_redirected_to_https_by_nginx(self, stack: Stack) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=10)
         conn.request("GET", "/login/?next=/", headers={"Host": HOST})
         redirect = conn.getresponse()
         assert redirect.status == 301
         assert redirect.headers["Location"] == f"https://{HOST}/login/?next=/"
         conn.close()
 
-        # Static files come from collectstatic's directory, hashed names, cached for a year.
-        css = re.search(rb'/static/(dist/[^"]+\.js)', body)
-        assert css, body[:2000]
-        static, content = proxy.request("GET", "/static/" + css.group(1).decode())
+    def test_03_static_files_have_hashed_names_and_are_cached_for_a_year(
+        self, stack: Stack, state: dict[str, Any]
+    ) -> None:
+        """They come from collectstatic's directory, through nginx."""
+        login_page = state["login_page"]
+        css = re.search(rb'/static/(dist/[^"]+\.js)', login_page)
+        assert css, login_page[:2000]
+        static, content = stack.proxy.request("GET", "/static/" + css.group(1).decode())
         assert static.status == 200 and content
         assert "immutable" in static.headers["Cache-Control"]
         assert "uvicorn" not in (static.headers.get("Server") or "")
 
-        # Signing in over the proxy: CSRF (Origin/Referer over https) and a Secure session.
-        token = re.search(rb'name="csrfmiddlewaretoken" value="([^"]+)"', body)
+    def test_04_signing_in_over_the_proxy_passes_csrf_and_gets_a_secure_session(
+        self, stack: Stack, state: dict[str, Any]
+    ) -> None:
+        token = re.search(rb'name="csrfmiddlewaretoken" value="([^"]+)"', state["login_page"])
         assert token
         form = f"csrfmiddlewaretoken={token.group(1).decode()}&username=deploy-admin&password=" + quote(
             "deploy-test-password-1"
         )
-        signed_in, page = proxy.request(
+        signed_in, page = stack.proxy.request(
             "POST",
             "/login/",
             form,
@@ -389,19 +425,20 @@ def test_the_portal_behind_the_reverse_proxy(tmp_path: Path) -> None:
         assert signed_in.status == 302, page[:1000]
         assert "; Secure" in set_cookie(signed_in, "sessionid")
 
-        # A WebSocket through nginx's upgrade, with the session cookie and the site's Origin.
+    def test_05_a_websocket_through_nginxs_upgrade_is_accepted(self, stack: Stack) -> None:
+        """With the session cookie and the site's Origin."""
         from websockets.sync.client import connect
         from websockets.typing import Origin
 
-        raw = socket.create_connection(("127.0.0.1", https_port), timeout=10)
+        raw = socket.create_connection(("127.0.0.1", stack.proxy.port), timeout=10)
         with (
             connect(
                 f"wss://{HOST}/ws/fleet/",
                 sock=raw,
-                ssl=proxy.tls,
+                ssl=stack.proxy.tls,
                 server_hostname=HOST,
                 origin=Origin(ORIGIN),
-                additional_headers={"Cookie": f"sessionid={proxy.cookies['sessionid']}"},
+                additional_headers={"Cookie": f"sessionid={stack.proxy.cookies['sessionid']}"},
                 open_timeout=20,
             ) as ws,
             # Accepted, and not closed with 4403 (refused subscription) within a second.
@@ -409,15 +446,18 @@ def test_the_portal_behind_the_reverse_proxy(tmp_path: Path) -> None:
         ):
             ws.recv(timeout=1)
 
-        # /healthz through the proxy turns 200 once the control worker (started from its
-        # unit's command line) beats.
+    def test_06_healthz_turns_200_once_the_control_worker_beats(self, stack: Stack) -> None:
+        """The control worker was started from its unit's command line."""
+
         def healthy() -> Any:
-            answer, data = proxy.request("GET", "/healthz")
+            answer, data = stack.proxy.request("GET", "/healthz")
             return json.loads(data) if answer.status == 200 else None
 
         checks = wait_for(healthy, 60, "/healthz 200 through nginx", every=1)["checks"]
         assert checks["database"]["ok"] and checks["redis"]["ok"] and checks["control_worker"]["ok"]
-        access = (tmp_path / "nginx" / "access.log").read_text()
+
+    def test_07_nginx_logged_the_websocket_upgrade(self, stack: Stack) -> None:
+        access = (stack.tmp_path / "nginx" / "access.log").read_text()
         assert 'GET /ws/fleet/ HTTP/1.1" 101' in access, access
 
 
@@ -560,9 +600,12 @@ def test_backup_and_restore(tmp_path: Path, people: Any, catalog: Any, sent_task
         assert check.returncode == 0, check.stdout + check.stderr
 
 
-# The schema of the previous release: the newest migration of three apps not yet applied.
-OLD_RELEASE = {"quotas": "0002_fairshare_and_preemption", "billing": "0002_invoices_webhooks"}
-OLD_RELEASE |= {"sandboxes": "0007_batch_runs"}
+# The schema of the previous release: the newest migrations of some apps not yet applied
+# (None: none of the app's).
+OLD_RELEASE: dict[str, str | None] = {"quotas": "0002_fairshare_and_preemption"}
+OLD_RELEASE |= {"billing": "0002_invoices_webhooks", "sandboxes": "0007_batch_runs"}
+# portal.webhooks did not exist (its models were billing's); telemetry had no endpoint rows.
+OLD_RELEASE |= {"telemetry": "0003_fault_alert_kinds", "webhooks": None}
 # Run in a process of its own against the scratch database: migrate to OLD_RELEASE (the
 # other apps to their newest) and write rows through the historical models of that state.
 MIGRATE_TO_OLD_RELEASE = """
@@ -579,7 +622,7 @@ plan = executor.migration_plan(targets)
 planned = {(m.app_label, m.name) for m, _ in plan}
 assert not planned & set(newer), planned & set(newer)
 executor.migrate(targets)
-apps = executor.loader.project_state(targets).apps
+apps = executor.loader.project_state([t for t in targets if t[1] is not None]).apps
 Project = apps.get_model("accounts", "Project")
 QuotaPolicy = apps.get_model("quotas", "QuotaPolicy")
 User = apps.get_model("auth", "User")

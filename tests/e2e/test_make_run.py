@@ -26,7 +26,7 @@ from tests.e2e.platform import free_port, stop_process_sandboxes, wait_for
 from tests.workers.engines import require_engine
 from workers.drivers.process import bwrap_available
 
-pytestmark = [pytest.mark.e2e, pytest.mark.bwrap, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.bwrap, pytest.mark.slow, pytest.mark.steps]
 ROOT = Path(__file__).resolve().parents[2]
 MODES: dict[str, dict[str, Any]] = {
     "dedicated": {"gpu_count": 1},

@@ -4,9 +4,9 @@ from typing import Any
 
 from django.test import Client
 
+from portal.control.scheduling import schedule_once
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
-from portal.sandboxes.scheduling import schedule_once
 
 
 def request(

@@ -13,7 +13,7 @@ from portal.accounts.models import ApiToken
 from portal.asgi import application
 from tests.portal.helpers import client_for, place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 @pytest.fixture
@@ -99,6 +99,7 @@ def _ws_close_code(user: Any, path: str) -> tuple[bool, Any]:
     return asyncio.run(run())
 
 
+@pytest.mark.django_db(transaction=True)  # the consumer reads the session in its own thread
 @pytest.mark.parametrize("persona", ["outsider"])
 def test_websocket_refuses_outsiders_with_4403(people: Any, sandbox: Any, persona: str) -> None:
     gpu_uuid = sandbox.allocations.get().device_uuid
@@ -107,6 +108,7 @@ def test_websocket_refuses_outsiders_with_4403(people: Any, sandbox: Any, person
         assert connected and output == {"type": "websocket.close", "code": 4403}, path
 
 
+@pytest.mark.django_db(transaction=True)  # the consumer reads the session in its own thread
 def test_websocket_admits_members_and_admins(people: Any, sandbox: Any) -> None:
     def subscribed(user: Any, path: str) -> bool:
         cookie = f"sessionid={client_for(user).cookies['sessionid'].value}".encode()

@@ -17,7 +17,7 @@ from portal.sandboxes.models import Allocation, Sandbox
 from scheduler.cluster import DeviceGrant
 from tests.portal.helpers import place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 def states(sandbox: Sandbox) -> list[str]:
@@ -246,6 +246,8 @@ def test_a_batch_run_launches_its_own_command(people: Any, catalog: Any, fleet: 
     place_all()
     interactive.refresh_from_db()
     assert not interactive.batch and launch_spec(interactive).command == tuple(catalog["image"].command)
+    # No billing facts go to GPU hosts: the portal's billing computes every cost.
+    assert not {"price_per_gpu_hour_micros", "milli_gpu"} & set(launch_spec(interactive).to_json())
 
 
 def test_each_transition_is_one_log_line_once_committed(

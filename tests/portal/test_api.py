@@ -15,8 +15,9 @@ from django.db import connection
 from django.test import Client
 from django.utils import timezone
 
-from portal.accounts.idempotency import delete_expired_keys
-from portal.accounts.models import ApiToken, IdempotencyKey, Membership
+from portal.accounts.models import ApiToken, Membership
+from portal.api.idempotency import delete_expired_keys
+from portal.api.models import IdempotencyKey
 from portal.billing.models import UsageRecord
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
@@ -24,7 +25,7 @@ from portal.sandboxes.models import Sandbox
 from tests.factories import MembershipFactory, UserFactory
 from tests.portal.helpers import place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 ALL = list(ApiToken.Scope.values)
 READ, WRITE, ADMIN = ApiToken.Scope.READ_USAGE, ApiToken.Scope.WRITE_SANDBOXES, ApiToken.Scope.ADMIN
 
@@ -237,6 +238,7 @@ def test_errors_are_not_stored_so_a_fixed_retry_may_reuse_the_key(world: dict[st
     assert post(client, "/api/v1/sandboxes/", create_body(), key="x" * 256).status_code == 400
 
 
+@pytest.mark.django_db(transaction=True)  # two threads, two connections
 def test_two_concurrent_posts_with_one_key_create_one_sandbox(world: dict[str, Any]) -> None:
     _, key = ApiToken.issue(world["member"], "race", ALL)
     barrier = threading.Barrier(2)

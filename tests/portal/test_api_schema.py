@@ -14,12 +14,14 @@ from django.core.signals import request_finished, request_started
 from django.core.wsgi import get_wsgi_application
 from django.db import close_old_connections
 from django.utils import timezone
+from drf_spectacular.generators import SchemaGenerator
 from hypothesis import HealthCheck, Phase, given
 from hypothesis import settings as hypothesis_settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from portal.accounts.models import ApiToken
+from portal.api.schema import SchemaView
 from portal.sandboxes import actions
 from tests.portal.helpers import place_all, request
 
@@ -85,3 +87,40 @@ def test_generated_requests_get_schema_conformant_answers(api_key: str, wsgi_app
         run()
     print(f"schemathesis: {cases} cases over {len(operations)} operations")
     assert cases >= MIN_CASES
+
+
+@pytest.mark.django_db
+def test_the_schema_is_generated_once_per_format_and_served_the_same(
+    client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(SchemaView, "_schema", {})
+    monkeypatch.setattr(SchemaView, "_rendered", {})
+    generated: list[int] = []
+    real = SchemaGenerator.get_schema
+
+    def counted(self: SchemaGenerator, **kwargs: Any) -> Any:
+        generated.append(1)
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(SchemaGenerator, "get_schema", counted)
+    yaml1, yaml2 = client.get("/api/schema/"), client.get("/api/schema/")
+    json1, json2 = (
+        client.get("/api/schema/?format=json"),
+        client.get("/api/schema/", HTTP_ACCEPT="application/json"),
+    )
+    assert len(generated) == 1  # rendered once per format; the repeats came from memory
+    assert len(SchemaView._rendered) == 3  # YAML, JSON, and JSON asked for as application/json
+    assert (
+        yaml1.content == yaml2.content
+        and yaml1["Content-Type"] == "application/vnd.oai.openapi; charset=utf-8"
+    )
+    assert json1.content == json2.content and json1["Content-Type"].startswith(
+        "application/vnd.oai.openapi+json"
+    )
+    assert json2["Content-Type"].startswith("application/json")
+    assert b"/api/v1/sandboxes/" in yaml1.content and json1.json()["paths"]["/api/v1/sandboxes/"]
+    assert yaml1["Content-Disposition"] == 'inline; filename="gpushare API.yaml"'
+    assert json1["Content-Disposition"] == 'inline; filename="gpushare API.json"'
+    # A version names a schema of its own: generated for that request, never kept.
+    client.get("/api/schema/?version=x" + "y" * 100)
+    assert len(generated) == 2 and len(SchemaView._rendered) == 3

@@ -15,7 +15,7 @@ from django.test import Client
 from django.utils import timezone
 
 from portal.accounts.models import ApiToken
-from portal.console.models import AuditEntry
+from portal.audit.models import AuditEntry
 from tests.portal.helpers import client_for
 
 pytestmark = pytest.mark.django_db

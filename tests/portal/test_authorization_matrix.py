@@ -25,7 +25,7 @@ from portal.sandboxes.models import Sandbox
 from tests.factories import MembershipFactory, UserFactory
 from tests.portal.helpers import client_for, place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 PERSONAS = ("anonymous", "outsider", "member", "manager", "billing", "admin")
 LOGIN, ADMIN_LOGIN = "login", "admin-login"

@@ -19,10 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rest_framework import serializers
 
-from portal.accounts.models import ApiToken, IdempotencyKey
-from portal.billing.api_sandboxes import SandboxCreateSerializer
+from portal.accounts.models import ApiToken
+from portal.api.models import IdempotencyKey
+from portal.audit.models import AuditEntry
 from portal.billing.models import UsageRecord
-from portal.console.models import AuditEntry
+from portal.sandboxes.api import SandboxCreateSerializer
 from portal.sandboxes.forms import SandboxRequestForm
 from portal.sandboxes.models import Allocation, Sandbox
 from tests.portal.helpers import request

@@ -9,7 +9,7 @@ import pytest
 
 from tests.portal.helpers import client_for, place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 def test_the_queue_lists_waiting_requests_in_the_schedulers_order_with_reasons(
@@ -33,8 +33,8 @@ def test_admins_edit_the_catalog_and_quotas_from_the_console(
 ) -> None:
     from django.forms.models import model_to_dict
 
+    from portal.audit.models import AuditEntry
     from portal.catalog.models import Tier
-    from portal.console.models import AuditEntry
     from portal.quotas.models import QuotaPolicy
 
     admin = client_for(people["admin"])

@@ -14,20 +14,20 @@ from portal.accounts.models import ApiToken
 from portal.billing.invoices import do_draft_invoices, month_start
 from portal.billing.models import UsageRecord
 from portal.catalog.models import SharingMode, Tier
+from portal.control.hosts import mark_lost_hosts
+from portal.control.reconcile import do_reconcile_host
 from portal.fleet.models import Host
-from portal.fleet.reconcile import do_reconcile_host
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
-from portal.sandboxes.scheduling import build_fairshare, build_queue, build_snapshot
+from portal.sandboxes.snapshot import build_fairshare, build_queue, build_snapshot
 from portal.sandboxes.specs import launch_spec
 from scheduler.cluster import CPU_ONLY
 from tests.factories import TierFactory
 from tests.portal.helpers import client_for, place_all, request, request_form
-from workers.control import mark_lost_hosts
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 START = timezone.now().replace(microsecond=0) - timedelta(hours=2)
 
 
@@ -75,7 +75,7 @@ def test_it_is_placed_without_a_device_and_launched_with_none(
     [(queue, _, (spec,))] = [t for t in sent_tasks if t[1] == "launch_sandbox"]
     assert queue == f"host.{sandbox.host.name}"
     assert not spec["device_uuids"] and spec["real_gpu"] is False and spec["mps"] is None
-    assert (spec["cpu_limit"], spec["memory_limit_mib"], spec["milli_gpu"]) == (2.0, 2048, 0)
+    assert (spec["cpu_limit"], spec["memory_limit_mib"]) == (2.0, 2048)
     assert launch_spec(sandbox).gpu_env() == {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": ""}
 
 

@@ -10,18 +10,18 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
 
-from portal.console.models import AuditEntry
+from portal.audit.models import AuditEntry
 from portal.fleet.inventory import do_sync_inventory
 from portal.fleet.models import FleetEvent, Gpu, GpuMode
 from portal.fleet.modes import GpuModeError, do_set_gpu_mode
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox
-from portal.sandboxes.scheduling import build_snapshot
+from portal.sandboxes.snapshot import build_snapshot
 from scheduler.cluster import AUTO, DeviceGrant
 from tests.portal.helpers import client_for, place_all, request
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 def _ask(people: Any, catalog: Any, tier: str, **kw: Any) -> Sandbox:
@@ -218,6 +218,7 @@ def test_an_agents_inventory_keeps_an_admins_pin(db: Any, sent_tasks: Any) -> No
     assert second.sharing_mode == GpuMode.AUTO
 
 
+@pytest.mark.django_db(transaction=True)  # migrations run outside a transaction
 def test_the_migration_keeps_what_an_admin_chose_and_lets_defaults_follow_demand(db: Any) -> None:
     executor = MigrationExecutor(connection)
     executor.migrate([("fleet", "0003_fleet_plans")])

@@ -30,10 +30,9 @@ from portal.billing.models import (
     InvoiceLine,
     InvoiceState,
     UsageRecord,
-    WebhookDelivery,
-    WebhookEndpoint,
     cost_micros,
 )
+from portal.webhooks.models import WebhookDelivery, WebhookEndpoint
 from tests.portal.helpers import client_for, request
 
 OCT, NOV = date(2026, 10, 1), date(2026, 11, 1)
@@ -153,7 +152,7 @@ def test_invoices_are_per_project_and_currency(sandbox: Any, people: Any) -> Non
 
 
 def test_finalize_numbers_sequentially_and_freezes(sandbox: Any, people: Any, sent_tasks: Any) -> None:
-    WebhookEndpoint.objects.create(url="http://127.0.0.1:9/hook", secret="s", events=["invoice.finalized"])
+    WebhookEndpoint.objects.create(url="http://127.0.0.1:9/hook", events=["invoice.finalized"])
     usage(sandbox, at(2026, 10, 3, 9), at(2026, 10, 3, 10), "a")
     usage(sandbox, at(2026, 10, 3, 9), at(2026, 10, 3, 11), "b", project=people["other_project"])
     do_draft_invoices(OCT, at(2026, 11, 5))
@@ -295,7 +294,7 @@ def _race(*calls: Any) -> list[Any]:
     return results
 
 
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.django_db(transaction=True)  # threads race for the locks, each on its own connection
 def test_concurrent_finalizations_and_credits_take_their_locks(sandbox: Any, people: Any) -> None:
     usage(sandbox, at(2026, 10, 3, 9), at(2026, 10, 3, 10), "a")
     usage(sandbox, at(2026, 10, 3, 9), at(2026, 10, 3, 11), "b", project=people["other_project"])

@@ -10,14 +10,14 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from portal.fleet.health import do_drain_gpu
+from portal.control.culling import do_cull_idle
+from portal.control.faults import do_drain_gpu
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
-from portal.sandboxes.culling import do_cull_idle
 from portal.sandboxes.models import Notification, Sandbox, StopCause
 from tests.portal.helpers import client_for, place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 def kinds(user: Any) -> list[str]:

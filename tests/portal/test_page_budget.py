@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from tests.portal.helpers import client_for, request_form
 from tests.portal.scale import seed_scale
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs"), pytest.mark.slow]
 
 # (who, method, path, the most queries it may take). {sandbox} is a running sandbox of the
 # owner's. The bounds hold whatever the number of sandboxes: lists are paged or capped.

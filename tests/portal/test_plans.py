@@ -17,9 +17,7 @@ import pytest
 from django.utils import timezone
 
 from portal.billing.models import UsageRecord
-from portal.fleet.inventory import do_sync_inventory
-from portal.fleet.models import FleetPlan, Gpu, Host, MigInstance
-from portal.fleet.plans import (
+from portal.control.plans import (
     PlanError,
     auto_relayout,
     do_plan_report,
@@ -27,10 +25,12 @@ from portal.fleet.plans import (
     do_start_mig_plan,
     mig_fleet,
 )
-from portal.fleet.reconcile import do_reconcile_host
+from portal.control.reconcile import do_reconcile_host
+from portal.fleet.inventory import do_sync_inventory
+from portal.fleet.models import FleetPlan, Gpu, Host, MigInstance
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox
-from portal.sandboxes.scheduling import build_snapshot
+from portal.sandboxes.snapshot import build_snapshot
 from scheduler.cluster import DeviceGrant
 from scheduler.defrag import MigPlan, apply_mig_plan
 from scheduler.gpus import CATALOG, check_layout
@@ -40,7 +40,7 @@ from workers.config import AgentSettings
 from workers.drivers.base import SandboxHandle, SandboxSpec, SandboxStatus
 from workers.gpu.simulated import SimulatedBackend, SimulatedGpuConfig, parse_sim_spec
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 class MemoryDriver:

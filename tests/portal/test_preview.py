@@ -17,7 +17,7 @@ from portal.sandboxes.preview import Preview, preview_request
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import client_for, place_all, request, request_form
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 def ask(people: Any, catalog: Any, tier: str, **kw: Any) -> actions.SandboxRequest:

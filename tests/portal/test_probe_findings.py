@@ -27,7 +27,7 @@ from portal.sandboxes.models import Sandbox
 from tests.portal.helpers import client_for, place_all, request
 from workers.telemetry import gpu_group, sandbox_group
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 @pytest.fixture
@@ -55,6 +55,7 @@ def _sample(gpu: str, *sandbox_ids: int) -> dict[str, Any]:
     return {"type": "gpu.sample", "gpu": gpu, "t": 1, "sandboxes": {str(pk): figures for pk in sandbox_ids}}
 
 
+@pytest.mark.django_db(transaction=True)  # consumers read in their own thread
 def test_finding_1_a_cotenant_sees_only_its_own_figures_on_a_shared_gpu(
     people: Any, cotenants: dict[str, Any]
 ) -> None:
@@ -82,6 +83,7 @@ def test_finding_1_a_cotenant_sees_only_its_own_figures_on_a_shared_gpu(
     assert response.status_code == 200
 
 
+@pytest.mark.django_db(transaction=True)  # consumers read in their own thread
 @override_settings(STREAM_RECHECK_S=1)
 def test_finding_1_a_gpu_socket_closes_once_its_sandbox_has_ended(
     people: Any, cotenants: dict[str, Any]
@@ -103,6 +105,7 @@ def test_finding_1_a_gpu_socket_closes_once_its_sandbox_has_ended(
     assert asyncio.run(run()) == {"type": "websocket.close", "code": 4403}
 
 
+@pytest.mark.django_db(transaction=True)  # consumers read in their own thread
 @override_settings(STREAM_RECHECK_S=1)
 def test_finding_1_a_sandbox_socket_closes_once_its_watcher_leaves_the_project(
     people: Any, cotenants: dict[str, Any]

@@ -9,14 +9,14 @@ import pytest
 from django.utils import timezone
 
 from portal.accounts.models import Membership
+from portal.audit.models import AuditEntry
 from portal.billing.models import UsageRecord
-from portal.console.models import AuditEntry
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
 from portal.telemetry.models import SandboxRollup
 from tests.portal.helpers import client_for, place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 def test_projects_show_role_quota_bars_and_usage(
@@ -39,7 +39,7 @@ def test_projects_show_role_quota_bars_and_usage(
     minute = (now - timedelta(minutes=3)).replace(second=0, microsecond=0)
     SandboxRollup.objects.create(
         sandbox=sandbox, minute=minute, samples=60, mem_min_mib=0, mem_mean_mib=0, mem_max_mib=0,
-        util_min_pct=50, util_mean_pct=50, util_max_pct=50, temp_max_c=50, power_mean_w=100, cost_micros=0,
+        util_min_pct=50, util_mean_pct=50, util_max_pct=50, temp_max_c=50, power_mean_w=100,
     )  # fmt: skip
     detail = client_for(people["member"]).get("/projects/vision/")
     assert detail.status_code == 200 and b"GPU-hours allocated" in detail.content

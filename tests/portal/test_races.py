@@ -27,16 +27,18 @@ from django.test import Client
 from django.utils import timezone
 
 from portal.accounts.models import ApiToken
+from portal.control import scheduling
+from portal.control.scheduling import schedule_once
 from portal.fleet.models import Gpu
 from portal.quotas.models import QuotaPolicy
-from portal.sandboxes import actions, scheduling
+from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox, SandboxEvent
-from portal.sandboxes.scheduling import schedule_once
 from scheduler.cluster import DeviceGrant
 from tests.conftest import seed_host
 from tests.portal.helpers import request
 from workers import control
 
+# Threads race, each on its own connection: the rows they fight over must be committed.
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 ON_POSTGRESQL = django_settings.DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql"
 # What only PostgreSQL has: the cycle's advisory lock that a second cycle finds taken and
@@ -198,7 +200,7 @@ def test_200_requests_for_the_last_10_slots_place_10_and_queue_the_rest(
     assert len(ids) == REQUESTS and set(asked.values_list("pk", flat=True)) == ids  # each exactly once
     assert set(asked.values_list("state", flat=True)) == {"queued"}
 
-    caplog.set_level(logging.INFO, logger="portal.sandboxes.scheduling")
+    caplog.set_level(logging.INFO, logger="portal.control.scheduling")
     started = time.perf_counter()
     rounds = schedule_until_settled()
     print(f"{REQUESTS} requests in {created:.1f} s; cycles settled in {rounds} rounds, "
@@ -348,7 +350,7 @@ def test_a_worker_killed_mid_cycle_holds_nothing_back(last_slots: dict[str, Any]
     A Redis lock it left behind (an older release took one) is not waited out."""
     asked = request(last_slots["owner"], last_slots["project"], last_slots["dedicated"], last_slots["image"])
     store = redis.Redis.from_url(django_settings.REDIS_URL)
-    store.set(control.CYCLE_LOCK, "dead-worker", ex=60)
+    store.set(scheduling.CYCLE_LOCK, "dead-worker", ex=60)
     try:
         dead = psycopg.connect(**connection.get_connection_params())
         dead.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(scheduling.CYCLE_LOCK_KEY))
@@ -360,9 +362,11 @@ def test_a_worker_killed_mid_cycle_holds_nothing_back(last_slots: dict[str, Any]
         control.schedule_cycle()
         assert Sandbox.objects.get(pk=asked.pk).state in PLACED
     finally:
-        store.delete(control.CYCLE_LOCK)
+        store.delete(scheduling.CYCLE_LOCK)
 
 
+@pytest.mark.django_db  # one thread: no race, only the lock in Redis
+@pytest.mark.usefixtures("on_commit_runs")
 def test_without_postgresql_a_redis_lock_keeps_cycles_apart(
     last_slots: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
@@ -372,7 +376,7 @@ def test_without_postgresql_a_redis_lock_keeps_cycles_apart(
     monkeypatch.setattr(connection, "vendor", "sqlite")
     asked = request(last_slots["owner"], last_slots["project"], last_slots["dedicated"], last_slots["image"])
     store = redis.Redis.from_url(django_settings.REDIS_URL)
-    held = store.lock(control.CYCLE_LOCK, timeout=30)
+    held = store.lock(scheduling.CYCLE_LOCK, timeout=30)
     assert held.acquire(blocking=False)
     try:
         control.schedule_cycle()  # another thread's cycle holds the lock: this one skips
@@ -383,11 +387,11 @@ def test_without_postgresql_a_redis_lock_keeps_cycles_apart(
     real = scheduling.run_cycle
 
     def run_cycle(*args: Any, **kwargs: Any) -> Any:
-        store.delete(control.CYCLE_LOCK)  # as if it expired mid-cycle
+        store.delete(scheduling.CYCLE_LOCK)  # as if it expired mid-cycle
         return real(*args, **kwargs)
 
     monkeypatch.setattr(scheduling, "run_cycle", run_cycle)
-    caplog.set_level(logging.WARNING, logger="workers.control")
+    caplog.set_level(logging.WARNING, logger="portal.control.scheduling")
     control.schedule_cycle()
     assert Sandbox.objects.get(pk=asked.pk).state in PLACED
     assert any("outlived its Redis lock" in r.getMessage() for r in caplog.records)

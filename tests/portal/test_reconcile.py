@@ -9,13 +9,14 @@ import pytest
 from django.utils import timezone
 
 from portal.billing.models import UsageRecord
+from portal.control.hosts import mark_lost_hosts
+from portal.control.reconcile import LAUNCH_RESEND_S, STOP_RESEND_S, do_reconcile_host
 from portal.fleet.models import Gpu, Host
-from portal.fleet.reconcile import LAUNCH_RESEND_S, STOP_RESEND_S, do_reconcile_host
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox
 from tests.portal.helpers import place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 def entry(sandbox: Sandbox | None = None, key: str = "", state: str = "running", **kw: Any) -> dict[str, Any]:
@@ -226,7 +227,6 @@ def test_a_restarted_agent_is_told_to_adopt(people: Any, catalog: Any, fleet: An
 
 
 def test_a_lost_host_loses_its_sandboxes(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
-    from workers.control import mark_lost_hosts
 
     sandbox = placed(people, catalog)
     host = Host.objects.get(name=host_of(sandbox))
@@ -248,7 +248,6 @@ def test_a_host_whose_agent_still_beats_is_not_lost_while_its_beats_wait_in_the_
     from django.conf import settings
 
     from workers import liveness
-    from workers.control import mark_lost_hosts
 
     sandbox = placed(people, catalog)
     host = Host.objects.get(name=host_of(sandbox))

@@ -11,11 +11,11 @@ from django.utils import timezone
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
-from portal.sandboxes.scheduling import build_queue, build_snapshot
+from portal.sandboxes.snapshot import build_queue, build_snapshot
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 @pytest.fixture

@@ -14,10 +14,12 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from portal.control import scheduling
+from portal.control.scheduling import schedule_once
 from portal.fleet.models import Gpu, Host, MigInstance
-from portal.sandboxes import actions, digest, policy, scheduling
+from portal.sandboxes import actions, digest, policy
 from portal.sandboxes.models import Allocation, Sandbox
-from portal.sandboxes.scheduling import build_snapshot, read_queue, schedule_once
+from portal.sandboxes.snapshot import build_snapshot, read_queue
 from scheduler.cluster import AUTO, Running
 from scheduler.placement import workload
 from scheduler.placement.workload import WorkloadModel
@@ -25,7 +27,7 @@ from tests.conftest import seed_host
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 WRITES = ("INSERT", "UPDATE", "DELETE")
 
 

@@ -17,7 +17,7 @@ from channels.testing import WebsocketCommunicator
 from django.db import DatabaseError, connection, transaction
 from django.test import Client, override_settings
 
-from portal.console.models import AuditEntry
+from portal.audit.models import AuditEntry
 from portal.env import ConfigError, env_str
 from tests.portal.helpers import client_for
 
@@ -200,7 +200,7 @@ def test_swagger_ui_loads_under_the_policy(people: Any) -> None:
 # --- WebSocket origin ----------------------------------------------------------------------
 
 
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.django_db(transaction=True)  # the consumer reads the session in its own thread
 def test_websockets_accept_only_the_sites_own_origin(people: Any) -> None:
     """Compared by scheme, host and port, like Django's CSRF origin check: the outside probe
     (finding 8) was let in from any port or scheme of an allowed host."""
@@ -276,7 +276,7 @@ def test_raw_sql_cannot_edit_the_audit_log(entry: AuditEntry) -> None:
 @pytest.mark.django_db
 def test_the_admin_shows_the_audit_log_read_only_even_to_superusers(people: Any, entry: AuditEntry) -> None:
     admin = client_for(people["admin"])
-    base = "/admin/console/auditentry/"
+    base = "/admin/audit/auditentry/"
     listing = admin.get(base)
     assert listing.status_code == 200 and "Add audit entry" not in listing.content.decode()
     detail = admin.get(f"{base}{entry.pk}/change/")

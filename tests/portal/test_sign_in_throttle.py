@@ -154,7 +154,7 @@ def _api_call(app: Any, peer: str, forwarded_for: str | None, key: str) -> int:
     return asyncio.run(call())
 
 
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.django_db(transaction=True)  # the ASGI handler runs the view in its own thread
 def test_a_client_cannot_pick_its_address_with_x_forwarded_for(guesser: Any) -> None:
     """Straight to the server (no trusted proxy): a new X-Forwarded-For per request is ignored,
     every guess counts against the connection's own address."""
@@ -166,7 +166,7 @@ def test_a_client_cannot_pick_its_address_with_x_forwarded_for(guesser: Any) -> 
     assert _api_call(app, ATTACKER, "192.0.2.99", "gps_guess") == 429
 
 
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.django_db(transaction=True)  # the ASGI handler runs the view in its own thread
 def test_behind_a_trusted_proxy_its_header_names_the_client(guesser: Any) -> None:
     """Through the proxy at 10.0.0.1 (TRUSTED_PROXIES): the client it names is counted, not
     the proxy, and not what the client put first in the header."""

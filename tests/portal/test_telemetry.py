@@ -4,23 +4,25 @@ pushed to agents as a policy and delivered to a signed webhook."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import http.server
-import json
-import threading
+import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from django.utils import timezone
 
+from portal.billing.models import UsageRecord
+from portal.billing.pricing import cost_micros
 from portal.fleet.models import Gpu
+from portal.sandboxes import actions
 from portal.sandboxes.models import Notification, Sandbox
 from portal.telemetry.alerts import alert_policy, do_record_alerts
+from portal.telemetry.consumers import SandboxSamples
 from portal.telemetry.models import Alert, AlertPolicy, GpuRollup, SandboxRollup
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
+from portal.webhooks.models import WebhookDelivery, WebhookEndpoint
 from tests.portal.helpers import client_for, place_all, request
+from workers.telemetry import sandbox_group
 
 
 @pytest.fixture
@@ -45,7 +47,8 @@ def minute_payload(minute: datetime, gpu_uuid: str, sandbox_id: int, temp: float
         "sandboxes": {
             str(sandbox_id): {
                 "samples": 60, "mem_mib": [900, 1000, 1100], "util_pct": [40.0, 50.0, 60.0],
-                "temp_max_c": temp + 5, "power_mean_w": 200.0, "cost_micros": 12345,
+                "temp_max_c": temp + 5, "power_mean_w": 200.0,
+                "cost_micros": 12345,  # an agent from before the portal computed every cost: ignored
             }
         },
     }  # fmt: skip
@@ -64,7 +67,6 @@ def test_rollups_are_stored_once_and_purged_after_the_retention(sandbox: Any, se
     assert do_store_rollups(host, minute_payload(minute, gpu.uuid, sandbox.pk, temp=70.0)) == (1, 1)
     row = GpuRollup.objects.get()
     assert (row.minute, row.temp_max_c, row.throttled_samples, row.samples) == (minute, 75.0, 3, 60)
-    assert SandboxRollup.objects.get().cost_micros == 12345
     # From another host, the GPU is not its: nothing written.
     assert do_store_rollups(other, minute_payload(minute, gpu.uuid, 999999)) == (0, 0)
     settings.TELEMETRY_RETENTION_DAYS = 1
@@ -112,9 +114,14 @@ def test_history_endpoints_follow_the_streams_permissions(people: Any, sandbox: 
         do_store_rollups(
             gpu.host.name, minute_payload(this_minute(back), gpu.uuid, sandbox.pk, temp=50.0 + back)
         )
+    # Running since 4 minutes ago: the chart's cost at each minute's end is billing's, from
+    # the ledger (the agents send none).
+    actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "c"}, this_minute(4))
+    price = sandbox.tier.price_per_gpu_hour_micros
     member = client_for(people["member"])
     history = member.get(f"/telemetry/sandboxes/{sandbox.pk}/history/?minutes=10").json()
-    assert len(history["t"]) == 3 and history["cost_micros"] == [12345] * 3
+    assert len(history["t"]) == 3
+    assert history["cost_micros"] == [cost_micros(price, 1000, s * 1_000_000) for s in (120, 180, 240)]
     assert history["mem_mib"]["max"] == [1100] * 3 and history["currency"] == sandbox.tier.currency
     gpu_history = member.get(f"/telemetry/gpus/{gpu.uuid}/history/").json()
     assert gpu_history["temp_c"]["mean"] == [53.0, 52.0, 51.0] and gpu_history["mem_total_mib"] == 81559
@@ -132,6 +139,11 @@ def test_history_endpoints_follow_the_streams_permissions(people: Any, sandbox: 
     assert admin.get("/telemetry/fleet/history/?metric=fan").json() == {
         "metric": ["One of util_pct, temp_c, power_w, mem_pct."]
     }
+    # Stopped half a minute into the last minute: that minute's cost is the closed interval's.
+    actions.do_mark_stopped(sandbox.allocation_key, this_minute(1) + timedelta(seconds=30))
+    history = member.get(f"/telemetry/sandboxes/{sandbox.pk}/history/?minutes=10").json()
+    assert history["cost_micros"] == [cost_micros(price, 1000, s * 1_000_000) for s in (120, 180, 210)]
+    assert history["cost_micros"][-1] == UsageRecord.objects.get(sandbox=sandbox).cost_micros
 
 
 def change(state: str, key: str, **extra: Any) -> dict[str, Any]:
@@ -142,19 +154,43 @@ def change(state: str, key: str, **extra: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def test_the_sandbox_stream_adds_billings_running_cost_to_its_samples(people: Any, sandbox: Any) -> None:
+    """Agents send no cost; the sandbox's socket adds the ledger's cost at each sample's time
+    (a sample of an older agent, with a cost of its own, gets billing's too)."""
+    actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "c"}, this_minute(10))
+    consumer = SandboxSamples()
+    consumer.scope = {"url_route": {"kwargs": {"sandbox_id": sandbox.pk}}}
+    consumer.init_stream()
+    assert consumer.authorize(people["member"]) == sandbox_group(sandbox.pk)
+    key, gpu = str(sandbox.pk), sandbox.allocations.get().gpu.uuid
+    price = sandbox.tier.price_per_gpu_hour_micros
+    older_agents = {"mem_mib": 1024, "util_pct": None, "cost_micros": 7}
+    for figures in ({"mem_mib": 1024, "util_pct": 50.0}, older_agents):
+        at_ms = int(this_minute(0).timestamp() * 1000)
+        sample = {"type": "gpu.sample", "gpu": gpu, "t": at_ms, "sandboxes": {key: figures}}
+        asyncio.run(consumer.gpu_sample(sample))
+        [sent] = consumer._latest.values()
+        assert sent["sandboxes"][key] == {**figures, "cost_micros": cost_micros(price, 1000, 600_000_000)}
+    assert consumer.authorize(people["outsider"]) is None
+
+
 def test_alerts_are_recorded_once_notified_and_listed(
     people: Any, sandbox: Any, sent_tasks: Any, django_capture_on_commit_callbacks: Any
 ) -> None:
     gpu = sandbox.allocations.get().gpu
-    AlertPolicy.objects.filter(tier__isnull=True).update(webhook_url="http://127.0.0.1:9/hook")
+    WebhookEndpoint.objects.create(url="http://127.0.0.1:9/hook", events=["alert.raised", "alert.cleared"])
     raised = [change("raised", "k1", gpu=gpu.uuid), change("raised", "k2", gpu=gpu.uuid, sandbox=sandbox.pk)]
     with django_capture_on_commit_callbacks(execute=True):
         assert [s for _, s in do_record_alerts("h100", raised)] == ["raised", "raised"]
         assert do_record_alerts("h100", raised) == []  # redelivered: nothing new
     assert Alert.objects.filter(cleared_at__isnull=True).count() == 2
     assert Notification.objects.filter(user=people["owner"], kind="alert").count() == 1
-    webhooks = [t for t in sent_tasks if t[1] == "deliver_alert_webhook"]
-    assert len(webhooks) == 2 and webhooks[0][2][2] == "http://127.0.0.1:9/hook"
+    # Each raised alert is a webhook delivery, sent after commit (tests/portal/test_webhooks.py).
+    raised_events = WebhookDelivery.objects.filter(event="alert.raised")
+    assert sorted(d.payload["key"] for d in raised_events) == ["k1", "k2"]
+    assert [t[2] for t in sent_tasks if t[1] == "deliver_webhook"] == [
+        (d.pk,) for d in raised_events.order_by("pk")
+    ]
     do_record_alerts("h100", [change("cleared", "k1", message="cleared: back to normal")])
     k1 = Alert.objects.get(key="k1")
     assert k1.cleared_at is not None and k1.clear_reason == "cleared: back to normal"
@@ -197,46 +233,3 @@ def test_a_policy_with_clear_over_raise_is_refused(db: Any) -> None:
     with pytest.raises(ValidationError) as error:
         AlertPolicy(temp_high_c=80, temp_clear_c=85, mem_high_pct=120).full_clean()
     assert {"temp_clear_c", "mem_high_pct"} <= set(error.value.message_dict)
-
-
-class Hook(http.server.BaseHTTPRequestHandler):
-    received: list[tuple[dict[str, str], bytes]] = []
-    status = 204
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        Hook.received.append((dict(self.headers), body))
-        self.send_response(Hook.status)
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-def test_webhook_is_signed_and_a_failure_retries(people: Any, sandbox: Any, settings: Any) -> None:
-    from workers import control
-
-    settings.ALERT_WEBHOOK_SECRET = "s3cret"
-    server = http.server.HTTPServer(("127.0.0.1", 0), Hook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}/hook"
-    do_record_alerts("h100", [change("raised", "w1", sandbox=sandbox.pk)])
-    alert = Alert.objects.get(key="w1")
-    try:
-        control.deliver_alert_webhook.run(alert.pk, "raised", url)
-        [(headers, body)] = Hook.received
-        expected = "sha256=" + hmac.new(b"s3cret", body, hashlib.sha256).hexdigest()
-        assert headers["X-Gpushare-Signature"] == expected
-        payload = json.loads(body)
-        assert payload["event"] == "alert.raised" and payload["alert"]["sandbox"] == sandbox.pk
-        Hook.status = 500
-        with pytest.raises(control.WebhookFailed):
-            control.deliver_alert_webhook.run(alert.pk, "raised", url)
-        alert.refresh_from_db()
-        assert alert.webhook_status.endswith("answered 500")
-    finally:
-        Hook.status = 204
-        Hook.received.clear()
-        server.shutdown()
-    with pytest.raises(control.WebhookFailed):
-        control.deliver_alert_webhook.run(alert.pk, "raised", "http://127.0.0.1:9/closed")

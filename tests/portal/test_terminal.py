@@ -22,7 +22,7 @@ from portal.sandboxes.models import Sandbox
 from tests.portal.helpers import client_for, place_all, request
 from workers.terminal_relay import relay
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db(transaction=True)  # the consumers read in their own thread
 # How long a test waits for a message through Redis and the relay's threads: generous, as
 # CI runs the suite beside the ledger test on two cores; a message on time ends the wait.
 WAIT_S = 30
@@ -159,3 +159,34 @@ def test_who_may_open_a_terminal(
         assert first["type"] == "closed" and first["reason"].startswith(says)
         assert closed == {"type": "websocket.close", "code": code}
         assert not any(t[1] == "open_terminal" for t in sent_tasks)
+
+
+def test_a_simulated_sandbox_offers_no_terminal_and_its_pages_say_simulated(
+    people: Any, catalog: Any, sent_tasks: Any
+) -> None:
+    """On a host whose driver keeps state only (the cluster twin), nothing runs to open a shell
+    into: the page offers none, the socket refuses, and the pages badge the sandbox."""
+    from tests.conftest import seed_host
+
+    seed_host("twin-1", "H100-80GB:2", {0: "dedicated", 1: "dedicated"}, driver="simulated")
+    sandbox = running_sandbox(people, catalog)
+    assert sandbox.host is not None and sandbox.host.simulated_sandboxes
+    owner = client_for(people["owner"])
+    page = owner.get(f"/sandboxes/{sandbox.pk}/").content.decode()
+    assert "simulated sandbox" in page and "Open terminal" not in page
+    assert (
+        "A shell: none. This sandbox is simulated" in page
+        and "the <strong>Terminal</strong> below" not in page
+    )
+    assert "simulated sandbox" in owner.get("/sandboxes/").content.decode()
+    assert "simulated sandboxes" in client_for(people["admin"]).get("/console/fleet/").content.decode()
+    comm = communicator(people["owner"], sandbox.pk)
+
+    async def run() -> tuple[Any, Any]:
+        await comm.connect()
+        return json.loads(await comm.receive_from(timeout=WAIT_S)), await comm.receive_output(timeout=WAIT_S)
+
+    first, closed = asyncio.run(run())
+    assert first["type"] == "closed" and first["reason"].startswith("The sandbox is simulated")
+    assert closed == {"type": "websocket.close", "code": 4409}
+    assert not any(t[1] == "open_terminal" for t in sent_tasks)

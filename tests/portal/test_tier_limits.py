@@ -13,7 +13,7 @@ from portal.sandboxes.specs import launch_spec
 from tests.factories import TierFactory
 from tests.portal.helpers import client_for, place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 def test_a_sandbox_gets_its_tiers_shm_size_or_half_its_memory(

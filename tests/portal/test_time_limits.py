@@ -13,7 +13,7 @@ from portal.sandboxes import actions
 from portal.sandboxes.models import Notification, Sandbox
 from tests.portal.helpers import client_for, place_all, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
 def running(people: Any, catalog: Any, hours: int = 1, started_ago: timedelta = timedelta(0)) -> Sandbox:

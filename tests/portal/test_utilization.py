@@ -13,17 +13,15 @@ from django.test import Client
 
 from portal.accounts.models import ApiToken
 from portal.billing.models import UsageRecord
-from portal.billing.utilization import (
+from portal.sandboxes.models import Sandbox
+from portal.telemetry.models import SandboxRollup
+from portal.telemetry.utilization import (
     GpuHours,
     Grouping,
     _gpu_hours_in_python,
-    by_project,
     by_sandbox,
-    by_tier,
     gpu_hours,
 )
-from portal.sandboxes.models import Sandbox
-from portal.telemetry.models import SandboxRollup
 from tests.portal.helpers import client_for, request
 
 pytestmark = pytest.mark.django_db
@@ -50,7 +48,6 @@ def rollup(sandbox: Sandbox, minute: datetime, util: float | None) -> None:
     SandboxRollup.objects.create(
         sandbox=sandbox, minute=minute, samples=60, mem_min_mib=0, mem_mean_mib=0, mem_max_mib=0,
         util_min_pct=util, util_mean_pct=util, util_max_pct=util, temp_max_c=50, power_mean_w=100,
-        cost_micros=0,
     )  # fmt: skip
 
 
@@ -106,13 +103,13 @@ def test_per_sandbox_figures(sandboxes: dict[str, Sandbox], django_assert_num_qu
 def test_per_project_and_per_tier_add_their_sandboxes(
     people: Any, catalog: Any, sandboxes: dict[str, Sandbox]
 ) -> None:
-    projects = by_project(T0, END, now=NOW)
+    projects = gpu_hours("project", T0, END, now=NOW)
     close(projects[people["project"].pk], 11.5, 2.1, 2.4, 7)  # a + b
     close(projects[people["other_project"].pk], 4, 0.5, 1.5, 2)  # c
-    tiers = by_tier(T0, END, now=NOW)
+    tiers = gpu_hours("tier", T0, END, now=NOW)
     close(tiers[catalog["dedicated"].pk], 14, 2, 3, 9)  # a + c
     close(tiers[catalog["mig"].pk], 1.5, 0.6, 0.9, 0)  # b
-    assert set(by_tier(T0, END, now=NOW, only=[catalog["mig"].pk])) == {catalog["mig"].pk}
+    assert set(gpu_hours("tier", T0, END, now=NOW, only=[catalog["mig"].pk])) == {catalog["mig"].pk}
 
 
 def test_the_period_clips_intervals_and_minutes(sandboxes: dict[str, Sandbox]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -23,14 +24,7 @@ from scheduler.cluster import (
     book,
 )
 from scheduler.cycle import run_cycle
-from scheduler.fairshare import (
-    FairOrder,
-    accrue,
-    decay,
-    decayed_usage,
-    demand_milli,
-    fairshare_factor,
-)
+from scheduler.fairshare import FairOrder, decay, decayed_usage, demand_milli
 from scheduler.placement import get_policy
 
 POLICY = get_policy("first-fit")
@@ -83,21 +77,6 @@ def test_decayed_usage_is_the_integral_of_decayed_gpu_seconds() -> None:
     assert usage == pytest.approx(7200 / 2, rel=0.02)
     # A running interval counts up to now only, a future one not at all.
     assert decayed_usage([(-10, 50, 1000), (10, 20, 1000)], now=0.0, half_life_s=1e12) == pytest.approx(10)
-
-
-def test_accrue_decays_then_adds() -> None:
-    state = FairShareState({"a": ProjectShare(weight=2, usage_gpu_s=100)}, half_life_s=60, usage_at=0)
-    later = accrue(state, 60, {"a": 10, "b": 5})
-    assert later.usage_at == 60
-    assert later.share("a").usage_gpu_s == pytest.approx(60) and later.share("a").weight == 2
-    assert later.share("b").usage_gpu_s == 5
-
-
-def test_factor_is_one_when_idle_and_a_half_at_the_share() -> None:
-    assert fairshare_factor(0, 1, 0, 3) == 1.0
-    assert fairshare_factor(100, 1, 300, 3) == pytest.approx(0.5)
-    assert fairshare_factor(200, 1, 300, 3) < fairshare_factor(100, 2, 300, 3)
-    assert fairshare_factor(1, 0, 1, 1) == 0.0
 
 
 def test_demand_counts_milli_gpu_per_mode() -> None:
@@ -271,7 +250,13 @@ def simulate_week(weights: dict[str, float], seed: int) -> dict[str, float]:
         snapshot.running = still
         for name, gpu_s in used.items():
             delivered[name] += gpu_s / 3600
-        state = accrue(state, now + cycle_s, used)
+        # Usage decayed over the cycle plus what it used: step by step, the figure the portal
+        # rebuilds from the ledger each cycle (decayed_usage, the integral of the same decay).
+        projects = {
+            p: replace(s, usage_gpu_s=decay(s.usage_gpu_s, cycle_s, DAY) + used[p])
+            for p, s in state.projects.items()
+        }
+        state = replace(state, projects=projects, usage_at=now + cycle_s)
     return delivered
 
 

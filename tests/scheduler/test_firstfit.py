@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.cluster import GpuState, HostState, MigSlot, Pending, Place, Request, Snapshot
-from scheduler.cycle import order_queue, run_cycle
+from scheduler.cycle import run_cycle
+from scheduler.fairshare import FairOrder
 from scheduler.placement import get_policy
 
 
@@ -112,8 +113,13 @@ def test_drained_and_lost_capacity_is_not_used() -> None:
 
 
 def test_queue_order_is_priority_then_age_then_id() -> None:
+    """Without fair-share state (no quotas): what the cycle's FairOrder hands out."""
     queue = [req(3, at=5), req(1, priority=50, at=1), req(2, at=5), req(4, priority=200, at=9)]
-    assert [r.id for r in order_queue(queue)] == [4, 2, 3, 1]
+    order, taken = FairOrder(queue, None, [], now=0), []
+    while (head := order.next()) is not None:
+        taken.append(head.id)
+        order.settle(head)  # waits (nothing placed): its project's next request comes up
+    assert taken == [4, 2, 3, 1]
 
 
 def test_unknown_policy_names_the_known_ones() -> None:

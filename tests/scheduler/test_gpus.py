@@ -13,7 +13,6 @@ from scheduler.gpus import (
     MODELS,
     GpuModel,
     check_layout,
-    free_starts,
     model_for_name,
     placeable_starts,
 )
@@ -187,7 +186,6 @@ def test_no_legal_layout_exceeds_the_gpu() -> None:
 def test_placeable_starts_counts_compute_and_media() -> None:
     h100 = CATALOG["H100-80GB"]
     layout = [("4g.40gb", 0), ("2g.20gb", 4), ("1g.10gb+me", 6)]
-    assert free_starts(h100, "1g.10gb", [(0, 4), (4, 2), (6, 1)]) == []
     assert placeable_starts(h100, "1g.10gb", layout) == []
     assert placeable_starts(h100, "1g.10gb", [("1g.10gb+me", 0)]) == [1, 2, 3, 4, 5, 6]
     assert placeable_starts(h100, "1g.10gb+me", [("1g.10gb+me", 0)]) == []

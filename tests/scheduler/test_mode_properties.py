@@ -33,6 +33,21 @@ from scheduler.cycle import run_cycle
 from scheduler.placement import get_policy
 
 KIND_MODE = {"exclusive": DEDICATED, "mps": MPS, "timeslice": TIMESLICE}
+
+
+def current_mode(gpu: GpuState) -> str:
+    """The mode it is in now: its pinned one, else what holds it; AUTO when idle."""
+    if gpu.mode != AUTO:
+        return gpu.mode
+    if gpu.exclusive_busy:
+        return DEDICATED
+    if gpu.mps_used_threads or gpu.mps_used_mib:
+        return MPS
+    if gpu.replicas_used:
+        return TIMESLICE
+    return AUTO
+
+
 GPU_MIB = 40000
 
 
@@ -100,7 +115,7 @@ def check(snapshot: Snapshot, holding: dict[int, tuple[str, tuple[DeviceGrant, .
                 0 <= r < gpu.replicas for r in replicas if r is not None
             )
             if not on_gpu:
-                assert gpu.idle and gpu.current_mode == (AUTO if gpu.mode == AUTO else gpu.mode)
+                assert gpu.idle and current_mode(gpu) == (AUTO if gpu.mode == AUTO else gpu.mode)
 
 
 @pytest.mark.parametrize("policy", ["gpushare", "first-fit"])
@@ -137,10 +152,10 @@ def test_an_emptied_gpu_takes_another_mode() -> None:
     policy = get_policy("gpushare")
     mps = Request(1, "p", 0, 0.0, MPS, mps_memory_mib=1000, mps_thread_pct=50)
     (placed,) = run_cycle(snapshot, [mps], policy, 0.0, in_place=True)
-    assert isinstance(placed, Place) and gpu.current_mode == MPS
+    assert isinstance(placed, Place) and current_mode(gpu) == MPS
     whole = Request(2, "p", 0, 1.0, DEDICATED)
     assert not isinstance(run_cycle(snapshot, [whole], policy, 1.0)[0], Place)
     release(gpu, placed.grants[0])
     snapshot.changed("h")
-    assert gpu.current_mode == AUTO
+    assert current_mode(gpu) == AUTO
     assert isinstance(run_cycle(snapshot, [whole], policy, 2.0)[0], Place)

@@ -195,3 +195,12 @@ def test_a_launch_that_crashes_is_no_longer_reported_as_coming(tmp_path: Path) -
         a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))
     a.reports.build()
     assert a.sandboxes.launching == {} and a.reports.ready is not None and a.reports.ready[0] == []
+
+
+def test_a_spec_with_the_retired_metering_facts_still_reads() -> None:
+    """An older portal's launch message, or a spec a process driver saved before the upgrade,
+    carries the price and share the agent once costed samples with: read, and dropped."""
+    old = {**spec("GPU-1").to_json(), "milli_gpu": 1000, "price_per_gpu_hour_micros": 2_500_000}
+    assert SandboxSpec.from_json(old) == spec("GPU-1")
+    with pytest.raises(TypeError):
+        SandboxSpec.from_json({**old, "not_a_field": 1})  # anything else is still refused

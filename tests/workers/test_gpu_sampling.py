@@ -4,16 +4,24 @@ skip unmeasured samples, and the sandboxes an event concerns (issue 18)."""
 from __future__ import annotations
 
 from tests.workers.nvml_fake import A100_UUID, H100_UUID, FakeNvml
-from workers.gpu.base import GpuSample
+from workers.gpu.base import GpuBackend, GpuSample
 from workers.gpu.nvml import NvmlBackend
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
-from workers.host.health import sandboxes_hit
-from workers.host.sampler import sample_all
+from workers.host.faults import sandboxes_hit
+from workers.host.sampler import TickSamples
 from workers.host.utilization import UtilWindow
 
 
+def sample_all(backend: GpuBackend, uuids: list[str], parent_of: dict[str, str]) -> TickSamples:
+    """Each of ``uuids`` asked once, in order, as the sampler's tick asks its devices."""
+    tick = TickSamples(backend, parent_of)
+    for uuid in uuids:
+        tick.get(uuid)
+    return tick
+
+
 def test_a_lost_gpu_does_not_stop_the_others(fake: FakeNvml, backend: NvmlBackend) -> None:
-    """Guards review §0 #7: one lost GPU aborted the whole tick, health report included."""
+    """Guards review §0 #7: one lost GPU aborted the whole tick, fault report included."""
     gpus = backend.list_gpus()
     parent_of = {m.uuid: g.uuid for g in gpus for m in g.mig_devices}
     migs = list(parent_of)
@@ -22,7 +30,7 @@ def test_a_lost_gpu_does_not_stop_the_others(fake: FakeNvml, backend: NvmlBacken
     assert list(got.samples) == [H100_UUID]
     assert got.lost == {A100_UUID}
     assert list(got.failed) == ["GPU-nope"]
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(A100_UUID, "gpu_lost")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(A100_UUID, "gpu_lost")]
 
 
 def test_a_mig_device_sampled_before_its_gpu_was_found_lost_is_dropped() -> None:

@@ -1,4 +1,4 @@
-"""SimulatedBackend: MIG geometry, deterministic UUIDs, load-driven telemetry, health hooks."""
+"""SimulatedBackend: MIG geometry, deterministic UUIDs, load-driven telemetry, fault hooks."""
 
 from __future__ import annotations
 
@@ -343,7 +343,7 @@ def test_note_load_rejects_unknown_devices() -> None:
         backend.sample("GPU-nope")
 
 
-# -- health ----------------------------------------------------------------------------------
+# -- faults ----------------------------------------------------------------------------------
 
 
 def test_xid_injection_is_drained_once() -> None:
@@ -351,11 +351,11 @@ def test_xid_injection_is_drained_once() -> None:
     mig = backend.list_gpus()[0].mig_devices[0]
     backend.inject_xid(mig.uuid, 43)
     backend.inject_xid(mig.uuid, 79)
-    events = backend.health_events()
+    events = backend.fault_events()
     # 43 is the tenant's own (a killed kernel): app_xid; 79 (fell off the bus) is the board's
     assert [(e.uuid, e.kind, e.xid) for e in events] == [(mig.uuid, "app_xid", 43), (mig.uuid, "xid", 79)]
     assert events[0].t_ms == 1_700_000_000_000
-    assert backend.health_events() == []
+    assert backend.fault_events() == []
 
 
 def test_overheat_throttles_and_leaves_the_verdict_to_the_temperature_rule() -> None:
@@ -371,8 +371,8 @@ def test_overheat_throttles_and_leaves_the_verdict_to_the_temperature_rule() -> 
     assert hot.temp_c >= 94
     assert "sw_thermal" in hot.throttle and "hw_slowdown" in hot.throttle
     assert hot.sm_clock_mhz < cool_loaded.sm_clock_mhz * 0.6 and normal_clock > 0
-    # One temperature rule, the alert policy's, judged on the agent (workers.host.health).
-    assert backend.health_events() == []
+    # One temperature rule, the alert policy's, judged on the agent (workers.host.faults).
+    assert backend.fault_events() == []
     clock.t += 200
     cooled = backend.sample(gpu)
     assert cooled.temp_c < 80 and "sw_thermal" not in cooled.throttle
@@ -383,7 +383,7 @@ def test_lost_gpu_leaves_inventory_and_fails_calls() -> None:
     lost, kept = (g.uuid for g in backend.list_gpus())
     backend.mark_lost(lost)
     backend.mark_lost(lost)
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(lost, "gpu_lost")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(lost, "gpu_lost")]
     assert [g.uuid for g in backend.list_gpus()] == [kept]
     with pytest.raises(GpuLost, match="is lost") as caught:
         backend.sample(lost)
@@ -424,7 +424,7 @@ def test_concurrent_sampling_loading_and_mig_changes() -> None:
         backend.list_gpus()
         for device in steady:  # the reshaper's instance may vanish between list and sample
             backend.sample(device)
-        backend.health_events()
+        backend.fault_events()
 
     def loader(name: str) -> None:
         backend.note_load(name, [plain], 1000, 50.0)
@@ -462,4 +462,35 @@ def test_ecc_counts_follow_injection() -> None:
     for uuid in (gpu.uuid, mig.uuid):  # counted per board, as NVML does
         sample = backend.sample(uuid)
         assert (sample.ecc_corrected, sample.ecc_uncorrected) == (7, 1)
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(mig.uuid, "ecc_dbe")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(mig.uuid, "ecc_dbe")]
+
+
+# -- the Alibaba trace's models (the cluster twin's hosts) --------------------------------
+
+
+def test_the_trace_models_are_simulated_with_their_names_and_memory() -> None:
+    backend = SimulatedBackend("twin-1", parse_sim_spec("T4:2;V100M32:1;G2:1"), clock=FakeClock())
+    gpus = backend.list_gpus()
+    assert [(g.model, g.name, g.memory_mib) for g in gpus] == [
+        ("T4", "Tesla T4", 15109), ("T4", "Tesla T4", 15109),
+        ("V100M32", "Tesla V100-SXM2-32GB", 32510), ("G2", "Alibaba trace G2 (anonymised)", 20000),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="T4 does not support MIG"):
+        parse_sim_spec("T4:2:mig=0")
+    with pytest.raises(ValueError, match="unknown GPU model 'K80'"):
+        parse_sim_spec("K80:1")
+
+
+def test_a_model_of_unknown_power_raises_no_power_cap_and_still_warms() -> None:
+    """G1-G3 publish memory only (0 W, 0 MHz): no division by their zero TDP, no power cap
+    reason that would raise an alert on every sample."""
+    clock = FakeClock()
+    backend = SimulatedBackend("twin-1", parse_sim_spec("G3:1"), clock=clock)
+    gpu = backend.list_gpus()[0].uuid
+    idle = backend.sample(gpu)
+    backend.note_load("alloc-1", [gpu], 1000, 100.0)
+    clock.t += 300
+    busy = backend.sample(gpu)
+    assert idle.power_w == busy.power_w == 0 and busy.sm_clock_mhz == 0
+    assert "sw_power_cap" not in busy.throttle and "gpu_idle" not in busy.throttle
+    assert busy.temp_c > idle.temp_c + 20 and busy.util_pct is not None and busy.util_pct >= 97

@@ -19,7 +19,7 @@ from workers.drivers.process import ProcessDriver
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 from workers.host import sampler as sampler_module
 from workers.rollups import MinuteRollups
-from workers.telemetry import GpuSampleMessage, read_latest
+from workers.telemetry import GpuSampleMessage, SandboxFigures, read_latest
 
 
 def sample(t_ms: int = 0, **values: Any) -> GpuSampleMessage:
@@ -104,7 +104,7 @@ def test_rollups_leave_unmeasured_utilization_out() -> None:
     rollups.roll(60_000)
     for second, util in enumerate([None, 80.0, None, 60.0]):
         rollups.add_gpu(sample(60_000 + second * 1000, util_pct=util))
-        rollups.add_sandbox("9", {"mem_mib": 1, "util_pct": util, "cost_micros": 0}, sample(0))
+        rollups.add_sandbox("9", {"mem_mib": 1, "util_pct": util}, sample(0))
     rollups.add_gpu(sample(61_000, gpu="MIG-1", util_pct=None))
     closed = rollups.roll(120_000)
     assert closed is not None
@@ -161,15 +161,16 @@ def test_rollups_close_a_minute_when_the_next_begins() -> None:
         rollups.add_gpu(
             sample(60_000 + second * 1000, temp_c=temp, throttle=["sw_thermal"] if second else [])
         )
-        figures = {"mem_mib": 1000 + second, "util_pct": 50.0, "cost_micros": 100 * second}
-        rollups.add_sandbox("9", figures, sample(0, temp_c=temp))  # type: ignore[arg-type]
+        figures = SandboxFigures(mem_mib=1000 + second, util_pct=50.0)
+        rollups.add_sandbox("9", figures, sample(0, temp_c=temp))
     assert rollups.roll(119_999) is None  # same minute
     closed = rollups.roll(120_000)
     assert closed is not None and closed["minute"] == 60
     gpu = closed["gpus"]["GPU-1"]
     assert gpu["samples"] == 3 and gpu["temp_c"] == [40.0, 50.0, 60.0] and gpu["throttled"] == 2
     box = closed["sandboxes"]["9"]
-    assert box["mem_mib"] == [1000, 1001, 1002] and box["cost_micros"] == 200 and box["temp_max_c"] == 60.0
+    assert box["mem_mib"] == [1000, 1001, 1002] and box["temp_max_c"] == 60.0
+    assert "cost_micros" not in box  # the portal's billing computes every cost
     assert rollups.roll(180_000) is None  # nothing folded in the minute since
 
 
@@ -198,13 +199,11 @@ def test_a_tick_streams_rolls_up_raises_and_stores(
     plain, mig_gpu = backend.list_gpus()
     device = mig_gpu.mig_devices[0].uuid
     agent.sandboxes.running["a1"] = SandboxSpec(
-        "a1", 7, "h", "vision", "olivia", "img", (), (plain.uuid,), False,
-        milli_gpu=1000, price_per_gpu_hour_micros=3_600_000, tier="dedicated",
-    )  # fmt: skip
+        "a1", 7, "h", "vision", "olivia", "img", (), (plain.uuid,), False, tier="dedicated"
+    )
     agent.sandboxes.running["a2"] = SandboxSpec(
         "a2", 8, "h", "vision", "olivia", "img", (), (device,), False, tier="mig"
     )
-    agent.sandboxes.started_ms.update({"a1": 0, "a2": 0})
     backend.inject_overheat(plain.uuid, 95.0)
     layer = FakeLayer()
     clock = {"now": 60_000}
@@ -224,7 +223,7 @@ def test_a_tick_streams_rolls_up_raises_and_stores(
     assert len(fleet) == 3  # ticks 0, 5 and 10: the host's GPUs together, one message a tick
     assert [m["gpu"] for m in fleet[0]["samples"]] == [plain.uuid, mig_gpu.uuid]
     box = next(m for g, m in layer.sent if g == "sandbox.7" and m["type"] == "gpu.sample")
-    assert box["sandboxes"]["7"]["cost_micros"] == 60_000  # 1 GPU for 60 s at 3.60 per GPU-hour
+    assert set(box["sandboxes"]["7"]) == {"mem_mib", "util_pct"}  # no cost: the agent knows no price
     mig_sample = next(m for g, m in layer.sent if g == "sandbox.8")
     assert mig_sample["gpu"] == device and mig_sample["parent"] == mig_gpu.uuid
     # 95 °C held 10 s: raised for the GPU (fleet rules) and for the sandbox on it, live and to control.

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from workers.drivers.base import SandboxDriver
 
-DRIVER_KINDS = ("docker", "process", "libvirt", "auto")
+DRIVER_KINDS = ("docker", "process", "libvirt", "simulated", "auto")
 # The isolation level each driver gives a sandbox: a host runs one driver, so it serves
-# only requests for that level (a VM request must never get a container).
-DRIVER_ISOLATION = {"docker": "container", "process": "process", "libvirt": "vm"}
+# only requests for that level (a VM request must never get a container). The state-only
+# driver of simulated hosts stands in for containers, the level most requests ask for.
+DRIVER_ISOLATION = {"docker": "container", "process": "process", "libvirt": "vm", "simulated": "container"}
 
 
 USERNS_REMEDY = (
@@ -47,8 +48,9 @@ def install_command(package: str) -> str:
 
 
 def make_driver(kind: str, host: str, state_dir: Path) -> SandboxDriver:
-    """``docker``, ``process``, ``libvirt``, or ``auto``: docker when an engine answers, else
-    process (``auto`` never picks libvirt: VMs are an isolation level an admin chooses).
+    """``docker``, ``process``, ``libvirt``, ``simulated``, or ``auto``: docker when an engine
+    answers, else process (``auto`` never picks libvirt: VMs are an isolation level an admin
+    chooses; nor the state-only ``simulated``, which runs nothing).
 
     Drivers are imported here, not at module level, so a host without the docker SDK
     (or libvirt-python, an optional extra) can still run the process driver. A driver whose
@@ -56,6 +58,10 @@ def make_driver(kind: str, host: str, state_dir: Path) -> SandboxDriver:
     """
     if kind not in DRIVER_KINDS:
         raise ValueError(f"unknown sandbox driver {kind!r}; expected one of {DRIVER_KINDS}")
+    if kind == "simulated":
+        from workers.drivers.simulated import SimulatedDriver
+
+        return SimulatedDriver(state_dir, host=host)
     if kind == "libvirt":
         from workers.drivers.libvirt import LibvirtDriver
 

@@ -57,6 +57,7 @@ except ImportError as exc:  # an optional extra: the pure builders below work wi
     _LIBVIRT_MISSING: ImportError | None = exc
 else:
     _LIBVIRT_MISSING = None
+from workers.config import var_dir
 from workers.drivers.base import (
     LABEL_PREFIX,
     DriverError,
@@ -155,8 +156,6 @@ class GuestImage:
     @classmethod
     def from_env(cls) -> GuestImage:
         """``VM_KERNEL`` / ``VM_INITRD``, by default what build-vm-image.sh writes."""
-        from workers.config import var_dir
-
         default = var_dir() / "vm"
         return cls(
             kernel=Path(os.environ.get("VM_KERNEL") or default / "vmlinuz"),

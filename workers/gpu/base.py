@@ -76,7 +76,7 @@ class GpuSample:
 
 
 @dataclass(frozen=True)
-class HealthEvent:
+class FaultEvent:
     uuid: str  # the GPU, or the MIG device the fault was tied to
     # "xid" (a device XID: the GPU is drained) | "app_xid" (an application XID: the tenant's
     # own fault, for the sandbox's owner; the GPU stays in service) | "ecc_dbe" | "gpu_lost"
@@ -87,10 +87,10 @@ class HealthEvent:
     xid: int | None = None
 
 
-def xid_event(uuid: str, xid: int, t_ms: int) -> HealthEvent:
-    """The health event for ``xid``: ``app_xid`` or ``xid`` as workers.gpu.xids classes it."""
+def xid_event(uuid: str, xid: int, t_ms: int) -> FaultEvent:
+    """The fault event for ``xid``: ``app_xid`` or ``xid`` as workers.gpu.xids classes it."""
     kind = "app_xid" if is_application(xid) else "xid"
-    return HealthEvent(uuid, kind, describe(xid), t_ms, xid=xid)
+    return FaultEvent(uuid, kind, describe(xid), t_ms, xid=xid)
 
 
 class GpuBackendError(RuntimeError):
@@ -99,7 +99,7 @@ class GpuBackendError(RuntimeError):
 
 class GpuLost(GpuBackendError):
     """The GPU (or the board a MIG device lives on) is lost: NVML_ERROR_GPU_IS_LOST, or it
-    fell off the bus. The backend has queued one ``gpu_lost`` health event for it; the
+    fell off the bus. The backend has queued one ``gpu_lost`` fault event for it; the
     caller drops the GPU from what it samples until the next inventory."""
 
     def __init__(self, message: str, uuid: str) -> None:
@@ -122,7 +122,7 @@ class GpuBackend(Protocol):
 
     def destroy_mig(self, uuid: str, mig_uuid: str) -> None: ...
 
-    def health_events(self) -> list[HealthEvent]: ...
+    def fault_events(self) -> list[FaultEvent]: ...
 
     def note_load(self, owner: str, device_uuids: list[str], mem_mib: int, util_pct: float) -> None:
         """Tell the backend a sandbox now runs on these devices (real GPUs ignore this)."""

@@ -3,7 +3,7 @@
 Every NVML failure leaves this module as a ``GpuBackendError`` naming the operation and
 the device, so the agent handles one exception type. A GPU that answers
 ``NVML_ERROR_GPU_IS_LOST`` (or ``RESET_REQUIRED``) to any call raises ``GpuLost``, its
-subclass that names the GPU, and is reported once as a ``gpu_lost`` health event.
+subclass that names the GPU, and is reported once as a ``gpu_lost`` fault event.
 
 Utilization is None where NVML cannot measure it (a MIG device, a GPU in MIG mode) unless
 GPM can (Hopper: gpm.py). Never 0 for "unknown": idle culling reads 0 as idle.
@@ -27,11 +27,11 @@ import pynvml
 
 from scheduler.gpus import model_for_name
 from workers.gpu.base import (
+    FaultEvent,
     GpuBackendError,
     GpuInfo,
     GpuLost,
     GpuSample,
-    HealthEvent,
     MigDevice,
     xid_event,
 )
@@ -77,7 +77,7 @@ _CLOCK_REASONS = (
 # "GPU unavailable" (R570+ drivers; 0 with an older nvidia-ml-py) reports a lost GPU through
 # the event set, so a GPU that falls off the bus is seen even when nothing else calls it.
 _GPU_UNAVAILABLE = int(getattr(pynvml, "nvmlEventTypeGpuUnavailableError", 0))
-_HEALTH_EVENT_TYPES = (
+_FAULT_EVENT_TYPES = (
     pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError | _GPU_UNAVAILABLE
 )
 # XID 79: "GPU has fallen off the bus". The board is gone until a reset, whatever else works.
@@ -140,7 +140,7 @@ class NvmlBackend:
     def __init__(self) -> None:
         # The agent samples from its own thread while task threads change MIG layouts.
         self._lock = threading.RLock()
-        self._events: list[HealthEvent] = []
+        self._events: list[FaultEvent] = []
         self._lost: set[str] = set()
         self._known: dict[int, str] = {}  # index -> GPU uuid, to name a GPU once it is lost
         self._mig_parent: dict[str, str] = {}  # MIG uuid -> GPU uuid
@@ -427,7 +427,7 @@ class NvmlBackend:
         parent_uuid = self._mig_parent.get(uuid) or str(pynvml.nvmlDeviceGetUUID(parent))
         return self._gpm.read(parent, parent_uuid, int(pynvml.nvmlDeviceGetGpuInstanceId(handle)))
 
-    # -- health ----------------------------------------------------------------------------
+    # -- faults ----------------------------------------------------------------------------
 
     def _register_events(self) -> Any:
         """An event set for XID, double-bit ECC and GPU-unavailable events on every GPU,
@@ -445,7 +445,7 @@ class NvmlBackend:
                     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
                     self._known[index] = str(pynvml.nvmlDeviceGetUUID(handle))
                     wanted = int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
-                    wanted &= _HEALTH_EVENT_TYPES
+                    wanted &= _FAULT_EVENT_TYPES
                     if wanted:
                         pynvml.nvmlDeviceRegisterEvents(handle, wanted, event_set)
                 except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_NoPermission):
@@ -455,7 +455,7 @@ class NvmlBackend:
                 except pynvml.NVMLError_Unknown as err:
                     # nvml.h: "event set is in undefined state and should be freed"
                     log.warning(
-                        "NVML could not register health events on GPU %d (%s), so the event set is freed: %s",
+                        "NVML could not register fault events on GPU %d (%s), so the event set is freed: %s",
                         index,
                         err,
                         _WITHOUT_EVENTS,
@@ -465,7 +465,7 @@ class NvmlBackend:
                     return None
             return event_set
 
-    def health_events(self) -> list[HealthEvent]:
+    def fault_events(self) -> list[FaultEvent]:
         """Events since the last call: NVML's event set, drained without waiting, and losses."""
         with self._lock:
             while self._event_set is not None:
@@ -486,8 +486,8 @@ class NvmlBackend:
             events, self._events = self._events, []
             return events
 
-    def _events_from(self, data: Any) -> list[HealthEvent]:
-        """The health events one NVML event means (a lost GPU is reported once)."""
+    def _events_from(self, data: Any) -> list[FaultEvent]:
+        """The fault events one NVML event means (a lost GPU is reported once)."""
         with self._guard("read NVML event"):
             gpu_uuid = str(pynvml.nvmlDeviceGetUUID(data.device))
         gi_id = int(data.gpuInstanceId)
@@ -502,7 +502,7 @@ class NvmlBackend:
             return [event, *self._mark_lost(gpu_uuid)] if xid == XID_FELL_OFF_BUS else [event]
         if _GPU_UNAVAILABLE and kind == _GPU_UNAVAILABLE:
             return self._mark_lost(gpu_uuid)
-        return [HealthEvent(uuid, "ecc_dbe", "double-bit ECC error", t_ms)]
+        return [FaultEvent(uuid, "ecc_dbe", "double-bit ECC error", t_ms)]
 
     def _find_lost(self) -> None:
         """The event set only says *a* GPU is lost: ask each known one."""
@@ -515,13 +515,13 @@ class NvmlBackend:
         with self._lock:
             self._events.extend(self._mark_lost(uuid))
 
-    def _mark_lost(self, uuid: str) -> list[HealthEvent]:
+    def _mark_lost(self, uuid: str) -> list[FaultEvent]:
         """The one ``gpu_lost`` event for ``uuid``, or none when it was reported already."""
         with self._lock:
             if uuid in self._lost:
                 return []
             self._lost.add(uuid)
-            return [HealthEvent(uuid, "gpu_lost", "GPU is lost", int(time.time() * 1000))]
+            return [FaultEvent(uuid, "gpu_lost", "GPU is lost", int(time.time() * 1000))]
 
     @contextmanager
     def _guard(self, what: str, uuid: str | None = None) -> Iterator[None]:

@@ -24,8 +24,8 @@ import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler.gpus import COMPUTE_SLICES, MODELS, GpuModel, check_layout
-from workers.gpu.base import GpuBackendError, GpuInfo, GpuLost, GpuSample, HealthEvent, MigDevice, xid_event
+from scheduler.gpus import CATALOG, COMPUTE_SLICES, GpuModel, check_layout
+from workers.gpu.base import FaultEvent, GpuBackendError, GpuInfo, GpuLost, GpuSample, MigDevice, xid_event
 
 # Fixed namespace so UUIDs are stable across processes and releases.
 _UUID_NAMESPACE = uuidlib.UUID("6f1d2c1e-5a7b-4c59-9a43-0b6d5f3e8a21")
@@ -40,6 +40,15 @@ _MARKETING_NAMES = {
     "H100-NVL": "NVIDIA H100 NVL",
     "H800-80GB": "NVIDIA H800",
     "GH200-96GB": "NVIDIA GH200 480GB",
+    # The Alibaba trace's models, for the cluster twin's simulated hosts.
+    "P100": "Tesla P100-PCIE-16GB",
+    "T4": "Tesla T4",
+    "V100M16": "Tesla V100-SXM2-16GB",
+    "V100M32": "Tesla V100-SXM2-32GB",
+    "A10": "NVIDIA A10",
+    "G1": "Alibaba trace G1 (anonymised)",
+    "G2": "Alibaba trace G2 (anonymised)",
+    "G3": "Alibaba trace G3 (anonymised)",
 }
 
 DRIVER_OVERHEAD_MIB = 512  # what the driver holds on an idle whole GPU
@@ -55,7 +64,7 @@ IDLE_CLOCK_FRACTION = 0.18  # idle SM clock as a share of max (H100: ~350 MHz)
 
 @dataclass(frozen=True)
 class SimulatedGpuConfig:
-    model: str  # a key of scheduler.gpus.MODELS
+    model: str  # a key of scheduler.gpus.CATALOG (the trace's models too)
     mig: bool = False
     mig_layout: tuple[tuple[str, int], ...] = ()  # (profile name, start); () = default
 
@@ -111,7 +120,7 @@ def parse_sim_spec(text: str) -> list[SimulatedGpuConfig]:
         bad = sorted(i for i in mig_indices if not 0 <= i < count)
         if bad:
             raise ValueError(f"MIG indices {bad} out of range 0..{count - 1} in {group!r}")
-        if mig_indices and not MODELS[model].mig_capable:
+        if mig_indices and not _model(model).mig_capable:
             raise ValueError(f"{model} does not support MIG ({group!r})")
         configs.extend(SimulatedGpuConfig(model, mig=i in mig_indices) for i in range(count))
     return configs
@@ -137,10 +146,11 @@ def gpu_instance_id(memory_slices: int, start: int) -> int:
 
 
 def _model(name: str) -> GpuModel:
+    """A model the platform runs on, or one of the Alibaba trace's (the cluster twin's)."""
     try:
-        return MODELS[name]
+        return CATALOG[name]
     except KeyError:
-        raise ValueError(f"unknown GPU model {name!r}; known: {', '.join(MODELS)}") from None
+        raise ValueError(f"unknown GPU model {name!r}; known: {', '.join(CATALOG)}") from None
 
 
 @dataclass
@@ -189,7 +199,7 @@ class SimulatedBackend:
         self._gpus: dict[str, _Gpu] = {}
         self._mig_parent: dict[str, str] = {}  # MIG uuid -> GPU uuid
         self._loads: dict[str, _Load] = {}
-        self._events: list[HealthEvent] = []
+        self._events: list[FaultEvent] = []
         now = clock()
         for index, config in enumerate(gpus):
             model = _model(config.model)
@@ -376,7 +386,7 @@ class SimulatedBackend:
         reasons = []
         if util < 1:
             reasons.append("gpu_idle")
-        if power_w >= 0.98 * gpu.model.tdp_w:
+        if gpu.model.tdp_w > 0 and power_w >= 0.98 * gpu.model.tdp_w:  # 0: unknown (G1-G3)
             reasons.append("sw_power_cap")
         if gpu.temp_c >= THROTTLE_TEMP_C:
             reasons.append("sw_thermal")
@@ -397,7 +407,10 @@ class SimulatedBackend:
 
     def _equilibrium(self, gpu: _Gpu) -> float:
         model = gpu.model
-        power_frac = (self._power(gpu, self._gpu_util(gpu)) - model.idle_w) / (model.tdp_w - model.idle_w)
+        if model.tdp_w > model.idle_w:
+            power_frac = (self._power(gpu, self._gpu_util(gpu)) - model.idle_w) / (model.tdp_w - model.idle_w)
+        else:  # power unknown (the trace's anonymised models): heat follows the load
+            power_frac = self._gpu_util(gpu) / 100
         return IDLE_TEMP_C + gpu.temp_offset_c + (FULL_LOAD_TEMP_C - IDLE_TEMP_C) * power_frac
 
     def _advance(self, gpu: _Gpu, now: float) -> None:
@@ -422,9 +435,9 @@ class SimulatedBackend:
         key = f"{self._seed}:{uuid}:{what}:{int(now * 10)}"
         return random.Random(key).uniform(-amplitude, amplitude)  # noqa: S311 - fake sensor noise
 
-    # -- health ----------------------------------------------------------------------------
+    # -- faults ----------------------------------------------------------------------------
 
-    def health_events(self) -> list[HealthEvent]:
+    def fault_events(self) -> list[FaultEvent]:
         with self._lock:
             events, self._events = self._events, []
             return events
@@ -444,7 +457,7 @@ class SimulatedBackend:
             gpu.ecc_uncorrected += uncorrected
             if uncorrected:
                 detail = f"{uncorrected} double-bit ECC error(s)"
-                self._events.append(HealthEvent(uuid, "ecc_dbe", detail, self._now_ms()))
+                self._events.append(FaultEvent(uuid, "ecc_dbe", detail, self._now_ms()))
 
     def inject_overheat(self, uuid: str, temp_c: float) -> None:
         """Set the GPU's temperature now; it relaxes back toward equilibrium from there. A
@@ -461,7 +474,7 @@ class SimulatedBackend:
             gpu, _ = self._device(uuid)
             if not gpu.lost:
                 gpu.lost = True
-                self._events.append(HealthEvent(gpu.uuid, "gpu_lost", "GPU is lost", self._now_ms()))
+                self._events.append(FaultEvent(gpu.uuid, "gpu_lost", "GPU is lost", self._now_ms()))
 
     def close(self) -> None:
         """Nothing to release: all state lives in this object."""

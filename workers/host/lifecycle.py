@@ -88,7 +88,6 @@ class SandboxLifecycle:
             if not stopped_meanwhile:
                 box.running[spec.allocation_id] = spec
                 box.handles[spec.allocation_id] = handle
-                box.started_ms[spec.allocation_id] = started
         if stopped_meanwhile:  # the stop overtook this launch: undo it, report nothing
             self.driver.stop(handle, grace_s=0)
             self.mps_daemons.release(spec.allocation_id)
@@ -119,7 +118,6 @@ class SandboxLifecycle:
         with box.lock:
             box.running.pop(allocation_id, None)
             box.handles.pop(allocation_id, None)
-            box.started_ms.pop(allocation_id, None)
         self.utilization.forget(allocation_id)
 
     def find(self, allocation_id: str) -> SandboxHandle | None:

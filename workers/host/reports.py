@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -22,6 +25,9 @@ from workers.host.sandboxes import HostSandboxes
 from workers.host.utilization import UtilizationWindows
 
 log = logging.getLogger(__name__)
+# A report still being built after this long is logged with where it is stuck: meanwhile
+# the host beats with no report, so nothing it runs is reconciled.
+REPORT_STUCK_S = 30.0
 
 
 class HostReports:
@@ -48,6 +54,9 @@ class HostReports:
         self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
         self._builder = ThreadPoolExecutor(1, thread_name_prefix="agent-report")
         self._job: Future[None] | None = None
+        self._job_since = 0.0  # monotonic start of the job
+        self._job_thread: int | None = None  # ident of the thread building it
+        self._stuck_logged = False
         self._job_lock = threading.Lock()
         self.ready: tuple[list[dict[str, Any]], int] | None = None
 
@@ -60,9 +69,17 @@ class HostReports:
         marked lost. A report goes out once, with the time its listing began.
         """
         with self._job_lock:
+            stuck_for = 0.0
             if self._job is None or self._job.done():
                 self._job = self._builder.submit(self.build)
+                self._job.add_done_callback(_log_build_failure)
+                self._job_since, self._stuck_logged = time.monotonic(), False
+            elif not self._stuck_logged and time.monotonic() - self._job_since > REPORT_STUCK_S:
+                self._stuck_logged = True
+                stuck_for = time.monotonic() - self._job_since
             ready, self.ready = self.ready, None
+        if stuck_for:
+            self._log_stuck(stuck_for)
         owned, owned_ms = ready if ready is not None else (None, None)
         beat_ms = now_ms()
         try:
@@ -85,7 +102,13 @@ class HostReports:
             self._redis = redis.Redis.from_url(config.redis_url(), socket_timeout=2)
         return self._redis
 
+    def _log_stuck(self, seconds: float) -> None:
+        frame = sys._current_frames().get(self._job_thread or 0)
+        where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(not started)\n"
+        log.warning("the sandbox report has been building for %.0f s; it is at:\n%s", seconds, where)
+
     def build(self) -> None:
+        self._job_thread = threading.get_ident()
         taken_ms = now_ms()
         with self.sandboxes.lock:  # before listing: a launch leaves this only once the driver lists it
             launching = dict(self.sandboxes.launching)
@@ -167,3 +190,11 @@ class HostReports:
 
     def shutdown(self) -> None:
         self._builder.shutdown(wait=False)
+
+
+def _log_build_failure(job: Future[None]) -> None:
+    """A report that raised (a bug, or an error the driver did not translate) is logged: its
+    future is never read, so otherwise the host would silently beat with no reports."""
+    exc = None if job.cancelled() else job.exception()
+    if exc is not None:
+        log.error("the sandbox report failed; the next beat tries again", exc_info=exc)

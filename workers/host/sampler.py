@@ -1,6 +1,6 @@
 """The telemetry loop: every tick, sample each GPU and stream it, then each sandbox's device
 to the sandbox's group; fold everything into the minute's rollups, run the alert rules and
-the health checks, keep the newest samples for /metrics, and ship batch output."""
+the fault checks, keep the newest samples for /metrics, and ship batch output."""
 
 from __future__ import annotations
 
@@ -8,18 +8,17 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
 
-from portal.billing.pricing import cost_micros
 from workers import config, dispatch
 from workers.alerts import AlertTracker
 from workers.batch_output import OutputPump
 from workers.drivers.base import SandboxSpec
 from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost, GpuSample
-from workers.host.health import GpuHealth
+from workers.host.faults import GpuFaults
 from workers.host.inventory import HostInventory
 from workers.host.lifecycle import now_ms
 from workers.host.reports import HostReports
@@ -52,7 +51,7 @@ class Sampler:
         sandboxes: HostSandboxes,
         inventory: HostInventory,
         reports: HostReports,
-        health: GpuHealth,
+        faults: GpuFaults,
         alerts: AlertTracker,
         utilization: UtilizationWindows,
         output: OutputPump,
@@ -62,7 +61,7 @@ class Sampler:
         self.sandboxes = sandboxes
         self.inventory = inventory
         self.reports = reports
-        self.health = health
+        self.faults = faults
         self.alerts = alerts
         self.utilization = utilization
         self.output = output
@@ -77,22 +76,17 @@ class Sampler:
         while not self.stopping.is_set():
             started = time.monotonic()
             if started >= next_beat:
-                await asyncio.to_thread(self.reports.heartbeat)
                 next_beat = started + heartbeat_s
+                try:
+                    await asyncio.to_thread(self.reports.heartbeat)
+                except Exception:  # the broker refused it: the next beat tries again
+                    log.exception("heartbeat not sent")
             try:
                 await self.publish_all(layer, tick, latest)
             except Exception:  # a bug must not stop the stream for good
                 log.exception("sampling failed")
             tick += 1
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
-
-    def figures(
-        self, allocation_id: str, spec: SandboxSpec, t_ms: int, mem_mib: int, util_pct: float | None
-    ) -> SandboxFigures:
-        started = self.sandboxes.started_ms.get(allocation_id, t_ms)
-        elapsed_us = max(0, t_ms - started) * 1000
-        cost = cost_micros(spec.price_per_gpu_hour_micros, spec.milli_gpu, elapsed_us)
-        return SandboxFigures(mem_mib=mem_mib, util_pct=util_pct, cost_micros=cost)
 
     async def publish_all(self, layer: Any, tick: int, latest: Any) -> None:
         running = self.sandboxes.specs()
@@ -102,7 +96,7 @@ class Sampler:
             await asyncio.to_thread(dispatch.to_control, "telemetry_rollups", self.host, closed)
         parent_of = self.inventory.parent_of()
         # Every GPU and every sandbox's device, each once (a dedicated sandbox's device is
-        # its GPU), each on its own: a lost GPU stops neither the others nor the health
+        # its GPU), each on its own: a lost GPU stops neither the others nor the fault
         # report that says it is lost.
         samples = TickSamples(self.backend, parent_of)
         newest: list[GpuSampleMessage] = []
@@ -113,14 +107,14 @@ class Sampler:
                 continue  # lost or failed this tick
             devices = {gpu.uuid} | {m.uuid for m in gpu.mig_devices}
             figures = {
-                str(spec.sandbox_id): self.figures(
-                    key, spec, t_ms, self.reports.memory_of(sample, key), sample.util_pct
+                str(spec.sandbox_id): SandboxFigures(
+                    mem_mib=self.reports.memory_of(sample, key), util_pct=sample.util_pct
                 )
                 for key, spec in running.items()
                 if set(spec.device_uuids) & devices
             }
             message = sample_message(
-                sample, self.host, self.backend.simulated, figures, self.health.last_xid.get(gpu.uuid, 0)
+                sample, self.host, self.backend.simulated, figures, self.faults.last_xid.get(gpu.uuid, 0)
             )
             await publish(layer, gpu_group(gpu.uuid), message)
             newest.append(message)
@@ -131,10 +125,10 @@ class Sampler:
             # The fleet gets the host's GPUs as one message: a burst of one per GPU would queue
             # behind each other in every fleet watcher's channel and age the GPU streams too.
             await publish(layer, FLEET_GROUP, fleet_message(self.host, t_ms, list(newest)))
-        changes += await asyncio.to_thread(self.health.report, running, changes, parent_of)
+        changes += await asyncio.to_thread(self.faults.report, running, changes, parent_of)
         changes += await self._publish_sandboxes(layer, running, samples, parent_of, newest, t_ms)
         self._drop_lost(samples)
-        live = {f"gpu:{g.uuid}" for g in self.inventory.gpus} | {f"gpu:{u}" for u in self.health.lost}
+        live = {f"gpu:{g.uuid}" for g in self.inventory.gpus} | {f"gpu:{u}" for u in self.faults.lost}
         live |= {f"sandbox:{s.sandbox_id}" for s in running.values()}
         changes += self.alerts.forget(live, t_ms)
         await store_latest(latest, self.host, newest)
@@ -165,15 +159,15 @@ class Sampler:
                 continue  # its GPU is lost, or its sample failed this tick
             for key, spec in holders:
                 self.utilization.note(key, t_ms, device_sample.util_pct)
-                own_figures = self.figures(
-                    key, spec, t_ms, self.reports.memory_of(device_sample, key), device_sample.util_pct
+                own_figures = SandboxFigures(
+                    mem_mib=self.reports.memory_of(device_sample, key), util_pct=device_sample.util_pct
                 )
                 own = sample_message(
                     device_sample,
                     self.host,
                     self.backend.simulated,
                     {str(spec.sandbox_id): own_figures},
-                    self.health.last_xid.get(gpu_uuid, 0),
+                    self.faults.last_xid.get(gpu_uuid, 0),
                     parent_of.get(device, ""),
                 )
                 await publish(layer, sandbox_group(spec.sandbox_id), own)
@@ -190,7 +184,7 @@ class Sampler:
 
     def _drop_lost(self, samples: TickSamples) -> None:
         for lost in sorted(samples.lost):
-            self.health.gpu_lost(lost)
+            self.faults.gpu_lost(lost)
 
     async def _publish_alerts(self, layer: Any, changes: list[AlertMessage]) -> None:
         """Live to the subject's groups and the fleet; stored by the control worker."""
@@ -240,13 +234,3 @@ class TickSamples:
     @property
     def samples(self) -> dict[str, GpuSample]:
         return {u: s for u, s in self._taken.items() if self.parent_of.get(u, u) not in self.lost}
-
-
-def sample_all(
-    backend: GpuBackend, uuids: Iterable[str], parent_of: Mapping[str, str] | None = None
-) -> TickSamples:
-    """Each of ``uuids`` sampled once, in order (see TickSamples)."""
-    tick = TickSamples(backend, parent_of)
-    for uuid in dict.fromkeys(uuids):
-        tick.get(uuid)
-    return tick

@@ -16,7 +16,6 @@ class HostSandboxes:
     lock: threading.Lock = field(default_factory=threading.Lock)
     running: dict[str, SandboxSpec] = field(default_factory=dict)
     handles: dict[str, SandboxHandle] = field(default_factory=dict)
-    started_ms: dict[str, int] = field(default_factory=dict)
     # Stopped already: a launch that arrives late must not revive them.
     stopped: set[str] = field(default_factory=set)
     # Launches under way (allocation id -> sandbox id): a driver lists a sandbox only once

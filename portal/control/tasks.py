@@ -1,0 +1,157 @@
+"""One function per task on the ``control`` queue; ``workers/control.py`` names them for
+Celery (the names agents send, through ``workers/dispatch.py``) and calls these.
+
+Every task takes plain JSON (times in epoch milliseconds), returns quietly when its row is
+gone, and is idempotent because the actions it calls are.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from datetime import datetime
+from typing import Any
+
+import redis
+from django.utils import timezone
+
+from portal.api.idempotency import delete_expired_keys
+from portal.billing.invoices import invoice_tick
+from portal.control import hosts
+from portal.control.culling import do_cull_idle
+from portal.control.faults import do_fault_event
+from portal.control.plans import auto_relayout, do_plan_report, expire_stale_plans
+from portal.control.reconcile import from_ms
+from portal.control.redis_client import client as redis_client
+from portal.control.scheduling import schedule_cycle as run_schedule_cycle
+from portal.fleet.inventory import do_heartbeat, do_sync_inventory
+from portal.sandboxes import actions
+from portal.sandboxes.output import do_store_output
+from portal.telemetry.alerts import do_close_host_alerts, do_record_alerts
+from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
+from workers.config import CONTROL_HEARTBEAT_KEY
+
+log = logging.getLogger(__name__)
+TELEMETRY_PURGED_KEY = "gpushare:telemetry:purged"
+
+
+def schedule_cycle() -> None:
+    """One scheduling cycle, unless another worker is running one."""
+    run_schedule_cycle(time.time())
+
+
+def tick() -> None:
+    """Periodic: mark silent hosts lost, retry stuck launches, give up silent plans, reshape
+    MIG GPUs for requests no instance fits, warn and stop idle sandboxes and those at their
+    time limit, purge old telemetry, run a cycle."""
+    hosts.mark_lost_hosts(timezone.now())
+    hosts.resend_stuck_placements(timezone.now())
+    expire_stale_plans(timezone.now())
+    auto_relayout()
+    do_cull_idle(timezone.now())
+    actions.do_expire_overdue(timezone.now())
+    purge_telemetry(timezone.now())
+    schedule_cycle()
+
+
+def purge_telemetry(now: datetime) -> None:
+    """Rollups past the retention, at most once an hour whatever the number of workers."""
+    if redis_client().set(TELEMETRY_PURGED_KEY, int(now.timestamp()), nx=True, ex=3600):
+        do_purge_rollups(now)
+
+
+def agent_heartbeat(
+    host: str,
+    t_ms: int,
+    backend: str,
+    driver: str,
+    owned: list[dict[str, Any]] | None = None,
+    owned_ms: int | None = None,
+    alerts_version: str | None = None,
+) -> None:
+    """A beat, with the agent's report of what it runs (listed from ``owned_ms``)."""
+    hosts.agent_heartbeat(
+        host, from_ms(t_ms), backend, driver, owned, from_ms(owned_ms or t_ms), alerts_version
+    )
+
+
+def agent_inventory(
+    host: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: dict[str, int] | None = None
+) -> None:
+    do_sync_inventory(host, backend, driver, gpus, facts)
+    do_heartbeat(host, timezone.now(), backend, driver)
+
+
+def gpu_faults(host: str, events: list[dict[str, Any]]) -> None:
+    """Faults an agent saw (XID, double-bit ECC, GPU lost, overheat): the GPU is drained."""
+    for event in events:
+        do_fault_event(host, event)
+
+
+def plan_executed(
+    plan_id: int,
+    host: str,
+    results: list[dict[str, Any]],
+    mig_steps: list[dict[str, Any]],
+    error: str,
+    inventory: dict[str, Any] | None,
+) -> None:
+    """A host's part of a fleet plan is done: sandboxes stopped, MIG layout changed."""
+    do_plan_report(plan_id, host, results, mig_steps, error, inventory)
+
+
+def sandbox_launched(allocation_key: str, handle: dict[str, Any], started_ms: int) -> None:
+    actions.do_mark_running(allocation_key, handle, from_ms(started_ms))
+
+
+def sandbox_launch_failed(sandbox_id: int, allocation_key: str, message: str) -> None:
+    log.warning("launch of sandbox %s (%s) failed: %s", sandbox_id, allocation_key, message)
+    actions.do_fail(sandbox_id, f"launch failed: {message}")
+
+
+def sandbox_stopped(allocation_key: str, ended_ms: int, message: str = "stopped") -> None:
+    actions.do_mark_stopped(allocation_key, from_ms(ended_ms), message)
+
+
+def sandbox_output(allocation_key: str, start: int, data_b64: str, total: int) -> None:
+    """A piece of a batch's output (workers/batch_output.py), kept for its owner."""
+    do_store_output(allocation_key, int(start), base64.b64decode(data_b64), int(total))
+
+
+def telemetry_rollups(host: str, payload: dict[str, Any]) -> None:
+    do_store_rollups(host, payload)
+
+
+def telemetry_alerts(host: str, changes: list[dict[str, Any]]) -> None:
+    do_record_alerts(host, changes)
+
+
+def telemetry_agent_started(host: str) -> None:
+    closed = do_close_host_alerts(host, "agent restarted")
+    if closed:
+        log.info(
+            "agent %s restarted: %d open alerts closed (it raises again what is still true)", host, closed
+        )
+
+
+def invoice_tick_task() -> None:
+    """Refresh draft invoices and finalize past months (portal.billing.invoices)."""
+    invoice_tick(timezone.now())
+
+
+def purge_idempotency_keys() -> None:
+    """API Idempotency-Keys past their 24 h are deleted (a replay after that is a new POST)."""
+    delete_expired_keys()
+
+
+def beat_forever(stop: threading.Event) -> None:
+    """The control worker's own liveness, read by /healthz, every 2 s until ``stop``."""
+    client = redis_client()
+    while not stop.is_set():
+        try:
+            client.set(CONTROL_HEARTBEAT_KEY, int(time.time() * 1000), ex=15)
+        except redis.RedisError as exc:
+            log.warning("control heartbeat not written: %s", exc)
+        stop.wait(2)

@@ -1,0 +1,168 @@
+"""Projects: who is in them, what they use, and how much of their quota is left."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Q, Sum
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from portal.accounts.access import visible_projects
+from portal.accounts.members import (
+    MembershipError,
+    can_manage_members,
+    do_add_member,
+    do_change_role,
+    do_remove_member,
+)
+from portal.accounts.models import Membership, Project
+from portal.billing.models import UsageRecord
+from portal.billing.pricing import format_money
+from portal.inputs import whole_number
+from portal.quotas.models import QuotaPolicy
+from portal.quotas.usage import gpu_hours_since, month_start
+from portal.sandboxes.models import LIVE_STATES, Allocation
+from portal.telemetry.utilization import GpuHours, gpu_hours
+
+
+def _bar(used: float, limit: float | None) -> dict[str, Any]:
+    share = 0 if not limit else min(100, round(100 * used / limit))
+    shown = f"{round(used, 3):g}"
+    return {"used": shown, "limit": limit, "pct": share, "level": "high" if share >= 80 else "ok"}
+
+
+def quota_bars(projects: list[Project]) -> dict[int, list[tuple[str, dict[str, Any]]]]:
+    """Per project: live sandboxes and GPUs held against the quota's limits (3 queries)."""
+    ids = [p.pk for p in projects]
+    quotas = {q.project_id: q for q in QuotaPolicy.objects.filter(project_id__in=ids)}
+    live = dict(
+        Project.objects.filter(pk__in=ids)
+        .annotate(n=Count("sandboxes", filter=Q(sandboxes__state__in=LIVE_STATES)))
+        .values_list("pk", "n")
+    )
+    held = dict(
+        Allocation.objects.filter(active=True, sandbox__project_id__in=ids)
+        .values("sandbox__project_id")
+        .annotate(milli=Sum("milli_gpu"))
+        .values_list("sandbox__project_id", "milli")
+    )
+    bars: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    for pk in ids:
+        quota = quotas.get(pk)
+        gpus = (held.get(pk) or 0) / 1000
+        bars[pk] = [
+            ("Live sandboxes", _bar(live.get(pk, 0), quota.max_live_sandboxes if quota else None)),
+            ("GPUs held", _bar(gpus, quota.max_gpus if quota else None)),
+        ]
+        if quota is not None and quota.max_gpu_hours_month is not None:
+            now = timezone.now()
+            used = round(gpu_hours_since(pk, month_start(now), now), 1)
+            bars[pk].append(("GPU-hours this month", _bar(used, quota.max_gpu_hours_month)))
+    return bars
+
+
+@login_required
+def project_list(request: HttpRequest) -> HttpResponse:
+    projects = list(visible_projects(request.user).distinct())
+    roles = dict(
+        Membership.objects.filter(user_id=int(request.user.pk or 0)).values_list("project_id", "role")
+    )
+    bars = quota_bars(projects)
+    rows = [
+        (p, Membership.Role(roles[p.pk]).label if p.pk in roles else "admin", bars[p.pk]) for p in projects
+    ]
+    return render(request, "accounts/project_list.html", {"rows": rows})
+
+
+def _project_for(request: HttpRequest, slug: str) -> Project:
+    project = visible_projects(request.user).filter(slug=slug).first()
+    if project is None:
+        raise Http404("No such project")
+    return project
+
+
+def _utilization_parts(hours: GpuHours | None) -> list[dict[str, Any]]:
+    """The month's allocated GPU-hours split for a stacked bar: used, idle, unmeasured."""
+    if hours is None or not hours.allocated:
+        return []
+    parts = [
+        ("used", "Used", hours.used),
+        ("idle", "Idle", hours.idle),
+        ("unmeasured", "Unmeasured", hours.unmeasured),
+    ]
+    return [
+        {"key": key, "label": label, "hours": value, "pct": float(100 * value / hours.allocated)}
+        for key, label, value in parts
+    ]
+
+
+@login_required
+def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
+    project = _project_for(request, slug)
+    now = timezone.now()
+    month = UsageRecord.objects.filter(project=project, started_at__gte=month_start(now))
+    charged = [
+        format_money(micros, currency)
+        for currency, micros in month.values("currency")
+        .annotate(c=Sum("cost_micros"))
+        .values_list("currency", "c")
+    ]
+    hours = gpu_hours("project", month_start(now), now, now=now, only=[project.pk]).get(project.pk)
+    invoices = list(
+        project.invoices.annotate(credited=Sum("credit_notes__amount_micros")).order_by(
+            "-period_start", "currency"
+        )[:24]
+    )
+    for invoice in invoices:
+        credited = getattr(invoice, "credited", None)
+        invoice.credited_display = format_money(credited, invoice.currency) if credited else "—"  # type: ignore[attr-defined]
+    return render(
+        request,
+        "accounts/project_detail.html",
+        {
+            "project": project,
+            "members": project.memberships.select_related("user").order_by("user__username"),
+            "can_manage": can_manage_members(request.user, project),
+            "roles": Membership.Role.choices,
+            "bars": quota_bars([project])[project.pk],
+            "quota": QuotaPolicy.objects.filter(project=project).first(),
+            "hours": hours,
+            "parts": _utilization_parts(hours),
+            "invoices": invoices,
+            "charged": " + ".join(charged) or "nothing",
+            "month": month_start(now),
+        },
+    )
+
+
+@login_required
+@require_POST
+def project_members(request: HttpRequest, slug: str) -> HttpResponse:
+    """Add, change the role of, or remove a member (project managers and admins)."""
+    project = _project_for(request, slug)
+    if not can_manage_members(request.user, project):
+        raise PermissionDenied("Only the project's managers and admins change its members.")
+    action, role = request.POST.get("action", ""), request.POST.get("role", "")
+    try:
+        if action == "add":
+            added = do_add_member(project, request.POST.get("username", ""), role)
+            messages.success(
+                request, f"{added.user.get_username()} joined {project.name} as {added.get_role_display()}."
+            )
+        elif action == "role":
+            changed = do_change_role(project, whole_number(request.POST.get("membership")) or 0, role)
+            messages.success(request, f"{changed.user.get_username()} is now {changed.get_role_display()}.")
+        elif action == "remove":
+            do_remove_member(project, whole_number(request.POST.get("membership")) or 0)
+            messages.success(request, "Member removed.")
+        else:
+            raise MembershipError(f"Unknown action {action!r}.")
+    except (MembershipError, ValueError) as exc:
+        messages.error(request, str(exc))
+    return redirect("project-detail", slug=project.slug)

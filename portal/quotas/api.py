@@ -1,0 +1,54 @@
+"""Read-only API: the quota of each project the caller can see."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema, extend_schema_view
+from rest_framework import mixins, serializers, viewsets
+
+from portal.accounts.permissions import api_projects
+from portal.api.errors import ERRORS
+from portal.api.pagination import BySlug
+from portal.api.views import ApiView
+from portal.quotas.models import QuotaPolicy
+
+
+class QuotaSerializer(serializers.ModelSerializer[QuotaPolicy]):
+    project: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True
+    )
+
+    class Meta:
+        model = QuotaPolicy
+        fields = [
+            "project",
+            "max_live_sandboxes",
+            "max_gpus",
+            "guaranteed_gpus",
+            "weight",
+            "max_gpu_hours_month",
+        ]
+        read_only_fields = fields
+
+
+class QuotaPages(BySlug):
+    ordering = ("project_id",)  # unique: one quota per project
+
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="Quotas",
+        description="The quota of each project you can see (projects without one have no row). "
+        "Scope read:usage.",
+        responses={200: QuotaSerializer(many=True), **ERRORS},
+    )
+)
+class QuotaViewSet(ApiView, mixins.ListModelMixin, viewsets.GenericViewSet[QuotaPolicy]):
+    serializer_class = QuotaSerializer
+    pagination_class = QuotaPages
+    queryset = QuotaPolicy.objects.none()  # for the schema; get_queryset scopes it
+
+    def get_queryset(self) -> QuerySet[QuotaPolicy]:
+        return QuotaPolicy.objects.filter(project__in=api_projects(self.request)).select_related("project")

@@ -1,0 +1,133 @@
+"""GPU faults: which take the GPU out of service, which are a tenant's own bug; one alert each.
+
+A device fault (a device XID, a double-bit ECC error, a GPU lost, a GPU over the
+temperature rule) goes to the control worker, which drains the GPU, and raises one alert
+for the GPU. An application XID (the tenant's kernel faulted: NVIDIA's device plugin
+ignores these, the GPU is healthy) drains nothing: it raises one alert for the sandboxes
+on the device that faulted, and their owners hear of it.
+
+The temperature has one rule, the alert policy's (``temp_high_c``, held ``hold_s``): the
+alert it raises for a GPU is that fault's alert, and the GPU is drained with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from workers import dispatch
+from workers.alerts import AlertTracker
+from workers.drivers.base import SandboxSpec
+from workers.gpu.base import GpuBackend
+from workers.gpu.xids import describe, is_application
+from workers.host.inventory import HostInventory
+from workers.telemetry import AlertMessage
+
+log = logging.getLogger(__name__)
+# Fault event kind -> the alert kind that tells of it.
+ALERT_KIND = {"xid": "xid", "app_xid": "xid", "ecc_dbe": "ecc", "gpu_lost": "gpu_lost"}
+
+
+def is_application_fault(event: dict[str, Any]) -> bool:
+    """The backend names an application XID ``app_xid``; an ``xid`` is classified again,
+    so no path drains for one (workers.gpu.xids)."""
+    kind, xid = event.get("kind"), int(event.get("xid") or 0)
+    return kind == "app_xid" or (kind == "xid" and is_application(xid))
+
+
+class GpuFaults:
+    def __init__(
+        self, host: str, backend: GpuBackend, inventory: HostInventory, alerts: AlertTracker
+    ) -> None:
+        self.host = host
+        self.backend = backend
+        self.inventory = inventory
+        self.alerts = alerts
+        self.last_xid: dict[str, int] = {}  # GPU uuid -> the last XID it reported (for /metrics)
+        self.lost: set[str] = set()  # GPUs that stopped answering: their alerts stay open
+
+    def gpu_lost(self, uuid: str) -> None:
+        """Sampling the GPU failed for good: stop sampling it (the backend queued the
+        ``gpu_lost`` event, reported with this tick's faults); the rest of the host goes on."""
+        if uuid in self.lost:
+            return
+        log.error("GPU %s on %s stopped answering: no longer sampled", uuid, self.host)
+        self.lost.add(uuid)
+        self.inventory.drop(uuid)
+
+    def report(
+        self, running: dict[str, SandboxSpec], alert_changes: list[AlertMessage], parent_of: dict[str, str]
+    ) -> list[AlertMessage]:
+        """This tick's faults: the device faults to the control worker (it drains), one
+        alert per fault. ``alert_changes`` are this tick's rule alerts: a GPU's raised
+        temperature alert is a fault (its own alert already)."""
+        events = [dataclasses.asdict(e) for e in self.backend.fault_events()]
+        for change in alert_changes:
+            if change["kind"] == "temperature" and change["state"] == "raised" and change["sandbox"] is None:
+                events.append(
+                    {
+                        "uuid": change["gpu"],
+                        "kind": "overheat",
+                        "detail": change["message"],
+                        "t_ms": change["t"],
+                    }
+                )
+        if not events:
+            return []
+        drains = [e for e in events if not is_application_fault(e)]
+        if drains:
+            log.error("GPU faults on %s: %s", self.host, drains)
+            dispatch.to_control("gpu_faults", self.host, drains)
+        changes: list[AlertMessage] = []
+        for event in events:
+            device = event["uuid"]
+            gpu_uuid = parent_of.get(device, device)
+            if event["kind"] == "gpu_lost":
+                self.gpu_lost(gpu_uuid)  # reported by an event before a sample failed, too
+            if event["kind"] in ("xid", "app_xid") and event.get("xid"):
+                self.last_xid[gpu_uuid] = int(event["xid"])
+            if event["kind"] not in ALERT_KIND:
+                continue  # overheat: the temperature rule's alert is its alert
+            changes += self._alert(event, device, gpu_uuid, running, parent_of)
+        return changes
+
+    def _alert(
+        self,
+        event: dict[str, Any],
+        device: str,
+        gpu_uuid: str,
+        running: dict[str, SandboxSpec],
+        parent_of: dict[str, str],
+    ) -> list[AlertMessage]:
+        kind, t_ms = ALERT_KIND[event["kind"]], int(event.get("t_ms") or 0)
+        detail = str(event.get("detail") or "")
+        if not is_application_fault(event):
+            value = float(event.get("xid") or 0)
+            text = detail or (describe(int(event["xid"])) if kind == "xid" else event["kind"])
+            return self.alerts.note_fault(gpu_uuid, kind, value, text, t_ms)
+        on_device = sandboxes_hit(device, {s.sandbox_id: s.device_uuids for s in running.values()}, parent_of)
+        if not on_device:
+            log.warning("application XID %s on %s with no sandbox on it: %s", event["xid"], device, detail)
+            return []
+        text = f"{detail or describe(int(event['xid']))}, from a program in the sandbox; the GPU is fine"
+        return self.alerts.note_fault(gpu_uuid, kind, float(event["xid"]), text, t_ms, on_device)
+
+
+def sandboxes_hit(
+    device_uuid: str, devices_of: Mapping[int, Iterable[str]], parent_of: Mapping[str, str]
+) -> list[int]:
+    """The sandboxes an event on ``device_uuid`` concerns: on a MIG device, those that hold
+    it (NVML names the instance: only its tenant faulted); on a GPU, those on it or on any of
+    its MIG devices (on a shared GPU, NVML does not say whose program it was).
+
+    ``devices_of`` is sandbox id -> its device uuids, ``parent_of`` MIG uuid -> GPU uuid."""
+    hit = []
+    for sandbox_id, devices in devices_of.items():
+        if device_uuid in parent_of:
+            if device_uuid in devices:
+                hit.append(sandbox_id)
+        elif any(parent_of.get(d, d) == device_uuid for d in devices):
+            hit.append(sandbox_id)
+    return sorted(hit)
