@@ -183,6 +183,7 @@ def test_an_mps_share_that_could_not_reach_its_daemon_is_refused(
 
             def daemon_comes_up() -> None:
                 late.bind(str(later / "control"))
+                time.sleep(0.3)  # bound with the umask's mode, widened a moment later
                 (later / "control").chmod(0o777)  # as the daemon makes it
 
             timer = threading.Timer(0.1, daemon_comes_up)

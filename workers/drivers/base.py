@@ -18,6 +18,10 @@ from typing import Any, Protocol
 from workers.drivers.output import OutputChunk
 
 LABEL_PREFIX = "io.gpushare"
+# Fields a spec once had, still in the launch messages of an older portal and in the specs a
+# process driver saved before an upgrade: read and dropped. (The metering facts: the agent
+# no longer computes a running cost, the portal's billing does.)
+RETIRED_SPEC_FIELDS = frozenset({"milli_gpu", "price_per_gpu_hour_micros"})
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,6 @@ class SandboxSpec:
     mps_pinned: bool = False
     env: dict[str, str] = field(default_factory=dict)
     isolation: str = ""  # container, process or vm: the agent refuses one its driver cannot give
-    # Metering facts so the agent can stream the running cost with each sample.
-    milli_gpu: int = 0
-    price_per_gpu_hour_micros: int = 0
     tier: str = ""  # the tier's slug: its alert thresholds apply to this sandbox
     batch: bool = False  # a batch run: the agent ships its output to its owner
 
@@ -66,7 +67,7 @@ class SandboxSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxSpec:
-        values = dict(data)
+        values = {k: v for k, v in data.items() if k not in RETIRED_SPEC_FIELDS}
         values["command"] = tuple(values.get("command") or ())
         values["device_uuids"] = tuple(values.get("device_uuids") or ())
         mps = values.get("mps")
@@ -171,7 +172,9 @@ def require_mps_pipe(path: str, uid: int, *, real_gpu: bool, socket_wait_s: floa
         return
     control = os.path.join(path, MPS_CONTROL_SOCKET)
     deadline = time.monotonic() + (MPS_SOCKET_WAIT_S if socket_wait_s is None else socket_wait_s)
-    while not os.path.exists(control) and time.monotonic() < deadline:
+    # Waited for until it is connectable, not only there: a daemon binds its socket, then
+    # widens its mode, and a launch looking in between would be refused.
+    while not _connectable(control, uid) and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
         sock = os.stat(control)
@@ -180,11 +183,21 @@ def require_mps_pipe(path: str, uid: int, *, real_gpu: bool, socket_wait_s: floa
             f"{control} is missing ({exc.strerror}): the GPU's MPS daemon is not running; refusing "
             "to start a share that would run without MPS"
         ) from exc
-    if not stat.S_ISSOCK(sock.st_mode) or not _grants(sock, uid, 2):
+    if not _connectable(control, uid, sock):
         raise DriverError(
             f"{control} is not a socket the sandbox's uid {uid} can connect to: its CUDA would "
             "silently run without MPS"
         )
+
+
+def _connectable(path: str, uid: int, info: os.stat_result | None = None) -> bool:
+    """Whether ``path`` is a socket ``uid`` may connect() to (write permission on it)."""
+    if info is None:
+        try:
+            info = os.stat(path)
+        except OSError:
+            return False
+    return stat.S_ISSOCK(info.st_mode) and _grants(info, uid, 2)
 
 
 @dataclass(frozen=True)
