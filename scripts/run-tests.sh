@@ -6,7 +6,7 @@
 #             database again (tests/testenv.py deselects the rest, which do not depend on it).
 #
 # Each pass's ledger property test (10,000 lifecycles, minutes of mostly database round
-# trips) runs in its own database and Redis, beside the suites (see start_ledger).
+# trips) runs in its own database and Redis, beside the suites (see FOREGROUND below).
 # TEST_BACKENDS picks the passes ("postgres embedded" by default); pytest arguments
 # (make test PYTEST_ARGS=...) run as one plain pytest per pass, without the ledger runs.
 set -uo pipefail
@@ -32,38 +32,49 @@ print("REDIS_URL=" + urlunsplit(r._replace(path=f"/{index - 1 if index > 1 else 
 PY
 }
 
-# The ledger property tests (one per pass) start first, at low priority (nice), and run
-# beside both suites: the suites are mostly one core of work plus waits on containers, VMs
-# and the browser, and they set the run's length; at equal priority the ledger's steady
-# CPU load slowed them (a 17-minute PostgreSQL suite took 24 beside it) and starved the
-# platform processes whose timing the e2e tests watch. Niced, it takes the idle core.
-declare -A ledger_pid ledger_log
+# What runs beside what. The foreground is one core of work plus waits on containers, VMs
+# and the browser, and it sets the run's length: the PostgreSQL suite, then the embedded
+# pass's tests that start processes or race threads for rows (markers in FOREGROUND). The
+# rest runs first, in the background, niced onto the core the foreground leaves idle, as two
+# chains: the PostgreSQL ledger test; the embedded tests that start no processes, then the
+# embedded ledger test. At equal priority the ledger's steady CPU load slowed the suite
+# (a 17-minute PostgreSQL suite took 24 beside it) and starved the processes whose timing
+# the e2e tests watch; the race tests starve even niced (SQLite's lock wait runs out), so
+# they stay in the foreground. A background failure fails `make test`; its output follows.
+FOREGROUND="e2e or browser or docker or libvirt or bwrap or races"
+declare -a bg_order=() bg_pids=()
+declare -A bg_log bg_rc
 
-# start_ledger NAME ENV... : the ledger test of one pass, in the background.
-start_ledger() {
-  local name=$1
+# background_step NAME NICE ENV... -- PYTEST_ARGS... : one pytest, niced; its output and status kept.
+background_step() {
+  local name=$1 level=$2
+  shift 2
+  local -a env=()
+  while [[ $1 != -- ]]; do env+=("$1"); shift; done
   shift
-  local -a env=("$@" "GPUSHARE_VAR_DIR=$VAR-$name-ledger")
-  if [[ $name == postgres ]]; then
-    mapfile -t extra < <(ledger_postgres_env)
-    env+=("${extra[@]}")
-  fi
-  ledger_log[$name]=$(mktemp)
-  env "${env[@]}" nice -n 10 "$PY" -m pytest -p no:cacheprovider "$LEDGER" >"${ledger_log[$name]}" 2>&1 &
-  ledger_pid[$name]=$!
-  echo "ledger property test ($name) running beside the suites, niced; its output follows them"
+  env "${env[@]}" nice -n "$level" "$PY" -m pytest -p no:cacheprovider "$@" >"${bg_log[$name]}" 2>&1
+  echo $? >"${bg_rc[$name]}"
 }
 
-# run_pass NAME ENV... : one pass of the suite (without the ledger test unless arguments were given).
+# background NAME... : register each step's log and status before its chain starts.
+background() {
+  local name
+  for name in "$@"; do
+    bg_order+=("$name")
+    bg_log[$name]=$(mktemp)
+    bg_rc[$name]=$(mktemp)
+  done
+}
+
+# run_pass NAME ENV... -- PYTEST_ARGS... : one foreground pytest.
 run_pass() {
   local name=$1
   shift
-  printf '\n==> tests: %s pass\n' "$name"
-  if ((${#ARGS[@]})); then
-    env "$@" "$PY" -m pytest "${ARGS[@]}" || failed+=("$name")
-    return
-  fi
-  env "$@" "$PY" -m pytest --ignore="$LEDGER" || failed+=("$name")
+  local -a env=()
+  while [[ $1 != -- ]]; do env+=("$1"); shift; done
+  shift
+  printf '\n==> tests: %s\n' "$name"
+  env "${env[@]}" "$PY" -m pytest "$@" || failed+=("$name")
 }
 
 POSTGRES_ENV=("DATABASE_URL=$TEST_DATABASE_URL" "REDIS_URL=$TEST_REDIS_URL")
@@ -77,27 +88,53 @@ for backend in "${BACKENDS[@]}"; do
     *) echo "run-tests: unknown backend $backend (postgres, embedded)" >&2; exit 2 ;;
   esac
 done
-if ((${#ARGS[@]} == 0)); then
+
+if ((${#ARGS[@]})); then  # the arguments as one plain pytest per pass, nothing beside it
   for backend in "${BACKENDS[@]}"; do
     case $backend in
-      postgres) start_ledger postgres "${POSTGRES_ENV[@]}" ;;
-      embedded) start_ledger embedded "${EMBEDDED_ENV[@]}" ;;
+      postgres) run_pass "postgres pass" "${POSTGRES_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR" -- "${ARGS[@]}" ;;
+      embedded) run_pass "embedded pass" "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded" -- "${ARGS[@]}" ;;
     esac
   done
+else
+  for backend in "${BACKENDS[@]}"; do
+    case $backend in
+      postgres)
+        mapfile -t ledger_db < <(ledger_postgres_env)
+        background "postgres ledger"
+        background_step "postgres ledger" 10 "${POSTGRES_ENV[@]}" "${ledger_db[@]}" \
+          "GPUSHARE_VAR_DIR=$VAR-postgres-ledger" -- "$LEDGER" &
+        bg_pids+=($!)
+        ;;
+      embedded)
+        background "embedded, no processes" "embedded ledger"
+        (
+          background_step "embedded, no processes" 5 "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded-quiet" \
+            -- --ignore="$LEDGER" -m "not bench and not ($FOREGROUND)"
+          background_step "embedded ledger" 10 "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded-ledger" -- "$LEDGER"
+        ) &
+        bg_pids+=($!)
+        ;;
+    esac
+  done
+  echo "running in the background, niced (output after the foreground's): ${bg_order[*]}"
+  for backend in "${BACKENDS[@]}"; do
+    case $backend in
+      postgres) run_pass "postgres pass" "${POSTGRES_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR" -- --ignore="$LEDGER" ;;
+      embedded)
+        run_pass "embedded pass: $FOREGROUND" "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded" \
+          -- --ignore="$LEDGER" -m "not bench and ($FOREGROUND)"
+        ;;
+    esac
+  done
+  for pid in "${bg_pids[@]}"; do wait "$pid"; done
+  for name in "${bg_order[@]}"; do
+    printf '\n==> tests: %s (ran in the background)\n' "$name"
+    cat "${bg_log[$name]}"
+    [[ $(cat "${bg_rc[$name]}") == 0 ]] || failed+=("$name")
+    rm -f "${bg_log[$name]}" "${bg_rc[$name]}"
+  done
 fi
-for backend in "${BACKENDS[@]}"; do
-  case $backend in
-    postgres) run_pass postgres "${POSTGRES_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR" ;;
-    embedded) run_pass embedded "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded" ;;
-  esac
-done
-for backend in "${BACKENDS[@]}"; do
-  [[ -n ${ledger_pid[$backend]:-} ]] || continue
-  wait "${ledger_pid[$backend]}" || failed+=("$backend ledger")
-  printf '\n==> %s (%s pass)\n' "$LEDGER" "$backend"
-  cat "${ledger_log[$backend]}"
-  rm -f "${ledger_log[$backend]}"
-done
 if ((${#failed[@]})); then
   echo "tests failed: ${failed[*]}"
   exit 1

@@ -238,6 +238,7 @@ def test_errors_are_not_stored_so_a_fixed_retry_may_reuse_the_key(world: dict[st
     assert post(client, "/api/v1/sandboxes/", create_body(), key="x" * 256).status_code == 400
 
 
+@pytest.mark.races
 @pytest.mark.django_db(transaction=True)  # two threads, two connections
 def test_two_concurrent_posts_with_one_key_create_one_sandbox(world: dict[str, Any]) -> None:
     _, key = ApiToken.issue(world["member"], "race", ALL)

@@ -294,6 +294,7 @@ def _race(*calls: Any) -> list[Any]:
     return results
 
 
+@pytest.mark.races
 @pytest.mark.django_db(transaction=True)  # threads race for the locks, each on its own connection
 def test_concurrent_finalizations_and_credits_take_their_locks(sandbox: Any, people: Any) -> None:
     usage(sandbox, at(2026, 10, 3, 9), at(2026, 10, 3, 10), "a")

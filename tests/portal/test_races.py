@@ -39,7 +39,8 @@ from tests.portal.helpers import request
 from workers import control
 
 # Threads race, each on its own connection: the rows they fight over must be committed.
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+# races: starved of CPU beside other work, SQLite's lock wait runs out (scripts/run-tests.sh).
+pytestmark = [pytest.mark.slow, pytest.mark.races, pytest.mark.django_db(transaction=True)]
 ON_POSTGRESQL = django_settings.DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql"
 # What only PostgreSQL has: the cycle's advisory lock that a second cycle finds taken and
 # skips, and connections that die with their worker. On SQLite (the embedded default) a
