@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import factory
@@ -9,6 +10,7 @@ from django.contrib.auth import get_user_model
 
 from portal.accounts.models import Membership, Project
 from portal.catalog.models import PriorityClass, SandboxImage, SharingMode, Tier
+from workers.liveness import Beat
 
 
 class UserFactory(factory.django.DjangoModelFactory):
@@ -75,3 +77,16 @@ class ImageFactory(factory.django.DjangoModelFactory):
     name = "busybox"
     reference = "gpushare/sandbox-base:1"
     command = ["sh", "-c", "while true; do sleep 3600; done"]
+
+
+def beat(host: str, *, driver: str = "docker", alerts_version: str | None = None) -> Beat:
+    """A heartbeat from ``host`` now, with no report, as ``agent_heartbeats`` takes it."""
+    return Beat(
+        host=host,
+        t_ms=int(time.time() * 1000),
+        backend="simulated",
+        driver=driver,
+        owned=None,
+        owned_ms=None,
+        alerts_version=alerts_version,
+    )

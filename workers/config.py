@@ -78,6 +78,7 @@ class AgentSettings:
     sim_host_memory_mib: int = 512 * 1024
     sample_interval_s: float = 1.0
     heartbeat_s: float = 5.0
+    full_report_s: float = 0.0  # an unchanged report goes again after this long; 0: every beat
     util_window_s: int = 600  # idle culling judges the mean utilization over this window
     stop_grace_s: float = 5.0
     terminal_idle_s: float = 900.0
@@ -99,6 +100,7 @@ class AgentSettings:
             sim_host_memory_mib=memory_mib,
             sample_interval_s=env_int("SAMPLE_INTERVAL_MS", 1000, minimum=50) / 1000,
             heartbeat_s=float(env_int("AGENT_HEARTBEAT_S", 5, minimum=1)),
+            full_report_s=float(env_int("AGENT_FULL_REPORT_S", 0, minimum=0)),
             util_window_s=env_int("UTIL_WINDOW_S", 600, minimum=10),
             stop_grace_s=float(env_int("SANDBOX_STOP_GRACE_S", 5, minimum=0)),
             terminal_idle_s=float(env_int("TERMINAL_IDLE_S", 900, minimum=10)),

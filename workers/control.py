@@ -22,6 +22,7 @@ from django.utils import timezone  # noqa: E402
 from portal.control import tasks  # noqa: E402
 from portal.webhooks.deliveries import attempt_delivery, webhook_tick  # noqa: E402
 from workers.celery import app  # noqa: E402
+from workers.liveness import Beat  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +40,9 @@ def tick() -> None:
     tasks.tick()
 
 
-@app.task(name="workers.control.agent_heartbeat", ignore_result=True)
-def agent_heartbeat(
-    host: str,
-    t_ms: int,
-    backend: str,
-    driver: str,
-    owned: list[dict[str, Any]] | None = None,
-    owned_ms: int | None = None,
-    alerts_version: str | None = None,
-) -> None:
-    tasks.agent_heartbeat(host, t_ms, backend, driver, owned, owned_ms, alerts_version)
+@app.task(name="workers.control.agent_heartbeats", ignore_result=True)
+def agent_heartbeats(beats: list[Beat]) -> None:
+    tasks.agent_heartbeats(beats)
 
 
 @app.task(name="workers.control.agent_inventory", ignore_result=True)

@@ -10,15 +10,32 @@ database alone decides, as before.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 KEY = "gpushare:agent:alive:{host}"
 TTL_S = 300  # far longer than any lost-host window; the value, not the key's life, is judged
 
 
-def note_alive(client: Any, host: str, t_ms: int) -> None:
-    """``client`` is a sync ``redis.Redis``; called by the agent with every heartbeat."""
-    client.set(KEY.format(host=host), t_ms, ex=TTL_S)
+class Beat(TypedDict):
+    """One host's heartbeat, as agents send it to the control queue (``agent_heartbeats``,
+    a list of them: one for a real host's agent, one per host for a process serving many)."""
+
+    host: str
+    t_ms: int
+    backend: str
+    driver: str
+    owned: list[dict[str, Any]] | None  # the report of what the host runs, when one is ready
+    owned_ms: int | None  # when that report's listing began
+    alerts_version: str | None  # the alert thresholds the agent holds
+
+
+def note_alive(client: Any, hosts: list[str], t_ms: int) -> None:
+    """``client`` is a sync ``redis.Redis``; called by an agent with every round of beats,
+    one round trip however many hosts it serves."""
+    pipe = client.pipeline(transaction=False)
+    for host in hosts:
+        pipe.set(KEY.format(host=host), t_ms, ex=TTL_S)
+    pipe.execute()
 
 
 def alive_since(client: Any, hosts: list[str], cutoff_ms: int) -> set[str]:

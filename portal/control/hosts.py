@@ -11,6 +11,7 @@ asked for its inventory, which says which GPUs are really there; reconciliation
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -18,16 +19,17 @@ import redis
 from django.conf import settings
 from django.db import transaction
 
-from portal.control.reconcile import do_reconcile_host
+from portal.control.reconcile import do_reconcile_host, from_ms
 from portal.control.redis_client import client as redis_client
 from portal.fleet import actions as fleet_actions
-from portal.fleet.inventory import do_heartbeat
+from portal.fleet.inventory import do_heartbeats
 from portal.fleet.models import Host
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox, SandboxState
 from portal.sandboxes.snapshot import HOLDING
 from portal.telemetry.alerts import alert_policy
 from workers import dispatch, liveness
+from workers.liveness import Beat
 
 log = logging.getLogger(__name__)
 MISSED_BEATS_LOST = 3
@@ -78,30 +80,34 @@ def resend_stuck_placements(now: datetime) -> None:
         actions.do_send_launch(sandbox_id)
 
 
-def agent_heartbeat(
-    host: str,
-    at: datetime,
-    backend: str,
-    driver: str,
-    owned: list[dict[str, Any]] | None,
-    owned_at: datetime,
-    alerts_version: str | None,
-) -> None:
-    """A beat, with the agent's report of what it runs (listed at ``owned_at``): the
-    database is repaired to match. A host back from lost is asked for its inventory. An
-    agent holding other alert thresholds than the current ones (or none yet) is sent them."""
-    was = Host.objects.filter(name=host).values_list("state", flat=True).first()
-    if not do_heartbeat(host, at, backend, driver):
-        log.warning("heartbeat from unknown host %s ignored (no inventory yet)", host)
-        return
-    if was == Host.State.LOST:
-        # Back from lost: its GPUs were made unavailable; the agent's inventory says which
-        # are really there.
-        log.warning("host %s is back: asking for its inventory", host)
-        dispatch.to_host(host, "report_inventory")
-    if owned is not None:
-        do_reconcile_host(host, owned_at, owned)
-    if alerts_version is not None:
-        policy = alert_policy()
-        if policy["version"] != alerts_version:
-            dispatch.to_host(host, "set_alert_policy", policy)
+def agent_heartbeats(beats: list[Beat]) -> None:
+    """Beats from one agent process: one for a real host, one a round for each host of a
+    process serving many simulated ones. Each beat with a report of what its host runs
+    (listed at ``owned_ms``) has the database repaired to match; the rest only say the host
+    is alive, which costs one UPDATE per round however many hosts beat. A host back from
+    lost is asked for its inventory; an agent holding other alert thresholds than the current
+    ones (or none yet) is sent them."""
+    groups: dict[tuple[int, str, str], list[str]] = defaultdict(list)
+    for beat in beats:
+        groups[(beat["t_ms"], beat["backend"], beat["driver"])].append(beat["host"])
+    known: set[str] = set()
+    for (t_ms, backend, driver), names in groups.items():
+        outcome = do_heartbeats(names, from_ms(t_ms), backend, driver)
+        known |= outcome.known
+        for host in outcome.regained:
+            # Back from lost: its GPUs were made unavailable; the agent's inventory says
+            # which are really there.
+            log.warning("host %s is back: asking for its inventory", host)
+            dispatch.to_host(host, "report_inventory")
+    policy: dict[str, Any] | None = None
+    for beat in beats:
+        host = beat["host"]
+        if host not in known:
+            log.warning("heartbeat from unknown host %s ignored (no inventory yet)", host)
+            continue
+        if beat["owned"] is not None:
+            do_reconcile_host(host, from_ms(beat["owned_ms"] or beat["t_ms"]), beat["owned"])
+        if beat["alerts_version"] is not None:
+            policy = policy or alert_policy()
+            if policy["version"] != beat["alerts_version"]:
+                dispatch.to_host(host, "set_alert_policy", policy)

@@ -26,12 +26,13 @@ from portal.control.plans import auto_relayout, do_plan_report, expire_stale_pla
 from portal.control.reconcile import from_ms
 from portal.control.redis_client import client as redis_client
 from portal.control.scheduling import schedule_cycle as run_schedule_cycle
-from portal.fleet.inventory import do_heartbeat, do_sync_inventory
+from portal.fleet.inventory import do_heartbeats, do_sync_inventory
 from portal.sandboxes import actions
 from portal.sandboxes.output import do_store_output
 from portal.telemetry.alerts import do_close_host_alerts, do_record_alerts
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
 from workers.config import CONTROL_HEARTBEAT_KEY
+from workers.liveness import Beat
 
 log = logging.getLogger(__name__)
 TELEMETRY_PURGED_KEY = "gpushare:telemetry:purged"
@@ -62,26 +63,15 @@ def purge_telemetry(now: datetime) -> None:
         do_purge_rollups(now)
 
 
-def agent_heartbeat(
-    host: str,
-    t_ms: int,
-    backend: str,
-    driver: str,
-    owned: list[dict[str, Any]] | None = None,
-    owned_ms: int | None = None,
-    alerts_version: str | None = None,
-) -> None:
-    """A beat, with the agent's report of what it runs (listed from ``owned_ms``)."""
-    hosts.agent_heartbeat(
-        host, from_ms(t_ms), backend, driver, owned, from_ms(owned_ms or t_ms), alerts_version
-    )
+def agent_heartbeats(beats: list[Beat]) -> None:
+    hosts.agent_heartbeats(beats)
 
 
 def agent_inventory(
     host: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: dict[str, int] | None = None
 ) -> None:
     do_sync_inventory(host, backend, driver, gpus, facts)
-    do_heartbeat(host, timezone.now(), backend, driver)
+    do_heartbeats([host], timezone.now(), backend, driver)
 
 
 def gpu_faults(host: str, events: list[dict[str, Any]]) -> None:

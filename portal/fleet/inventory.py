@@ -5,6 +5,8 @@ State changes (a lost host back up, a GPU gone or back) go through ``portal.flee
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -14,16 +16,26 @@ from portal.fleet import actions
 from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 
 
-def do_heartbeat(host_name: str, at: datetime, backend: str, driver: str) -> bool:
-    """Record an agent's heartbeat; a lost host that beats again comes back up. False for
-    a host the database does not know."""
-    updated = Host.objects.filter(name=host_name).update(last_heartbeat_at=at, backend=backend, driver=driver)
-    if updated and Host.objects.filter(name=host_name, state=Host.State.LOST).exists():
+@dataclass(frozen=True)
+class Heartbeats:
+    known: set[str]  # the hosts the database knows (the rest have sent no inventory yet)
+    regained: list[str]  # those that were lost and are back up
+
+
+def do_heartbeats(host_names: Collection[str], at: datetime, backend: str, driver: str) -> Heartbeats:
+    """Record the agents' heartbeats at ``at`` (one statement, however many hosts beat); a
+    lost host that beats again comes back up."""
+    known = Host.objects.filter(name__in=list(host_names))
+    if not known.update(last_heartbeat_at=at, backend=backend, driver=driver):
+        return Heartbeats(set(), [])
+    regained = []
+    for name in known.filter(state=Host.State.LOST).values_list("name", flat=True):
         with transaction.atomic():
-            host = Host.objects.select_for_update().filter(name=host_name, state=Host.State.LOST).first()
+            host = Host.objects.select_for_update().filter(name=name, state=Host.State.LOST).first()
             if host is not None:  # not regained by another beat meanwhile
                 actions.regain_host(host)
-    return bool(updated)
+                regained.append(name)
+    return Heartbeats(set(known.values_list("name", flat=True)), regained)
 
 
 @transaction.atomic

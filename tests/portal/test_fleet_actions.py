@@ -18,6 +18,7 @@ from portal.control.hosts import mark_lost_hosts
 from portal.fleet import actions
 from portal.fleet.actions import GPU_TRANSITIONS, HOST_TRANSITIONS, FleetTransitionError
 from portal.fleet.models import FleetEvent, Gpu, Host
+from tests.factories import beat
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
 pytestmark = pytest.mark.django_db
@@ -66,7 +67,7 @@ def test_losing_and_regaining_a_host_writes_fleet_events(host: Host, sent_tasks:
     # It beats again: back up, and asked which GPUs are really there.
     sent_tasks.clear()
     regained = timezone.now()
-    tasks.agent_heartbeat(host.name, int(timezone.now().timestamp() * 1000), "simulated", "docker")
+    tasks.agent_heartbeats([beat(host.name)])
     host.refresh_from_db()
     assert host.state == Host.State.UP
     assert [t[1] for t in sent_tasks] == ["report_inventory"]
@@ -78,7 +79,7 @@ def test_losing_and_regaining_a_host_writes_fleet_events(host: Host, sent_tasks:
     assert _kinds(host, regained)[1:] == [("available", gpus[0]), ("available", gpus[1])]
     # A second beat or inventory changes nothing, so it writes nothing.
     count = FleetEvent.objects.count()
-    tasks.agent_heartbeat(host.name, int(timezone.now().timestamp() * 1000), "simulated", "docker")
+    tasks.agent_heartbeats([beat(host.name)])
     tasks.agent_inventory(host.name, "simulated", "docker", _inventory("a100"))
     assert FleetEvent.objects.count() == count
 
@@ -100,7 +101,7 @@ def test_a_drained_gpu_stays_drained_through_a_lost_host_and_a_missing_gpu(host:
     assert do_fault_event(host.name, {"uuid": first["uuid"], "kind": "ecc_dbe", "detail": "2"})
     _silence(host)
     mark_lost_hosts(timezone.now())
-    tasks.agent_heartbeat(host.name, int(timezone.now().timestamp() * 1000), "simulated", "docker")
+    tasks.agent_heartbeats([beat(host.name)])
     tasks.agent_inventory(host.name, "simulated", "docker", [second])  # the faulty one is gone
     tasks.agent_inventory(host.name, "simulated", "docker", [first, second])  # and back
     gpu = Gpu.objects.get(uuid=first["uuid"])

@@ -254,11 +254,11 @@ def test_a_host_whose_agent_still_beats_is_not_lost_while_its_beats_wait_in_the_
     now = timezone.now()
     Host.objects.filter(pk=host.pk).update(last_heartbeat_at=now - timedelta(minutes=5))
     client = redis.Redis.from_url(settings.REDIS_URL)
-    liveness.note_alive(client, host.name, int(now.timestamp() * 1000) - 1000)
+    liveness.note_alive(client, [host.name], int(now.timestamp() * 1000) - 1000)
     mark_lost_hosts(now)
     host.refresh_from_db()
     assert host.state == "up"
-    liveness.note_alive(client, host.name, int(now.timestamp() * 1000) - 5 * 60 * 1000)
+    liveness.note_alive(client, [host.name], int(now.timestamp() * 1000) - 5 * 60 * 1000)
     assert mark_lost_hosts(now) >= 1
     host.refresh_from_db()
     sandbox.refresh_from_db()

@@ -21,6 +21,7 @@ from portal.telemetry.consumers import SandboxSamples
 from portal.telemetry.models import Alert, AlertPolicy, GpuRollup, SandboxRollup
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
 from portal.webhooks.models import WebhookDelivery, WebhookEndpoint
+from tests.factories import beat
 from tests.portal.helpers import client_for, place_all, request
 from workers.telemetry import sandbox_group
 
@@ -211,14 +212,14 @@ def test_heartbeat_sends_a_changed_policy_and_a_restart_closes_alerts(
     from workers import control
 
     policy = alert_policy()
-    control.agent_heartbeat("h100", 1_700_000_000_000, "simulated", "docker", None, None, policy["version"])
+    control.agent_heartbeats([beat("h100", alerts_version=policy["version"])])
     assert not [t for t in sent_tasks if t[1] == "set_alert_policy"]
     fleet = AlertPolicy.objects.get(tier__isnull=True)
     fleet.temp_high_c = 80
     fleet.temp_clear_c = 75
     fleet.save()
     AlertPolicy.objects.create(tier=sandbox.tier, mem_high_pct=80, mem_clear_pct=70)
-    control.agent_heartbeat("h100", 1_700_000_000_000, "simulated", "docker", None, None, policy["version"])
+    control.agent_heartbeats([beat("h100", alerts_version=policy["version"])])
     [(queue, _task, (sent,))] = [t for t in sent_tasks if t[1] == "set_alert_policy"]
     assert queue == "host.h100" and sent["fleet"]["temp_high_c"] == 80
     assert sent["tiers"][sandbox.tier.slug]["mem_high_pct"] == 80 and sent["version"] != policy["version"]

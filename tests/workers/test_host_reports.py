@@ -4,8 +4,10 @@ host keeps beating (a silent one left a removed container unnoticed for 90 s in 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +63,7 @@ def test_a_report_that_raises_is_logged_and_the_next_beat_tries_again(
     assert len(calls) == 2  # each beat after a failed report starts another
     exc_info = failures()[0].exc_info
     assert exc_info is not None and "the engine answered nonsense" in str(exc_info[1])
-    assert [task for _, task, _ in sent_tasks].count("agent_heartbeat") == 2
+    assert [task for _, task, _ in sent_tasks].count("agent_heartbeats") == 2
 
 
 def test_a_report_stuck_in_the_driver_is_logged_with_where_it_waits(
@@ -86,5 +88,46 @@ def test_a_report_stuck_in_the_driver_is_logged_with_where_it_waits(
     [stuck] = [r for r in caplog.records if "has been building" in r.getMessage()]
     assert "listing" in stuck.getMessage()  # the stack shows the driver call it waits in
     # Every beat still went out, carrying no report while the listing hung.
-    beats_sent = [args for _, task, args in sent_tasks if task == "agent_heartbeat"]
-    assert len(beats_sent) == 3 and all(args[4] is None for args in beats_sent)
+    beats_sent = [sent for _, task, ([sent],) in sent_tasks if task == "agent_heartbeats"]
+    assert len(beats_sent) == 3 and all(sent["owned"] is None for sent in beats_sent)
+
+
+def entry(allocation: str, state: str = "running", util: tuple[float, float] = (50.0, 1.0)) -> dict[str, Any]:
+    return {"allocation_id": allocation, "state": state, "tracked": True, "util": util}
+
+
+def test_every_report_goes_from_a_real_hosts_agent() -> None:
+    gate = reports.ReportGate("h", 0.0)
+    assert all(gate.passes([entry("a")]) for _ in range(3))
+
+
+def test_an_unchanged_report_waits_for_the_full_report_and_a_changed_one_does_not() -> None:
+    now = [1000.0]
+    gate = reports.ReportGate("node-7", 60.0, clock=lambda: now[0])
+    assert gate.passes([entry("a")])  # the first
+    first_due = now[0] + random.Random("node-7").uniform(0, 60.0)  # staggered by the host's name
+    now[0] += 1
+    assert not gate.passes([entry("a", util=(10.0, 1.0))])  # utilization alone is no change
+    assert gate.passes([entry("a", state="exited")])  # a change goes at once
+    now[0] += 1
+    assert not gate.passes([entry("a", state="exited")])
+    now[0] += 60
+    assert gate.passes([entry("a", state="exited")])  # a full report is due
+    assert first_due < now[0]
+    now[0] += 59
+    assert not gate.passes([entry("a", state="exited")])
+    now[0] += 1
+    assert gate.passes([entry("a", state="exited")])
+
+
+def test_a_fleet_started_together_reports_in_full_spread_over_the_period() -> None:
+    now = [0.0]
+    gates = [reports.ReportGate(f"node-{i}", 60.0, clock=lambda: now[0]) for i in range(600)]
+    for gate in gates:
+        gate.passes([])
+    due_by_second: Counter[int] = Counter()
+    for second in range(60):
+        now[0] = second + 1.0
+        due_by_second[second] = sum(gate.passes([]) for gate in gates)
+    assert sum(due_by_second.values()) == 600  # each once in the period
+    assert max(due_by_second.values()) < 30  # about 10 a second, never the fleet at once

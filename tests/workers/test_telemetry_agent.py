@@ -248,5 +248,5 @@ def test_heartbeat_carries_the_alert_policy_version(tmp_path: Path, sent_tasks: 
     agent = Agent("h", backend, ProcessDriver(tmp_path / "sandboxes", host="h"), tmp_path)
     agent.set_alert_policy({"version": "abc", "fleet": {"temp_high_c": 70, "temp_clear_c": 60}})
     agent.reports.heartbeat()
-    [(_q, _t, args)] = [t for t in sent_tasks if t[1] == "agent_heartbeat"]
-    assert args[-1] == "abc" and agent.alerts.fleet["temp_high_c"] == 70
+    [(_q, _t, ([sent],))] = [t for t in sent_tasks if t[1] == "agent_heartbeats"]
+    assert sent["alerts_version"] == "abc" and agent.alerts.fleet["temp_high_c"] == 70

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import random
 import sys
 import threading
 import time
@@ -23,6 +25,7 @@ from workers.host.inventory import HostInventory
 from workers.host.lifecycle import now_ms
 from workers.host.sandboxes import HostSandboxes
 from workers.host.utilization import UtilizationWindows
+from workers.liveness import Beat
 
 log = logging.getLogger(__name__)
 # A report still being built after this long is logged with where it is stuck: meanwhile
@@ -59,9 +62,19 @@ class HostReports:
         self._stuck_logged = False
         self._job_lock = threading.Lock()
         self.ready: tuple[list[dict[str, Any]], int] | None = None
+        self.gate = ReportGate(settings.host, settings.full_report_s)
 
     def heartbeat(self) -> None:
-        """Beat, with the newest finished report of what this host runs.
+        """Beat: this host's liveness in Redis, and its beat to the control queue."""
+        beat = self.beat()
+        try:
+            liveness.note_alive(self._liveness_redis(), [beat["host"]], beat["t_ms"])
+        except redis.RedisError as exc:  # the beat below still goes (or fails) on its own
+            log.warning("liveness not written: %s", exc)
+        dispatch.to_control("agent_heartbeats", [beat])
+
+    def beat(self) -> Beat:
+        """This host's beat, with the newest finished report of what it runs.
 
         The report is built on its own thread: listing sandboxes can block behind a slow
         driver call (libvirt serialises a connection while it defines a domain, ~40 s on a
@@ -81,20 +94,16 @@ class HostReports:
         if stuck_for:
             self._log_stuck(stuck_for)
         owned, owned_ms = ready if ready is not None else (None, None)
-        beat_ms = now_ms()
-        try:
-            liveness.note_alive(self._liveness_redis(), self.settings.host, beat_ms)
-        except redis.RedisError as exc:  # the beat below still goes (or fails) on its own
-            log.warning("liveness not written: %s", exc)
-        dispatch.to_control(
-            "agent_heartbeat",
-            self.settings.host,
-            beat_ms,
-            self.backend.name,
-            self.driver.name,
-            owned,
-            owned_ms,
-            self.alert_version(),
+        if owned is not None and not self.gate.passes(owned):
+            owned, owned_ms = None, None
+        return Beat(
+            host=self.settings.host,
+            t_ms=now_ms(),
+            backend=self.backend.name,
+            driver=self.driver.name,
+            owned=owned,
+            owned_ms=owned_ms,
+            alerts_version=self.alert_version(),
         )
 
     def _liveness_redis(self) -> redis.Redis:
@@ -190,6 +199,36 @@ class HostReports:
 
     def shutdown(self) -> None:
         self._builder.shutdown(wait=False)
+
+
+class ReportGate:
+    """Which finished reports go out: every one when ``period`` is 0 (a real host's agent);
+    else one that changed since the last sent (its utilization figures aside), or any once
+    a full report is due, every ``period`` seconds. Reconciling a report costs the control
+    worker ~16 ms (BENCHMARKS.md, heartbeats), so a process serving a cluster's simulated
+    hosts sends the few that changed. A host's first full report is due at a point of the
+    period its name picks: a fleet that started together does not report together."""
+
+    def __init__(self, host: str, period: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.host, self.period, self.clock = host, period, clock
+        self._sent: list[str] | None = None  # the last report sent, utilization aside
+        self._full_due = 0.0
+
+    def passes(self, owned: list[dict[str, Any]]) -> bool:
+        if self.period <= 0:
+            return True
+        now = self.clock()
+        fingerprint = sorted(
+            json.dumps({k: v for k, v in entry.items() if k != "util"}, sort_keys=True) for entry in owned
+        )
+        if fingerprint == self._sent and now < self._full_due:
+            return False
+        if self._sent is None:  # a spread, not a secret
+            self._full_due = now + random.Random(self.host).uniform(0, self.period)  # noqa: S311
+        else:
+            self._full_due = now + self.period
+        self._sent = fingerprint
+        return True
 
 
 def _log_build_failure(job: Future[None]) -> None:
