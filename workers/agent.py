@@ -15,24 +15,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from celery import signals
+from celery import Task, signals
+from kombu import Queue
 
+from portal.env import ConfigError
 from workers import config, dispatch, moves, selftest
+from workers.agent_pool import REPORT_BUILDERS, AgentPool, SimulatedHost, read_hosts_file
 from workers.alerts import AlertTracker
 from workers.batch_output import OutputPump
-from workers.celery import app
+from workers.celery import app, host_queue
 from workers.config import AgentSettings
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.base import SandboxDriver, SandboxHandle, SandboxSpec
 from workers.drivers.gpu_nodes import GpuNodes
+from workers.drivers.simulated import SimulatedDriver
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend
 from workers.gpu.mig import MigManager
 from workers.gpu.mps import MpsManager, SimulatedMps, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
+from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 from workers.host.faults import GpuFaults
 from workers.host.inventory import HostInventory
 from workers.host.lifecycle import SandboxLifecycle
@@ -55,6 +61,7 @@ class Agent:
         driver: SandboxDriver,
         var_dir: Path,
         settings: AgentSettings | None = None,
+        report_builder: Executor | None = None,
     ) -> None:
         self.settings = settings or AgentSettings(host=host)
         self.host, self.backend, self.driver = host, backend, driver
@@ -77,7 +84,7 @@ class Agent:
         )  # fmt: skip
         self.reports = HostReports(
             self.settings, backend, driver, self.sandboxes, self.inventory, self.mps_daemons,
-            self.utilization, lambda: self.alerts.version,
+            self.utilization, lambda: self.alerts.version, report_builder,
         )  # fmt: skip
         self.faults = GpuFaults(host, backend, self.inventory, self.alerts)
         # Real GPUs: the device nodes a sandbox binds (MIG caps nodes exist only once asked
@@ -170,7 +177,9 @@ def refuse_state_only_on_real_gpus(backend: GpuBackend, driver: SandboxDriver) -
         )
 
 
+AnyTask = Task[Any, Any]  # a bound task: its request says which queue a message came in on
 _agent: Agent | None = None
+_pool: AgentPool | None = None
 _agent_lock = threading.Lock()
 
 
@@ -190,41 +199,87 @@ def get_agent() -> Agent:
         return _agent
 
 
-@app.task(name="workers.agent.launch_sandbox", ignore_result=True)
-def launch_sandbox(spec: dict[str, Any]) -> None:
-    get_agent().launch(SandboxSpec.from_json(spec))
+def build_pool(hosts: list[SimulatedHost], settings: AgentSettings, var_dir: Path) -> AgentPool:
+    """One agent per simulated host, with the simulated GPUs and the state-only driver."""
+    builders = ThreadPoolExecutor(REPORT_BUILDERS, thread_name_prefix="pool-report")
+    agents = {}
+    for host in hosts:
+        var = var_dir / "agents" / host.name
+        backend = SimulatedBackend(host.name, parse_sim_spec(host.gpus))
+        driver = SimulatedDriver(var / "sandboxes", host=host.name)
+        agents[host.name] = Agent(host.name, backend, driver, var, host.settings(settings), builders)
+    return AgentPool(agents, settings, builders)
 
 
-@app.task(name="workers.agent.set_alert_policy", ignore_result=True)
-def set_alert_policy(policy: dict[str, Any]) -> None:
-    get_agent().set_alert_policy(policy)
+def get_pool() -> AgentPool:
+    global _pool
+    with _agent_lock:
+        if _pool is None:
+            path = config.hosts_file()
+            if path is None:
+                raise ConfigError("a process serving many hosts needs GPUSHARE_HOSTS_FILE")
+            _pool = build_pool(read_hosts_file(path), AgentSettings.from_env(host="pool"), config.var_dir())
+        return _pool
 
 
-@app.task(name="workers.agent.report_inventory", ignore_result=True)
-def report_inventory() -> None:
-    get_agent().report_inventory()
+def agent_for(task: AnyTask) -> Agent:
+    """The agent a task's message is for: this process's, or, in one serving many hosts, that
+    of the host whose queue it came in on."""
+    if config.hosts_file() is None:
+        return get_agent()
+    return get_pool().for_queue((task.request.delivery_info or {}).get("routing_key"))
 
 
-@app.task(name="workers.agent.execute_plan", ignore_result=True)
+@app.task(name="workers.agent.launch_sandbox", ignore_result=True, bind=True)
+def launch_sandbox(task: AnyTask, spec: dict[str, Any]) -> None:
+    agent_for(task).launch(SandboxSpec.from_json(spec))
+
+
+@app.task(name="workers.agent.set_alert_policy", ignore_result=True, bind=True)
+def set_alert_policy(task: AnyTask, policy: dict[str, Any]) -> None:
+    agent_for(task).set_alert_policy(policy)
+
+
+@app.task(name="workers.agent.report_inventory", ignore_result=True, bind=True)
+def report_inventory(task: AnyTask) -> None:
+    agent_for(task).report_inventory()
+
+
+@app.task(name="workers.agent.execute_plan", ignore_result=True, bind=True)
 def execute_plan(
-    plan_id: int, stops: list[dict[str, Any]], mig_plan: dict[str, Any] | None, busy: dict[str, str]
+    task: AnyTask,
+    plan_id: int,
+    stops: list[dict[str, Any]],
+    mig_plan: dict[str, Any] | None,
+    busy: dict[str, str],
 ) -> None:
-    get_agent().execute_plan(plan_id, stops, mig_plan, busy)
+    agent_for(task).execute_plan(plan_id, stops, mig_plan, busy)
 
 
-@app.task(name="workers.agent.open_terminal", ignore_result=True)
-def open_terminal(session: str, allocation_id: str, handle: dict[str, Any] | None) -> None:
-    get_agent().open_terminal(session, allocation_id, handle)
+@app.task(name="workers.agent.open_terminal", ignore_result=True, bind=True)
+def open_terminal(task: AnyTask, session: str, allocation_id: str, handle: dict[str, Any] | None) -> None:
+    agent_for(task).open_terminal(session, allocation_id, handle)
 
 
-@app.task(name="workers.agent.gpu_mode", ignore_result=True)
-def gpu_mode(gpu_uuid: str, mode: str) -> None:
-    get_agent().gpu_mode(gpu_uuid, mode)
+@app.task(name="workers.agent.gpu_mode", ignore_result=True, bind=True)
+def gpu_mode(task: AnyTask, gpu_uuid: str, mode: str) -> None:
+    agent_for(task).gpu_mode(gpu_uuid, mode)
 
 
-@app.task(name="workers.agent.stop_sandbox", ignore_result=True)
-def stop_sandbox(allocation_id: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:
-    get_agent().stop(allocation_id, handle)
+@app.task(name="workers.agent.stop_sandbox", ignore_result=True, bind=True)
+def stop_sandbox(task: AnyTask, allocation_id: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:
+    agent_for(task).stop(allocation_id, handle)
+
+
+def _consume_every_hosts_queue() -> None:
+    """A process serving many hosts consumes each one's queue (a one-host agent is given its
+    own with ``-Q host.<name>``): the worker reads these when it sets up its consumers."""
+    path = config.hosts_file()
+    if path is not None:
+        app.conf.task_queues = [Queue(host_queue(host.name)) for host in read_hosts_file(path)]
+
+
+_consume_every_hosts_queue()
 
 
 # A worker that exits with this code refused to start for its configuration (sysexits
@@ -235,7 +290,16 @@ EXIT_CANNOT_LAUNCH = 78
 @signals.worker_init.connect
 def _self_test(**_: Any) -> None:
     """Before the first task: launch and stop one sandbox; a driver that cannot launch
-    must not take sandboxes (each would fail with the same message), so the agent exits."""
+    must not take sandboxes (each would fail with the same message), so the agent exits.
+    A process serving many simulated hosts builds them instead (a bad hosts file exits the
+    same way); their state-only driver needs no trial."""
+    if config.hosts_file() is not None:
+        try:
+            get_pool()
+        except ConfigError as exc:
+            log.error("agent pool cannot start: %s", exc)
+            raise SystemExit(EXIT_CANNOT_LAUNCH) from exc
+        return
     try:
         agent = get_agent()
     except DriverUnavailable as exc:
@@ -252,10 +316,15 @@ def _self_test(**_: Any) -> None:
 
 @signals.worker_ready.connect
 def _on_ready(**_: Any) -> None:
-    get_agent().start()
+    if config.hosts_file() is not None:
+        get_pool().start()
+    else:
+        get_agent().start()
 
 
 @signals.worker_shutdown.connect
 def _on_shutdown(**_: Any) -> None:
+    if _pool is not None:
+        _pool.shutdown()
     if _agent is not None:
         _agent.shutdown()

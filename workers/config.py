@@ -43,6 +43,12 @@ def celery_broker_url(url: str) -> str:
     return "redis+socket://" + url.removeprefix("unix://") if url.startswith("unix://") else url
 
 
+def hosts_file() -> Path | None:
+    """GPUSHARE_HOSTS_FILE: the simulated hosts one agent process serves (workers.agent_pool)."""
+    value = os.environ.get("GPUSHARE_HOSTS_FILE", "").strip()
+    return Path(value) if value else None
+
+
 def gpu_backend_kind() -> str:
     return env_choice("GPU_BACKEND", GPU_BACKENDS, "auto")
 
@@ -89,10 +95,11 @@ class AgentSettings:
     checkpoint_timeout_s: int = 300
 
     @classmethod
-    def from_env(cls) -> AgentSettings:
+    def from_env(cls, host: str | None = None) -> AgentSettings:
+        """``host``: the name to use instead of GPUSHARE_HOST (a process serving many)."""
         cpus, memory_mib = _sim_host(env_str("GPUSHARE_SIM_HOST", "cpus=64,memory_gib=512"))
         return cls(
-            host=env_str("GPUSHARE_HOST"),
+            host=env_str("GPUSHARE_HOST") if host is None else host,
             gpu_backend=gpu_backend_kind(),
             sandbox_driver=sandbox_driver_kind(),
             sim_gpus=os.environ.get("GPUSHARE_SIM_GPUS", ""),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -601,3 +602,16 @@ def test_the_sandbox_sees_exactly_its_gpu_nodes_and_its_shm(
     assert shm.split()[1] == str(48 * 1024), shm
     assert "shm-writable" in lines
     confined.stop(handle, grace_s=0)
+
+
+def test_another_drivers_state_file_is_not_taken_for_a_sandbox(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host whose SANDBOX_DRIVER went from simulated to process keeps the state-only
+    driver's file in the same directory: listing skips it, saying so."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "simulated-sandboxes.json").write_text("[]")
+    with caplog.at_level(logging.WARNING, logger="workers.drivers.process"):
+        assert ProcessDriver(state).list_owned() == []
+    assert "not a process sandbox's state" in caplog.text

@@ -609,6 +609,10 @@ class ProcessDriver:
             except (OSError, ValueError):
                 log.warning("ignoring unreadable sandbox state %s", path)
                 continue
+            if not isinstance(state, dict) or "allocation_id" not in state:
+                # Another driver's file (the state-only driver's, after SANDBOX_DRIVER changed).
+                log.warning("ignoring %s: not a process sandbox's state", path)
+                continue
             if self.host and state["spec"].get("host") != self.host:
                 continue
             handles.append(self._handle(state))

@@ -11,7 +11,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -44,6 +44,7 @@ class HostReports:
         mps_daemons: MpsDaemons,
         utilization: UtilizationWindows,
         alert_version: Callable[[], str],
+        builder: Executor | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -55,7 +56,9 @@ class HostReports:
         self.alert_version = alert_version
         self._redis: redis.Redis | None = None  # liveness key, written with each heartbeat
         self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
-        self._builder = ThreadPoolExecutor(1, thread_name_prefix="agent-report")
+        # Its own thread, or a few a process serving many hosts shares (workers.agent_pool).
+        self._own_builder = builder is None
+        self._builder = builder or ThreadPoolExecutor(1, thread_name_prefix="agent-report")
         self._job: Future[None] | None = None
         self._job_since = 0.0  # monotonic start of the job
         self._job_thread: int | None = None  # ident of the thread building it
@@ -198,7 +201,8 @@ class HostReports:
         return report
 
     def shutdown(self) -> None:
-        self._builder.shutdown(wait=False)
+        if self._own_builder:
+            self._builder.shutdown(wait=False)
 
 
 class ReportGate:
