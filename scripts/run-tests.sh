@@ -6,7 +6,7 @@
 #             database again (tests/testenv.py deselects the rest, which do not depend on it).
 #
 # Each pass's ledger property test (10,000 lifecycles, minutes of mostly database round
-# trips) runs in its own database and Redis, beside the suites (see FOREGROUND below).
+# trips) runs in its own database and Redis, beside the suites (see "What runs beside what" below).
 # TEST_BACKENDS picks the passes ("postgres embedded" by default); pytest arguments
 # (make test PYTEST_ARGS=...) run as one plain pytest per pass, without the ledger runs.
 set -uo pipefail
@@ -18,30 +18,32 @@ export TEST_DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:543
 export TEST_REDIS_URL="${TEST_REDIS_URL:-redis://127.0.0.1:6379/15}"
 failed=()
 
-# The same server with "_ledger" after the database name, and the next Redis database.
-ledger_postgres_env() {
-  "$PY" - <<'PY'
+# side_postgres_env SUFFIX OFFSET: the same server with SUFFIX after the database name, and
+# the Redis database OFFSET below (or above) the suite's: a background run's own.
+side_postgres_env() {
+  SUFFIX=$1 OFFSET=$2 "$PY" - <<'PY'
 import os
 from urllib.parse import urlsplit, urlunsplit
 
 db = urlsplit(os.environ["TEST_DATABASE_URL"])
 r = urlsplit(os.environ["TEST_REDIS_URL"])
-index = int(r.path.strip("/") or 0)
-print("DATABASE_URL=" + urlunsplit(db._replace(path=db.path.rstrip("/") + "_ledger")))
-print("REDIS_URL=" + urlunsplit(r._replace(path=f"/{index - 1 if index > 1 else index + 1}")))
+index, offset = int(r.path.strip("/") or 0), int(os.environ["OFFSET"])
+print("DATABASE_URL=" + urlunsplit(db._replace(path=db.path.rstrip("/") + os.environ["SUFFIX"])))
+print("REDIS_URL=" + urlunsplit(r._replace(path=f"/{index - offset if index > offset else index + offset}")))
 PY
 }
 
 # What runs beside what. The foreground is one core of work plus waits on containers, VMs
-# and the browser, and it sets the run's length: the PostgreSQL suite, then the embedded
-# pass's tests that start processes or race threads for rows (markers in FOREGROUND). The
-# rest runs first, in the background, niced onto the core the foreground leaves idle, as two
-# chains: the PostgreSQL ledger test; the embedded tests that start no processes, then the
-# embedded ledger test. At equal priority the ledger's steady CPU load slowed the suite
-# (a 17-minute PostgreSQL suite took 24 beside it) and starved the processes whose timing
-# the e2e tests watch; the race tests starve even niced (SQLite's lock wait runs out), so
-# they stay in the foreground. A background failure fails `make test`; its output follows.
-FOREGROUND="e2e or browser or docker or libvirt or bwrap or races"
+# and the browser, and it sets the run's length: each pass's tests that start processes,
+# engines or the browser, race threads for rows, or touch no database (GPUSHARE_TEST_PART=
+# foreground, tests/testenv.py). The rest runs from the start in the background, niced onto
+# the core the foreground leaves idle, as two chains: the PostgreSQL ledger test; each pass's
+# other database tests (GPUSHARE_TEST_PART=background; PostgreSQL's in its own database and
+# Redis), then the embedded ledger test. At equal priority the ledger's steady CPU load
+# slowed the suite (a 17-minute PostgreSQL suite took 24 beside it) and starved the
+# processes whose timing the e2e tests watch; the race tests starve even niced (SQLite's
+# lock wait runs out), so they stay in the foreground. A background failure fails
+# `make test`; its output follows the foreground's.
 declare -a bg_order=() bg_pids=()
 declare -A bg_log bg_rc
 
@@ -100,30 +102,46 @@ else
   for backend in "${BACKENDS[@]}"; do
     case $backend in
       postgres)
-        mapfile -t ledger_db < <(ledger_postgres_env)
+        mapfile -t ledger_db < <(side_postgres_env _ledger 1)
         background "postgres ledger"
         background_step "postgres ledger" 10 "${POSTGRES_ENV[@]}" "${ledger_db[@]}" \
           "GPUSHARE_VAR_DIR=$VAR-postgres-ledger" -- "$LEDGER" &
         bg_pids+=($!)
+        mapfile -t quiet_db < <(side_postgres_env _quiet 2)
+        background "postgres, no processes"
         ;;
-      embedded)
-        background "embedded, no processes" "embedded ledger"
-        (
-          background_step "embedded, no processes" 5 "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded-quiet" \
-            -- --ignore="$LEDGER" -m "not bench and not ($FOREGROUND)"
-          background_step "embedded ledger" 10 "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded-ledger" -- "$LEDGER"
-        ) &
-        bg_pids+=($!)
-        ;;
+      embedded) background "embedded, no processes" "embedded ledger" ;;
     esac
   done
+  (
+    for backend in "${BACKENDS[@]}"; do
+      case $backend in
+        postgres)
+          background_step "postgres, no processes" 5 "${POSTGRES_ENV[@]}" "${quiet_db[@]}" \
+            "GPUSHARE_VAR_DIR=$VAR-postgres-quiet" GPUSHARE_TEST_PART=background -- --ignore="$LEDGER"
+          ;;
+        embedded)
+          background_step "embedded, no processes" 5 "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded-quiet" \
+            GPUSHARE_TEST_PART=background -- --ignore="$LEDGER"
+          ;;
+      esac
+    done
+    for backend in "${BACKENDS[@]}"; do
+      [[ $backend == embedded ]] || continue
+      background_step "embedded ledger" 10 "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded-ledger" -- "$LEDGER"
+    done
+  ) &
+  bg_pids+=($!)
   echo "running in the background, niced (output after the foreground's): ${bg_order[*]}"
   for backend in "${BACKENDS[@]}"; do
     case $backend in
-      postgres) run_pass "postgres pass" "${POSTGRES_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR" -- --ignore="$LEDGER" ;;
+      postgres)
+        run_pass "postgres pass (foreground part)" "${POSTGRES_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR" \
+          GPUSHARE_TEST_PART=foreground -- --ignore="$LEDGER"
+        ;;
       embedded)
-        run_pass "embedded pass: $FOREGROUND" "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded" \
-          -- --ignore="$LEDGER" -m "not bench and ($FOREGROUND)"
+        run_pass "embedded pass (foreground part)" "${EMBEDDED_ENV[@]}" "GPUSHARE_VAR_DIR=$VAR-embedded" \
+          GPUSHARE_TEST_PART=foreground -- --ignore="$LEDGER"
         ;;
     esac
   done

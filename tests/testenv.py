@@ -39,11 +39,31 @@ def _touches_database(item: object) -> bool:
     return marker is not None or bool(_DATABASE_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
+# GPUSHARE_TEST_PART splits a pass for `make test` (scripts/run-tests.sh): "background" keeps
+# the database tests that start no processes, engines or browser and race no threads, which
+# run niced beside the rest; "foreground" keeps the rest. Tests with these markers watch
+# timing (processes, engines, a browser, threads racing for rows) and must not be starved.
+FOREGROUND_MARKERS = frozenset({"e2e", "browser", "docker", "libvirt", "bwrap", "races"})
+
+
+def _background(item: object) -> bool:
+    names = {mark.name for mark in getattr(item, "iter_markers", lambda: ())()}
+    return _touches_database(item) and not (names & FOREGROUND_MARKERS)
+
+
 def pytest_collection_modifyitems(config: object, items: list[object]) -> None:
-    if os.environ.get("GPUSHARE_TEST_BACKEND") != "embedded":
-        return
-    keep = [item for item in items if _touches_database(item)]
-    dropped = [item for item in items if not _touches_database(item)]
+    wanted = []
+    if os.environ.get("GPUSHARE_TEST_BACKEND") == "embedded":
+        wanted.append(_touches_database)
+    part = os.environ.get("GPUSHARE_TEST_PART", "")
+    if part == "background":
+        wanted.append(_background)
+    elif part == "foreground":
+        wanted.append(lambda item: not _background(item))
+    elif part:
+        raise ValueError(f"GPUSHARE_TEST_PART={part!r}: expected background or foreground")
+    keep = [item for item in items if all(want(item) for want in wanted)]
+    dropped = [item for item in items if not all(want(item) for want in wanted)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)  # type: ignore[attr-defined]
         items[:] = keep
