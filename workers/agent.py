@@ -13,6 +13,7 @@ the Celery tasks below one object to call; its settings are read once, at start-
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -32,13 +33,11 @@ from workers.config import AgentSettings
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.base import SandboxDriver, SandboxHandle, SandboxSpec
 from workers.drivers.gpu_nodes import GpuNodes
-from workers.drivers.simulated import SimulatedDriver
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend
 from workers.gpu.mig import MigManager
 from workers.gpu.mps import MpsManager, SimulatedMps, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
-from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 from workers.host.faults import GpuFaults
 from workers.host.inventory import HostInventory
 from workers.host.lifecycle import SandboxLifecycle
@@ -200,15 +199,24 @@ def get_agent() -> Agent:
 
 
 def build_pool(hosts: list[SimulatedHost], settings: AgentSettings, var_dir: Path) -> AgentPool:
-    """One agent per simulated host, with the simulated GPUs and the state-only driver."""
+    """One agent per simulated host, each with the backend and driver its settings name
+    (simulated GPUs, the state-only driver: ``SimulatedHost.settings``)."""
     builders = ThreadPoolExecutor(REPORT_BUILDERS, thread_name_prefix="pool-report")
     agents = {}
     for host in hosts:
+        own = host.settings(settings)
         var = var_dir / "agents" / host.name
-        backend = SimulatedBackend(host.name, parse_sim_spec(host.gpus))
-        driver = SimulatedDriver(var / "sandboxes", host=host.name)
-        agents[host.name] = Agent(host.name, backend, driver, var, host.settings(settings), builders)
+        backend = make_backend(own.gpu_backend, host.name, own.sim_gpus)
+        driver = make_driver(own.sandbox_driver, host.name, var / "sandboxes")
+        agents[host.name] = Agent(host.name, backend, driver, var, own, builders)
     return AgentPool(agents, settings, builders)
+
+
+@functools.cache
+def pool_hosts(path: Path) -> list[SimulatedHost]:
+    """The hosts file, read once: its queues are consumed from import on, and the pool is
+    built when the worker starts (a ConfigError is not cached: the worker exits on it)."""
+    return read_hosts_file(path)
 
 
 def get_pool() -> AgentPool:
@@ -218,7 +226,7 @@ def get_pool() -> AgentPool:
             path = config.hosts_file()
             if path is None:
                 raise ConfigError("a process serving many hosts needs GPUSHARE_HOSTS_FILE")
-            _pool = build_pool(read_hosts_file(path), AgentSettings.from_env(host="pool"), config.var_dir())
+            _pool = build_pool(pool_hosts(path), AgentSettings.from_env(host="pool"), config.var_dir())
         return _pool
 
 
@@ -273,10 +281,16 @@ def stop_sandbox(task: AnyTask, allocation_id: str, sandbox_id: int, handle: dic
 
 def _consume_every_hosts_queue() -> None:
     """A process serving many hosts consumes each one's queue (a one-host agent is given its
-    own with ``-Q host.<name>``): the worker reads these when it sets up its consumers."""
+    own with ``-Q host.<name>``): the worker reads these when it sets up its consumers. A bad
+    hosts file is left to the worker's start, which logs it and exits (``_self_test``)."""
     path = config.hosts_file()
-    if path is not None:
-        app.conf.task_queues = [Queue(host_queue(host.name)) for host in read_hosts_file(path)]
+    if path is None:
+        return
+    try:
+        hosts = pool_hosts(path)
+    except ConfigError:
+        return
+    app.conf.task_queues = [Queue(host_queue(host.name)) for host in hosts]
 
 
 _consume_every_hosts_queue()

@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,16 +30,16 @@ import redis
 from redis.asyncio import Redis as AsyncRedis
 
 from portal.env import ConfigError
-from workers import config, dispatch, liveness
+from workers import config, dispatch
 from workers.config import AgentSettings
 from workers.gpu.simulated import parse_sim_spec
+from workers.host.reports import send_beats
 from workers.telemetry import make_layer
 
 if TYPE_CHECKING:
     from workers.agent import Agent
 
 log = logging.getLogger(__name__)
-BEATS_PER_MESSAGE = 250  # a round goes as a few messages, so several control workers share it
 REPORT_BUILDERS = 4  # threads building the hosts' reports (listing the state-only driver is quick)
 # A full report every minute: a changed one goes at once (BENCHMARKS.md, heartbeats).
 POOL_FULL_REPORT_S = 60.0
@@ -91,11 +90,6 @@ def read_hosts_file(path: Path) -> list[SimulatedHost]:
     return hosts
 
 
-def _chunks(items: list[liveness.Beat], size: int) -> Iterator[list[liveness.Beat]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
 class AgentPool:
     """The agents of the hosts one process serves (``workers.agent.get_pool`` builds them),
     and the loops they share."""
@@ -105,7 +99,7 @@ class AgentPool:
         self.settings = settings
         self._builders = builders
         self.stopping = threading.Event()
-        self._redis: redis.Redis | None = None
+        self._redis = redis.Redis.from_url(config.redis_url(), socket_timeout=2)  # connects on first use
 
     def for_queue(self, queue: str | None) -> Agent:
         host = (queue or "").removeprefix("host.")
@@ -126,21 +120,7 @@ class AgentPool:
 
     def beat_round(self) -> None:
         """Every host's beat: their liveness in one round trip, the beats in a few messages."""
-        beats = [agent.reports.beat() for agent in self.agents.values()]
-        t_ms = max(beat["t_ms"] for beat in beats)
-        for beat in beats:
-            beat["t_ms"] = t_ms  # one round, one time: the control worker writes it once
-        try:
-            liveness.note_alive(self._liveness_redis(), [beat["host"] for beat in beats], t_ms)
-        except redis.RedisError as exc:  # the beats below still go (or fail) on their own
-            log.warning("liveness not written: %s", exc)
-        for chunk in _chunks(beats, BEATS_PER_MESSAGE):
-            dispatch.to_control("agent_heartbeats", chunk)
-
-    def _liveness_redis(self) -> redis.Redis:
-        if self._redis is None:
-            self._redis = redis.Redis.from_url(config.redis_url(), socket_timeout=2)
-        return self._redis
+        send_beats(self._redis, [agent.reports.beat() for agent in self.agents.values()])
 
     def _beat_forever(self) -> None:
         interval = self.settings.heartbeat_s
@@ -172,6 +152,4 @@ class AgentPool:
 
     def shutdown(self) -> None:
         self.stopping.set()
-        for agent in self.agents.values():
-            agent.sampler.stopping.set()
         self._builders.shutdown(wait=False)

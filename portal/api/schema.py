@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from django.http import HttpResponse
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from drf_spectacular.views import SCHEMA_KWARGS, SpectacularAPIView
+from rest_framework import serializers
 from rest_framework.request import Request
+
+from portal.api.errors import ERRORS
+from portal.api.filters import FILTER_PARAMETERS
+
+ViewSetT = TypeVar("ViewSetT", bound=Callable[..., Any])  # a class, as extend_schema_view takes it
 
 
 class SchemaView(SpectacularAPIView):
@@ -39,3 +46,23 @@ class SchemaView(SpectacularAPIView):
         disposition = f'inline; filename="{self._get_filename(request, None)}"'  # as the parent names it
         content_type = renderer.media_type + (f"; charset={renderer.charset}" if renderer.charset else "")
         return HttpResponse(content, content_type=content_type, headers={"Content-Disposition": disposition})
+
+
+def list_and_retrieve_schema(
+    *,
+    listed: str,
+    description: str,
+    one: str,
+    serializer: type[serializers.BaseSerializer[Any]],
+    detail: type[serializers.BaseSerializer[Any]] | None = None,
+    parameters: list[Any] = FILTER_PARAMETERS,
+) -> Callable[[ViewSetT], ViewSetT]:
+    """The schema of a read-only viewset's two operations: a filtered, paginated list
+    (``listed``, ``description``) and one item (``one``, in ``detail`` when it shows more)."""
+    return extend_schema_view(
+        list=extend_schema(
+            summary=listed, description=description, parameters=parameters,
+            responses={200: serializer(many=True), **ERRORS},
+        ),
+        retrieve=extend_schema(summary=one, responses={200: detail or serializer, **ERRORS}),
+    )  # fmt: skip

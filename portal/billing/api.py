@@ -29,6 +29,7 @@ from portal.accounts.permissions import api_projects, api_sees_all
 from portal.api.errors import ERRORS, errors
 from portal.api.filters import FILTER_PARAMETERS, FILTERS, filter_by
 from portal.api.pagination import BySlug, CheckedPageSize, NewestFirst
+from portal.api.schema import list_and_retrieve_schema
 from portal.api.views import ApiView
 from portal.billing.models import CreditNote, Invoice, InvoiceLine, InvoiceState, UsageRecord
 from portal.catalog.models import Tier
@@ -83,19 +84,14 @@ def usage_for(request: Request) -> QuerySet[UsageRecord]:
     return filter_by(request.query_params, qs, user_field="user", time_field="started_at")
 
 
-@extend_schema_view(
-    list=extend_schema(
-        summary="Usage intervals",
-        description="Newest first, cursor pages. Scope read:usage. Costs are micro-units of `currency`; "
-        "an open interval has no end and no cost yet.",
-        parameters=FILTER_PARAMETERS,
-        responses={200: UsageRecordSerializer(many=True), **ERRORS},
-    ),
-    retrieve=extend_schema(summary="One usage interval", responses={200: UsageRecordSerializer, **ERRORS}),
+@list_and_retrieve_schema(
+    listed="Usage intervals",
+    description="Newest first, cursor pages. Scope read:usage. Costs are micro-units of `currency`; "
+    "an open interval has no end and no cost yet.",
+    one="One usage interval",
+    serializer=UsageRecordSerializer,
 )
-class UsageRecordViewSet(
-    ApiView, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet[UsageRecord]
-):
+class UsageRecordViewSet(ApiView, viewsets.ReadOnlyModelViewSet[UsageRecord]):
     """Usage intervals of the caller's projects, newest first; closed ones carry their cost."""
 
     serializer_class = UsageRecordSerializer
@@ -252,22 +248,16 @@ def _period(raw: str) -> date:
     return date(int(raw[:4]), int(raw[5:]), 1)
 
 
-@extend_schema_view(
-    list=extend_schema(
-        summary="Invoices",
-        description="One per project, month and currency, newest month first. Drafts change as usage "
-        "closes; finalized ones are frozen (corrections are credit notes). Scope read:usage.",
-        parameters=INVOICE_FILTERS,
-        responses={200: InvoiceSerializer(many=True), **ERRORS},
-    ),
-    retrieve=extend_schema(
-        summary="One invoice, with its lines and credit notes",
-        responses={200: InvoiceDetailSerializer, **ERRORS},
-    ),
+@list_and_retrieve_schema(
+    listed="Invoices",
+    description="One per project, month and currency, newest month first. Drafts change as usage "
+    "closes; finalized ones are frozen (corrections are credit notes). Scope read:usage.",
+    one="One invoice, with its lines and credit notes",
+    serializer=InvoiceSerializer,
+    detail=InvoiceDetailSerializer,
+    parameters=INVOICE_FILTERS,
 )
-class InvoiceViewSet(
-    ApiView, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet[Invoice]
-):
+class InvoiceViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Invoice]):
     pagination_class = NewestPeriodFirst
     filters = ("project", "period", "state")
     queryset = Invoice.objects.none()  # for the schema; get_queryset scopes it

@@ -17,7 +17,7 @@ from django.db import transaction
 
 from portal.sandboxes import actions
 from portal.sandboxes.models import Notification, Sandbox, SandboxEvent, SandboxState, StopCause
-from portal.sandboxes.notify import notify
+from portal.sandboxes.notify import notify_owner
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,7 @@ def _cull_one(sandbox_id: int, now: datetime) -> bool:
                 f"{int(idle_for.total_seconds() // 60)} min (tier {tier.name})"
             )
             log.info("sandbox %s %s", sandbox.pk, reason)
-            notify(
-                sandbox.owner,
-                Notification.Kind.CULLED,
-                f"Sandbox {sandbox.pk} was stopped: {reason}.",
-                sandbox,
-            )
+            notify_owner(sandbox, Notification.Kind.CULLED, f"Sandbox {sandbox.pk} was stopped: {reason}.")
             actions.do_request_stop(sandbox.pk, None, reason, cause=StopCause.CULLED)
             return True
         if idle_for >= warn_after and sandbox.idle_warned_at is None:
@@ -82,5 +77,5 @@ def _cull_one(sandbox_id: int, now: datetime) -> bool:
             SandboxEvent.objects.create(
                 sandbox=sandbox, at=now, from_state=sandbox.state, to_state=sandbox.state, message=message
             )
-            notify(sandbox.owner, Notification.Kind.IDLE, f"Sandbox {sandbox.pk} is {message}.", sandbox)
+            notify_owner(sandbox, Notification.Kind.IDLE, f"Sandbox {sandbox.pk} is {message}.")
     return False

@@ -26,7 +26,7 @@ from django.utils import timezone
 from portal.fleet import actions
 from portal.fleet.models import FleetEvent, Gpu
 from portal.sandboxes.models import Allocation, Notification
-from portal.sandboxes.notify import notify
+from portal.sandboxes.notify import notify_owner
 from portal.telemetry.models import Alert
 from workers.gpu.xids import classify, describe
 
@@ -140,12 +140,11 @@ def _drain(gpu: Gpu, reason: str, kind: str, message: str, actor: Any = None) ->
     """Take a locked GPU out of service and record why (caller holds the row lock)."""
     actions.drain_gpu(gpu, reason, message, kind=kind, actor=actor)
     # The people whose sandboxes are on it hear what it means for them.
-    for alloc in Allocation.objects.filter(gpu=gpu, active=True).select_related("sandbox__owner"):
+    for alloc in Allocation.objects.filter(gpu=gpu, active=True).select_related("sandbox"):
         sandbox = alloc.sandbox
-        notify(
-            sandbox.owner,
+        notify_owner(
+            sandbox,
             Notification.Kind.DRAINED,
             f"Sandbox {sandbox.pk}: its GPU ({gpu.host.name} #{gpu.index}) was taken out of service "
             f"({reason}). It keeps running; save your work, as the GPU may be repaired or replaced.",
-            sandbox,
         )

@@ -23,19 +23,20 @@ class Heartbeats:
 
 
 def do_heartbeats(host_names: Collection[str], at: datetime, backend: str, driver: str) -> Heartbeats:
-    """Record the agents' heartbeats at ``at`` (one statement, however many hosts beat); a
+    """Record the agents' heartbeats at ``at`` (two statements, however many hosts beat); a
     lost host that beats again comes back up."""
-    known = Host.objects.filter(name__in=list(host_names))
-    if not known.update(last_heartbeat_at=at, backend=backend, driver=driver):
+    states = dict(Host.objects.filter(name__in=list(host_names)).values_list("name", "state"))
+    if not states:
         return Heartbeats(set(), [])
+    Host.objects.filter(name__in=list(states)).update(last_heartbeat_at=at, backend=backend, driver=driver)
     regained = []
-    for name in known.filter(state=Host.State.LOST).values_list("name", flat=True):
+    for name in (name for name, state in states.items() if state == Host.State.LOST):
         with transaction.atomic():
             host = Host.objects.select_for_update().filter(name=name, state=Host.State.LOST).first()
             if host is not None:  # not regained by another beat meanwhile
                 actions.regain_host(host)
                 regained.append(name)
-    return Heartbeats(set(known.values_list("name", flat=True)), regained)
+    return Heartbeats(set(states), regained)
 
 
 @transaction.atomic

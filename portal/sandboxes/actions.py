@@ -775,11 +775,10 @@ def do_expire_overdue(now: datetime, warn_before: timedelta = timedelta(minutes=
                     continue
                 sandbox.expiry_warned_at = now
                 sandbox.save(update_fields=["expiry_warned_at"])
-                notify.notify(
-                    sandbox.owner,
+                notify.notify_owner(
+                    sandbox,
                     Notification.Kind.ENDED,
                     f"Sandbox {sandbox.pk} reaches its time limit at {ends_at:%H:%M} UTC; "
                     "extend it to keep it.",
-                    sandbox,
                 )
     return expired

@@ -13,17 +13,18 @@ from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema, extend_schema_view
-from rest_framework import exceptions, mixins, serializers, status, viewsets
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema
+from rest_framework import exceptions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from portal.accounts.permissions import api_can_manage_sandbox, api_projects, api_requestable_projects
 from portal.api import idempotency
-from portal.api.errors import ERRORS, errors
-from portal.api.filters import FILTER_PARAMETERS, FILTERS, filter_by
+from portal.api.errors import errors
+from portal.api.filters import FILTERS, filter_by
 from portal.api.pagination import NewestRequestFirst
+from portal.api.schema import list_and_retrieve_schema
 from portal.api.strict import StrictSerializer, Text, WholeNumber, choices_message
 from portal.api.text import refuse_unexpected_fields
 from portal.api.views import ApiView
@@ -223,19 +224,14 @@ def _form_data(request: Request, data: dict[str, Any]) -> dict[str, Any]:
     return form_data
 
 
-@extend_schema_view(
-    list=extend_schema(
-        summary="Sandboxes",
-        description="Newest request first, cursor pages. Scope read:usage. `user` is the owner; the "
-        "period filters the request time.",
-        parameters=FILTER_PARAMETERS,
-        responses={200: SandboxSerializer(many=True), **ERRORS},
-    ),
-    retrieve=extend_schema(summary="One sandbox", responses={200: SandboxSerializer, **ERRORS}),
+@list_and_retrieve_schema(
+    listed="Sandboxes",
+    description="Newest request first, cursor pages. Scope read:usage. `user` is the owner; the "
+    "period filters the request time.",
+    one="One sandbox",
+    serializer=SandboxSerializer,
 )
-class SandboxViewSet(
-    ApiView, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet[Sandbox]
-):
+class SandboxViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Sandbox]):
     serializer_class = SandboxSerializer
     pagination_class = NewestRequestFirst
     action_parameters = {"output": ("offset", "limit")}

@@ -19,11 +19,7 @@ from portal.sandboxes.models import LIVE_STATES, Allocation, Notification, Sandb
 NEAR_QUOTA = 0.8  # a project using this share of a quota limit hears about it
 
 
-def notify(user: Any, kind: str, message: str, sandbox: Sandbox | None = None) -> None:
-    Notification.objects.create(user=user, sandbox=sandbox, kind=kind, message=message[:300])
-
-
-def _tell_owner(sandbox: Sandbox, kind: str, message: str) -> None:
+def notify_owner(sandbox: Sandbox, kind: str, message: str) -> None:
     """By the owner's id: an action's locked sandbox does not load its owner's row."""
     Notification.objects.create(user_id=sandbox.owner_id, sandbox=sandbox, kind=kind, message=message[:300])
 
@@ -38,20 +34,20 @@ def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
         return
     if to == S.RUNNING:
         where = f" on {sandbox.host.name}" if sandbox.host else ""
-        _tell_owner(sandbox, Notification.Kind.STARTED, f"{label} is running{where}.")
+        notify_owner(sandbox, Notification.Kind.STARTED, f"{label} is running{where}.")
     elif to == S.QUEUED and sandbox.state != S.REQUESTED:  # back in the queue: requeued
-        _tell_owner(sandbox, Notification.Kind.QUEUED, f"{label}: {message}")
+        notify_owner(sandbox, Notification.Kind.QUEUED, f"{label}: {message}")
     elif to == S.STOPPING and actor_id is not None:
         who = actor.get_username() if hasattr(actor, "get_username") else "an admin"
-        _tell_owner(sandbox, Notification.Kind.ENDED, f"{label} is being stopped by {who}: {message}")
+        notify_owner(sandbox, Notification.Kind.ENDED, f"{label} is being stopped by {who}: {message}")
     elif to in (S.PREEMPTED, S.FAILED, S.EXPIRED):
         kinds: dict[str, str] = {S.PREEMPTED: Notification.Kind.PREEMPTED, S.FAILED: Notification.Kind.FAILED}
         kind = kinds.get(to, Notification.Kind.ENDED)
-        _tell_owner(sandbox, kind, f"{label}: {message}")
+        notify_owner(sandbox, kind, f"{label}: {message}")
     elif to == S.STOPPED and sandbox.state == S.STOPPING:
         if sandbox.stop_cause in (StopCause.ASKED, StopCause.CULLED):
             return  # asked by a person (told then, or it was the owner) or by culling (told then)
-        _tell_owner(sandbox, Notification.Kind.ENDED, f"{label}: {message}")
+        notify_owner(sandbox, Notification.Kind.ENDED, f"{label}: {message}")
 
 
 def on_first_waits(waits: list[tuple[int, int, str]]) -> None:
@@ -92,4 +88,4 @@ def on_request(sandbox: Sandbox) -> None:
             notes.append(f"{used:.1f} of its {quota.max_gpu_hours_month} GPU-hours this month")
     if notes:
         message = f"Project {sandbox.project.name} uses {' and '.join(notes)}."
-        notify(sandbox.owner, Notification.Kind.QUOTA, message, sandbox)
+        notify_owner(sandbox, Notification.Kind.QUOTA, message)

@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from portal.fleet.models import Gpu, Host
 from portal.sandboxes.models import Notification, Sandbox
-from portal.sandboxes.notify import notify
+from portal.sandboxes.notify import notify_owner
 from portal.telemetry.models import Alert, AlertPolicy
 from portal.webhooks.deliveries import emit
 from portal.webhooks.models import WebhookEvent
@@ -104,7 +104,7 @@ def _raise(host: Host, key: str, kind: str, change: dict[str, Any]) -> Alert | N
         raised_at=_when(change.get("t")),
     )
     if sandbox is not None:
-        notify(sandbox.owner, Notification.Kind.ALERT, alert.message, sandbox)
+        notify_owner(sandbox, Notification.Kind.ALERT, alert.message)
     return alert
 
 

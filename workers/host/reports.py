@@ -31,6 +31,24 @@ log = logging.getLogger(__name__)
 # A report still being built after this long is logged with where it is stuck: meanwhile
 # the host beats with no report, so nothing it runs is reconciled.
 REPORT_STUCK_S = 30.0
+# A big round (a process serving many hosts) goes as a few messages, so that several
+# control workers can share it.
+BEATS_PER_MESSAGE = 250
+
+
+def send_beats(client: redis.Redis, beats: list[Beat]) -> None:
+    """A round of beats, one host's or many: one time for all (the control worker writes
+    it once), their liveness in one Redis round trip, the beats in messages of
+    ``BEATS_PER_MESSAGE``."""
+    t_ms = max(beat["t_ms"] for beat in beats)
+    for beat in beats:
+        beat["t_ms"] = t_ms
+    try:
+        liveness.note_alive(client, [beat["host"] for beat in beats], t_ms)
+    except redis.RedisError as exc:  # the beats below still go (or fail) on their own
+        log.warning("liveness not written: %s", exc)
+    for start in range(0, len(beats), BEATS_PER_MESSAGE):
+        dispatch.to_control("agent_heartbeats", beats[start : start + BEATS_PER_MESSAGE])
 
 
 class HostReports:
@@ -69,12 +87,7 @@ class HostReports:
 
     def heartbeat(self) -> None:
         """Beat: this host's liveness in Redis, and its beat to the control queue."""
-        beat = self.beat()
-        try:
-            liveness.note_alive(self._liveness_redis(), [beat["host"]], beat["t_ms"])
-        except redis.RedisError as exc:  # the beat below still goes (or fails) on its own
-            log.warning("liveness not written: %s", exc)
-        dispatch.to_control("agent_heartbeats", [beat])
+        send_beats(self._liveness_redis(), [self.beat()])
 
     def beat(self) -> Beat:
         """This host's beat, with the newest finished report of what it runs.
