@@ -280,6 +280,9 @@ BATCH_OUTPUT_MAX_BYTES = env_int("BATCH_OUTPUT_MAX_BYTES", 10 * 2**20, minimum=6
 # Seconds without an agent heartbeat before /healthz calls it stale (3 missed beats).
 AGENT_HEARTBEAT_S = env_int("AGENT_HEARTBEAT_S", 5, minimum=1)
 CYCLE_INTERVAL_S = env_int("CYCLE_INTERVAL_S", 2, minimum=1)
+# A queue head gets a reservation (later requests keep off its devices unless known to end
+# first) only if it could start within this many seconds (Slurm's bf_window, 1 day).
+BACKFILL_WINDOW_S = env_int("BACKFILL_WINDOW_S", 86_400, minimum=0)
 # Placement policy of the live scheduling cycle: gpushare (fragmentation-aware, learns the
 # workload; what the trace benchmarks measure) or first-fit (a plain baseline).
 SCHEDULER_POLICY = env_choice("SCHEDULER_POLICY", POLICY_NAMES, DEFAULT_POLICY)

@@ -12,7 +12,8 @@ Requests are taken in fair-share order (``FairOrder``). For each one, in turn:
 4. failing that, the first request blocked by capacity becomes the queue head: the cycle
    replays the known end times of what runs (start + max duration) until the head fits,
    and ``Reserve``s those devices from then on (when nothing that blocks it has an end
-   time, the next blocked request of another shape is tried, a few at most);
+   time, or the head would start only beyond the backfill window, the next blocked
+   request of another shape is tried, a few at most);
 5. a ``Pending`` with the reason, for every request that does not start.
 
 Every request in the queue gets exactly one ``Place`` or ``Pending``.
@@ -56,6 +57,8 @@ from scheduler.preemption import Plan, plan_preemption, victim_order
 # Blocked requests tried in turn for the head's reservation when the ones before them could
 # not get one (nothing that blocks them has an end time): bounds the replays per cycle.
 MAX_RESERVE_TRIES = 8
+# How far ahead a queue head may be given a reservation (as Slurm's bf_window defaults to).
+BACKFILL_WINDOW_S = 86_400.0
 
 # What a placement policy sees of a request, and what a preemption plan also depends on.
 # (mode, GPUs, MIG profile, MPS memory, MPS threads, CPU, memory, isolation, GPU models)
@@ -97,6 +100,7 @@ def run_cycle(
     fairshare: FairShareState | None = None,
     in_place: bool = False,
     held: tuple[Request, Reserve] | None = None,
+    backfill_window_s: float = BACKFILL_WINDOW_S,
 ) -> list[Decision]:
     """Decisions for every request in ``queue``.
 
@@ -111,18 +115,30 @@ def run_cycle(
     cycle had made it (its ``Reserve`` comes first): the request form's preview asks about
     one request that ranks behind the last cycle's head, so it keeps off the head's devices
     unless known to end before the head starts, and gets no reservation of its own.
+
+    A head that could start only more than ``backfill_window_s`` from ``now`` gets no
+    reservation (Slurm's ``bf_window``): holding capacity idle for days on end times
+    that far off, which are limits rather than forecasts, costs everyone now.
     """
-    cycle = _Cycle(snapshot if in_place else snapshot.copy(), policy, now, fairshare)
+    cycle = _Cycle(snapshot if in_place else snapshot.copy(), policy, now, fairshare, backfill_window_s)
     if held is not None:
         cycle.hold_for(*held)
     return cycle.run(queue)
 
 
 class _Cycle:
-    def __init__(self, working: Snapshot, policy: Policy, now: float, fairshare: FairShareState | None):
+    def __init__(
+        self,
+        working: Snapshot,
+        policy: Policy,
+        now: float,
+        fairshare: FairShareState | None,
+        backfill_window_s: float = BACKFILL_WINDOW_S,
+    ):
         self.working = working
         self.policy = policy
         self.now = now
+        self.horizon = now + backfill_window_s  # no reservation starts later than this
         self.fairshare = fairshare
         self.hosts = {h.name: h for h in self.working.hosts}
         self.gpus = {g.uuid: g for h in self.working.hosts for g in h.gpus}
@@ -393,6 +409,8 @@ class _Cycle:
         released: list[Running] = []
         try:
             for at, _, alloc in ending:
+                if at > self.horizon:
+                    return None
                 host = self.hosts.get(alloc.host)
                 if host is None or not host.up:
                     continue

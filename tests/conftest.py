@@ -63,12 +63,17 @@ def _a_channel_layer_per_test() -> Iterator[None]:
 def _scheduling_state_of_this_test_only() -> Iterator[None]:
     """The control worker's kept policy and the state it publishes for previews describe one
     test's database: a later test must neither place with what it learned nor preview
-    against its fleet."""
+    against its fleet, nor find its cycle already asked for or its thresholds already sent."""
     from portal.sandboxes import digest, policy, preview
 
     policy.forget()
+    from portal.control import hosts
+    from portal.sandboxes import nudge
+
     digest.clear()
     preview._fallbacks.clear()  # warmed from another test's requests
+    hosts._policy_sent.clear()  # thresholds "sent" to another test's agents
+    nudge.cycle_begins()  # a cycle asked for by another test's request
     yield
 
 

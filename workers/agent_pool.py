@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.asyncio import Redis as AsyncRedis
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from workers.agent import Agent
 
 log = logging.getLogger(__name__)
+ROLLUPS_PER_MESSAGE = 250  # a minute's rollups of every host, in a few messages
 REPORT_BUILDERS = 4  # threads building the hosts' reports (listing the state-only driver is quick)
 # A full report every minute: a changed one goes at once (BENCHMARKS.md, heartbeats).
 POOL_FULL_REPORT_S = 60.0
@@ -142,11 +143,18 @@ class AgentPool:
         tick = 0
         while not self.stopping.is_set():
             started = time.monotonic()
+            closed: list[tuple[str, dict[str, Any]]] = []
             for agent in self.agents.values():
                 try:
+                    minute = agent.sampler.close_minute()
+                    if minute is not None:
+                        closed.append((agent.host, minute))
                     await agent.sampler.publish_all(layer, tick, latest)
                 except Exception:  # one host's bug must not stop the others' streams
                     log.exception("sampling %s failed", agent.host)
+            for start in range(0, len(closed), ROLLUPS_PER_MESSAGE):
+                rollups = closed[start : start + ROLLUPS_PER_MESSAGE]
+                await asyncio.to_thread(dispatch.to_control, "telemetry_host_rollups", rollups)
             tick += 1
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 

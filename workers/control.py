@@ -92,9 +92,11 @@ def sandbox_output(allocation_key: str, start: int, data_b64: str, total: int) -
 # --- telemetry ---------------------------------------------------------------------------
 
 
-@app.task(name="workers.control.telemetry_rollups", ignore_result=True)
-def telemetry_rollups(host: str, payload: dict[str, Any]) -> None:
-    tasks.telemetry_rollups(host, payload)
+@app.task(name="workers.control.telemetry_host_rollups", ignore_result=True)
+def telemetry_host_rollups(rollups: list[tuple[str, dict[str, Any]]]) -> None:
+    """Closed minutes, (host, payload) each: one from a host's agent, a round from a process
+    serving many hosts."""
+    tasks.telemetry_rollups(rollups)
 
 
 @app.task(name="workers.control.telemetry_alerts", ignore_result=True)

@@ -158,8 +158,12 @@ def read_latest(client: Any) -> dict[str, dict[str, Any]]:
     Samples older than LATEST_TTL_S (a host whose agent died mid-hash) are left out."""
     cutoff_ms = (time.time() - LATEST_TTL_S) * 1000
     latest: dict[str, dict[str, Any]] = {}
-    for key in client.scan_iter(match=f"{LATEST_PREFIX}*", count=500):
-        for uuid, raw in client.hgetall(key).items():
+    keys = list(client.scan_iter(match=f"{LATEST_PREFIX}*", count=1000))
+    pipe = client.pipeline(transaction=False)  # one round trip for every host's hash
+    for key in keys:
+        pipe.hgetall(key)
+    for samples in pipe.execute():
+        for uuid, raw in samples.items():
             message = json.loads(raw)
             if message.get("t", 0) >= cutoff_ms:
                 latest[uuid.decode() if isinstance(uuid, bytes) else uuid] = message

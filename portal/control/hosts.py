@@ -11,6 +11,7 @@ asked for its inventory, which says which GPUs are really there; reconciliation
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from datetime import datetime, timedelta
 from typing import Any
@@ -27,6 +28,7 @@ from portal.fleet.models import Host
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox, SandboxState
 from portal.sandboxes.snapshot import HOLDING
+from portal.telemetry import control_figures
 from portal.telemetry.alerts import alert_policy
 from workers import dispatch, liveness
 from workers.liveness import Beat
@@ -80,6 +82,22 @@ def resend_stuck_placements(now: datetime) -> None:
         actions.do_send_launch(sandbox_id)
 
 
+# The alert thresholds last sent to each host's agent, and when (monotonic): an agent whose
+# queue is behind beats with its old version for a while, and each beat sent the policy
+# again, six copies per host queued behind one another at the openb size.
+_policy_sent: dict[str, tuple[str, float]] = {}
+POLICY_RESEND_S = 60.0
+
+
+def _policy_due(host: str, version: str) -> bool:
+    sent = _policy_sent.get(host)
+    now = time.monotonic()
+    if sent is not None and sent[0] == version and now - sent[1] < POLICY_RESEND_S:
+        return False
+    _policy_sent[host] = (version, now)
+    return True
+
+
 def agent_heartbeats(beats: list[Beat]) -> None:
     """Beats from one agent process: one for a real host, one a round for each host of a
     process serving many simulated ones. Each beat with a report of what its host runs
@@ -100,6 +118,7 @@ def agent_heartbeats(beats: list[Beat]) -> None:
             log.warning("host %s is back: asking for its inventory", host)
             dispatch.to_host(host, "report_inventory")
     policy: dict[str, Any] | None = None
+    oldest_ms = min((beat["t_ms"] for beat in beats), default=None)
     for beat in beats:
         host = beat["host"]
         if host not in known:
@@ -109,5 +128,8 @@ def agent_heartbeats(beats: list[Beat]) -> None:
             do_reconcile_host(host, from_ms(beat["owned_ms"] or beat["t_ms"]), beat["owned"])
         if beat["alerts_version"] is not None:
             policy = policy or alert_policy()
-            if policy["version"] != beat["alerts_version"]:
+            if policy["version"] != beat["alerts_version"] and _policy_due(host, policy["version"]):
                 dispatch.to_host(host, "set_alert_policy", policy)
+    if oldest_ms is not None:
+        now_ms = int(time.time() * 1000)
+        control_figures.record(redis_client(), control_figures.HEARTBEAT_LAG, now_ms, now_ms - oldest_ms)

@@ -49,7 +49,7 @@ from portal.control.reconcile import from_ms
 from portal.fleet.inventory import do_sync_inventory
 from portal.fleet.models import FleetPlan, Gpu, GpuMode, Host, MigInstance, PlanStep, running_plan_gpus
 from portal.fleet.modes import serving
-from portal.sandboxes import actions
+from portal.sandboxes import actions, nudge
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
 from portal.sandboxes.snapshot import build_snapshot
 from scheduler.cluster import DeviceGrant
@@ -578,7 +578,7 @@ def do_plan_report(
             plan.finished_at = timezone.now()
             _step(plan, str(plan.state), f"plan {plan.get_state_display().lower()}", ok=not plan.error)
         plan.save(update_fields=["error", "hosts_pending", "state", "finished_at"])
-        transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
+        nudge.ask_for_cycle()
     return plan
 
 

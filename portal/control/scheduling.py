@@ -35,9 +35,10 @@ from django.db.models import Count, Sum
 from portal.control.redis_client import client as redis_client
 from portal.fleet.models import Gpu, Host, MigInstance, running_plan_gpus
 from portal.gc_pause import collection_paused
-from portal.sandboxes import actions, digest, policy
+from portal.sandboxes import actions, digest, nudge, policy
 from portal.sandboxes.models import PENDING_REASON_MAX, Allocation, Sandbox
 from portal.sandboxes.snapshot import HOLDING, Queued, build_fairshare, build_snapshot, read_queue
+from portal.telemetry import control_figures
 from scheduler.cluster import Decision, Pending, Place, Preempt, Request, Reserve, Running, Snapshot
 from scheduler.cycle import revert, run_cycle
 
@@ -138,6 +139,7 @@ def schedule_once(now: float, policy_name: str | None = None) -> tuple[int, int]
         if not _claim_cycle():  # first, so the snapshot is read under the lock
             log.info("scheduling cycle skipped: another cycle holds the database lock")
             return 0, 0
+        nudge.cycle_begins()  # a request committed from here on asks for the next cycle
         with report.timing("queue"):
             queued = read_queue()
         # An empty queue has nothing to decide, but the preview's state still ages, and the
@@ -154,6 +156,10 @@ def schedule_once(now: float, policy_name: str | None = None) -> tuple[int, int]
         with report.timing("publish"):
             digest.publish(body, fleet)
     last_report = report
+    if body is not None and queued:
+        control_figures.record(
+            redis_client(), control_figures.CYCLE, int(time.time() * 1000), report.total_s * 1000
+        )
     if report.placed:
         log.info("scheduling cycle placed %d, %d pending", report.placed, report.pending)
     if report.total_s > settings.CYCLE_INTERVAL_S:
@@ -207,7 +213,10 @@ def _decide_and_commit(queued: list[Queued], now: float, name: str, report: Cycl
             snapshot = policy.kept_fleet(fresh)
             # In place: the kept fleet ends the cycle with its decisions applied, and is
             # then brought to what was committed.
-            decisions = run_cycle(snapshot, requests, kept, now, fairshare=fairshare, in_place=True)
+            decisions = run_cycle(
+                snapshot, requests, kept, now, fairshare=fairshare, in_place=True,
+                backfill_window_s=settings.BACKFILL_WINDOW_S,
+            )  # fmt: skip
         with report.timing("commit"):
             placed, deferred = _commit(decisions, by_id, report)
         with report.timing("encode"):

@@ -110,8 +110,8 @@ def sandbox_output(allocation_key: str, start: int, data_b64: str, total: int) -
     do_store_output(allocation_key, int(start), base64.b64decode(data_b64), int(total))
 
 
-def telemetry_rollups(host: str, payload: dict[str, Any]) -> None:
-    do_store_rollups(host, payload)
+def telemetry_rollups(rollups: list[tuple[str, dict[str, Any]]]) -> None:
+    do_store_rollups([(host, payload) for host, payload in rollups])
 
 
 def telemetry_alerts(host: str, changes: list[dict[str, Any]]) -> None:

@@ -28,7 +28,7 @@ from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 from portal.fleet.modes import KIND_MODE
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
-from portal.sandboxes import notify, webhooks
+from portal.sandboxes import notify, nudge, webhooks
 from portal.sandboxes.models import (
     ENDED_STATES,
     LIVE_STATES,
@@ -252,7 +252,7 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
         )
         _transition(sandbox, S.QUEUED, actor=user, message="waiting for the scheduler")
         notify.on_request(sandbox)
-        transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
+        nudge.ask_for_cycle()
     return sandbox
 
 
@@ -544,7 +544,7 @@ def _requeue(sandbox: Sandbox, message: str, data: dict[str, Any] | None = None)
         data={**(data or {}), "lost_allocation": old_key},
         also=("host", "allocation_key", "handle", "started_at", "placed_at"),
     )
-    transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
+    nudge.ask_for_cycle()
     return S.QUEUED
 
 
@@ -568,7 +568,7 @@ def _end(sandbox: Sandbox, to: str, ended_at: datetime, message: str, also: tupl
     _release(sandbox, ended_at)
     sandbox.ended_at = ended_at
     _transition(sandbox, to, message=message, also=("ended_at", *also))
-    transaction.on_commit(lambda: dispatch.to_control("schedule_cycle"))
+    nudge.ask_for_cycle()
 
 
 # --- stop -------------------------------------------------------------------------------------

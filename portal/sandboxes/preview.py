@@ -25,6 +25,7 @@ slower.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -100,7 +101,10 @@ def _from_database(mine: Request, now: float) -> Preview:
             model = workload_of(policy)
             if model is not None:
                 warm(model)
-        decisions = run_cycle(snapshot, [*build_queue(), mine], policy, now, fairshare=build_fairshare(now))
+        decisions = run_cycle(
+            snapshot, [*build_queue(), mine], policy, now, fairshare=build_fairshare(now),
+            backfill_window_s=settings.BACKFILL_WINDOW_S,
+        )  # fmt: skip
         return _verdict(decisions, snapshot, mine, now, policy, waiting_ahead=0)
 
 
@@ -134,8 +138,9 @@ def _from_last_cycle(state: digest.Digest, mine: Request, now: float) -> Preview
         held = (head, state.reservation) if head is not None and state.reservation is not None else None
         try:
             decisions = run_cycle(
-                snapshot, [mine], policy, now, fairshare=state.fairshare, in_place=True, held=held
-            )
+                snapshot, [mine], policy, now, fairshare=state.fairshare, in_place=True, held=held,
+                backfill_window_s=settings.BACKFILL_WINDOW_S,
+            )  # fmt: skip
             try:
                 return _verdict(decisions, snapshot, mine, now, policy, waiting_ahead=ahead)
             finally:
@@ -213,7 +218,8 @@ def _eta(
     for decision in decisions:
         if isinstance(decision, Reserve) and decision.request_id == PREVIEW_ID:
             return datetime.fromtimestamp(decision.at, tz=UTC)
-    alone = run_cycle(snapshot, [mine], policy, now, in_place=True)
+    # An estimate, not a reservation: however far off (the backfill window bounds only those).
+    alone = run_cycle(snapshot, [mine], policy, now, in_place=True, backfill_window_s=math.inf)
     revert(snapshot, alone, [mine])
     for decision in alone:
         if isinstance(decision, Reserve):

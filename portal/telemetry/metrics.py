@@ -49,6 +49,7 @@ from portal.catalog.models import Tier
 from portal.fleet.models import Gpu, Host, MigInstance
 from portal.inputs import whole_number
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
+from portal.telemetry import control_figures
 from portal.telemetry.models import Alert
 from workers.telemetry import read_latest
 
@@ -124,9 +125,10 @@ class _Device:
 class FleetCollector(Collector):
     """Reads the database when collected: one scrape, one consistent set of queries."""
 
-    def __init__(self, latest: dict[str, dict[str, Any]], store_up: bool, now: datetime) -> None:
-        self.latest = latest
-        self.store_up = store_up
+    def __init__(self, store: _Store, now: datetime) -> None:
+        self.latest = store.latest
+        self.control = store.control
+        self.store_up = store.up
         self.now = now
 
     def collect(self) -> Iterator[Metric]:
@@ -148,12 +150,26 @@ class FleetCollector(Collector):
         yield from self._sandboxes()
         yield from self._running_sandboxes()
         yield from self._alerts_and_cost()
+        yield from self._control()
         up = GaugeMetricFamily(
             "gpushare_telemetry_store_up",
             "1 when the newest GPU samples could be read from Redis for this scrape, else 0.",
         )
         up.add_metric([], 1 if self.store_up else 0)
         yield up
+
+    def _control(self) -> Iterator[Metric]:
+        """How the control worker keeps up: its newest figures (absent before the first)."""
+        for figure, name, help_text in (
+            (control_figures.HEARTBEAT_LAG, "gpushare_heartbeat_lag_seconds",
+             "How late the control worker applied the newest heartbeat message (from its oldest beat)."),
+            (control_figures.CYCLE, "gpushare_scheduling_cycle_seconds",
+             "How long the newest scheduling cycle that had requests to decide took."),
+        ):  # fmt: skip
+            if figure in self.control:
+                family = GaugeMetricFamily(name, help_text)
+                family.add_metric([], self.control[figure][1] / 1000)
+                yield family
 
     # --- DCGM-compatible GPU series ---------------------------------------------------------
 
@@ -378,18 +394,33 @@ def _by_label(name: str, help_text: str, label: str, counts: dict[str, int]) -> 
 # --- the view --------------------------------------------------------------------------------
 
 
-def _read_samples() -> tuple[dict[str, dict[str, Any]], bool]:
-    """The newest samples, or none when Redis does not answer: the database's series are
-    still worth a scrape, and ``gpushare_telemetry_store_up`` says what is missing."""
+@dataclass
+class _Store:
+    """What a scrape reads from Redis: the newest GPU samples and control figures."""
+
+    latest: dict[str, dict[str, Any]]
+    control: dict[str, tuple[int, float]]  # figure -> its newest (at_ms, value_ms)
+    up: bool
+
+
+def _read_store() -> _Store:
+    """Or nothing when Redis does not answer: the database's series are still worth a
+    scrape, and ``gpushare_telemetry_store_up`` says what is missing."""
     try:
         client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
         try:
-            return read_latest(client), True
+            latest = read_latest(client)
+            control = {
+                figure: newest[0]
+                for figure in (control_figures.HEARTBEAT_LAG, control_figures.CYCLE)
+                if (newest := control_figures.read(client, figure, 1))
+            }
+            return _Store(latest, control, True)
         finally:
             client.close()
     except (redis.RedisError, ValueError) as exc:
         log.warning("/metrics: cannot read the newest GPU samples: %s", exc)
-        return {}, False
+        return _Store({}, {}, False)
 
 
 def _denied(request: HttpRequest) -> HttpResponse | None:
@@ -422,9 +453,8 @@ def metrics(request: HttpRequest) -> HttpResponse:
     denied = _denied(request)
     if denied is not None:
         return denied
-    latest, store_up = _read_samples()
     # A private registry: the process-wide one would add this process's own Python metrics,
     # which differ by which web worker answered.
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(latest, store_up, timezone.now()))
+    registry.register(FleetCollector(_read_store(), timezone.now()))
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

@@ -73,32 +73,51 @@ def _sandbox_row(sandbox_id: int, minute: datetime, figures: dict[str, Any]) -> 
     )
 
 
-def do_store_rollups(host: str, payload: dict[str, Any]) -> tuple[int, int]:
-    """Upsert one host's minute; returns (GPU rows, sandbox rows) written."""
-    minute = datetime.fromtimestamp(int(payload["minute"]), tz=UTC)
-    gpus = payload.get("gpus", {})
-    boxes = payload.get("sandboxes", {})
-    gpu_ids = dict(Gpu.objects.filter(uuid__in=list(gpus), host__name=host).values_list("uuid", "pk"))
-    known = set(
-        Sandbox.objects.filter(
-            pk__in=[n for s in boxes if (n := whole_number(str(s))) is not None]
-        ).values_list("pk", flat=True)
-    )
-    gpu_rows = [_gpu_row(gpu_ids[u], minute, f) for u, f in gpus.items() if u in gpu_ids]
-    box_rows = [_sandbox_row(n, minute, f) for s, f in boxes.items() if (n := whole_number(str(s))) in known]
-    skipped = len(gpus) - len(gpu_rows) + len(boxes) - len(box_rows)
+def do_store_rollups(rollups: list[tuple[str, dict[str, Any]]]) -> tuple[int, int]:
+    """Upsert the minutes of ``rollups`` ((host, payload) each: one host's agent sends one, a
+    process serving many hosts a round of them) in one transaction; returns (GPU rows,
+    sandbox rows) written. A GPU counts only on the host that reports it."""
+    gpu_keys: dict[tuple[str, str], tuple[datetime, dict[str, Any]]] = {}
+    box_keys: dict[int, list[tuple[datetime, dict[str, Any]]]] = {}
+    for host, payload in rollups:
+        minute = datetime.fromtimestamp(int(payload["minute"]), tz=UTC)
+        for uuid, figures in payload.get("gpus", {}).items():
+            gpu_keys[(host, uuid)] = (minute, figures)
+        for sandbox, figures in payload.get("sandboxes", {}).items():
+            if (n := whole_number(str(sandbox))) is not None:
+                box_keys.setdefault(n, []).append((minute, figures))
+    gpu_ids = {
+        (host, uuid): pk
+        for uuid, host, pk in Gpu.objects.filter(uuid__in=[u for _, u in gpu_keys]).values_list(
+            "uuid", "host__name", "pk"
+        )
+    }
+    known = set(Sandbox.objects.filter(pk__in=list(box_keys)).values_list("pk", flat=True))
+    # One row per key: an upsert may not touch a row twice (a minute sent twice in a batch).
+    gpu_rows = {
+        (gpu_ids[key], minute): _gpu_row(gpu_ids[key], minute, figures)
+        for key, (minute, figures) in gpu_keys.items()
+        if key in gpu_ids
+    }
+    box_rows = {
+        (n, minute): _sandbox_row(n, minute, figures)
+        for n, minutes in box_keys.items()
+        if n in known
+        for minute, figures in minutes
+    }
+    skipped = len(gpu_keys) - len(gpu_ids) + sum(len(m) for n, m in box_keys.items() if n not in known)
     if skipped:
-        log.info("rollups from %s for %s: %d unknown GPUs or sandboxes skipped", host, minute, skipped)
+        hosts = sorted({host for host, _ in rollups})
+        log.info("rollups from %s: %d unknown GPUs or sandboxes skipped", ", ".join(hosts[:5]), skipped)
     with transaction.atomic():
         GpuRollup.objects.bulk_create(
-            gpu_rows, update_conflicts=True, unique_fields=["gpu", "minute"], update_fields=_GPU_FIELDS
-        )
+            list(gpu_rows.values()), update_conflicts=True, unique_fields=["gpu", "minute"],
+            update_fields=_GPU_FIELDS, batch_size=2000,
+        )  # fmt: skip
         SandboxRollup.objects.bulk_create(
-            box_rows,
-            update_conflicts=True,
-            unique_fields=["sandbox", "minute"],
-            update_fields=_SANDBOX_FIELDS,
-        )
+            list(box_rows.values()), update_conflicts=True, unique_fields=["sandbox", "minute"],
+            update_fields=_SANDBOX_FIELDS, batch_size=2000,
+        )  # fmt: skip
     return len(gpu_rows), len(box_rows)
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from django.test import Client
@@ -18,7 +19,7 @@ def request(
 
 
 def place_all() -> None:
-    schedule_once(now=0)
+    schedule_once(now=time.time())  # as the control worker calls it
 
 
 def client_for(user: Any) -> Client:

@@ -12,7 +12,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from portal.control import tasks
+from portal.control import hosts, tasks
 from portal.control.hosts import mark_lost_hosts
 from portal.fleet.models import Host
 from tests.conftest import seed_host
@@ -61,7 +61,9 @@ def test_an_unknown_host_in_a_round_is_logged_and_the_rest_beat(
     assert not Host.objects.filter(name="nowhere").exists()
 
 
-def test_only_an_agent_holding_old_alert_thresholds_is_sent_them(many: list[str], sent_tasks: Any) -> None:
+def test_only_an_agent_holding_old_alert_thresholds_is_sent_them(
+    many: list[str], sent_tasks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from portal.telemetry.alerts import alert_policy
 
     current = alert_policy()["version"]
@@ -69,3 +71,9 @@ def test_only_an_agent_holding_old_alert_thresholds_is_sent_them(many: list[str]
     round_[5]["alerts_version"] = "old"
     tasks.agent_heartbeats(round_)
     assert [(queue, task) for queue, task, _ in sent_tasks] == [(f"host.{many[5]}", "set_alert_policy")]
+    # Its next beats, before it took them from its queue: not sent again until a minute passed.
+    tasks.agent_heartbeats(round_)
+    assert len(sent_tasks) == 1
+    monkeypatch.setattr(hosts, "POLICY_RESEND_S", 0.0)
+    tasks.agent_heartbeats(round_)
+    assert len(sent_tasks) == 2

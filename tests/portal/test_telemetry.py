@@ -63,18 +63,33 @@ def test_rollups_are_stored_once_and_purged_after_the_retention(sandbox: Any, se
     gpu = sandbox.allocations.get().gpu
     host, other = gpu.host.name, ({"h100", "a100"} - {gpu.host.name}).pop()
     minute = this_minute(2)
-    assert do_store_rollups(host, minute_payload(minute, gpu.uuid, sandbox.pk)) == (1, 1)
+    assert do_store_rollups([(host, minute_payload(minute, gpu.uuid, sandbox.pk))]) == (1, 1)
     # Redelivered, with a later figure: the same rows, rewritten.
-    assert do_store_rollups(host, minute_payload(minute, gpu.uuid, sandbox.pk, temp=70.0)) == (1, 1)
+    assert do_store_rollups([(host, minute_payload(minute, gpu.uuid, sandbox.pk, temp=70.0))]) == (1, 1)
     row = GpuRollup.objects.get()
     assert (row.minute, row.temp_max_c, row.throttled_samples, row.samples) == (minute, 75.0, 3, 60)
     # From another host, the GPU is not its: nothing written.
-    assert do_store_rollups(other, minute_payload(minute, gpu.uuid, 999999)) == (0, 0)
+    assert do_store_rollups([(other, minute_payload(minute, gpu.uuid, 999999))]) == (0, 0)
     settings.TELEMETRY_RETENTION_DAYS = 1
     old = datetime(2020, 1, 1, tzinfo=UTC)
-    do_store_rollups(host, minute_payload(old, gpu.uuid, sandbox.pk))
+    do_store_rollups([(host, minute_payload(old, gpu.uuid, sandbox.pk))])
     assert do_purge_rollups(timezone.now()) == 2
     assert GpuRollup.objects.count() == 1 and SandboxRollup.objects.count() == 1
+
+
+def test_a_round_of_hosts_minutes_is_stored_in_one_transaction(
+    sandbox: Any, django_assert_max_num_queries: Any
+) -> None:
+    """A process serving many hosts sends a minute of every host together: one call, a
+    fixed number of statements, each GPU on its own host only, a minute sent twice once."""
+    gpus = list(Gpu.objects.select_related("host"))
+    minute = this_minute(2)
+    rollups = [(g.host.name, minute_payload(minute, g.uuid, sandbox.pk)) for g in gpus]
+    rollups.append(rollups[0])  # redelivered within the round
+    rollups.append(("elsewhere", minute_payload(minute, gpus[0].uuid, sandbox.pk)))  # not its GPU
+    with django_assert_max_num_queries(8):
+        assert do_store_rollups(rollups) == (len(gpus), 1)
+    assert GpuRollup.objects.count() == len(gpus)
 
 
 def test_an_unmeasured_minute_is_stored_and_served_as_null(people: Any, sandbox: Any) -> None:
@@ -84,7 +99,7 @@ def test_an_unmeasured_minute_is_stored_and_served_as_null(people: Any, sandbox:
     payload = minute_payload(this_minute(1), gpu.uuid, sandbox.pk)
     payload["gpus"][gpu.uuid]["util_pct"] = None
     payload["sandboxes"][str(sandbox.pk)]["util_pct"] = None
-    assert do_store_rollups(gpu.host.name, payload) == (1, 1)
+    assert do_store_rollups([(gpu.host.name, payload)]) == (1, 1)
     row = GpuRollup.objects.get()
     assert (row.util_min_pct, row.util_mean_pct, row.util_max_pct, row.temp_mean_c) == (
         None,
@@ -102,7 +117,7 @@ def test_an_ended_sandboxs_history_is_its_last_hour_not_the_clocks(people: Any, 
     end (the page's chart asked for the last 60 minutes of today and drew nothing)."""
     gpu = sandbox.allocations.get().gpu
     for back in (26 * 60, 24 * 60 + 50, 24 * 60 + 5):
-        do_store_rollups(gpu.host.name, minute_payload(this_minute(back), gpu.uuid, sandbox.pk))
+        do_store_rollups([(gpu.host.name, minute_payload(this_minute(back), gpu.uuid, sandbox.pk))])
     Sandbox.objects.filter(pk=sandbox.pk).update(state="stopped", ended_at=this_minute(24 * 60))
     member = client_for(people["member"])
     history = member.get(f"/telemetry/sandboxes/{sandbox.pk}/history/?minutes=60").json()
@@ -113,7 +128,7 @@ def test_history_endpoints_follow_the_streams_permissions(people: Any, sandbox: 
     gpu = sandbox.allocations.get().gpu
     for back in (3, 2, 1):
         do_store_rollups(
-            gpu.host.name, minute_payload(this_minute(back), gpu.uuid, sandbox.pk, temp=50.0 + back)
+            [(gpu.host.name, minute_payload(this_minute(back), gpu.uuid, sandbox.pk, temp=50.0 + back))]
         )
     # Running since 4 minutes ago: the chart's cost at each minute's end is billing's, from
     # the ledger (the agents send none).

@@ -78,6 +78,18 @@ def test_the_head_gets_a_reservation_at_the_first_time_it_fits() -> None:
     assert "a is reserved for it from 1970-01-01 00:16 UTC" in decisions[1].reason
 
 
+def test_a_head_that_could_start_only_beyond_the_backfill_window_holds_nothing_back() -> None:
+    """GPU-a-0 frees at 1000 s: inside a 1000 s window the head reserves it, inside 999 s
+    it does not, and a later request may take what it would have held."""
+    queue = [req(1, gpu_count=2), req(2, at=1)]
+    assert kinds(run_cycle(staggered(), queue, POLICY, now=0.0, backfill_window_s=1000)) == [
+        "Reserve", "Pending", "Pending",
+    ]  # fmt: skip
+    decisions = run_cycle(staggered(), queue, POLICY, now=0.0, backfill_window_s=999)
+    assert kinds(decisions) == ["Pending", "Place"]
+    assert "reserved" not in decisions[0].reason  # type: ignore[union-attr]
+
+
 def test_backfill_runs_only_what_ends_before_the_reservation() -> None:
     short = req(2, at=1, max_duration_s=600)  # ends at 600, before 1000: may use GPU-a-3
     decisions = run_cycle(staggered(), [req(1, gpu_count=2), short], POLICY, now=0.0)

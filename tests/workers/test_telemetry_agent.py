@@ -209,9 +209,13 @@ def test_a_tick_streams_rolls_up_raises_and_stores(
     clock = {"now": 60_000}
     monkeypatch.setattr(sampler_module, "now_ms", lambda: clock["now"])
 
+    closed: list[dict[str, Any]] = []
+
     async def ticks(n: int) -> None:
         client = AsyncRedis.from_url(settings.REDIS_URL)
         for tick in range(n):
+            if (minute := agent.sampler.close_minute()) is not None:
+                closed.append(minute)
             await agent.sampler.publish_all(layer, tick, client)
             clock["now"] += 1000
         await client.aclose()
@@ -232,10 +236,10 @@ def test_a_tick_streams_rolls_up_raises_and_stores(
     [(_q, _t, (host, changes))] = [t for t in sent_tasks if t[1] == "telemetry_alerts"]
     assert host == "h" and len(changes) == 2
     assert any(g == "sandbox.7" and m["type"] == "alert.changed" for g, m in layer.sent)
-    # Crossing into the next minute sends the closed minute's rollups.
+    # Crossing into the next minute closes the minute's rollups, for the caller to send.
     clock["now"] = 120_500
     asyncio.run(ticks(1))
-    [(_q, _t, (host, payload))] = [t for t in sent_tasks if t[1] == "telemetry_rollups"]
+    [payload] = closed
     assert payload["minute"] == 60 and set(payload["gpus"]) == {plain.uuid, mig_gpu.uuid}
     assert payload["gpus"][plain.uuid]["samples"] == 12 and set(payload["sandboxes"]) == {"7", "8"}
     stored = read_latest(latest)

@@ -82,18 +82,25 @@ class Sampler:
                 except Exception:  # the broker refused it: the next beat tries again
                     log.exception("heartbeat not sent")
             try:
+                closed = self.close_minute()
+                if closed is not None:
+                    await asyncio.to_thread(
+                        dispatch.to_control, "telemetry_host_rollups", [(self.host, closed)]
+                    )
                 await self.publish_all(layer, tick, latest)
             except Exception:  # a bug must not stop the stream for good
                 log.exception("sampling failed")
             tick += 1
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
+    def close_minute(self) -> dict[str, Any] | None:
+        """Before each tick's samples: the minute of rollups that ended, if one did, for the
+        caller to send (a process serving many hosts sends a round of them together)."""
+        return self.rollups.roll(now_ms())
+
     async def publish_all(self, layer: Any, tick: int, latest: Any) -> None:
         running = self.sandboxes.specs()
         t_ms = now_ms()
-        closed = self.rollups.roll(t_ms)
-        if closed is not None:
-            await asyncio.to_thread(dispatch.to_control, "telemetry_rollups", self.host, closed)
         parent_of = self.inventory.parent_of()
         # Every GPU and every sandbox's device, each once (a dedicated sandbox's device is
         # its GPU), each on its own: a lost GPU stops neither the others nor the fault
