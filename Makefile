@@ -17,7 +17,7 @@ VM_INITRD ?= $(VM_IMAGES)/initramfs.cpio.gz
 # The VMs run under TCG, as in CI; auto picks KVM where /dev/kvm can run guests.
 LIBVIRT_DOMAIN_TYPE ?= qemu
 
-.PHONY: run test setup-test lint bench install install-libvirt frontend image clean
+.PHONY: run test setup-test lint bench twin install install-libvirt frontend image clean
 
 install: $(VENV)/.installed
 
@@ -61,6 +61,19 @@ test: setup-test
 	CI=$${CI:-true} TEST_DATABASE_URL=$(TEST_DATABASE_URL) TEST_REDIS_URL=$(TEST_REDIS_URL) \
 		GPUSHARE_VAR_DIR=$(TEST_VAR_DIR) VM_KERNEL=$(VM_KERNEL) VM_INITRD=$(VM_INITRD) \
 		LIBVIRT_DOMAIN_TYPE=$(LIBVIRT_DOMAIN_TYPE) bash scripts/run-tests.sh $(PYTEST_ARGS)
+
+# The openb cluster live (portal/twin): 1,213 simulated hosts on PostgreSQL and Redis, the
+# trace's pods requested as sandboxes. Drops and creates TWIN_DATABASE_URL's database (its
+# name must say "twin") and empties TWIN_REDIS_URL's Redis database. TWIN_ARGS: e.g.
+# --no-departures --projects 1 (the comparison with the replay), or --days 7 --speed 336.
+TWIN_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/gpushare_twin
+TWIN_REDIS_URL ?= redis://127.0.0.1:6379/12
+TWIN_OUT ?= var/twin
+TWIN_ARGS ?= --days 7 --speed 336
+twin: install
+	DATABASE_URL=$(TWIN_DATABASE_URL) REDIS_URL=$(TWIN_REDIS_URL) GPUSHARE_VAR_DIR=$(TWIN_OUT)/var \
+		SECRET_KEY=$$($(PY) -c 'import secrets; print(secrets.token_urlsafe(64))') \
+		$(PY) manage.py twin --out $(TWIN_OUT) $(TWIN_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -32,7 +32,7 @@ LOG_LEVEL = (os.environ.get("LOG_LEVEL") or "warning").upper()
 DEBUG_LOGS = LOG_LEVEL == "DEBUG"
 
 
-def _celery(*args: str) -> list[str]:
+def celery_command(*args: str) -> list[str]:
     quiet = [] if DEBUG_LOGS else ["--quiet"]  # no start-up banner with its task list
     # The agents run as root where the process driver gives each sandbox its own uid: Celery's
     # warning about root, once per process, says nothing the operator can act on here.
@@ -139,16 +139,18 @@ def commands(
         ),
         (
             "control",
-            _celery("worker", "-Q", "control", "-n", "control@%h", "-P", "threads", "-c", "4"),
+            celery_command("worker", "-Q", "control", "-n", "control@%h", "-P", "threads", "-c", "4"),
             {"GPUSHARE_ROLE": "control"},
         ),
-        ("beat", _celery("beat", "-s", str(var / "celerybeat-schedule")), {"GPUSHARE_ROLE": "beat"}),
+        ("beat", celery_command("beat", "-s", str(var / "celerybeat-schedule")), {"GPUSHARE_ROLE": "beat"}),
     ]
     for name in agents:
         procs.append(
             (
                 f"agent:{name}",
-                _celery("worker", "-Q", f"host.{name}", "-n", f"agent-{name}@%h", "-P", "threads", "-c", "4"),
+                celery_command(
+                    "worker", "-Q", f"host.{name}", "-n", f"agent-{name}@%h", "-P", "threads", "-c", "4"
+                ),
                 {
                     "GPUSHARE_ROLE": "agent",
                     "GPUSHARE_HOST": name,

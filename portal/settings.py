@@ -67,6 +67,7 @@ INSTALLED_APPS = [
     "portal.webhooks",
     "portal.telemetry",
     "portal.console",
+    "portal.twin",
 ]
 
 MIDDLEWARE = [

@@ -185,6 +185,23 @@ def replay_live(
     return recorder.result
 
 
+def result_of_placements(workload: Workload, placed: list[tuple[str, tuple[int, ...], int]]) -> ReplayResult:
+    """The result of placements made elsewhere (the twin reads them from the portal's
+    database): per pod of ``workload``, in order, its node's name ("" when none took it),
+    its GPU indices and the milli-GPU it was granted in all. No fragmentation curve."""
+    index = {node.name: n for n, node in enumerate(workload.nodes)}
+    result = ReplayResult(workload)
+    arrived = used = 0
+    for pod, (node, gpus, milli) in zip(workload.pods, placed, strict=True):
+        arrived += pod.total_gpu_milli
+        used += milli
+        result.node.append(index[node] if node else -1)
+        result.gpus.append(gpus)
+        result.arrived_milli.append(arrived)
+        result.used_milli.append(used)
+    return result
+
+
 def _batches(pods: list[PodSpec], size: int) -> Iterator[tuple[int, list[PodSpec]]]:
     for first in range(0, len(pods), size):
         yield first, pods[first : first + size]

@@ -153,6 +153,11 @@ def write_outputs(result: ReplayResult, out: Path) -> None:
             result.arrived_milli, result.used_milli, result.frag_milli, strict=True
         ):
             writer.writerow([repr(result.pct(arrived)), repr(result.pct(used)), repr(100 * frag / capacity)])
+    write_placements(result, out)
+
+
+def write_placements(result: ReplayResult, out: Path) -> None:
+    """DIR/placements.csv: where each pod went (the twin writes its own the same way)."""
     nodes = result.workload.nodes
     with (out / "placements.csv").open("w", newline="") as f:
         writer = csv.writer(f)

@@ -153,3 +153,13 @@ def tune_pods(
         while total > target:
             total -= pods.pop(rng.randrange(len(pods))).total_gpu_milli
     return pods
+
+
+def load_pod_times(path: Path) -> dict[str, tuple[int, int]]:
+    """Each pod's creation and deletion time (trace seconds), by name: what a replay with
+    departures needs and the paper's protocol ignores."""
+    with path.open(newline="") as f:
+        return {
+            row["name"]: (int(row["creation_time"] or 0), int(row["deletion_time"] or 0))
+            for row in csv.DictReader(f)
+        }

@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class TwinConfig(AppConfig):
+    name = "portal.twin"
+    label = "twin"
+    verbose_name = "Trace twin"
