@@ -17,6 +17,22 @@ def _mig_profiles() -> list[tuple[str, str]]:
     return [(n, n) for n in names]
 
 
+class FleetFilterForm(forms.Form):
+    """The fleet page's search: hosts by name, by GPU model, by their state or their GPUs'.
+    A model or GPU state filter shows only the GPUs that match, on the hosts that have one."""
+
+    q = forms.CharField(required=False, max_length=63, label="Host", strip=True)
+    model = forms.ChoiceField(required=False, label="GPU model")
+    state = forms.ChoiceField(required=False, choices=[("", "any"), *Host.State.choices], label="Host state")
+    gpu_state = forms.ChoiceField(
+        required=False, choices=[("", "any"), *Gpu.State.choices], label="GPU state"
+    )
+
+    def __init__(self, *args: Any, models: list[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["model"].choices = [("", "any"), *((m, m) for m in models)]  # type: ignore[attr-defined]
+
+
 class MigRelayoutForm(forms.Form):
     host = forms.ModelChoiceField(
         queryset=Host.objects.none(), to_field_name="name", help_text="A host with GPUs in MIG mode."

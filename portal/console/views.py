@@ -7,9 +7,10 @@ import time
 from django import forms
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
+from django.core.paginator import Paginator
 from django.db import models
 from django.db.models import Count, Prefetch, Q
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
@@ -18,6 +19,7 @@ from portal.audit.models import AuditEntry
 from portal.catalog.models import PriorityClass, SandboxImage, Tier
 from portal.console.forms import (
     ConsolidationForm,
+    FleetFilterForm,
     GpuModeForm,
     ImageForm,
     MigRelayoutForm,
@@ -46,29 +48,59 @@ def fleet(request: HttpRequest) -> HttpResponse:
     return _fleet_page(request)
 
 
+HOSTS_PER_PAGE = 25  # the page's size stays the same at two hosts or the openb cluster's 1,213
+
+
 def _fleet_page(request: HttpRequest, refused: tuple[str, GpuModeForm] | None = None) -> HttpResponse:
-    """The fleet page; ``refused``: a GPU's mode form sent back with its error (400)."""
-    gpus = Gpu.objects.prefetch_related("mig_instances").annotate(
+    """The fleet page, a page of hosts at a time, searched and filtered (``FleetFilterForm``);
+    ``refused``: a GPU's mode form sent back with its error (400), on its host's page."""
+    models = list(Gpu.objects.order_by("model").values_list("model", flat=True).distinct())
+    query = request.GET.copy()
+    if refused is not None:
+        query = QueryDict(mutable=True)
+        query["q"] = Gpu.objects.values_list("host__name", flat=True).get(uuid=refused[0])
+    search = FleetFilterForm(query, models=models)
+    bad_search = not search.is_valid()
+    wanted = {} if bad_search else search.cleaned_data
+    hosts = Host.objects.order_by("name")
+    gpus = Gpu.objects.order_by("index")
+    if wanted.get("q"):
+        hosts = hosts.filter(name__icontains=wanted["q"])
+    if wanted.get("state"):
+        hosts = hosts.filter(state=wanted["state"])
+    for field in ("model", "gpu_state"):
+        if wanted.get(field):
+            column = {"model": "model", "gpu_state": "state"}[field]
+            gpus = gpus.filter(**{column: wanted[field]})
+            hosts = hosts.filter(**{f"gpus__{column}": wanted[field]})
+    gpus = gpus.prefetch_related("mig_instances").annotate(
         live_allocations=Count("allocations", filter=Q(allocations__active=True))
     )
-    hosts = Host.objects.prefetch_related(Prefetch("gpus", queryset=gpus))
-    live = list(Allocation.objects.filter(active=True).select_related("sandbox__owner"))
+    shown = Prefetch("gpus", queryset=gpus, to_attr="shown_gpus")
+    page = Paginator(hosts.distinct().prefetch_related(shown), HOSTS_PER_PAGE).get_page(
+        request.GET.get("page")
+    )
+    hosts_list = list(page.object_list)
+    live = list(
+        Allocation.objects.filter(active=True, gpu__host__in=hosts_list).select_related("sandbox__owner")
+    )
     # What each MIG instance and GPU holds, for the layout drawings and the modes now.
     in_instance = {a.mig_instance_id: a.sandbox for a in live if a.mig_instance_id is not None}
     held: dict[int, list[Allocation]] = {}
     for alloc in live:
         held.setdefault(alloc.gpu_id, []).append(alloc)
-    hosts_list = list(hosts)
     for host in hosts_list:
-        for gpu in host.gpus.all():
+        for gpu in host.shown_gpus:
             gpu.host = host  # its form names it: no query per GPU for its host
             form = refused[1] if refused is not None and refused[0] == gpu.uuid else None
             _describe_gpu(gpu, held.get(gpu.pk, []), in_instance, form)
+    kept = query.copy()
+    kept.pop("page", None)
     return render(
         request,
         "console/fleet.html",
-        {"hosts": hosts_list},
-        status=400 if refused is not None else 200,
+        {"hosts": hosts_list, "page": page, "search": search, "kept_query": kept.urlencode()},
+        status=400 if refused is not None or bad_search else 200,
     )
 
 
