@@ -30,6 +30,14 @@ def _mean_peak(field: str) -> Callable[[Summary], str]:
     return lambda run: f"{_mean(run, field):.2f} / {_peak(run, field):.2f}"
 
 
+def _plans(run: Summary) -> str:
+    plans = run.get("plans")
+    if plans is None:
+        return "not counted"
+    mig, consolidation = (sum(plans[kind].values()) for kind in ("mig_relayout", "consolidation"))
+    return f"{mig} / {consolidation} ({plans['gpus_freed_by_consolidation']})"
+
+
 def _wait(klass: str) -> Callable[[Summary], str]:
     def cell(run: Summary) -> str:
         wall = run["queue_wait"][klass]["wall_s"]
@@ -51,6 +59,7 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("Redis operations per second, mean", lambda r: f"{_mean(r, 'redis_ops_per_s'):,.0f}"),
     ("database growth per trace day (MiB)", lambda r: f"{r['database_mib_per_trace_day']:.1f}"),
     ("placements failing the feasibility check", lambda r: f"{len(r['feasibility_problems'])}"),
+    ("plans run: MIG re-layouts / consolidations (GPUs freed)", _plans),
     *((f"queue wait, {k}: p50 / p95 / p99 (wall s; requests)", _wait(k)) for k in CLASSES),
 ]  # fmt: skip
 

@@ -35,7 +35,9 @@ class Sample:
     host_queues: int  # messages waiting in all hosts' queues together
     control_cores: float  # CPU the control worker used over the interval, in cores
     agents_cores: float
-    heartbeat_age_p99_s: float  # now - last applied heartbeat, over the hosts that are up
+    # now - the last heartbeat applied, over the hosts that are up: a sawtooth between the
+    # processing lag and the beat interval plus it, whose phase the sampling clock picks.
+    heartbeat_age_p99_s: float
     redis_ops_per_s: float
     database_mib: float
 

@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from portal.fleet.models import FleetPlan
 from portal.sandboxes.models import Allocation, Sandbox
 from portal.sandboxes.snapshot import HOLDING
 from scheduler.research.trace import NodeSpec
@@ -60,6 +61,20 @@ def feasibility_problems(nodes: list[NodeSpec]) -> list[str]:
         if MILLI in grants and len(grants) > 1:
             problems.append(f"{host} GPU #{index}: a whole-GPU grant shared ({grants})")
     return problems
+
+
+def plans_run() -> dict[str, Any]:
+    """Defragmentation plans the run saw, by kind and state, and the GPUs the finished
+    consolidations freed. MIG re-layouts start on their own for a MIG request no instance
+    fits; consolidations are an admin's to start (the twin starts none)."""
+    out: dict[str, Any] = {kind: {} for kind in FleetPlan.Kind.values}
+    freed = 0
+    for kind, state, plan in FleetPlan.objects.values_list("kind", "state", "plan"):
+        out[kind][state] = out[kind].get(state, 0) + 1
+        if kind == FleetPlan.Kind.CONSOLIDATION and state == FleetPlan.State.DONE:
+            freed += len(plan.get("frees", []))
+    out["gpus_freed_by_consolidation"] = freed
+    return out
 
 
 def percentile(values: list[float], q: float) -> float | None:

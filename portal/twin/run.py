@@ -172,6 +172,7 @@ def run_without_departures(options: TwinOptions) -> dict[str, Any]:
         summary["batches"] = report.spread(batch_s)
         placed = arrivals.placements(ids)
         summary["feasibility_problems"] = report.feasibility_problems(workload.nodes)
+        summary["plans"] = report.plans_run()
         time.sleep(10)  # the launches' last reports, and a last sample
         summary.update(twin.control_figures())
     summary["samples"] = twin.monitor.rows()
