@@ -38,6 +38,11 @@ def _plans(run: Summary) -> str:
     return f"{mig} / {consolidation} ({plans['gpus_freed_by_consolidation']})"
 
 
+def _rollups(run: Summary) -> str:
+    kept = run.get("rollups")
+    return "not counted" if kept is None else f"{kept['minutes']}, {kept['complete']}"
+
+
 def _wait(klass: str) -> Callable[[Summary], str]:
     def cell(run: Summary) -> str:
         wall = run["queue_wait"][klass]["wall_s"]
@@ -60,6 +65,7 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("database growth per trace day (MiB)", lambda r: f"{r['database_mib_per_trace_day']:.1f}"),
     ("placements failing the feasibility check", lambda r: f"{len(r['feasibility_problems'])}"),
     ("plans run: MIG re-layouts / consolidations (GPUs freed)", _plans),
+    ("minutes of rollups stored, with every GPU", _rollups),
     *((f"queue wait, {k}: p50 / p95 / p99 (wall s; requests)", _wait(k)) for k in CLASSES),
 ]  # fmt: skip
 

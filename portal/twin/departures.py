@@ -86,6 +86,7 @@ def run_with_departures(options: DepartureOptions) -> dict[str, Any]:
         ids, withdrawn = _play(twin, pods, times, events, options.speed)
         summary["feasibility_problems"] = report.feasibility_problems(nodes)
         summary["plans"] = report.plans_run()
+        summary["rollups"] = report.rollups_kept(twin.gpus)
         summary.update(twin.control_figures())
         database_growth = database_bytes() - database_before
     summary["database_mib_per_trace_day"] = round(database_growth / 2**20 / options.days, 2)

@@ -13,9 +13,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from django.db.models import Count
+
 from portal.fleet.models import FleetPlan
 from portal.sandboxes.models import Allocation, Sandbox
 from portal.sandboxes.snapshot import HOLDING
+from portal.telemetry.models import GpuRollup
 from scheduler.research.trace import NodeSpec
 
 MILLI = 1000
@@ -75,6 +78,15 @@ def plans_run() -> dict[str, Any]:
             freed += len(plan.get("frees", []))
     out["gpus_freed_by_consolidation"] = freed
     return out
+
+
+def rollups_kept(gpus: int) -> dict[str, int]:
+    """Minutes of GPU rollups stored, and how many of them hold every GPU of the fleet (the
+    first and the last are partial: the run began and ended within them)."""
+    per_minute = list(
+        GpuRollup.objects.values("minute").annotate(n=Count("pk")).order_by().values_list("n", flat=True)
+    )
+    return {"minutes": len(per_minute), "complete": sum(1 for n in per_minute if n >= gpus)}
 
 
 def percentile(values: list[float], q: float) -> float | None:

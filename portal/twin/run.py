@@ -173,6 +173,7 @@ def run_without_departures(options: TwinOptions) -> dict[str, Any]:
         placed = arrivals.placements(ids)
         summary["feasibility_problems"] = report.feasibility_problems(workload.nodes)
         summary["plans"] = report.plans_run()
+        summary["rollups"] = report.rollups_kept(twin.gpus)
         time.sleep(10)  # the launches' last reports, and a last sample
         summary.update(twin.control_figures())
     summary["samples"] = twin.monitor.rows()
