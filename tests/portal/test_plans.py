@@ -28,7 +28,7 @@ from portal.control.plans import (
 from portal.control.reconcile import do_reconcile_host
 from portal.fleet.inventory import do_sync_inventory
 from portal.fleet.models import FleetPlan, Gpu, Host, MigInstance
-from portal.sandboxes import actions
+from portal.sandboxes import actions, nudge
 from portal.sandboxes.models import Allocation, Sandbox
 from portal.sandboxes.snapshot import build_snapshot
 from scheduler.cluster import DeviceGrant
@@ -119,7 +119,8 @@ def run_on(
     if grant.kind == "mps":
         kw.update(mps_memory_mib=grant.mps_memory_mib, mps_thread_pct=grant.mps_thread_pct)
     sandbox = request(people["owner"], people["project"], tier, catalog["image"], **kw)
-    sent.clear()  # the cycle's nudge: this sandbox is placed by hand
+    sent.clear()  # the cycle asked for: this sandbox is placed by hand instead
+    nudge.cycle_begins()  # as that cycle would have, so later changes ask again
     host = Gpu.objects.get(uuid=grant.gpu_uuid).host.name
     assert actions.do_place(sandbox.pk, host, (grant,))
     pump(sent, agents)
