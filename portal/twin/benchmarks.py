@@ -43,6 +43,10 @@ def _rollups(run: Summary) -> str:
     return "not counted" if kept is None else f"{kept['minutes']}, {kept['complete']}"
 
 
+def _withdrawn(run: Summary) -> str:
+    return f"{run['withdrawn_while_waiting']} ({run.get('pods_living_less_than_a_cycle', 'not counted')})"
+
+
 def _wait(klass: str) -> Callable[[Summary], str]:
     def cell(run: Summary) -> str:
         wall = run["queue_wait"][klass]["wall_s"]
@@ -66,6 +70,7 @@ ROWS: list[tuple[str, Callable[[Summary], str]]] = [
     ("placements failing the feasibility check", lambda r: f"{len(r['feasibility_problems'])}"),
     ("plans run: MIG re-layouts / consolidations (GPUs freed)", _plans),
     ("minutes of rollups stored, with every GPU", _rollups),
+    ("pods withdrawn while waiting (pods living less than a cycle)", _withdrawn),
     *((f"queue wait, {k}: p50 / p95 / p99 (wall s; requests)", _wait(k)) for k in CLASSES),
 ]  # fmt: skip
 

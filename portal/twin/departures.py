@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
+
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
 from portal.twin import arrivals, report
@@ -91,8 +93,21 @@ def run_with_departures(options: DepartureOptions) -> dict[str, Any]:
         database_growth = database_bytes() - database_before
     summary["database_mib_per_trace_day"] = round(database_growth / 2**20 / options.days, 2)
     summary["samples"] = twin.monitor.rows()
-    summary["queue_wait"] = _waits(ids, pods, options.speed)
+    running_at_start = {i for i in window if times[pods[i].name][0] < start_s}
+    summary["queue_wait"] = _waits(
+        {k: i for k, i in ids.items() if i not in running_at_start}, pods, options.speed
+    )
+    # Already running when the window opens: requested together before the run's first cycle.
+    summary["queue_wait_of_those_running_at_start"] = _waits(
+        {k: i for k, i in ids.items() if i in running_at_start}, pods, options.speed
+    )
     summary["withdrawn_while_waiting"] = len(withdrawn)
+    # At this speed a cycle every CYCLE_INTERVAL_S wall seconds is this many trace seconds:
+    # a pod deleted sooner is often withdrawn before any cycle saw it.
+    cycle_trace_s = settings.CYCLE_INTERVAL_S * options.speed
+    summary["pods_living_less_than_a_cycle"] = sum(
+        1 for i in window if times[pods[i].name][1] - times[pods[i].name][0] < cycle_trace_s
+    )
     report.write_summary(options.out, summary)
     return summary
 
