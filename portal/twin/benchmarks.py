@@ -90,6 +90,23 @@ def _timed(runs: dict[str, Summary]) -> list[str]:
         "|---|" + "---:|" * len(runs),
     ]
     lines += [f"| {name} | " + " | ".join(cell(r) for r in runs.values()) + " |" for name, cell in ROWS]
+    lines.append("")
+    for label, run in runs.items():
+        before = run.get("heartbeat_lag_s_before_the_run")
+        if before is None:
+            lines.append(
+                f"*{label}*: run before the twin told the fleet's cold start apart, so its heartbeat lag "
+                "includes the first beats, held back while the control worker stored every host's first "
+                "inventory; "
+                "its queue waits include the pods already running when the window opened, requested "
+                "together before the first cycle."
+            )
+        elif before["count"]:
+            lines.append(
+                f"*{label}*: before the run, while the fleet came up, {before['count']} heartbeat messages "
+                f"waited behind the first inventories, up to {before['max']:.1f} s (a cold start; no host "
+                "was lost)."
+            )
     return [*lines, ""]
 
 
