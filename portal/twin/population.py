@@ -26,6 +26,9 @@ from scheduler.research.trace import NodeSpec, PodSpec
 
 # Fair-share weights of the projects, in turn: a few big teams, more small ones.
 WEIGHTS = (4.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+# As many GPUs as the request form takes: a pod larger than every node is still asked for,
+# and waits, as the replay counts it failed.
+MAX_GPUS = 8
 USERS_PER_PROJECT = 4
 # The longest request the twin's tiers allow, and what every request asks for when the twin
 # runs without departures: beyond the backfill window, so nothing is reserved for a head
@@ -112,7 +115,7 @@ def populate(
             name=f"twin {mode} {cpu_milli}m {memory_mib} MiB", slug=f"twin-{mode}-{cpu_milli}-{memory_mib}",
             sharing_mode={CPU_ONLY: SharingMode.CPU}.get(mode, mode), isolation_levels=["container"],
             price_per_gpu_hour_micros=1_000_000, priority_class=priority, max_duration=LONGEST,
-            max_gpus=max(n.gpus for n in nodes), cpu_limit=cpu_milli / 1000, memory_limit_mib=memory_mib,
+            max_gpus=MAX_GPUS, cpu_limit=cpu_milli / 1000, memory_limit_mib=memory_mib,
         )  # fmt: skip
     smallest = min(gpu_memory_mib[n.model] for n in nodes if n.gpus)
     return Population(projects, users, image, tiers, smallest)
