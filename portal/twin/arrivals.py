@@ -80,9 +80,8 @@ def give_up_waiting(ids: list[int], population: Population, reason: str) -> list
     waiting = list(
         Sandbox.objects.filter(pk__in=ids, state=SandboxState.QUEUED).values_list("pk", "owner_id")
     )
-    owners = {u.pk: u for u in population.users}
     for sandbox_id, owner_id in waiting:
-        actions.do_request_stop(sandbox_id, owners[owner_id], reason)
+        actions.do_request_stop(sandbox_id, population.owner(owner_id), reason)
     return [sandbox_id for sandbox_id, _ in waiting]
 
 

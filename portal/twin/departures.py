@@ -175,10 +175,9 @@ def _depart(twin: Twin, sandbox_id: int | None) -> list[int]:
     """Stop the pod's sandbox as its owner; returns it if it was still waiting."""
     if sandbox_id is None:
         return []
-    waiting = Sandbox.objects.filter(pk=sandbox_id, state="queued").exists()
-    owner = Sandbox.objects.values_list("owner_id", flat=True).get(pk=sandbox_id)
-    user = next(u for u in twin.population.users if u.pk == owner)
-    actions.do_request_stop(sandbox_id, user, "the trace's pod was deleted")
+    state, owner = Sandbox.objects.values_list("state", "owner_id").get(pk=sandbox_id)
+    waiting = state == "queued"
+    actions.do_request_stop(sandbox_id, twin.population.owner(owner), "the trace's pod was deleted")
     return [sandbox_id] if waiting else []
 
 

@@ -11,6 +11,7 @@ memory figure), which never binds before the thread share does on any GPU of the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -36,13 +37,21 @@ USERS_PER_PROJECT = 4
 LONGEST = timedelta(days=30)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Population:
     projects: list[Project]
     users: list[Any]  # users[i] is a member of projects[i % len(projects)]
     image: SandboxImage
     tiers: dict[tuple[str, int, int], Tier]
     smallest_gpu_mib: int
+
+    def owner(self, user_id: int) -> Any:
+        """The user whose id a sandbox row names (an owner stops their own sandbox)."""
+        return self.users[self._index[user_id]]
+
+    @functools.cached_property
+    def _index(self) -> dict[int, int]:
+        return {user.pk: i for i, user in enumerate(self.users)}
 
     def member(self, seq: int) -> tuple[Any, Project]:
         """Who asks for the trace's ``seq``-th pod, and for which of their projects."""
