@@ -109,8 +109,8 @@ _H100_80GB = GpuModel(
     max_sm_clock_mhz=1980,
     mig_profiles=_mig_table(
         ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
-        # nvidia-smi mig -lgip on an H100 80GB HBM3: 9.75, 19.62, 39.50, 79.25 GiB
-        (9984, 20090, 40448, 81152),
+        # NVML memorySizeMB on an H100 80GB HBM3 (driver 580.159.04, read on a lent H100)
+        (9984, 20096, 40448, 81152),
         (16, 26, 32, 60, 64, 132),
     ),
 )
@@ -132,7 +132,7 @@ _H100_PCIE = GpuModel(
     max_sm_clock_mhz=1755,
     mig_profiles=_mig_table(
         ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
-        (9984, 20090, 40448, 81152),
+        (9984, 20096, 40448, 81152),
         (14, 14, 28, 42, 56, 114),
     ),
     note="H100 PCIe 80GB (HBM2e, 114 SMs); MIG SM counts estimated (7 GPCs of 14-16 SMs).",

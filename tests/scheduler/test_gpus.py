@@ -80,10 +80,11 @@ def test_sizes_spot_checks() -> None:
     assert h200.profile("3g.71gb").memory_mib == int(69.5 * 1024)
     assert CATALOG["A100-40GB"].profile("1g.5gb").memory_mib == 4864  # 4.75 GiB in the guide
     assert [p.sm_count for p in CATALOG["A100-80GB"].mig_profiles] == [14, 14, 14, 28, 42, 56, 98]
-    # Guards review §2.4: nvidia-smi mig -lgip on an H100 80GB HBM3 (the table was 128-256 MiB low).
+    # Guards review §2.4 (the table was 128-256 MiB low): NVML's memorySizeMB on a lent H100
+    # 80GB HBM3. 1g.20gb is 20096 MiB, not the 20090 that nvidia-smi's rounded 19.62 GiB gave.
     assert [h100.profile(n).memory_mib for n in ("1g.10gb", "1g.20gb", "3g.40gb", "7g.80gb")] == [
         9984,
-        20090,
+        20096,
         40448,
         81152,
     ]

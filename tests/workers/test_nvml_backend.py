@@ -399,7 +399,7 @@ def test_h100_mig_inventory(fake: FakeNvml, h100_mig: NvmlBackend) -> None:
         for m in h100.mig_devices
     ]
     assert got == [  # memory as NVML's profile info states it (memorySizeMB)
-        ("2g.20gb", 0, 2, 20090, 3, 0),
+        ("2g.20gb", 0, 2, 20096, 3, 0),
         ("1g.10gb", 2, 1, 9984, 9, 0),
         ("1g.10gb", 3, 1, 9984, 10, 0),
         ("3g.40gb", 4, 4, 40448, 2, 0),
@@ -439,7 +439,7 @@ def test_h100_create_and_destroy(fake: FakeNvml, h100_mig: NvmlBackend) -> None:
     made = h100_mig.create_mig(H100_UUID, "1g.20gb", 2)
     ((dev, profile_id, placement),) = fake.called("nvmlDeviceCreateGpuInstanceWithPlacement")
     assert (dev, profile_id, placement._obj.start, placement._obj.size) == (fake.h100, 15, 2, 2)
-    assert (made.profile, made.start, made.memory_mib, made.parent_uuid) == ("1g.20gb", 2, 20090, H100_UUID)
+    assert (made.profile, made.start, made.memory_mib, made.parent_uuid) == ("1g.20gb", 2, 20096, H100_UUID)
     with pytest.raises(GpuBackendError, match=r"1g\.10gb@4 overlaps 3g\.40gb@4"):
         h100_mig.create_mig(H100_UUID, "1g.10gb", 4)
 
