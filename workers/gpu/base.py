@@ -122,7 +122,10 @@ class GpuBackend(Protocol):
 
     def destroy_mig(self, uuid: str, mig_uuid: str) -> None: ...
 
-    def fault_events(self) -> list[FaultEvent]: ...
+    def health_events(self) -> list[FaultEvent]:
+        """The device faults (XIDs, ECC, a lost GPU) since the last call: DESIGN's seam name, which
+        outside checks (../shared/gpu-checks) call."""
+        ...
 
     def note_load(self, owner: str, device_uuids: list[str], mem_mib: int, util_pct: float) -> None:
         """Tell the backend a sandbox now runs on these devices (real GPUs ignore this)."""
