@@ -382,10 +382,10 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
-    # One line per sandbox transition (portal.sandboxes.actions) whatever the level, unless
+    # One line per sandbox transition (portal.sandboxes.transitions) whatever the level, unless
     # only errors are wanted: what an operator follows in `make run`'s terminal.
     "loggers": {
-        "portal.sandboxes.actions": {"level": _TRANSITIONS_LEVEL},
+        "portal.sandboxes.transitions": {"level": _TRANSITIONS_LEVEL},
         # Django's default config gives "django" a handler of its own when DEBUG: every
         # request warning would print twice, once bare.
         "django": {"handlers": [], "propagate": True},

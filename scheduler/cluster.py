@@ -195,6 +195,10 @@ class Running:
     ends_at: float | None = None  # start + max duration; None when unbounded
     preemptible: bool = False
     borrowed: bool = False  # placed over its project's guarantee: reclaimable
+    # Before this time (its start + its tier's minimum runtime) nothing preempts it, neither
+    # a higher priority nor a reclaim.
+    preemptible_at: float = 0.0
+    warning_s: float = 0.0  # a preemption warns it this long before its stop (its tier's grace)
     cpu_milli: int = 0
     memory_mib: int = 0
 

@@ -301,7 +301,7 @@ class _Cycle:
         # Preempting what holds the head's devices would hand them to a request behind it.
         spared = self.head_holders if self._hides(request) else set()
         for alloc in self.victims[request.mode]:
-            if alloc.sandbox_id in spared:
+            if alloc.sandbox_id in spared or alloc.preemptible_at > self.now:
                 continue
             # A borrowing request may not push out what another project runs within its guarantee,
             # or the two would take the same devices from each other cycle after cycle.

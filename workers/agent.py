@@ -106,6 +106,9 @@ class Agent:
     def stop_quietly(self, allocation_id: str, handle: SandboxHandle | None) -> None:
         self.lifecycle.stop_quietly(allocation_id, handle)
 
+    def warn(self, allocation_id: str, handle_json: dict[str, Any] | None, stop_in_s: float) -> None:
+        self.lifecycle.warn(allocation_id, handle_json, stop_in_s)
+
     def find(self, allocation_id: str) -> SandboxHandle | None:
         return self.lifecycle.find(allocation_id)
 
@@ -277,6 +280,13 @@ def gpu_mode(task: AnyTask, gpu_uuid: str, mode: str) -> None:
 @app.task(name="workers.agent.stop_sandbox", ignore_result=True, bind=True)
 def stop_sandbox(task: AnyTask, allocation_id: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:
     agent_for(task).stop(allocation_id, handle)
+
+
+@app.task(name="workers.agent.warn_sandbox", ignore_result=True, bind=True)
+def warn_sandbox(
+    task: AnyTask, allocation_id: str, sandbox_id: int, handle: dict[str, Any] | None, stop_in_s: float
+) -> None:
+    agent_for(task).warn(allocation_id, handle, stop_in_s)
 
 
 def _consume_every_hosts_queue() -> None:

@@ -84,6 +84,11 @@ def sandbox_stopped(allocation_key: str, ended_ms: int, message: str = "stopped"
     tasks.sandbox_stopped(allocation_key, ended_ms, message)
 
 
+@app.task(name="workers.control.sandbox_warned", ignore_result=True)
+def sandbox_warned(allocation_key: str, checkpoint: str) -> None:
+    tasks.sandbox_warned(allocation_key, checkpoint)
+
+
 @app.task(name="workers.control.sandbox_output", ignore_result=True)
 def sandbox_output(allocation_key: str, start: int, data_b64: str, total: int) -> None:
     tasks.sandbox_output(allocation_key, start, data_b64, total)

@@ -5,20 +5,15 @@ for a MIG re-layout, the plan itself. The agent answers with one ``plan_executed
 the control worker relaunches the sandboxes on their new slots. Nothing here touches the
 database.
 
-The checkpoint hook is the operator's: ``SANDBOX_CHECKPOINT_HOOK`` names an executable run
-as ``<hook> checkpoint`` before a sandbox is stopped, with the sandbox in its environment
-(``GPUSHARE_SANDBOX_ID``, ``GPUSHARE_ALLOCATION_ID``, ``GPUSHARE_DRIVER``,
-``GPUSHARE_SANDBOX_REF``, ``GPUSHARE_PLAN_ID``). It might ask the job to save its state, or
-run CRIU. A hook that fails or outlasts ``SANDBOX_CHECKPOINT_TIMEOUT_S`` leaves that
-sandbox running; in a MIG re-layout it also calls the whole re-layout off, since the plan's
-layout needs the sandbox out of its instance.
+Before a sandbox is stopped the operator's checkpoint hook runs (workers/host/checkpoint.py,
+with ``GPUSHARE_PLAN_ID``). A hook that fails or outlasts ``SANDBOX_CHECKPOINT_TIMEOUT_S``
+leaves that sandbox running; in a MIG re-layout it also calls the whole re-layout off,
+since the plan's layout needs the sandbox out of its instance.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,6 +22,7 @@ from scheduler.defrag import DESTROY, MIGRATE, MigPlan
 from workers.drivers.base import DriverError, SandboxHandle
 from workers.gpu.mig import MigError, MigStep
 from workers.gpu.mps import MpsError
+from workers.host.checkpoint import run_checkpoint_hook
 
 if TYPE_CHECKING:
     from workers.agent import Agent
@@ -53,37 +49,6 @@ class PlanOutcome:
 
     def report(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
         return [asdict(r) for r in self.results], [asdict(s) for s in self.mig_steps], self.error
-
-
-def run_checkpoint_hook(
-    handle: SandboxHandle, plan_id: int, hook: str, timeout: int
-) -> tuple[bool, str] | None:
-    """Run the operator's checkpoint hook for one sandbox: (ok, message), None without a hook
-    (``hook`` "-")."""
-    if hook == "-":
-        return None
-    env = {
-        **os.environ,
-        "GPUSHARE_SANDBOX_ID": str(handle.sandbox_id),
-        "GPUSHARE_ALLOCATION_ID": handle.allocation_id,
-        "GPUSHARE_DRIVER": handle.driver,
-        "GPUSHARE_SANDBOX_REF": handle.ref,
-        "GPUSHARE_PLAN_ID": str(plan_id),
-    }
-    started = time.monotonic()
-    try:
-        done = subprocess.run(  # noqa: S603 - the operator's own hook, no shell
-            [hook, "checkpoint"], env=env, capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return False, f"checkpoint hook {hook} ran past {timeout} s"
-    except OSError as exc:
-        return False, f"checkpoint hook {hook} could not run: {exc}"
-    took = time.monotonic() - started
-    said = (done.stdout.strip() or done.stderr.strip()).splitlines()[-1:] or [""]
-    if done.returncode != 0:
-        return False, f"checkpoint hook exited with {done.returncode}: {said[0]}"[:300]
-    return True, f"checkpoint done in {took:.1f} s" + (f": {said[0]}" if said[0] else "")
 
 
 def retire_mps(agent: Agent, plan: MigPlan, busy: dict[str, str]) -> None:
@@ -125,7 +90,10 @@ def execute_plan(
         handle = SandboxHandle.from_json(order["handle"]) if order.get("handle") else agent.find(key)
         if handle is not None:
             result.checkpoint = run_checkpoint_hook(
-                handle, plan_id, agent.settings.checkpoint_hook, agent.settings.checkpoint_timeout_s
+                handle,
+                agent.settings.checkpoint_hook,
+                agent.settings.checkpoint_timeout_s,
+                {"GPUSHARE_CHECKPOINT_REASON": "move", "GPUSHARE_PLAN_ID": str(plan_id)},
             )
             if result.checkpoint is not None and not result.checkpoint[0]:
                 result.message = result.checkpoint[1]

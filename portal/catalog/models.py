@@ -73,6 +73,20 @@ class Tier(models.Model):
         help_text="A sandbox lost to a host or engine fault (host lost, sandbox vanished) is "
         "queued again instead of ending failed.",
     )
+    # Graceful preemption (a preemptible priority class): a sandbox is safe for its first
+    # preempt_after; then a preemption warns it (its owner told, SIGTERM to its processes, the
+    # host's checkpoint hook run) and stops it preempt_grace later, as Slurm's GraceTime and
+    # Kubernetes' termination grace period do; requeue_on_preemption queues it again after.
+    preempt_after = models.DurationField(
+        default=timedelta(0), help_text="Minimum runtime before a sandbox of this tier can be preempted."
+    )
+    preempt_grace = models.DurationField(
+        default=timedelta(0),
+        help_text="Time between the preemption warning (owner told, SIGTERM, checkpoint hook) and the stop.",
+    )
+    requeue_on_preemption = models.BooleanField(
+        default=False, help_text="A preempted sandbox is queued again (keeping its place) instead of ending."
+    )
     # Idle culling: a running sandbox whose GPU utilization (the mean over the agent's
     # window) stays under idle_util_pct for idle_minutes is warned, then stopped after
     # idle_grace_minutes more unless it gets busy. 0 % turns culling off.
@@ -104,6 +118,12 @@ class Tier(models.Model):
                 violation_error_message="Shared memory cannot be larger than the memory limit: it is memory.",
             ),
             models.CheckConstraint(
+                condition=models.Q(preempt_after__gte=timedelta(0), preempt_grace__gte=timedelta(0))
+                & models.Q(preempt_grace__lte=timedelta(hours=1)),
+                name="%(app_label)s_%(class)s_preemption_times",
+                violation_error_message="Preemption times are not negative; the grace is at most 1 h.",
+            ),
+            models.CheckConstraint(
                 condition=~models.Q(sharing_mode=SharingMode.CPU) | models.Q(idle_util_pct=0),
                 name="%(app_label)s_%(class)s_cpu_tiers_not_culled_by_gpu",
                 violation_error_message="A CPU-only tier has no GPU utilization to cull by: "
@@ -129,6 +149,21 @@ class Tier(models.Model):
             f"stopped when GPU utilization stays under {self.idle_util_pct}% for "
             f"{self.idle_minutes + self.idle_grace_minutes} min (warned after {self.idle_minutes} min)"
         )
+
+    @property
+    def preemption_rule(self) -> str:
+        """Preemption in words, as users see it ("" when this tier is never preempted)."""
+        if not self.priority_class.preemptible:
+            return ""
+        rule = "preemptible" + (
+            f" after {_minutes(self.preempt_after)} of running" if self.preempt_after else ""
+        )
+        rule += (
+            f", warned {_minutes(self.preempt_grace)} before the stop"
+            if self.preempt_grace
+            else ", stopped without warning"
+        )
+        return rule + (", then queued again" if self.requeue_on_preemption else "")
 
     @property
     def shm_mib(self) -> int:
@@ -158,3 +193,8 @@ class SandboxImage(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+def _minutes(delta: timedelta) -> str:
+    seconds = int(delta.total_seconds())
+    return f"{seconds // 60} min" if seconds % 60 == 0 else f"{seconds} s"

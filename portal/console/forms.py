@@ -90,14 +90,16 @@ class TierForm(forms.ModelForm):
         fields = [
             "name", "slug", "description", "sharing_mode", "isolation_levels", "price_per_gpu_hour_micros",
             "currency", "priority_class", "max_duration", "max_gpus", "cpu_limit", "memory_limit_mib",
-            "pids_limit", "shm_size_mib", "network", "requeue_on_failure", "idle_util_pct", "idle_minutes",
-            "idle_grace_minutes", "active",
+            "pids_limit", "shm_size_mib", "network", "requeue_on_failure", "preempt_after", "preempt_grace",
+            "requeue_on_preemption", "idle_util_pct", "idle_minutes", "idle_grace_minutes", "active",
         ]  # fmt: skip
         labels = {
             "price_per_gpu_hour_micros": "Price per GPU-hour, or per sandbox-hour for a CPU-only tier "
             "(millionths of the currency)",
             "shm_size_mib": "Shared memory, /dev/shm (MiB)",
             "pids_limit": "Processes and threads",
+            "preempt_after": "Preemptible after (minimum runtime, hh:mm:ss)",
+            "preempt_grace": "Preemption warning (grace before the stop, hh:mm:ss)",
         }
 
 

@@ -35,7 +35,7 @@ from django.db.models import Count, Sum
 from portal.control.redis_client import client as redis_client
 from portal.fleet.models import Gpu, Host, MigInstance, running_plan_gpus
 from portal.gc_pause import collection_paused
-from portal.sandboxes import actions, digest, nudge, policy
+from portal.sandboxes import actions, digest, nudge, policy, preemption
 from portal.sandboxes.models import PENDING_REASON_MAX, Allocation, Sandbox
 from portal.sandboxes.snapshot import HOLDING, Queued, build_fairshare, build_snapshot, read_queue
 from portal.telemetry import control_figures
@@ -248,7 +248,7 @@ def _commit(
             stopped = [
                 v.sandbox_id
                 for v in victims
-                if actions.do_preempt(v.sandbox_id, decision.request_id, v.reason)
+                if preemption.do_preempt(v.sandbox_id, decision.request_id, v.reason)
             ]
             reasons[decision.request_id] = (
                 f"starting once preempted sandbox {', '.join(map(str, stopped))} has stopped"
@@ -320,6 +320,8 @@ def _as_committed(
                 ends_at=placed_at + duration if duration > 0 else None,
                 preemptible=q.preemptible,
                 borrowed=decision.borrowed,
+                preemptible_at=placed_at + q.preempt_after_s,
+                warning_s=q.warning_s,
                 cpu_milli=q.request.cpu_milli,
                 memory_mib=q.request.memory_mib,
             )

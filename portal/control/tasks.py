@@ -27,7 +27,7 @@ from portal.control.reconcile import from_ms
 from portal.control.redis_client import client as redis_client
 from portal.control.scheduling import schedule_cycle as run_schedule_cycle
 from portal.fleet.inventory import do_heartbeats, do_sync_inventory
-from portal.sandboxes import actions
+from portal.sandboxes import actions, preemption
 from portal.sandboxes.output import do_store_output
 from portal.telemetry.alerts import do_close_host_alerts, do_record_alerts
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
@@ -46,12 +46,14 @@ def schedule_cycle() -> None:
 def tick() -> None:
     """Periodic: mark silent hosts lost, retry stuck launches, give up silent plans, reshape
     MIG GPUs for requests no instance fits, warn and stop idle sandboxes and those at their
-    time limit, purge old telemetry, run a cycle."""
+    time limit, stop preempted ones at the end of their warning, purge old telemetry, run a
+    cycle."""
     hosts.mark_lost_hosts(timezone.now())
     hosts.resend_stuck_placements(timezone.now())
     expire_stale_plans(timezone.now())
     auto_relayout()
     do_cull_idle(timezone.now())
+    preemption.do_stop_warned(timezone.now())
     actions.do_expire_overdue(timezone.now())
     purge_telemetry(timezone.now())
     schedule_cycle()
@@ -103,6 +105,10 @@ def sandbox_launch_failed(sandbox_id: int, allocation_key: str, message: str) ->
 
 def sandbox_stopped(allocation_key: str, ended_ms: int, message: str = "stopped") -> None:
     actions.do_mark_stopped(allocation_key, from_ms(ended_ms), message)
+
+
+def sandbox_warned(allocation_key: str, checkpoint: str) -> None:
+    preemption.do_record_warning(allocation_key, checkpoint)
 
 
 def sandbox_output(allocation_key: str, start: int, data_b64: str, total: int) -> None:

@@ -28,9 +28,8 @@ from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 from portal.fleet.modes import KIND_MODE
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
-from portal.sandboxes import notify, nudge, webhooks
+from portal.sandboxes import notify, nudge
 from portal.sandboxes.models import (
-    ENDED_STATES,
     LIVE_STATES,
     PENDING_REASON_MAX,
     Allocation,
@@ -41,6 +40,19 @@ from portal.sandboxes.models import (
     StopCause,
 )
 from portal.sandboxes.specs import launch_spec
+from portal.sandboxes.transitions import (
+    LAUNCH_RELATED,
+    TRANSITIONS,
+    end,
+    end_stopping,
+    locked,
+    locked_by_key,
+    locking,
+    release,
+    requeue,
+    send_stop_after_commit,
+    transition,
+)
 from scheduler.cluster import DeviceGrant
 from scheduler.gpus import MODELS
 from workers import dispatch
@@ -48,18 +60,7 @@ from workers import dispatch
 log = logging.getLogger(__name__)
 S = SandboxState
 
-# Allowed transitions; anything else is refused (and logged) rather than written.
-TRANSITIONS: dict[str, set[str]] = {
-    S.REQUESTED: {S.QUEUED, S.FAILED, S.STOPPED},
-    S.QUEUED: {S.PLACING, S.STOPPED, S.FAILED, S.EXPIRED},
-    S.PLACING: {S.STARTING, S.QUEUED, S.STOPPING, S.FAILED},
-    S.STARTING: {S.RUNNING, S.STOPPING, S.FAILED, S.QUEUED},
-    S.RUNNING: {S.STOPPING, S.FAILED, S.PREEMPTED, S.EXPIRED, S.QUEUED},
-    # placing/queued: a sandbox stopped by a defragmentation plan, relaunched elsewhere
-    S.STOPPING: {S.STOPPED, S.FAILED, S.PREEMPTED, S.EXPIRED, S.PLACING, S.QUEUED},
-}
 LAUNCH_RESENT = "launch sent again: no sandbox on the host yet"
-PHASE_TIMESTAMPS: dict[str, str] = {S.PLACING: "placed_at", S.STOPPING: "stop_requested_at"}
 
 
 class SandboxRequestError(Exception):
@@ -84,71 +85,6 @@ class SandboxRequest:
     duration: timedelta | None = None
     name: str = ""
     command: tuple[str, ...] = ()  # a batch run's command; () for an interactive sandbox
-
-
-def _transition(
-    sandbox: Sandbox,
-    to: str,
-    *,
-    actor: Any = None,
-    message: str = "",
-    data: dict[str, Any] | None = None,
-    also: tuple[str, ...] = (),
-) -> None:
-    """Move a locked sandbox to ``to`` and write its event. Caller holds the row lock.
-    ``also``: fields the caller set on it, saved in the same UPDATE."""
-    if to not in TRANSITIONS.get(sandbox.state, set()):
-        raise ValueError(f"sandbox {sandbox.pk}: {sandbox.state} -> {to} is not a transition")
-    now = timezone.now()
-    event = SandboxEvent.objects.create(
-        sandbox=sandbox,
-        at=now,
-        from_state=sandbox.state,
-        to_state=to,
-        actor=actor if getattr(actor, "is_authenticated", False) else None,
-        message=message[:300],
-        data=data or {},
-    )
-    notify.on_transition(sandbox, to, message, actor)
-    if to in ENDED_STATES:
-        webhooks.emit_stopped(sandbox, event)
-    previous = sandbox.state
-    if getattr(actor, "is_authenticated", False) and actor.pk != sandbox.owner_id:
-        trail.record(actor, f"sandbox.{to}", sandbox, {"state": sandbox.state}, {"state": to}, message)
-    sandbox.state = to
-    fields = ["state", *also]
-    if to in PHASE_TIMESTAMPS:
-        setattr(sandbox, PHASE_TIMESTAMPS[to], now)
-        fields.append(PHASE_TIMESTAMPS[to])
-    if to != S.QUEUED and sandbox.pending_reason:
-        sandbox.pending_reason = ""
-        fields.append("pending_reason")
-    if (to == S.QUEUED or to in ENDED_STATES) and sandbox.moving_plan_id is not None:
-        sandbox.moving_plan_id = None  # lost or ended mid-move: the plan no longer owns it
-        fields.append("moving_plan")
-    sandbox.save(update_fields=fields)
-    # The operator's one line per transition (``make run`` shows it), once it is true.
-    line = f"sandbox {sandbox.pk}: {previous} → {to}" + (f": {message}" if message else "")
-    transaction.on_commit(lambda: log.info("%s", line))
-
-
-# What one sandbox's action reads of its relations: its host (messages, stops) and its tier
-# (requeue, billing). A launch reads all five; joined into every action, the five made
-# PostgreSQL's planner search join orders for ~0.9 ms a call (two joins: ~0.15 ms), for rows
-# most actions never read.
-_ACTION_RELATED = ("host", "tier")
-_LAUNCH_RELATED = ("host", "tier", "project", "owner", "image")
-
-
-def _locked(sandbox_id: int, related: tuple[str, ...] = _ACTION_RELATED) -> Sandbox | None:
-    return _locking(related).filter(pk=sandbox_id).first()
-
-
-def _locking(related: tuple[str, ...] = _LAUNCH_RELATED) -> Any:
-    """Sandboxes whose rows a query locks (their rows alone: ``of``), with what the actions
-    read of them: read lazily, a launch's host, tier, project, owner and image were five more
-    queries, a fifth of a second for a cycle that places 155 at the cluster's size."""
-    return Sandbox.objects.select_related(*related).select_for_update(of=("self",))
 
 
 # --- request -------------------------------------------------------------------------------
@@ -250,7 +186,7 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
             actor=user,
             message=f"requested {sandbox.request_summary} on {req.tier.name}",
         )
-        _transition(sandbox, S.QUEUED, actor=user, message="waiting for the scheduler")
+        transition(sandbox, S.QUEUED, actor=user, message="waiting for the scheduler")
         notify.on_request(sandbox)
         nudge.ask_for_cycle()
     return sandbox
@@ -277,7 +213,7 @@ def do_place(
     """
     try:
         with transaction.atomic():
-            sandbox = _locked(sandbox_id)
+            sandbox = locked(sandbox_id)
             if sandbox is None or sandbox.state != S.QUEUED:
                 return False
             sandbox.borrowed = borrowed
@@ -316,7 +252,7 @@ def _book(
     if allocations:
         Allocation.objects.bulk_create(allocations)
     devices = ", ".join(g.device_uuid for g in grants) or "CPU only, no GPU"
-    _transition(
+    transition(
         sandbox,
         S.PLACING,
         message=f"{verb} on {host.name}: {devices}",
@@ -340,8 +276,8 @@ def _claim_devices(
     memory or threads, a MIG instance destroyed meanwhile, and (``in_service``, for the
     cycle's placements) a GPU drained or lost since the snapshot.
     """
-    locked = Gpu.objects.select_for_update(no_key=True).filter(uuid__in=[g.gpu_uuid for g in grants])
-    gpus = {g.uuid: g for g in locked.order_by("pk")}
+    gpu_rows = Gpu.objects.select_for_update(no_key=True).filter(uuid__in=[g.gpu_uuid for g in grants])
+    gpus = {g.uuid: g for g in gpu_rows.order_by("pk")}
     migs = {
         m.uuid: m for m in MigInstance.objects.filter(uuid__in=[g.mig_uuid for g in grants if g.mig_uuid])
     }
@@ -406,11 +342,11 @@ def do_send_launches(sandbox_ids: list[int]) -> None:
     it: if the broker refuses one, nothing is written and they stay ``placing`` for the
     control tick to resend (a duplicate launch is harmless: launch is idempotent)."""
     with transaction.atomic():
-        for sandbox in _locking().filter(pk__in=sandbox_ids).order_by("pk"):
+        for sandbox in locking().filter(pk__in=sandbox_ids).order_by("pk"):
             if sandbox.state != S.PLACING or sandbox.host is None:
                 continue  # launched already, stopped meanwhile, or its booking rolled back
             spec = launch_spec(sandbox)
-            _transition(sandbox, S.STARTING, message=f"launch sent to {sandbox.host.name}")
+            transition(sandbox, S.STARTING, message=f"launch sent to {sandbox.host.name}")
             dispatch.to_host(sandbox.host.name, "launch_sandbox", spec.to_json())
 
 
@@ -419,7 +355,7 @@ def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:
     ``adopt`` a running one's, so a restarted agent tracks it again. Launch is idempotent:
     the agent finds the sandbox its driver already made."""
     with transaction.atomic():
-        sandbox = _locked(sandbox_id, _LAUNCH_RELATED)
+        sandbox = locked(sandbox_id, LAUNCH_RELATED)
         wanted = S.RUNNING if adopt else S.STARTING
         if sandbox is None or sandbox.state != wanted or sandbox.host is None:
             return
@@ -466,18 +402,14 @@ def do_set_pending_reasons(reasons: dict[int, str]) -> None:
 # --- reports from agents --------------------------------------------------------------------
 
 
-def _by_key(allocation_key: str) -> Sandbox | None:
-    return _locking(_ACTION_RELATED).filter(allocation_key=allocation_key).first()
-
-
 def do_mark_running(allocation_key: str, handle: dict[str, Any], started_at: datetime) -> None:
     with transaction.atomic():
-        sandbox = _by_key(allocation_key)
+        sandbox = locked_by_key(allocation_key)
         if sandbox is None or sandbox.state != S.STARTING:
             return  # a duplicate report, or the sandbox was stopped meanwhile
         sandbox.handle = handle
         sandbox.started_at = started_at
-        _transition(
+        transition(
             sandbox,
             S.RUNNING,
             message=f"running ({handle.get('driver')} {handle.get('ref', '')[:12]})",
@@ -488,22 +420,26 @@ def do_mark_running(allocation_key: str, handle: dict[str, Any], started_at: dat
 
 def do_mark_stopped(allocation_key: str, ended_at: datetime, message: str = "stopped") -> None:
     with transaction.atomic():
-        sandbox = _by_key(allocation_key)
+        sandbox = locked_by_key(allocation_key)
         if sandbox is None or sandbox.state not in (S.STOPPING, S.RUNNING, S.STARTING):
             return
         if sandbox.state != S.STOPPING:
-            sandbox.stop_cause = StopCause.EXITED
-            _transition(sandbox, S.STOPPING, message="the sandbox exited by itself", also=("stop_cause",))
-        _end_stopping(sandbox, ended_at, message)
+            # A warned victim that ends at its warning (SIGTERM) still ends preempted.
+            warned = sandbox.preempt_at is not None and sandbox.stop_cause == StopCause.PREEMPTED
+            if not warned:
+                sandbox.stop_cause = StopCause.EXITED
+            said = "it exited at its preemption warning" if warned else "the sandbox exited by itself"
+            transition(sandbox, S.STOPPING, message=said, also=("stop_cause",))
+        end_stopping(sandbox, ended_at, message)
 
 
 def do_fail(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> None:
     with transaction.atomic():
-        sandbox = _locked(sandbox_id)
+        sandbox = locked(sandbox_id)
         if sandbox is None or sandbox.state not in TRANSITIONS or S.FAILED not in TRANSITIONS[sandbox.state]:
             return
         sandbox.failure = reason
-        _end(sandbox, S.FAILED, ended_at or timezone.now(), reason, also=("failure",))
+        end(sandbox, S.FAILED, ended_at or timezone.now(), reason, also=("failure",))
 
 
 def do_lose(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> str | None:
@@ -512,95 +448,20 @@ def do_lose(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> s
     state, or None when there was nothing to do (already ended: idempotent)."""
     ended_at = ended_at or timezone.now()
     with transaction.atomic():
-        sandbox = _locked(sandbox_id)
+        sandbox = locked(sandbox_id)
         if sandbox is None or sandbox.state not in (S.PLACING, S.STARTING, S.RUNNING, S.STOPPING):
             return None
         if sandbox.state == S.STOPPING:
-            return _end_stopping(sandbox, ended_at, f"stopped: {reason}", why=reason)
+            return end_stopping(sandbox, ended_at, f"stopped: {reason}", why=reason)
         if not sandbox.tier.requeue_on_failure:
             sandbox.failure = reason
-            _end(sandbox, S.FAILED, ended_at, reason, also=("failure",))
+            end(sandbox, S.FAILED, ended_at, reason, also=("failure",))
             return S.FAILED
-        _release(sandbox, ended_at)
-        return _requeue(sandbox, f"requeued: {reason}")
-
-
-def _release(sandbox: Sandbox, at: datetime) -> None:
-    """Bill the run up to ``at`` and give its devices back (row lock held)."""
-    ledger.close_interval(sandbox, at)
-    Allocation.objects.filter(sandbox=sandbox, active=True).update(active=False, released_at=at)
-
-
-def _requeue(sandbox: Sandbox, message: str, data: dict[str, Any] | None = None) -> str:
-    """Put a released sandbox back in the queue, keeping its age. Its old allocation key
-    matches nothing any more, so a copy that turns up later is stopped as an orphan."""
-    old_key = sandbox.allocation_key
-    sandbox.host, sandbox.allocation_key, sandbox.handle = None, "", None
-    sandbox.started_at = sandbox.placed_at = None
-    _transition(
-        sandbox,
-        S.QUEUED,
-        message=message,
-        data={**(data or {}), "lost_allocation": old_key},
-        also=("host", "allocation_key", "handle", "started_at", "placed_at"),
-    )
-    nudge.ask_for_cycle()
-    return S.QUEUED
-
-
-def _end_stopping(sandbox: Sandbox, ended_at: datetime, message: str, why: str = "") -> str:
-    """End a stopping sandbox: preempted when it was stopped for another, expired when it was
-    stopped at its time limit, else stopped."""
-    if sandbox.preempted_for_id is not None:
-        note = f"preempted for sandbox {sandbox.preempted_for_id}" + (f"; {why}" if why else "")
-        _end(sandbox, S.PREEMPTED, ended_at, note)
-        return S.PREEMPTED
-    if sandbox.stop_cause == StopCause.EXPIRED:
-        _end(sandbox, S.EXPIRED, ended_at, "expired: it reached its time limit")
-        return S.EXPIRED
-    _end(sandbox, S.STOPPED, ended_at, message)
-    return S.STOPPED
-
-
-def _end(sandbox: Sandbox, to: str, ended_at: datetime, message: str, also: tuple[str, ...] = ()) -> None:
-    """Close usage, release the devices and move to an end state (row lock held). ``also``:
-    fields the caller set on the sandbox, saved with the move."""
-    _release(sandbox, ended_at)
-    sandbox.ended_at = ended_at
-    _transition(sandbox, to, message=message, also=("ended_at", *also))
-    nudge.ask_for_cycle()
+        release(sandbox, ended_at)
+        return requeue(sandbox, f"requeued: {reason}")
 
 
 # --- stop -------------------------------------------------------------------------------------
-
-
-def do_preempt(victim_id: int, beneficiary_id: int, reason: str) -> bool:
-    """Stop ``victim_id`` to make room for ``beneficiary_id``.
-
-    The victim keeps its devices until its agent confirms the stop (then it ends
-    ``preempted``), so two sandboxes never share a GPU; the beneficiary sits out of the
-    queue meanwhile, which keeps later cycles from choosing more victims for it.
-    """
-    with transaction.atomic():
-        victim = _locked(victim_id)
-        if victim is None or victim.state not in (S.PLACING, S.STARTING, S.RUNNING):
-            return False
-        victim.preempted_for_id, victim.stop_cause = beneficiary_id, StopCause.PREEMPTED
-        _transition(
-            victim,
-            S.STOPPING,
-            message=f"preempted: {reason}",
-            data={"preempted_for": beneficiary_id},
-            also=("preempted_for", "stop_cause"),
-        )
-        _send_stop_after_commit(victim)
-    return True
-
-
-def _send_stop_after_commit(sandbox: Sandbox) -> None:
-    host_name = sandbox.host.name if sandbox.host else ""
-    key, handle, sandbox_id = sandbox.allocation_key, sandbox.handle, sandbox.pk
-    transaction.on_commit(lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle))
 
 
 def do_request_stop(
@@ -609,18 +470,18 @@ def do_request_stop(
     """Stop a sandbox: a queued one ends at once, a placed one is stopped by its agent.
     ``cause``: a person asked (``actor``), or idle culling did."""
     with transaction.atomic():
-        sandbox = _locked(sandbox_id)
+        sandbox = locked(sandbox_id)
         if sandbox is None or sandbox.state not in LIVE_STATES or sandbox.state == S.STOPPING:
             return
         if sandbox.state in (S.REQUESTED, S.QUEUED):
             sandbox.ended_at = timezone.now()
-            _transition(
+            transition(
                 sandbox, S.STOPPED, actor=actor, message=f"{reason} before placement", also=("ended_at",)
             )
             return
         sandbox.stop_cause = cause
-        _transition(sandbox, S.STOPPING, actor=actor, message=reason, also=("stop_cause",))
-        _send_stop_after_commit(sandbox)
+        transition(sandbox, S.STOPPING, actor=actor, message=reason, also=("stop_cause",))
+        send_stop_after_commit(sandbox)
 
 
 # --- moves (defragmentation plans, control worker) --------------------------------------------
@@ -630,7 +491,7 @@ def do_begin_move(sandbox_id: int, plan_id: int) -> bool:
     """Mark a running sandbox as moved by ``plan_id``; False if it is not running or is
     already being moved (a plan must not count on it)."""
     with transaction.atomic():
-        sandbox = _locked(sandbox_id)
+        sandbox = locked(sandbox_id)
         if sandbox is None or sandbox.state != S.RUNNING or sandbox.moving_plan_id is not None:
             return False
         sandbox.moving_plan_id = plan_id
@@ -660,26 +521,26 @@ def do_stop_moved(sandbox_id: int, plan_id: int, stopped_at: datetime | None, no
     ends. Returns the new state, None when there was nothing to do (a repeated report).
     """
     with transaction.atomic():
-        sandbox = _locked(sandbox_id)
+        sandbox = locked(sandbox_id)
         if sandbox is None or sandbox.moving_plan_id != plan_id:
             return None
         if stopped_at is None or sandbox.state != S.RUNNING:
             sandbox.moving_plan_id = None
             sandbox.save(update_fields=["moving_plan"])
             if sandbox.state == S.STOPPING and stopped_at is not None:  # its owner stopped it meanwhile
-                return _end_stopping(sandbox, stopped_at, "stopped")
+                return end_stopping(sandbox, stopped_at, "stopped")
             SandboxEvent.objects.create(
                 sandbox=sandbox, from_state=sandbox.state, to_state=sandbox.state,
                 message=f"not moved by fleet plan {plan_id}: {note}"[:300], data={"plan": plan_id},
             )  # fmt: skip
             return str(sandbox.state)
-        _transition(
+        transition(
             sandbox,
             S.STOPPING,
             message=f"stopped to move (fleet plan {plan_id})" + (f": {note}" if note else ""),
             data={"plan": plan_id},
         )
-        _release(sandbox, stopped_at)
+        release(sandbox, stopped_at)
         sandbox.handle, sandbox.started_at = None, None
         sandbox.save(update_fields=["handle", "started_at"])
         return S.STOPPING
@@ -690,7 +551,7 @@ def do_relaunch_moved(sandbox_id: int, plan_id: int, target: MoveTarget | None, 
     ledger opens a new interval when it runs), or queue it again when there is no target or
     the target was taken meanwhile. Returns the new state, None when there was nothing to do."""
     with transaction.atomic():
-        sandbox = _locked(sandbox_id)
+        sandbox = locked(sandbox_id)
         if sandbox is None or sandbox.moving_plan_id != plan_id or sandbox.state != S.STOPPING:
             return None
         sandbox.moving_plan_id = None
@@ -704,7 +565,7 @@ def do_relaunch_moved(sandbox_id: int, plan_id: int, target: MoveTarget | None, 
                 log.warning("sandbox %s: its new slot was taken (%s); requeued", sandbox_id, exc)
                 sandbox.refresh_from_db()
         reason = f"requeued: fleet plan {plan_id} left it no slot" + (f" ({note})" if note else "")
-        return _requeue(sandbox, reason, {"plan": plan_id})
+        return requeue(sandbox, reason, {"plan": plan_id})
 
 
 # --- time limits ----------------------------------------------------------------------------
@@ -714,7 +575,7 @@ def do_extend(sandbox_id: int, actor: Any, extra: timedelta) -> timedelta:
     """Give a live sandbox more time, within its tier's maximum duration; returns its new
     limit. Raises SandboxRequestError("duration", ...) naming the limit when it would pass it."""
     with transaction.atomic():
-        sandbox = _locked(sandbox_id)
+        sandbox = locked(sandbox_id)
         if sandbox is None or sandbox.state not in LIVE_STATES or sandbox.state == S.STOPPING:
             raise SandboxRequestError("duration", "Only a live sandbox can be extended.")
         tier = sandbox.tier
@@ -761,16 +622,16 @@ def do_expire_overdue(now: datetime, warn_before: timedelta = timedelta(minutes=
     for sandbox_id, ends_at in list(due):
         if ends_at <= now:
             with transaction.atomic():
-                sandbox = _locked(sandbox_id)
+                sandbox = locked(sandbox_id)
                 if sandbox is None or sandbox.state != S.RUNNING:
                     continue
                 sandbox.stop_cause = StopCause.EXPIRED
-                _transition(sandbox, S.STOPPING, message="time limit reached", also=("stop_cause",))
-                _send_stop_after_commit(sandbox)
+                transition(sandbox, S.STOPPING, message="time limit reached", also=("stop_cause",))
+                send_stop_after_commit(sandbox)
             expired.append(sandbox_id)
         else:
             with transaction.atomic():
-                sandbox = _locked(sandbox_id)
+                sandbox = locked(sandbox_id)
                 if sandbox is None or sandbox.state != S.RUNNING or sandbox.expiry_warned_at is not None:
                     continue
                 sandbox.expiry_warned_at = now

@@ -185,7 +185,8 @@ def _running_row(r: Running) -> list[Any]:
     ends = None if r.ends_at is None else round(r.ends_at, 3)
     return [
         r.sandbox_id, r.project, r.host, r.priority, round(r.started_at, 3), ends, r.preemptible, r.borrowed,
-        r.cpu_milli, r.memory_mib, [_grant_row(g) for g in r.grants],
+        r.cpu_milli, r.memory_mib, [_grant_row(g) for g in r.grants], round(r.preemptible_at, 3),
+        r.warning_s,
     ]  # fmt: skip
 
 
@@ -410,10 +411,13 @@ def _grant(row: list[Any]) -> DeviceGrant:
 
 
 def _running(row: list[Any]) -> Running:
-    sandbox, project, host, priority, started, ends, preemptible, borrowed, cpu, memory, grants = row
+    sandbox, project, host, priority, started, ends, preemptible, borrowed, cpu, memory, grants = row[:11]
     return Running(
-        sandbox, project, host, tuple(_grant(g) for g in grants), priority, started, ends, preemptible,
-        borrowed, cpu, memory,
+        sandbox_id=sandbox, project=project, host=host, grants=tuple(_grant(g) for g in grants),
+        priority=priority, started_at=started, ends_at=ends, preemptible=preemptible, borrowed=borrowed,
+        cpu_milli=cpu, memory_mib=memory,
+        # A digest written before graceful preemption has neither.
+        preemptible_at=row[11] if len(row) > 11 else 0.0, warning_s=row[12] if len(row) > 12 else 0.0,
     )  # fmt: skip
 
 

@@ -90,6 +90,9 @@ class Sandbox(models.Model):
     preempted_for = models.ForeignKey(
         "self", on_delete=models.SET_NULL, null=True, blank=True, related_name="preempted"
     )
+    # A victim warned before its stop (its tier's preemption grace): when the stop is due.
+    # It runs on until then, already promised away: no other request may preempt it.
+    preempt_at = models.DateTimeField(null=True, blank=True)
     handle = models.JSONField(null=True, blank=True)
     stop_cause = models.CharField(max_length=10, choices=StopCause.choices, blank=True)
     # Set while a defragmentation plan moves it (stop, checkpoint, relaunch elsewhere):

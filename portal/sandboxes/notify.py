@@ -36,7 +36,12 @@ def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
         where = f" on {sandbox.host.name}" if sandbox.host else ""
         notify_owner(sandbox, Notification.Kind.STARTED, f"{label} is running{where}.")
     elif to == S.QUEUED and sandbox.state != S.REQUESTED:  # back in the queue: requeued
-        notify_owner(sandbox, Notification.Kind.QUEUED, f"{label}: {message}")
+        preempted = sandbox.stop_cause == StopCause.PREEMPTED
+        notify_owner(
+            sandbox,
+            Notification.Kind.PREEMPTED if preempted else Notification.Kind.QUEUED,
+            f"{label}: {message}",
+        )
     elif to == S.STOPPING and actor_id is not None:
         who = actor.get_username() if hasattr(actor, "get_username") else "an admin"
         notify_owner(sandbox, Notification.Kind.ENDED, f"{label} is being stopped by {who}: {message}")

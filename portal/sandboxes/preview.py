@@ -177,23 +177,30 @@ def _verdict(
 ) -> Preview:
     """Read the cycle's decisions for the preview's request; ``snapshot`` is the fleet before
     them (or after, if it waits: then nothing of it changed)."""
-    victims = 0
+    victims, warning_s = 0, 0.0
+    warnings = {r.sandbox_id: r.warning_s for r in snapshot.running}
     for decision in decisions:
         if isinstance(decision, Preempt):
             victims += 1
+            warning_s = max(warning_s, warnings.get(decision.sandbox_id, 0.0))
             continue
         if getattr(decision, "request_id", None) != PREVIEW_ID:
             if isinstance(decision, Pending):
                 waiting_ahead += 1
             if isinstance(decision, Place):
-                victims = 0
+                victims, warning_s = 0, 0.0
             continue
         if isinstance(decision, Place):
             devices = [g.device_uuid for g in decision.grants]
             if victims:
                 return Preview(
                     "now",
-                    f"starts on {decision.host} once {victims} preemptible sandbox(es) have stopped",
+                    f"starts on {decision.host} once {victims} preemptible sandbox(es) have stopped"
+                    + (
+                        f", within {_duration(warning_s)} (their warning before the stop)"
+                        if warning_s
+                        else ""
+                    ),
                     host=decision.host,
                     devices=devices,
                 )
@@ -208,6 +215,10 @@ def _verdict(
                 alternatives=instead,
             )
     return Preview("waits", "the scheduler gave no answer for it", position=waiting_ahead + 1)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:g} min" if seconds >= 60 and seconds % 60 == 0 else f"{seconds:g} s"
 
 
 def _eta(

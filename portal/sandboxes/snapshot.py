@@ -112,15 +112,16 @@ def _running(grants: dict[int, list[DeviceGrant]]) -> list[Running]:
     rows = Sandbox.objects.filter(state__in=HOLDING).annotate(start=started).order_by("pk")
     for (
         pk, project, host, state, priority, preemptible, cpu_cores, memory_mib, borrowed, start,
-        max_duration,
+        max_duration, preempt_after, preempt_at, grace,
     ) in rows.values_list(
         "pk", "project__slug", "host__name", "state", "tier__priority_class__value",
         "tier__priority_class__preemptible", "tier__cpu_limit", "tier__memory_limit_mib", "borrowed",
-        "start", "max_duration",
+        "start", "max_duration", "tier__preempt_after", "preempt_at", "tier__preempt_grace",
     ):  # fmt: skip
         held = tuple(grants.get(pk, ()))
         if host is None and not held:
             continue  # holds nothing anywhere
+        ends_at = start + max_duration
         running.append(
             Running(
                 sandbox_id=pk,
@@ -129,8 +130,12 @@ def _running(grants: dict[int, list[DeviceGrant]]) -> list[Running]:
                 grants=held,
                 priority=priority,
                 started_at=start.timestamp(),
-                ends_at=(start + max_duration).timestamp(),
-                preemptible=preemptible and state in PREEMPTIBLE_STATES,
+                # A warned victim frees its devices at its stop, not at its time limit: what
+                # backfill and reservations plan with.
+                ends_at=(min(ends_at, preempt_at) if preempt_at else ends_at).timestamp(),
+                preemptible=preemptible and state in PREEMPTIBLE_STATES and preempt_at is None,
+                preemptible_at=(start + preempt_after).timestamp(),
+                warning_s=grace.total_seconds(),
                 borrowed=borrowed,
                 cpu_milli=_cpu_milli(cpu_cores),
                 memory_mib=memory_mib,
@@ -218,6 +223,8 @@ class Queued:
     request: Request
     reason: str  # the pending reason stored now: rewritten only when the cycle's differs
     preemptible: bool  # once placed, whether its priority class lets it be preempted
+    preempt_after_s: float = 0.0  # once placed, its tier's minimum runtime before preemption
+    warning_s: float = 0.0  # once placed, its tier's preemption warning
 
 
 def _request(
@@ -255,18 +262,22 @@ def _request(
 
 
 def read_queue() -> list[Queued]:
-    """Queued requests, less those waiting for the victims they preempted to stop."""
-    waiting = Sandbox.objects.filter(state=S.STOPPING, preempted_for__isnull=False).values("preempted_for")
+    """Queued requests, less those waiting for the victims they preempted to stop (warned
+    victims included: they run until their grace period ends)."""
+    # A victim holds its devices through its warning (running) and its stop (stopping).
+    waiting = Sandbox.objects.filter(state__in=(S.RUNNING, S.STOPPING), preempted_for__isnull=False).values(
+        "preempted_for"
+    )
     rows = Sandbox.objects.filter(state=S.QUEUED).exclude(pk__in=waiting).order_by("requested_at", "pk")
     queued = []
     for (
         pk, project, priority, preemptible, requested_at, mode, gpu_count, mig_profile, mps_mib, mps_threads,
-        asked_for, tier_max, cpu_cores, memory_mib, isolation, reason,
+        asked_for, tier_max, cpu_cores, memory_mib, isolation, reason, preempt_after, grace,
     ) in rows.values_list(
         "pk", "project__slug", "tier__priority_class__value", "tier__priority_class__preemptible",
         "requested_at", "tier__sharing_mode", "gpu_count", "mig_profile", "mps_memory_mib", "mps_thread_pct",
         "max_duration", "tier__max_duration", "tier__cpu_limit", "tier__memory_limit_mib", "isolation",
-        "pending_reason",
+        "pending_reason", "tier__preempt_after", "tier__preempt_grace",
     ):  # fmt: skip
         request = _request(
             pk, project=project, priority=priority, submitted_at=requested_at.timestamp(), mode=mode,
@@ -274,7 +285,9 @@ def read_queue() -> list[Queued]:
             max_duration=asked_for or tier_max, cpu_cores=cpu_cores, memory_mib=memory_mib,
             isolation=isolation,
         )  # fmt: skip
-        queued.append(Queued(request, reason, preemptible))
+        queued.append(
+            Queued(request, reason, preemptible, preempt_after.total_seconds(), grace.total_seconds())
+        )
     return queued
 
 

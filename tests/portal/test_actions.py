@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from portal.billing.models import UsageRecord, cost_micros
 from portal.quotas.models import QuotaPolicy
-from portal.sandboxes import actions
+from portal.sandboxes import actions, transitions
 from portal.sandboxes.models import Allocation, Sandbox
 from scheduler.cluster import DeviceGrant
 from tests.portal.helpers import place_all, request
@@ -254,14 +254,14 @@ def test_each_transition_is_one_log_line_once_committed(
     people: Any, catalog: Any, fleet: Any, sent_tasks: list[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """What `make run` shows of a sandbox: one line per transition, none for a rolled-back one."""
-    with caplog.at_level(logging.INFO, logger="portal.sandboxes.actions"):
+    with caplog.at_level(logging.INFO, logger="portal.sandboxes.transitions"):
         sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
         place_all()
         with transaction.atomic():
             locked = Sandbox.objects.select_for_update().get(pk=sandbox.pk)
-            actions._transition(locked, "failed", message="never committed")
+            transitions.transition(locked, "failed", message="never committed")
             transaction.set_rollback(True)
-    lines = [r.getMessage() for r in caplog.records if r.name == "portal.sandboxes.actions"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "portal.sandboxes.transitions"]
     assert lines[0] == f"sandbox {sandbox.pk}: requested → queued: waiting for the scheduler"
     assert lines[1].startswith(f"sandbox {sandbox.pk}: queued → placing")
     assert not any("never committed" in line for line in lines)

@@ -35,7 +35,7 @@ from portal.billing.models import UsageRecord
 from portal.billing.pricing import MICROS_PER_UNIT, cost_micros
 from portal.catalog.models import Tier
 from portal.fleet.models import FleetPlan, Gpu
-from portal.sandboxes import actions
+from portal.sandboxes import actions, preemption
 from portal.sandboxes.models import ENDED_STATES, Allocation, Sandbox, SandboxState
 from scheduler.cluster import DeviceGrant
 from tests.conftest import seed_host
@@ -159,7 +159,7 @@ class Driver:
         elif move == "lose":
             actions.do_lose(life.pk, "host lost", now)
         elif move == "preempt":
-            assert actions.do_preempt(life.pk, self.world["first"], "a higher priority")
+            assert preemption.do_preempt(life.pk, self.world["first"], "a higher priority")
         elif move == "expire":
             assert sandbox.started_at is not None
             self.now = max(now, sandbox.started_at + sandbox.max_duration)

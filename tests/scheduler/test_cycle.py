@@ -237,6 +237,16 @@ def test_only_preemptible_and_lower_priority_sandboxes_are_victims() -> None:
     assert [d.sandbox_id for d in decisions if isinstance(d, Preempt)] == [901]
 
 
+def test_nothing_is_a_victim_before_its_minimum_runtime_is_over() -> None:
+    snapshot = Snapshot([host("a", 2)])
+    gpus = snapshot.hosts[0].gpus
+    hold(snapshot, 900, [gpus[0]], priority=10, preemptible=True, preemptible_at=600.0)
+    hold(snapshot, 901, [gpus[1]], priority=10, preemptible=True, borrowed=True, preemptible_at=900.0)
+    assert kinds(run_cycle(snapshot, [req(1, priority=200)], POLICY, now=599.0)) == ["Pending"]
+    decisions = run_cycle(snapshot, [req(1, priority=200)], POLICY, now=600.0)
+    assert [d.sandbox_id for d in decisions if isinstance(d, Preempt)] == [900]
+
+
 def test_the_plan_picks_the_host_needing_fewest_victims_and_restores_the_snapshot() -> None:
     snapshot = Snapshot([host("a", 2), host("b", 2)])
     a, b = snapshot.hosts[0].gpus, snapshot.hosts[1].gpus

@@ -131,6 +131,32 @@ def test_memory_reported_by_pid_is_summed_per_sandbox(tmp_path: Path) -> None:
     assert a.reports.memory_of(keyed, "a1") == 4096
 
 
+def test_a_preemption_warning_runs_the_hook_then_signals_and_reports(tmp_path: Path, sent_tasks: Any) -> None:
+    a, driver, _ = agent(tmp_path)
+    said = tmp_path / "hook.out"
+    hook = tmp_path / "hook"
+    hook.write_text(
+        "#!/bin/sh\n"
+        f'echo "$1 $GPUSHARE_CHECKPOINT_REASON $GPUSHARE_STOP_IN_S $GPUSHARE_SANDBOX_ID" > {said}\n'
+        "echo saved to /ckpt\n"
+    )
+    hook.chmod(0o755)
+    a.settings = a.lifecycle.settings = replace(a.settings, checkpoint_hook=str(hook))
+    warned: list[str] = []
+
+    def warn(handle: SandboxHandle) -> str:
+        warned.append(said.read_text())
+        return "SIGTERM sent"
+
+    driver.warn = warn  # type: ignore[attr-defined]
+    handle = SandboxHandle("recording", "a1", 7, "ref")
+    a.warn("a1", handle.to_json(), 90.0)
+    assert warned == ["checkpoint preemption 90 7\n"]  # the hook ran first, the job still whole
+    [(queue, _, args)] = [s for s in sent_tasks if s[1] == "sandbox_warned"]
+    assert queue == "control" and args[0] == "a1"
+    assert args[1].startswith("checkpoint done in") and args[1].endswith(": saved to /ckpt; SIGTERM sent")
+
+
 def test_a_launch_for_another_isolation_level_is_refused(tmp_path: Path, sent_tasks: Any) -> None:
     a, driver, device = agent(tmp_path)
     driver.name = "process"  # this host gives process isolation; a VM request must not run here

@@ -382,6 +382,24 @@ def test_status_reports_exit_code(driver: DockerDriver, host: str) -> None:
     assert driver.launch(make_spec(host, allocation_id=handle.allocation_id)) == handle
 
 
+TRAPS_TERM = "trap 'echo got-term; exit 3' TERM; echo READY; while :; do sleep 0.2; done"
+
+
+@pytest.mark.docker
+def test_a_warning_signals_the_command_and_leaves_the_container(driver: DockerDriver, host: str) -> None:
+    handle = driver.launch(make_spec(host, command=("sh", "-c", TRAPS_TERM)))
+    deadline = time.monotonic() + 10
+    while b"READY" not in driver.read_output(handle, 0, 4096).data and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert driver.warn(handle) == "SIGTERM sent to the container's command"
+    while driver.status(handle).state == "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert driver.status(handle).exit_code == 3  # its trap ran: it could save its work
+    assert b"got-term" in driver.read_output(handle, 0, 4096).data
+    assert driver.warn(handle) == "the container is no longer running"
+    driver.stop(handle)
+
+
 @pytest.mark.docker
 def test_list_owned_filters_by_host(driver: DockerDriver, host: str) -> None:
     handles = {driver.launch(make_spec(host)) for _ in range(2)}

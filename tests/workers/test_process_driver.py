@@ -492,6 +492,25 @@ def test_failed_start_is_an_error_and_leaves_nothing(driver: ProcessDriver) -> N
 
 
 @pytest.mark.bwrap
+def test_a_warning_signals_the_command_and_leaves_the_sandbox(driver: ProcessDriver) -> None:
+    handle = driver.launch(
+        make_spec(
+            command=(
+                "sh",
+                "-c",
+                f"trap 'echo got-term; exit 3' TERM; echo {READY}; while :; do sleep 0.2; done",
+            )
+        )
+    )
+    wait_for_log(driver, handle, READY)
+    assert driver.warn(handle).startswith("SIGTERM sent to its")
+    wait_until_exited(driver, handle)
+    assert driver.status(handle).exit_code == 3  # its trap ran: it could save its work
+    assert "got-term" in log_of(driver, handle)
+    assert driver.warn(handle) == "the sandbox is no longer running"
+
+
+@pytest.mark.bwrap
 def test_stop_is_graceful_then_forceful_and_idempotent(driver: ProcessDriver) -> None:
     polite = driver.launch(make_spec(command=("sh", "-c", f"echo {READY}; exec sleep 300")))
     stubborn = driver.launch(

@@ -335,6 +335,19 @@ class DockerDriver:
                 if exc.status_code != 409:  # 409: a concurrent removal is in progress
                     raise
 
+    def warn(self, handle: SandboxHandle) -> str:
+        with _engine_errors(f"warn sandbox {handle.allocation_id}"):
+            try:
+                container = self.client.containers.get(handle.ref)
+                container.kill(signal="SIGTERM")  # its init (tini) passes it to the command
+            except docker.errors.NotFound:
+                return "no container: it has already stopped"
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # 409: not running any more
+                    raise
+                return "the container is no longer running"
+        return "SIGTERM sent to the container's command"
+
     def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
         """The container's output from ``offset`` on (workers/drivers/docker_logs.py)."""
         with _engine_errors(f"read the output of sandbox {handle.allocation_id}"):

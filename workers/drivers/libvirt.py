@@ -612,6 +612,20 @@ class LibvirtDriver:
         with self._conn_lock:
             self._console_bases.pop(handle.allocation_id, None)
 
+    def warn(self, handle: SandboxHandle) -> str:
+        """The guest's ACPI power button: a VM's SIGTERM (its init shuts down cleanly)."""
+        with _libvirt_errors(f"warn sandbox {handle.allocation_id}"):
+            dom = self._lookup(handle)
+            if dom is None or not dom.isActive():
+                return "the VM is no longer running"
+            try:
+                dom.shutdownFlags(libvirt.VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN)
+            except libvirt.libvirtError as exc:
+                if _code(exc) != libvirt.VIR_ERR_OPERATION_INVALID:  # powered off meanwhile
+                    raise
+                return "the VM is no longer running"
+        return "ACPI power button pressed"
+
     def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
         """The guest's serial console (the command's output, after the guest's own boot
         lines) from ``offset`` on. virtlogd writes and rotates the file (its ``max_size`` and

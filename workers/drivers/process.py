@@ -550,6 +550,15 @@ class ProcessDriver:
             self._children.pop(handle.allocation_id, None)
             log.info("stopped sandbox %s", handle.allocation_id)
 
+    def warn(self, handle: SandboxHandle) -> str:
+        with self._locked():
+            state = self._load(handle.allocation_id)
+        if state is None or not self._running(state):
+            return "the sandbox is no longer running"
+        commands = [p for p in self._sandbox_members(state) if p != state["child_pid"]]
+        procfs.signal_all(commands, signal.SIGTERM)  # not bwrap's init: see _terminate
+        return f"SIGTERM sent to its {len(commands)} process(es)"
+
     @staticmethod
     def _sandbox_members(state: dict[str, Any]) -> list[int]:
         # Namespace inodes are reused once a namespace dies: trust the recorded one only

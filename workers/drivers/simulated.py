@@ -54,6 +54,9 @@ class SimulatedDriver:
             if self._sandboxes.pop(handle.allocation_id, None) is not None:
                 self._save()
 
+    def warn(self, handle: SandboxHandle) -> str:
+        return "simulated: it keeps its state only, no process to signal"
+
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         with self._lock:
             known = self._sandboxes.get(handle.allocation_id)

@@ -14,6 +14,7 @@ from workers.drivers import DRIVER_ISOLATION
 from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
 from workers.gpu.base import GpuBackend
 from workers.gpu.mps_daemons import MpsDaemons
+from workers.host.checkpoint import run_checkpoint_hook
 from workers.host.inventory import HostInventory
 from workers.host.sandboxes import HostSandboxes
 from workers.host.utilization import UtilizationWindows
@@ -101,6 +102,24 @@ class SandboxLifecycle:
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
         self.stop_quietly(allocation_id, handle)
         dispatch.to_control("sandbox_stopped", allocation_id, now_ms())
+
+    def warn(self, allocation_id: str, handle_json: dict[str, Any] | None, stop_in_s: float) -> None:
+        """A preemption's warning: the checkpoint hook first (the job is still whole), then
+        the driver's warning (SIGTERM), each given at most the grace period. The control
+        worker stops the sandbox when the grace period ends; this reports what was done."""
+        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
+        if handle is None:
+            dispatch.to_control("sandbox_warned", allocation_id, "no such sandbox on the host")
+            return
+        timeout = max(1.0, min(float(self.settings.checkpoint_timeout_s), stop_in_s))
+        why = {"GPUSHARE_CHECKPOINT_REASON": "preemption", "GPUSHARE_STOP_IN_S": str(int(stop_in_s))}
+        hook = run_checkpoint_hook(handle, self.settings.checkpoint_hook, timeout, why)
+        try:
+            signalled = self.driver.warn(handle)
+        except DriverError as exc:
+            signalled = f"could not signal it: {exc}"
+        said = "no checkpoint hook" if hook is None else hook[1]
+        dispatch.to_control("sandbox_warned", allocation_id, f"{said}; {signalled}")
 
     def stop_quietly(self, allocation_id: str, handle: SandboxHandle | None) -> None:
         """Stop a sandbox and forget it, reporting nothing: ``stop`` reports the stop, a fleet

@@ -120,6 +120,17 @@ class Command(BaseCommand):
                     "cpu_limit": HOST_SHARE.get(slug, (1.0, 1024))[0],
                     "memory_limit_mib": HOST_SHARE.get(slug, (1.0, 1024))[1],
                     "pids_limit": 256,
+                    # Batch work is preemptible: safe for its first 10 minutes, warned a
+                    # minute before its stop, then queued again.
+                    **(
+                        {
+                            "preempt_after": timedelta(minutes=10),
+                            "preempt_grace": timedelta(minutes=1),
+                            "requeue_on_preemption": True,
+                        }
+                        if classes[priority].preemptible
+                        else {}
+                    ),
                 },
             )
         SandboxImage.objects.update_or_create(

@@ -69,7 +69,7 @@ class Command(BaseCommand):
             batch=opts["batch"], until_arrived_pct=opts["until_arrived"], projects=opts["projects"],
         )  # fmt: skip
         # One line per sandbox transition is the portal's INFO; here that is thousands a minute.
-        logging.getLogger("portal.sandboxes.actions").setLevel(logging.WARNING)
+        logging.getLogger("portal.sandboxes.transitions").setLevel(logging.WARNING)
         # Stopped with SIGTERM (a timeout, an operator's kill): unwind, so the processes the
         # twin started are stopped too.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
