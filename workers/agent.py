@@ -106,8 +106,8 @@ class Agent:
     def stop_quietly(self, allocation_id: str, handle: SandboxHandle | None) -> None:
         self.lifecycle.stop_quietly(allocation_id, handle)
 
-    def warn(self, allocation_id: str, handle_json: dict[str, Any] | None, stop_in_s: float) -> None:
-        self.lifecycle.warn(allocation_id, handle_json, stop_in_s)
+    def warn(self, allocation_id: str, handle_json: dict[str, Any] | None, stop_at: float) -> None:
+        self.lifecycle.warn(allocation_id, handle_json, stop_at)
 
     def find(self, allocation_id: str) -> SandboxHandle | None:
         return self.lifecycle.find(allocation_id)
@@ -284,9 +284,9 @@ def stop_sandbox(task: AnyTask, allocation_id: str, sandbox_id: int, handle: dic
 
 @app.task(name="workers.agent.warn_sandbox", ignore_result=True, bind=True)
 def warn_sandbox(
-    task: AnyTask, allocation_id: str, sandbox_id: int, handle: dict[str, Any] | None, stop_in_s: float
+    task: AnyTask, allocation_id: str, sandbox_id: int, handle: dict[str, Any] | None, stop_at: float
 ) -> None:
-    agent_for(task).warn(allocation_id, handle, stop_in_s)
+    agent_for(task).warn(allocation_id, handle, stop_at)
 
 
 def _consume_every_hosts_queue() -> None:

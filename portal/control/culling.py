@@ -25,9 +25,13 @@ log = logging.getLogger(__name__)
 def do_cull_idle(now: datetime) -> list[int]:
     """One pass over running sandboxes of tiers that cull; returns the ids stopped."""
     stopped: list[int] = []
-    candidates = Sandbox.objects.filter(
-        state=SandboxState.RUNNING, tier__idle_util_pct__gt=0, gpu_util_pct__isnull=False
-    ).values_list("pk", flat=True)
+    candidates = (
+        Sandbox.objects.filter(
+            state=SandboxState.RUNNING, tier__idle_util_pct__gt=0, gpu_util_pct__isnull=False
+        )
+        .filter(preempt_at__isnull=True)
+        .values_list("pk", flat=True)
+    )  # a warned one stops anyway
     for sandbox_id in list(candidates):
         if _cull_one(sandbox_id, now):
             stopped.append(sandbox_id)

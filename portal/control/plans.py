@@ -96,7 +96,12 @@ def _begin_moves(plan: FleetPlan, sandbox_ids: list[int]) -> list[Sandbox]:
     plan moves other people's sandboxes: each move goes in the audit log."""
     for sandbox_id in sandbox_ids:
         if not actions.do_begin_move(sandbox_id, plan.pk):
-            state = Sandbox.objects.filter(pk=sandbox_id).values_list("state", flat=True).first()
+            found = Sandbox.objects.filter(pk=sandbox_id).values_list("state", "preempt_at").first()
+            state, warned = found or (None, None)
+            if warned is not None:
+                raise PlanError(
+                    f"sandbox {sandbox_id} is being preempted: it stops soon, the plan need not move it"
+                )
             raise PlanError(
                 f"sandbox {sandbox_id} is {state or 'gone'}, not running: the plan would have to move it; "
                 "try again once it runs"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -304,7 +305,8 @@ def _as_committed(
     holders = {r.sandbox_id: r for r in snapshot.running}
     for stopped in deferred.values():
         for victim_id in stopped:
-            holders[victim_id] = replace(holders[victim_id], preemptible=False)  # stopping now
+            # Stopping (or warned) now: no one's victim again.
+            holders[victim_id] = replace(holders[victim_id], preemptible=False, preemptible_at=math.inf)
     waiting: list[Request] = []
     for decision in decisions:
         if isinstance(decision, Place) and decision.request_id in placed:

@@ -451,7 +451,8 @@ def do_lose(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> s
         sandbox = locked(sandbox_id)
         if sandbox is None or sandbox.state not in (S.PLACING, S.STARTING, S.RUNNING, S.STOPPING):
             return None
-        if sandbox.state == S.STOPPING:
+        warned = sandbox.preempt_at is not None and sandbox.stop_cause == StopCause.PREEMPTED
+        if sandbox.state == S.STOPPING or warned:  # a warned victim ends as its preemption would
             return end_stopping(sandbox, ended_at, f"stopped: {reason}", why=reason)
         if not sandbox.tier.requeue_on_failure:
             sandbox.failure = reason
@@ -488,11 +489,13 @@ def do_request_stop(
 
 
 def do_begin_move(sandbox_id: int, plan_id: int) -> bool:
-    """Mark a running sandbox as moved by ``plan_id``; False if it is not running or is
-    already being moved (a plan must not count on it)."""
+    """Mark a running sandbox as moved by ``plan_id``; False if it is not running, is
+    already being moved, or is warned of its preemption (a plan must not count on it)."""
     with transaction.atomic():
         sandbox = locked(sandbox_id)
         if sandbox is None or sandbox.state != S.RUNNING or sandbox.moving_plan_id is not None:
+            return False
+        if sandbox.preempt_at is not None:
             return False
         sandbox.moving_plan_id = plan_id
         sandbox.save(update_fields=["moving_plan"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 
 BODY_KEY = "gpushare:scheduling:state"
 META_KEY = "gpushare:scheduling:state-meta"
-FORMAT = 1  # bump when the layout below changes: an old digest then reads as missing
+FORMAT = 2  # bump when the layout below changes: an old digest then reads as missing
 # An idle cycle (empty queue) republishes at most this often, so capacity freed by
 # sandboxes that stopped shows in the preview within a few seconds.
 IDLE_REFRESH_S = 5.0
@@ -185,8 +186,8 @@ def _running_row(r: Running) -> list[Any]:
     ends = None if r.ends_at is None else round(r.ends_at, 3)
     return [
         r.sandbox_id, r.project, r.host, r.priority, round(r.started_at, 3), ends, r.preemptible, r.borrowed,
-        r.cpu_milli, r.memory_mib, [_grant_row(g) for g in r.grants], round(r.preemptible_at, 3),
-        r.warning_s,
+        r.cpu_milli, r.memory_mib, [_grant_row(g) for g in r.grants],
+        None if math.isinf(r.preemptible_at) else round(r.preemptible_at, 3), r.warning_s,
     ]  # fmt: skip
 
 
@@ -411,13 +412,26 @@ def _grant(row: list[Any]) -> DeviceGrant:
 
 
 def _running(row: list[Any]) -> Running:
-    sandbox, project, host, priority, started, ends, preemptible, borrowed, cpu, memory, grants = row[:11]
+    (
+        sandbox,
+        project,
+        host,
+        priority,
+        started,
+        ends,
+        preemptible,
+        borrowed,
+        cpu,
+        memory,
+        grants,
+        preemptible_at,
+        warning_s,
+    ) = row
     return Running(
         sandbox_id=sandbox, project=project, host=host, grants=tuple(_grant(g) for g in grants),
         priority=priority, started_at=started, ends_at=ends, preemptible=preemptible, borrowed=borrowed,
         cpu_milli=cpu, memory_mib=memory,
-        # A digest written before graceful preemption has neither.
-        preemptible_at=row[11] if len(row) > 11 else 0.0, warning_s=row[12] if len(row) > 12 else 0.0,
+        preemptible_at=math.inf if preemptible_at is None else preemptible_at, warning_s=warning_s,
     )  # fmt: skip
 
 

@@ -79,8 +79,8 @@ def _warn(victim: Sandbox, beneficiary_id: int, reason: str, grace: timedelta) -
         victim.handle,
         victim.pk,
     )
-    seconds = grace.total_seconds()
-    transaction.on_commit(lambda: dispatch.to_host(host, "warn_sandbox", key, pk, handle, seconds))
+    stop_at = victim.preempt_at.timestamp()  # a time, not a delay: the message may wait in a queue
+    transaction.on_commit(lambda: dispatch.to_host(host, "warn_sandbox", key, pk, handle, stop_at))
 
 
 def do_stop_warned(now: datetime) -> list[int]:
@@ -96,10 +96,14 @@ def do_stop_warned(now: datetime) -> list[int]:
     for pk in due:
         with transaction.atomic():
             victim = locked(pk)
-            if victim is None or victim.state != S.RUNNING or victim.preempted_for_id is None:
+            if victim is None or victim.state != S.RUNNING or victim.preempt_at is None:
                 continue
             beneficiary = (
-                Sandbox.objects.filter(pk=victim.preempted_for_id).values_list("state", flat=True).first()
+                None  # its request was deleted
+                if victim.preempted_for_id is None
+                else Sandbox.objects.filter(pk=victim.preempted_for_id)
+                .values_list("state", flat=True)
+                .first()
             )
             if beneficiary != S.QUEUED:
                 _call_off(victim, beneficiary)
@@ -127,7 +131,8 @@ def _call_off(victim: Sandbox, beneficiary_state: str | None) -> None:
     notify.notify_owner(
         victim,
         Notification.Kind.PREEMPTED,
-        f"Sandbox {victim.pk}: the preemption is called off, it runs on ({why}).",
+        f"Sandbox {victim.pk}: the preemption is called off ({why}). It is no longer stopped, but its "
+        "warning (SIGTERM) was sent: if that ended your work, start it again.",
     )
 
 

@@ -10,6 +10,7 @@ reading is plain ``values_list`` queries, no model instances, no prefetch object
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -122,6 +123,7 @@ def _running(grants: dict[int, list[DeviceGrant]]) -> list[Running]:
         if host is None and not held:
             continue  # holds nothing anywhere
         ends_at = start + max_duration
+        promised = preempt_at is not None or state not in PREEMPTIBLE_STATES
         running.append(
             Running(
                 sandbox_id=pk,
@@ -133,8 +135,10 @@ def _running(grants: dict[int, list[DeviceGrant]]) -> list[Running]:
                 # A warned victim frees its devices at its stop, not at its time limit: what
                 # backfill and reservations plan with.
                 ends_at=(min(ends_at, preempt_at) if preempt_at else ends_at).timestamp(),
-                preemptible=preemptible and state in PREEMPTIBLE_STATES and preempt_at is None,
-                preemptible_at=(start + preempt_after).timestamp(),
+                preemptible=preemptible and promised is False,
+                # Promised away (warned, or stopping) it is no one's victim again, not even a
+                # reclaim's; otherwise not before its tier's minimum runtime.
+                preemptible_at=math.inf if promised else (start + preempt_after).timestamp(),
                 warning_s=grace.total_seconds(),
                 borrowed=borrowed,
                 cpu_milli=_cpu_milli(cpu_cores),

@@ -4,6 +4,7 @@ the victim queued again when its tier says so."""
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import datetime, timedelta
 from typing import Any
@@ -114,7 +115,7 @@ def test_a_victim_is_warned_runs_out_its_grace_then_stops(
     told = Notification.objects.filter(user=people["owner"], sandbox=victim).first()  # the newest
     assert told is not None and told.kind == "preempted" and "Save your work now" in told.message
     warns = [a for _, t, a in sent_tasks if t == "warn_sandbox"]
-    assert warns == [(victim.allocation_key, victim.pk, victim.handle, GRACE.total_seconds())]
+    assert warns == [(victim.allocation_key, victim.pk, victim.handle, victim.preempt_at.timestamp())]
     assert not [t for _, t, _ in sent_tasks if t == "stop_sandbox"]
     assert "preemption warning" in str(victim.events.values_list("message", flat=True).last())
     page = client_for(people["owner"]).get(f"/sandboxes/{victim.pk}/").content.decode()
@@ -127,6 +128,7 @@ def test_a_victim_is_warned_runs_out_its_grace_then_stops(
     assert Sandbox.objects.filter(preempted_for__isnull=False).count() == 1
     planned = next(r for r in build_snapshot().running if r.sandbox_id == victim.pk)
     assert planned.ends_at == victim.preempt_at.timestamp() and not planned.preemptible
+    assert planned.preemptible_at == math.inf  # promised away: not even a reclaim may take it
 
     assert preemption.do_stop_warned(timezone.now()) == []  # not yet
     assert preemption.do_stop_warned(deadline(victim)) == [victim.pk]
@@ -187,6 +189,29 @@ def test_the_warning_is_called_off_when_the_request_is_withdrawn(
         Notification.objects.filter(sandbox=victim).values_list("message", flat=True).first()
     )
     assert not [t for _, t, _ in sent_tasks if t == "stop_sandbox"]
+
+
+def test_a_warned_victim_is_not_moved_and_ends_preempted_if_its_host_is_lost(
+    people: Any, catalog: Any, batch: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    batch.requeue_on_preemption = True
+    batch.save()
+    urgent, victim = preempt_one(people, catalog, batch)
+    assert not actions.do_begin_move(victim.pk, plan_id=1)  # it stops soon: no plan moves it
+    assert actions.do_lose(victim.pk, "host lost") == "queued"  # as its preemption would end
+    victim.refresh_from_db()
+    assert victim.preempted_for is None and victim.stop_cause == ""
+    assert_starts(urgent)
+
+
+def test_a_warning_whose_request_is_gone_is_called_off(
+    people: Any, catalog: Any, batch: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    urgent, victim = preempt_one(people, catalog, batch)
+    Sandbox.objects.filter(pk=urgent.pk).delete()
+    assert preemption.do_stop_warned(deadline(victim)) == []
+    victim.refresh_from_db()
+    assert victim.state == "running" and victim.preempt_at is None and victim.stop_cause == ""
 
 
 def test_an_owner_who_stops_a_warned_sandbox_ends_it_stopped_not_requeued(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -150,7 +151,7 @@ def test_a_preemption_warning_runs_the_hook_then_signals_and_reports(tmp_path: P
 
     driver.warn = warn  # type: ignore[attr-defined]
     handle = SandboxHandle("recording", "a1", 7, "ref")
-    a.warn("a1", handle.to_json(), 90.0)
+    a.warn("a1", handle.to_json(), time.time() + 90.5)
     assert warned == ["checkpoint preemption 90 7\n"]  # the hook ran first, the job still whole
     [(queue, _, args)] = [s for s in sent_tasks if s[1] == "sandbox_warned"]
     assert queue == "control" and args[0] == "a1"

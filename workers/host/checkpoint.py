@@ -4,7 +4,8 @@
 ``SANDBOX_CHECKPOINT_HOOK`` names an executable run as ``<hook> checkpoint`` with the
 sandbox in its environment (``GPUSHARE_SANDBOX_ID``, ``GPUSHARE_ALLOCATION_ID``,
 ``GPUSHARE_DRIVER``, ``GPUSHARE_SANDBOX_REF``) and why (``GPUSHARE_CHECKPOINT_REASON``:
-``move`` with ``GPUSHARE_PLAN_ID``, or ``preemption`` with ``GPUSHARE_STOP_IN_S``). It
+``move`` with ``GPUSHARE_PLAN_ID``, or ``preemption`` with ``GPUSHARE_STOP_AT``, the epoch
+second of the stop, and ``GPUSHARE_STOP_IN_S``). It
 might ask the job to save its state, or run CRIU.
 """
 

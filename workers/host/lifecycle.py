@@ -103,16 +103,22 @@ class SandboxLifecycle:
         self.stop_quietly(allocation_id, handle)
         dispatch.to_control("sandbox_stopped", allocation_id, now_ms())
 
-    def warn(self, allocation_id: str, handle_json: dict[str, Any] | None, stop_in_s: float) -> None:
-        """A preemption's warning: the checkpoint hook first (the job is still whole), then
-        the driver's warning (SIGTERM), each given at most the grace period. The control
-        worker stops the sandbox when the grace period ends; this reports what was done."""
+    def warn(self, allocation_id: str, handle_json: dict[str, Any] | None, stop_at: float) -> None:
+        """A preemption's warning, before the stop the control worker sends at ``stop_at``
+        (epoch seconds): the checkpoint hook first, while the job is whole, given at most half
+        the time left so the job still has the rest after its SIGTERM; then the driver's
+        warning (SIGTERM). Reports what was done."""
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
         if handle is None:
             dispatch.to_control("sandbox_warned", allocation_id, "no such sandbox on the host")
             return
-        timeout = max(1.0, min(float(self.settings.checkpoint_timeout_s), stop_in_s))
-        why = {"GPUSHARE_CHECKPOINT_REASON": "preemption", "GPUSHARE_STOP_IN_S": str(int(stop_in_s))}
+        left = max(0.0, stop_at - time.time())
+        timeout = max(1.0, min(float(self.settings.checkpoint_timeout_s), left / 2))
+        why = {
+            "GPUSHARE_CHECKPOINT_REASON": "preemption",
+            "GPUSHARE_STOP_AT": str(int(stop_at)),
+            "GPUSHARE_STOP_IN_S": str(int(left)),
+        }
         hook = run_checkpoint_hook(handle, self.settings.checkpoint_hook, timeout, why)
         try:
             signalled = self.driver.warn(handle)
