@@ -17,6 +17,8 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -24,6 +26,8 @@ from portal.billing.models import UsageRecord
 from portal.fleet.models import Gpu, Host, MigInstance
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox
+from portal.telemetry import metrics
+from portal.telemetry.exposition import text_format
 from portal.telemetry.metrics import CLOCK_EVENT_BITS, clock_event_bits
 from portal.telemetry.models import Alert
 from tests.conftest import seed_host
@@ -235,6 +239,42 @@ def test_gpu_series_carry_dcgm_names_and_labels(running: dict[str, Any], token: 
     mig_labels = {"sandbox": str(mig.pk), "owner": "olivia", "tier": "mig"}
     assert one(families["gpushare_sandbox_gpu_memory_used_bytes"], **mig_labels).value == 4_000 * MIB
     assert one(families["gpushare_sandbox_gpu_utilization_ratio"], **mig_labels).value == 0.55
+
+
+def test_the_text_format_is_what_prometheus_client_writes(running: dict[str, Any], token: str) -> None:
+    """portal/telemetry/exposition.py writes generate_latest's bytes, faster: on a scrape of
+    every kind of series, and on label values that need escaping."""
+    held: Gpu = running["held_gpu"]
+    figures = {str(running["dedicated"].pk): SandboxFigures(mem_mib=20_000, util_pct=90.0)}
+    store(held.host.name, message(held.uuid, held.host.name, sandboxes=figures, xid=48))
+    Alert.objects.create(
+        key="t", kind="temperature", host=held.host, gpu=held, message="hot", value=90, threshold=85,
+        raised_at=timezone.now(),
+    )  # fmt: skip
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics.FleetCollector(metrics._read_store(), timezone.now()))
+    assert text_format(registry) == generate_latest(registry)
+
+    class Awkward:
+        def collect(self) -> Iterator[Any]:
+            gauge = GaugeMetricFamily("g", "help with \\ and\nnewline", labels=["b", "a"])
+            gauge.add_metric(['quote " back \\ nl \n', "é"], 1.5)
+            gauge.add_metric(["x", "y"], float("inf"))
+            counter = CounterMetricFamily("c", "counted", labels=["z"])
+            counter.add_metric(["1"], 3)
+            yield from (gauge, counter)
+
+    awkward = CollectorRegistry(auto_describe=False)
+    awkward.register(Awkward())
+    assert text_format(awkward) == generate_latest(awkward)
+
+    class Other:  # a type this writer leaves to prometheus_client
+        def collect(self) -> Iterator[Any]:
+            yield InfoMetricFamily("build", "the build", value={"version": "1"})
+
+    other = CollectorRegistry(auto_describe=False)
+    other.register(Other())
+    assert text_format(other) == generate_latest(other)
 
 
 def test_stale_absent_and_unknown_devices_emit_no_gpu_series(running: dict[str, Any], token: str) -> None:
