@@ -44,7 +44,7 @@ class Migration(migrations.Migration):
                     ("preempt_grace__lte", datetime.timedelta(seconds=3600)),
                 ),
                 name="catalog_tier_preemption_times",
-                violation_error_message="Preemption times cannot be negative, and the grace period is at most an hour.",
+                violation_error_message="Preemption times are not negative; the grace is at most 1 h.",
             ),
         ),
     ]
