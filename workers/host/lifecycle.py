@@ -9,12 +9,12 @@ from typing import Any
 
 from workers import dispatch
 from workers.batch_output import OutputPump
+from workers.checkpoint import run_checkpoint_hook
 from workers.config import AgentSettings
 from workers.drivers import DRIVER_ISOLATION
 from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
 from workers.gpu.base import GpuBackend
 from workers.gpu.mps_daemons import MpsDaemons
-from workers.host.checkpoint import run_checkpoint_hook
 from workers.host.inventory import HostInventory
 from workers.host.sandboxes import HostSandboxes
 from workers.host.utilization import UtilizationWindows

@@ -7,6 +7,9 @@ sandbox in its environment (``GPUSHARE_SANDBOX_ID``, ``GPUSHARE_ALLOCATION_ID``,
 ``move`` with ``GPUSHARE_PLAN_ID``, or ``preemption`` with ``GPUSHARE_STOP_AT``, the epoch
 second of the stop, and ``GPUSHARE_STOP_IN_S``). It
 might ask the job to save its state, or run CRIU.
+
+Beside the host agent's parts (workers/host/), which read no environment: the hook is given
+the agent's own environment, with the sandbox's variables added.
 """
 
 from __future__ import annotations
