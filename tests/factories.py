@@ -79,11 +79,14 @@ class ImageFactory(factory.django.DjangoModelFactory):
     command = ["sh", "-c", "while true; do sleep 3600; done"]
 
 
-def beat(host: str, *, driver: str = "docker", alerts_version: str | None = None) -> Beat:
-    """A heartbeat from ``host`` now, with no report, as ``agent_heartbeats`` takes it."""
+def beat(
+    host: str, *, driver: str = "docker", alerts_version: str | None = None, t_ms: int | None = None
+) -> Beat:
+    """A heartbeat from ``host`` now (or at ``t_ms``), with no report, as ``agent_heartbeats``
+    takes it."""
     return Beat(
         host=host,
-        t_ms=int(time.time() * 1000),
+        t_ms=int(time.time() * 1000) if t_ms is None else t_ms,
         backend="simulated",
         driver=driver,
         owned=None,

@@ -126,13 +126,19 @@ def test_an_ended_sandboxs_history_is_its_last_hour_not_the_clocks(people: Any, 
 
 def test_history_endpoints_follow_the_streams_permissions(people: Any, sandbox: Any) -> None:
     gpu = sandbox.allocations.get().gpu
+    start = timezone.now().replace(second=0, microsecond=0)  # once: a run crossing a minute's
+    # end must not shift the minutes between the ones stored and the ones asserted
+
+    def minute(minus: int = 0) -> datetime:
+        return start - timedelta(minutes=minus)
+
     for back in (3, 2, 1):
         do_store_rollups(
-            [(gpu.host.name, minute_payload(this_minute(back), gpu.uuid, sandbox.pk, temp=50.0 + back))]
+            [(gpu.host.name, minute_payload(minute(back), gpu.uuid, sandbox.pk, temp=50.0 + back))]
         )
     # Running since 4 minutes ago: the chart's cost at each minute's end is billing's, from
     # the ledger (the agents send none).
-    actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "c"}, this_minute(4))
+    actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "c"}, minute(4))
     price = sandbox.tier.price_per_gpu_hour_micros
     member = client_for(people["member"])
     history = member.get(f"/telemetry/sandboxes/{sandbox.pk}/history/?minutes=10").json()
@@ -156,7 +162,7 @@ def test_history_endpoints_follow_the_streams_permissions(people: Any, sandbox: 
         "metric": ["One of util_pct, temp_c, power_w, mem_pct."]
     }
     # Stopped half a minute into the last minute: that minute's cost is the closed interval's.
-    actions.do_mark_stopped(sandbox.allocation_key, this_minute(1) + timedelta(seconds=30))
+    actions.do_mark_stopped(sandbox.allocation_key, minute(1) + timedelta(seconds=30))
     history = member.get(f"/telemetry/sandboxes/{sandbox.pk}/history/?minutes=10").json()
     assert history["cost_micros"] == [cost_micros(price, 1000, s * 1_000_000) for s in (120, 180, 210)]
     assert history["cost_micros"][-1] == UsageRecord.objects.get(sandbox=sandbox).cost_micros
