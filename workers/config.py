@@ -23,6 +23,14 @@ def var_dir() -> Path:
     return Path(os.environ.get("GPUSHARE_VAR_DIR") or BASE_DIR / "var").resolve()
 
 
+def storage_root() -> Path:
+    """STORAGE_ROOT: the directory under which sandboxes' persistent storage lives on a GPU
+    host (homes, project folders, datasets); in production a shared file system mounted at
+    the same path on every host. Default: <var>/storage, one host's own."""
+    value = os.environ.get("STORAGE_ROOT", "").strip()
+    return Path(value).resolve() if value else var_dir() / "storage"
+
+
 def embedded_redis_dir() -> Path | None:
     """The embedded Redis folder when REDIS_URL is unset, else None."""
     return None if os.environ.get("REDIS_URL") or os.environ.get("REDIS_URL_FILE") else (var_dir() / "redis")

@@ -32,6 +32,18 @@ class MpsShare:
 
 
 @dataclass(frozen=True)
+class StorageMount:
+    """Persistent storage to bind (workers/drivers/storage.py resolves it on the host)."""
+
+    name: str  # the storage's name, for messages
+    source: str  # relative to the host's STORAGE_ROOT: never a host path of its own
+    target: str  # where the sandbox sees it
+    read_only: bool
+    gid: int  # the volume's group (uids.storage_gid); 0 for a read-only dataset
+    volume: int = 0  # the portal's volume id, to report its usage against; 0 for a dataset
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     allocation_id: str  # idempotency key, unique per placement
     sandbox_id: int
@@ -61,6 +73,7 @@ class SandboxSpec:
     isolation: str = ""  # container, process or vm: the agent refuses one its driver cannot give
     tier: str = ""  # the tier's slug: its alert thresholds apply to this sandbox
     batch: bool = False  # a batch run: the agent ships its output to its owner
+    mounts: tuple[StorageMount, ...] = ()  # the tier's storage: a home, project folders, datasets
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,7 +86,15 @@ class SandboxSpec:
         mps = values.get("mps")
         values["mps"] = MpsShare(**mps) if mps else None
         values["env"] = dict(values.get("env") or {})
+        values["mounts"] = tuple(StorageMount(**m) for m in values.get("mounts") or ())
         return cls(**values)
+
+    def groups(self) -> list[int]:
+        """The supplementary groups its storage needs (workers/drivers/storage.py)."""
+        return sorted({m.gid for m in self.mounts if m.gid and not m.read_only})
+
+    def mounts_at(self, target: str) -> bool:
+        return any(m.target == target for m in self.mounts)
 
     def labels(self) -> dict[str, str]:
         return {

@@ -26,8 +26,9 @@ import logging
 import select
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import docker
@@ -35,7 +36,8 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
-from workers.drivers import uids
+from workers.config import storage_root
+from workers.drivers import storage, uids
 from workers.drivers.base import (
     LABEL_PREFIX,
     DriverError,
@@ -47,6 +49,7 @@ from workers.drivers.base import (
 )
 from workers.drivers.docker_logs import ContainerLogReader, log_config
 from workers.drivers.output import OutputChunk, cap_bytes
+from workers.drivers.storage import BoundStorage
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +80,16 @@ def sandbox_user(spec: SandboxSpec) -> int:
     return uids.sandbox_uid(spec.sandbox_id)
 
 
-def container_kwargs(spec: SandboxSpec, output_cap: int | None = None) -> dict[str, Any]:
-    """The ``containers.create`` arguments for ``spec`` (pure, so it is unit-testable)."""
+def container_kwargs(
+    spec: SandboxSpec, output_cap: int | None = None, bound: Sequence[BoundStorage] = ()
+) -> dict[str, Any]:
+    """The ``containers.create`` arguments for ``spec`` and its storage, resolved on this host
+    (pure, so it is unit-testable)."""
     tmpfs_size = f"size={_tmpfs_mib(spec)}m"
     uid = sandbox_user(spec)
+    tmpfs = {SANDBOX_TMP: f"rw,nosuid,nodev,mode=1777,{tmpfs_size}"}
+    if not spec.mounts_at(SANDBOX_HOME):  # a persistent home replaces the scratch one
+        tmpfs[SANDBOX_HOME] = f"rw,nosuid,nodev,mode=0700,uid={uid},gid={uid},{tmpfs_size}"
     kwargs: dict[str, Any] = {
         "image": spec.image,
         "command": list(spec.command) or None,
@@ -94,10 +103,7 @@ def container_kwargs(spec: SandboxSpec, output_cap: int | None = None) -> dict[s
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges"],
         "read_only": True,
-        "tmpfs": {
-            SANDBOX_TMP: f"rw,nosuid,nodev,mode=1777,{tmpfs_size}",
-            SANDBOX_HOME: f"rw,nosuid,nodev,mode=0700,uid={uid},gid={uid},{tmpfs_size}",
-        },
+        "tmpfs": tmpfs,
         "mem_limit": f"{spec.memory_limit_mib}m",
         "memswap_limit": f"{spec.memory_limit_mib}m",  # equal to mem_limit: no swap
         "nano_cpus": round(spec.cpu_limit * 1e9),
@@ -130,6 +136,13 @@ def container_kwargs(spec: SandboxSpec, output_cap: int | None = None) -> dict[s
         kwargs["mounts"] = [
             docker.types.Mount(target=pipe_dir, source=pipe_dir, type="bind", read_only=False)
         ]
+    if bound:
+        # The container reaches its storage through supplementary groups, the volumes' gids.
+        kwargs["mounts"] = kwargs.get("mounts", []) + [
+            docker.types.Mount(target=m.target, source=m.host_path, type="bind", read_only=m.read_only)
+            for m in bound
+        ]
+        kwargs["group_add"] = [str(gid) for gid in spec.groups()]
     return kwargs
 
 
@@ -233,9 +246,12 @@ class DockerTerminal:
 class DockerDriver:
     name = "docker"
 
-    def __init__(self, client: docker.DockerClient | None = None, host: str = "") -> None:
+    def __init__(
+        self, client: docker.DockerClient | None = None, host: str = "", storage_dir: Path | None = None
+    ) -> None:
         self._client = client
         self.host = host
+        self.storage_dir = storage_root() if storage_dir is None else storage_dir
         self._logs = ContainerLogReader()
 
     @property
@@ -297,7 +313,8 @@ class DockerDriver:
                 # A container whose uid cannot reach the daemon would run without MPS.
                 require_mps_pipe(spec.mps.pipe_dir, sandbox_user(spec), real_gpu=spec.real_gpu)
             try:
-                container = self.client.containers.create(**container_kwargs(spec))
+                bound = storage.resolve(self.storage_dir, spec.mounts)
+                container = self.client.containers.create(**container_kwargs(spec, bound=bound))
             except docker.errors.ImageNotFound as exc:
                 raise DriverError(
                     f"{action}: image {spec.image!r} is not on this host; {BUILD_HINT}"

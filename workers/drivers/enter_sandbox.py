@@ -10,7 +10,8 @@ still holds them there, become the sandbox's user, set NO_NEW_PRIVS, load the se
 filter (workers/drivers/seccomp.py), and fork into the sandbox's pid namespace to exec the
 command on the pty it was given (a session leader with it as controlling terminal).
 
-Usage (the agent, as root): ``python -I enter_sandbox.py PID UID GID CWD PROCS... -- CMD...``
+Usage (the agent, as root): ``python -I enter_sandbox.py PID UID GID GROUPS CWD PROCS... -- CMD...``
+(GROUPS: the host gids of its storage volumes, comma-separated, or "-" to keep the caller's).
 Run by path, not as a module: it must not import the agent's package (Celery's app).
 """
 
@@ -49,15 +50,18 @@ def _seccomp_module() -> object:
     return module
 
 
-def enter(pid: int, uid: int, gid: int, cwd: str, procs_files: list[str], argv: list[str]) -> int:
+def enter(
+    pid: int, uid: int, gid: int, groups: list[int] | None, cwd: str, procs_files: list[str], argv: list[str]
+) -> int:
     seccomp = _seccomp_module()
     seccomp._filter()  # type: ignore[attr-defined]  # libseccomp loaded before the mounts change
     last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     for procs in procs_files:  # the sandbox's limits cover its terminal too
         Path(procs).write_text(str(os.getpid()))
-    # No supplementary groups (root's would stay): cleared here, on the host, because bwrap
-    # denies setgroups(2) inside the sandbox's user namespace.
-    os.setgroups([])
+    # Only the storage volumes' groups, as the batch has them (root's would stay otherwise): set
+    # here, on the host, because bwrap denies setgroups(2) inside the sandbox's user namespace.
+    if groups is not None:
+        os.setgroups(groups)
     fds = [os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in NAMESPACES]
     for name, fd in zip(NAMESPACES, fds, strict=True):
         _check(_libc.setns(fd, 0), f"entering the sandbox's {name} namespace")
@@ -81,8 +85,9 @@ def enter(pid: int, uid: int, gid: int, cwd: str, procs_files: list[str], argv: 
 
 def main(args: list[str]) -> int:
     split = args.index("--")
-    pid, uid, gid, cwd, *procs_files = args[:split]
-    return enter(int(pid), int(uid), int(gid), cwd, procs_files, args[split + 1 :])
+    pid, uid, gid, groups, cwd, *procs_files = args[:split]
+    supplementary = None if groups == "-" else [int(g) for g in groups.split(",") if g]
+    return enter(int(pid), int(uid), int(gid), supplementary, cwd, procs_files, args[split + 1 :])
 
 
 if __name__ == "__main__":

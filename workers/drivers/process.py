@@ -70,7 +70,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workers.drivers import DriverUnavailable, output, procfs, seccomp, uids
+from workers.config import storage_root
+from workers.drivers import DriverUnavailable, output, procfs, seccomp, storage, uids
 from workers.drivers.base import (
     PROTECTED_HOST_PATHS,
     DriverError,
@@ -200,6 +201,7 @@ class ProcessDriver:
         limits: str = "auto",
         gpu_nodes: GpuNodes | None = None,
         output_cap: int | None = None,
+        storage_dir: Path | None = None,
     ) -> None:
         if limits not in ("auto", "cgroup", "rlimit"):
             raise ValueError(f"limits must be auto, cgroup or rlimit, not {limits!r}")
@@ -210,6 +212,7 @@ class ProcessDriver:
             raise DriverUnavailable("process", problem, "set SANDBOX_UID_BASE for every agent of this host")
         self.gpu_nodes = gpu_nodes or GpuNodes()
         self.output_cap = output.cap_bytes() if output_cap is None else output_cap
+        self.storage_dir = storage_root() if storage_dir is None else storage_dir
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._thread_lock = threading.Lock()
 
@@ -328,10 +331,13 @@ class ProcessDriver:
         status_fd: int,
         seccomp_fd: int,
         nodes: list[Node] | None = None,
+        bound: list[storage.BoundStorage] | None = None,
     ) -> list[str]:
         self._refuse_unsafe(spec)
         if nodes is None:
             nodes = self._device_nodes(spec)
+        if bound is None:
+            bound = storage.resolve(self.storage_dir, spec.mounts)
         args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--seccomp", str(seccomp_fd)]
         args += ["--die-with-parent", "--new-session"]
         args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
@@ -348,7 +354,8 @@ class ProcessDriver:
         args += ["--proc", "/proc", "--dev", "/dev"]
         tmpfs_bytes = str(max(16, spec.memory_limit_mib // 4) * 1024 * 1024)
         args += ["--size", tmpfs_bytes, "--perms", "1777", "--tmpfs", SANDBOX_TMP]
-        args += ["--size", tmpfs_bytes, "--perms", "0700", "--tmpfs", SANDBOX_HOME]
+        if not spec.mounts_at(SANDBOX_HOME):  # a persistent home replaces the scratch one
+            args += ["--size", tmpfs_bytes, "--perms", "0700", "--tmpfs", SANDBOX_HOME]
         # POSIX shared memory (DataLoader workers, NCCL): the tier's size, a private tmpfs
         # (charged to the sandbox's memory cgroup like the others).
         shm_bytes = str(spec.shm_size_mib * 1024 * 1024) if spec.shm_size_mib > 0 else tmpfs_bytes
@@ -367,6 +374,10 @@ class ProcessDriver:
         if spec.mps is not None:
             # Read-write: the client creates and connects to sockets in the pipe directory.
             args += ["--bind", spec.mps.pipe_dir, spec.mps.pipe_dir]
+        # After the tmpfs: a project folder may go inside the scratch home. The sandbox reaches
+        # them through its supplementary groups (the volumes' gids, given by setpriv).
+        for mount in bound:
+            args += ["--ro-bind" if mount.read_only else "--bind", mount.host_path, mount.target]
         args += ["--chdir", SANDBOX_HOME, "--clearenv"]
         env = self._sandbox_env(spec)
         if nodes and (lib_dirs := self._lib_dirs()):
@@ -414,13 +425,15 @@ class ProcessDriver:
         nodes = self._device_nodes(spec)
         if spec.mps is not None:
             require_mps_pipe(spec.mps.pipe_dir, self._run_uid(spec), real_gpu=spec.real_gpu)
+        bound = storage.resolve(self.storage_dir, spec.mounts)
         limits = self._choose_limits(spec)
         output_dir = self._output_dir(spec.allocation_id)
         status_path = self._path(spec.allocation_id, "status")
         drop = []
         if os.geteuid() == 0:
             uid = str(self._run_uid(spec))
-            drop = ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--"]
+            groups = ["--groups", ",".join(map(str, spec.groups()))] if spec.groups() else ["--clear-groups"]
+            drop = ["setpriv", "--reuid", uid, "--regid", uid, *groups, "--"]
         fds: list[int] = []
         try:
             for content in (_PASSWD.encode(), _GROUP.encode(), None, seccomp.bpf_program()):
@@ -433,7 +446,7 @@ class ProcessDriver:
                 os.lseek(fd, 0, os.SEEK_SET)
             argv = [
                 "/bin/sh", "-c", _JOIN_AND_WAIT, "gpushare-sandbox", *limits.procs_files, "--",
-                *drop, *limits.prlimit, *self._bwrap_args(spec, fds[0], fds[1], fds[2], fds[3], nodes),
+                *drop, *limits.prlimit, *self._bwrap_args(spec, fds[0], fds[1], fds[2], fds[3], nodes, bound),
             ]  # fmt: skip
             # stdout and stderr go through a pipe to the capped writer (workers/drivers/
             # output.py), never straight to a file: a tenant printing without end would fill
@@ -635,9 +648,10 @@ class ProcessDriver:
             raise DriverError(f"sandbox {handle.allocation_id} is not running")
         spec = SandboxSpec.from_json(state["spec"])
         uid = str(SANDBOX_UID)
+        groups = ",".join(map(str, spec.groups())) if os.geteuid() == 0 else "-"  # its storage's
         argv = [
             *state["prlimit"], sys.executable, "-I", _ENTER_SANDBOX, str(state["child_pid"]), uid, uid,
-            SANDBOX_HOME, *state["procs_files"], "--", "/bin/sh", "-i",
+            groups, SANDBOX_HOME, *state["procs_files"], "--", "/bin/sh", "-i",
         ]  # fmt: skip
         env = {**self._sandbox_env(spec), "TERM": "xterm-256color"}
         master, slave = os.openpty()

@@ -20,11 +20,17 @@ import zlib
 from pathlib import Path
 
 SANDBOX_UID_BASE = int(os.environ.get("SANDBOX_UID_BASE") or 1_000_000_000)
-SPAN = 1_000_000  # sandboxes' uids, then as many for MPS GPUs
+SPAN = 1_000_000  # sandboxes' uids, then as many for MPS GPUs, then storage volumes' gids
 
 
 def sandbox_uid(sandbox_id: int) -> int:
     return SANDBOX_UID_BASE + sandbox_id % SPAN
+
+
+def storage_gid(volume_id: int) -> int:
+    """The group owning a storage volume (a home, a project folder), after the sandboxes'
+    and the MPS uids: every sandbox that mounts the volume runs with it."""
+    return SANDBOX_UID_BASE + 2 * SPAN + volume_id % SPAN
 
 
 def mps_uid(device_uuid: str) -> int:
@@ -53,7 +59,7 @@ def _ranges(path: Path) -> list[tuple[str, int, int]]:
 
 def check_range(etc: Path = Path("/etc")) -> str | None:
     """Why the sandbox uid range cannot be used here (None when it can)."""
-    first, last = SANDBOX_UID_BASE, SANDBOX_UID_BASE + 2 * SPAN - 1
+    first, last = SANDBOX_UID_BASE, SANDBOX_UID_BASE + 3 * SPAN - 1
     for name in ("passwd", "subuid", "subgid"):
         for who, low, high in _ranges(etc / name):
             if low <= last and high >= first:
