@@ -37,11 +37,13 @@ log() { printf '[build-vm-image] %s\n' "$*"; }
 # Options set on top of tinyconfig. Anything tinyconfig lacks that the guest needs:
 # 64-bit, printk and a serial console, initramfs (gzip), ELF and #! binaries, proc, sys,
 # devtmpfs, multi-user (the command runs as uid 1000), ACPI with the power button and
-# evdev (libvirt's shutdown), SMP (vcpus = ceil(cpu_limit)).
+# evdev (libvirt's shutdown), SMP (vcpus = ceil(cpu_limit)), and virtiofs (FUSE over
+# virtio) for the sandbox's storage, libvirt's <filesystem> served by virtiofsd.
 KERNEL_OPTIONS=(
   64BIT PRINTK TTY SERIAL_8250 SERIAL_8250_CONSOLE BLK_DEV_INITRD RD_GZIP BINFMT_ELF
   BINFMT_SCRIPT PROC_FS SYSFS DEVTMPFS DEVTMPFS_MOUNT MULTIUSER FUTEX POSIX_TIMERS
   FILE_LOCKING SHMEM TMPFS UNIX98_PTYS SMP PCI ACPI ACPI_BUTTON INPUT INPUT_EVDEV
+  VIRTIO_MENU VIRTIO VIRTIO_PCI FUSE_FS VIRTIO_FS
 )
 
 kernel_source() {
@@ -130,10 +132,31 @@ mount -t tmpfs -o mode=0755 tmpfs /run
 exec 0</dev/console 1>/dev/console 2>&1
 acpid -c /etc/acpi -l /run/acpid.log -p /run/acpid.pid || echo "gpushare-guest: no acpid, shutdown will be forced"
 echo "gpushare-guest: up"
-run=""
+run="" uid=1000 gid=1000 mounts=""
 for arg in $(cat /proc/cmdline); do
-  case "$arg" in gpushare.run=*) run="${arg#gpushare.run=}" ;; esac
+  case "$arg" in
+    gpushare.run=*) run="${arg#gpushare.run=}" ;;
+    gpushare.uid=*) uid="${arg#gpushare.uid=}" ;;
+    gpushare.gid=*) gid="${arg#gpushare.gid=}" ;;
+    gpushare.mounts=*) mounts="${arg#gpushare.mounts=}" ;;
+  esac
 done
+if [ "$uid" != 1000 ] || [ "$gid" != 1000 ]; then
+  # The sandbox user takes the host uid and group its storage's files have on the host.
+  printf 'root:x:0:0:root:/root:/bin/sh\nsandbox:x:%s:%s:sandbox:/home/sandbox:/bin/sh\n' "$uid" "$gid" >/etc/passwd
+  printf 'root:x:0:\nsandbox:x:%s:\n' "$gid" >/etc/group
+  chown "$uid:$gid" /home/sandbox
+fi
+# Storage: lines "<virtiofs tag> <ro|rw> <mount point>", base64 on the command line. A mount
+# that fails ends the sandbox: its work would otherwise vanish with the VM.
+if [ -n "$mounts" ] && ! echo "$mounts" | base64 -d | while read -r tag mode target; do
+  mkdir -p "$target" && mount -t virtiofs -o "$mode" "$tag" "$target" \
+    || { echo "gpushare-guest: cannot mount storage $tag at $target"; exit 1; }
+done; then
+  echo "gpushare-guest: exit 125"
+  poweroff -f
+fi
+umask 0007  # the storage is shared with the owner's next sandboxes through its group
 cd /home/sandbox
 if [ -n "$run" ]; then
   echo "$run" | base64 -d >/run/command.sh

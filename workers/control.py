@@ -89,6 +89,11 @@ def sandbox_warned(allocation_key: str, checkpoint: str) -> None:
     tasks.sandbox_warned(allocation_key, checkpoint)
 
 
+@app.task(name="workers.control.storage_usage", ignore_result=True)
+def storage_usage(sandbox_id: int, usage: dict[str, list[Any]]) -> None:
+    tasks.storage_usage(sandbox_id, usage)
+
+
 @app.task(name="workers.control.sandbox_output", ignore_result=True)
 def sandbox_output(allocation_key: str, start: int, data_b64: str, total: int) -> None:
     tasks.sandbox_output(allocation_key, start, data_b64, total)

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
+
+from workers.drivers import uids
+from workers.drivers.base import DriverError, StorageMount
+from workers.drivers.storage import checked_source, checked_target
 
 
 class SharingMode(models.TextChoices):
@@ -96,6 +103,9 @@ class Tier(models.Model):
     idle_minutes = models.PositiveIntegerField(default=30, help_text="Idle this long: the user is warned.")
     idle_grace_minutes = models.PositiveIntegerField(
         default=10, help_text="Still idle this long after the warning: the sandbox is stopped."
+    )
+    storages: models.ManyToManyField[Storage, Any] = models.ManyToManyField(
+        "Storage", blank=True, related_name="tiers", help_text="Persistent storage its sandboxes mount."
     )
     active = models.BooleanField(default=True)
 
@@ -193,6 +203,126 @@ class SandboxImage(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+def _agent_rule(check: object, value: str) -> None:
+    """The agent's own check of a path (workers/drivers/storage.py), as a form error."""
+    try:
+        check(value)  # type: ignore[operator]
+    except DriverError as exc:
+        raise ValidationError(str(exc)) from exc
+
+
+def validate_directory(value: str) -> None:
+    _agent_rule(checked_source, value)
+
+
+def validate_mount_path(value: str) -> None:
+    _agent_rule(checked_target, value)
+
+
+class Storage(models.Model):
+    """The storage allowlist, as images are one: directories under every GPU host's
+    STORAGE_ROOT (a shared file system in production) that tiers give their sandboxes. A home
+    is one folder per user inside ``directory``, a project storage one per project; a dataset
+    is ``directory`` itself, read-only."""
+
+    class Kind(models.TextChoices):
+        HOME = "home", "Home (one per user)"
+        PROJECT = "project", "Project folder (one per project)"
+        DATASET = "dataset", "Dataset (read-only, shared)"
+
+    name = models.CharField(max_length=60, unique=True)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    directory = models.CharField(
+        max_length=200,
+        validators=[validate_directory],
+        help_text="Under the storage root of every GPU host, e.g. homes, projects or datasets/imagenet.",
+    )
+    mount_path = models.CharField(
+        max_length=200,
+        validators=[validate_mount_path],
+        help_text="Where sandboxes see it, e.g. /home/sandbox, /project or /datasets/imagenet.",
+    )
+    limit_gib = models.PositiveIntegerField(
+        default=0, help_text="Per user (a home) or per project (a folder), in GiB; 0: no limit."
+    )
+    active = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["kind", "name"]
+        verbose_name_plural = "storage"
+        constraints = [
+            models.CheckConstraint(
+                condition=~models.Q(kind="dataset") | models.Q(limit_gib=0),
+                name="%(app_label)s_%(class)s_datasets_unlimited",
+                violation_error_message="A dataset is read-only: it takes no limit.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.limit_gib * 1024**3
+
+    @property
+    def read_only(self) -> bool:
+        return self.kind == self.Kind.DATASET
+
+
+class StorageVolume(models.Model):
+    """One user's home or one project's folder of a storage: its group on the hosts (from
+    its id) and its usage, as the agents last measured it."""
+
+    storage = models.ForeignKey(Storage, on_delete=models.PROTECT, related_name="volumes")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, null=True, blank=True)
+    project = models.ForeignKey("accounts.Project", on_delete=models.PROTECT, null=True, blank=True)
+    used_bytes = models.BigIntegerField(default=0)
+    measured_at = models.DateTimeField(null=True, blank=True)
+    warned_pct = models.PositiveSmallIntegerField(default=0)  # the last warning given: 0, 90 or 100
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["storage", "user"],
+                condition=models.Q(user__isnull=False),
+                name="catalog_volume_per_user",
+            ),
+            models.UniqueConstraint(
+                fields=["storage", "project"],
+                condition=models.Q(project__isnull=False),
+                name="catalog_volume_per_project",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(user__isnull=True) | models.Q(project__isnull=True),
+                name="catalog_volume_one_owner",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.relative_path
+
+    @property
+    def relative_path(self) -> str:
+        # By id, never by name: a renamed user or project keeps their files.
+        return f"{self.storage.directory}/{self.user_id or self.project_id}"
+
+    @property
+    def used_pct(self) -> float | None:
+        limit = self.storage.limit_bytes
+        return 100.0 * self.used_bytes / limit if limit else None
+
+    def mount(self) -> StorageMount:
+        return StorageMount(
+            self.storage.name,
+            self.relative_path,
+            self.storage.mount_path,
+            False,
+            uids.storage_gid(self.pk),
+            self.pk,
+        )
 
 
 def _minutes(delta: timedelta) -> str:

@@ -11,8 +11,18 @@ class ConsoleConfig(AppConfig):
 
         from portal.accounts.models import Membership, Project
         from portal.audit.trail import watch
-        from portal.catalog.models import PriorityClass, SandboxImage, Tier
+        from portal.catalog.models import PriorityClass, SandboxImage, Storage, Tier
         from portal.fleet.models import Gpu
         from portal.quotas.models import QuotaPolicy
 
-        watch(Tier, PriorityClass, SandboxImage, QuotaPolicy, Project, Membership, Gpu, get_user_model())
+        watch(
+            Tier,
+            PriorityClass,
+            SandboxImage,
+            Storage,
+            QuotaPolicy,
+            Project,
+            Membership,
+            Gpu,
+            get_user_model(),
+        )

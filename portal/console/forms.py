@@ -6,7 +6,7 @@ from typing import Any
 
 from django import forms
 
-from portal.catalog.models import IsolationLevel, PriorityClass, SandboxImage, Tier
+from portal.catalog.models import IsolationLevel, PriorityClass, SandboxImage, Storage, Tier
 from portal.fleet.models import SETTABLE_MODES, Gpu, Host
 from portal.quotas.models import QuotaPolicy
 from scheduler.gpus import COMPUTE_SLICES, MODELS
@@ -91,8 +91,10 @@ class TierForm(forms.ModelForm):
             "name", "slug", "description", "sharing_mode", "isolation_levels", "price_per_gpu_hour_micros",
             "currency", "priority_class", "max_duration", "max_gpus", "cpu_limit", "memory_limit_mib",
             "pids_limit", "shm_size_mib", "network", "requeue_on_failure", "preempt_after", "preempt_grace",
-            "requeue_on_preemption", "idle_util_pct", "idle_minutes", "idle_grace_minutes", "active",
+            "requeue_on_preemption", "idle_util_pct", "idle_minutes", "idle_grace_minutes", "storages",
+            "active",
         ]  # fmt: skip
+        widgets = {"storages": forms.CheckboxSelectMultiple}
         labels = {
             "price_per_gpu_hour_micros": "Price per GPU-hour, or per sandbox-hour for a CPU-only tier "
             "(millionths of the currency)",
@@ -101,6 +103,29 @@ class TierForm(forms.ModelForm):
             "preempt_after": "Preemptible after (minimum runtime, hh:mm:ss)",
             "preempt_grace": "Preemption warning (grace before the stop, hh:mm:ss)",
         }
+
+    def clean_storages(self) -> Any:
+        storages = self.cleaned_data["storages"]
+        seen: dict[str, str] = {}
+        for storage in storages:
+            if storage.mount_path in seen:
+                both = f"{seen[storage.mount_path]} and {storage.name}"
+                raise forms.ValidationError(f"{both} would both be mounted at {storage.mount_path}.")
+            seen[storage.mount_path] = storage.name
+        return storages
+
+
+class StorageForm(forms.ModelForm):
+    class Meta:
+        model = Storage
+        fields = ["name", "kind", "directory", "mount_path", "limit_gib", "active"]
+        labels = {"limit_gib": "Limit (GiB, per user or per project; 0: none)"}
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if data.get("kind") == Storage.Kind.DATASET and data.get("limit_gib"):
+            self.add_error("limit_gib", "A dataset is read-only: it takes no limit.")
+        return data
 
 
 class QuotaForm(forms.ModelForm):

@@ -16,7 +16,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from portal.audit.models import AuditEntry
-from portal.catalog.models import PriorityClass, SandboxImage, Tier
+from portal.catalog.models import PriorityClass, SandboxImage, Storage, Tier
 from portal.console.forms import (
     ConsolidationForm,
     FleetFilterForm,
@@ -25,6 +25,7 @@ from portal.console.forms import (
     MigRelayoutForm,
     PriorityClassForm,
     QuotaForm,
+    StorageForm,
     TierForm,
 )
 from portal.control.faults import do_drain_gpu, do_undrain_gpu
@@ -278,6 +279,7 @@ CATALOG: dict[str, tuple[type[models.Model], type[forms.ModelForm], str]] = {
     "quotas": (QuotaPolicy, QuotaForm, "quota policy"),
     "priority-classes": (PriorityClass, PriorityClassForm, "priority class"),
     "images": (SandboxImage, ImageForm, "image"),
+    "storage": (Storage, StorageForm, "storage"),
 }
 
 
@@ -292,6 +294,7 @@ def catalog(request: HttpRequest) -> HttpResponse:
             "quotas": QuotaPolicy.objects.select_related("project"),
             "classes": PriorityClass.objects.all(),
             "images": SandboxImage.objects.all(),
+            "storages": Storage.objects.prefetch_related("tiers"),
         },
     )
 

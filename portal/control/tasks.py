@@ -29,6 +29,7 @@ from portal.control.scheduling import schedule_cycle as run_schedule_cycle
 from portal.fleet.inventory import do_heartbeats, do_sync_inventory
 from portal.sandboxes import actions, preemption
 from portal.sandboxes.output import do_store_output
+from portal.sandboxes.storage_usage import do_record_storage_usage
 from portal.telemetry.alerts import do_close_host_alerts, do_record_alerts
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
 from workers.config import CONTROL_HEARTBEAT_KEY
@@ -109,6 +110,11 @@ def sandbox_stopped(allocation_key: str, ended_ms: int, message: str = "stopped"
 
 def sandbox_warned(allocation_key: str, checkpoint: str) -> None:
     preemption.do_record_warning(allocation_key, checkpoint)
+
+
+def storage_usage(sandbox_id: int, usage: dict[str, list[Any]]) -> None:
+    """What a stopped sandbox's volumes hold: {volume id: [bytes, whether measured whole]}."""
+    do_record_storage_usage(int(sandbox_id), {int(k): (int(v[0]), bool(v[1])) for k, v in usage.items()})
 
 
 def sandbox_output(allocation_key: str, start: int, data_b64: str, total: int) -> None:

@@ -24,6 +24,7 @@ from portal.accounts.members import (
 from portal.accounts.models import Membership, Project
 from portal.billing.models import UsageRecord
 from portal.billing.pricing import format_money
+from portal.catalog.storage import storage_lines
 from portal.inputs import whole_number
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
@@ -133,6 +134,7 @@ def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
             "bars": quota_bars([project])[project.pk],
             "quota": QuotaPolicy.objects.filter(project=project).first(),
             "hours": hours,
+            "storage": storage_lines(None, request.user, project),
             "parts": _utilization_parts(hours),
             "invoices": invoices,
             "charged": " + ".join(charged) or "nothing",

@@ -24,6 +24,7 @@ from portal.accounts.models import Membership, Project
 from portal.audit import trail
 from portal.billing import ledger
 from portal.catalog.models import SandboxImage, SharingMode, Tier
+from portal.catalog.storage import storage_refusal
 from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 from portal.fleet.modes import KIND_MODE
 from portal.quotas.models import QuotaPolicy
@@ -128,6 +129,8 @@ def check_request_sandbox(user: Any, req: SandboxRequest, *, quota: bool = True)
         raise SandboxRequestError(
             "duration", f"The tier {tier.name} allows up to {tier.max_duration} per sandbox."
         )
+    if (refusal := storage_refusal(tier, user, req.project)) is not None:
+        raise SandboxRequestError("tier", refusal)
     if quota:
         check_quota(req)
 

@@ -270,6 +270,7 @@ class Notification(models.Model):
         DRAINED = "drained", "GPU drained"
         QUOTA = "quota", "Quota"
         ALERT = "alert", "Alert"
+        STORAGE = "storage", "Storage"
 
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notifications")
     sandbox = models.ForeignKey(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from portal.catalog.storage import mounts_for
 from portal.fleet.models import GpuMode
 from portal.sandboxes.models import Allocation, Sandbox
 from workers.drivers.base import MpsShare, SandboxSpec
@@ -39,4 +40,5 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         env={"GPUSHARE_SANDBOX_ID": str(sandbox.pk), "GPUSHARE_PROJECT": sandbox.project.slug},
         tier=tier.slug,
         batch=sandbox.batch,
+        mounts=mounts_for(tier, sandbox.owner, sandbox.project),
     )

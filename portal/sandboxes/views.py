@@ -17,6 +17,7 @@ from django.views.decorators.http import require_POST
 from portal.accounts.access import can_manage_sandbox, visible_projects
 from portal.billing.ledger import cost_by
 from portal.catalog.models import Tier
+from portal.catalog.storage import storage_lines
 from portal.inputs import whole_number
 from portal.sandboxes import actions
 from portal.sandboxes.consumers import TERMINAL_ISOLATION
@@ -95,7 +96,10 @@ def sandbox_preview(request: HttpRequest) -> HttpResponse:
             for error in errors
         ]
         answer = Preview("refused", "; ".join(problems))
-    return render(request, "sandboxes/_preview.html", {"preview": answer, "tier": tier})
+    # The storage it would mount, with its usage: only for one of the user's own projects.
+    project = getattr(form, "cleaned_data", {}).get("project")
+    storage = storage_lines(tier, request.user, project) if tier is not None and project is not None else []
+    return render(request, "sandboxes/_preview.html", {"preview": answer, "tier": tier, "storage": storage})
 
 
 CHOICES_FIRST = ("project", "tier", "image")
@@ -121,6 +125,7 @@ def _detail_context(sandbox: Sandbox) -> dict[str, object]:
         "events": sandbox.events.select_related("actor"),
         "allocations": sandbox.allocations.select_related("gpu", "mig_instance"),
         "usage": usage,
+        "storage": storage_lines(sandbox.tier, sandbox.owner, sandbox.project),
         "cost": f"{cost / 1_000_000:.4f} {sandbox.tier.currency}",
         "time_left": _whole_seconds(sandbox.started_at + sandbox.max_duration - now)
         if sandbox.started_at and sandbox.state == "running"

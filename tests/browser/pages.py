@@ -93,3 +93,17 @@ def publish(group: str, message: dict[str, Any]) -> None:
     thread.start()
     thread.join(10)
     assert not failure, failure
+
+
+def request_batch(page: Any, base: str, command: str, who: str = "olivia") -> None:
+    """``who`` asks for a batch on a whole GPU of project Vision, as a process sandbox,
+    through the form, and lands on its page."""
+    sign_in(page, base, who, "/sandboxes/new/")
+    page.select_option("select[name=project]", label="Vision")
+    page.select_option("select[name=tier]", label="Dedicated")
+    page.select_option("select[name=image]", label="busybox")
+    page.select_option("select[name=isolation]", "process")
+    page.select_option("select[name=run]", "batch")
+    page.fill("input[name=command]", command)
+    page.click("form.request-form button[type=submit]")
+    page.wait_for_url("**/sandboxes/*/")

@@ -16,7 +16,7 @@ from portal.accounts.models import ApiToken
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
 from portal.sandboxes.output import do_store_output
-from tests.browser.pages import publish, shot, sign_in, wait_until
+from tests.browser.pages import publish, request_batch, shot, wait_until
 from tests.e2e.platform import running_platform, wait_for
 from tests.workers.engines import require_engine
 from workers.drivers.process import bwrap_available
@@ -33,19 +33,6 @@ COMMAND = (
 
 def host_output_bytes(var_dir: Path) -> int:
     return sum(p.stat().st_size for p in var_dir.glob("agents/*/sandboxes/*.output/*") if p.is_file())
-
-
-def request_batch(page: Any, base: str, command: str) -> None:
-    """Olivia asks for a batch on a whole GPU, as a process sandbox, through the form."""
-    sign_in(page, base, "olivia", "/sandboxes/new/")
-    page.select_option("select[name=project]", label="Vision")
-    page.select_option("select[name=tier]", label="Dedicated")
-    page.select_option("select[name=image]", label="busybox")
-    page.select_option("select[name=isolation]", "process")
-    page.select_option("select[name=run]", "batch")
-    page.fill("input[name=command]", command)
-    page.click("form.request-form button[type=submit]")
-    page.wait_for_url("**/sandboxes/*/")
 
 
 def test_a_batch_printing_300_mb(people: Any, catalog: Any, tmp_path: Path, browser_page: Any) -> None:

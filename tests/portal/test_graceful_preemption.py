@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from portal.catalog.models import Storage
 from portal.sandboxes import actions, preemption
 from portal.sandboxes.models import Notification, Sandbox
 from portal.sandboxes.preview import preview_request
 from portal.sandboxes.snapshot import build_queue, build_snapshot
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import client_for, place_all, request
+from workers.drivers.base import SandboxSpec
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 GRACE = timedelta(seconds=90)
@@ -149,11 +151,14 @@ def test_a_victim_that_exits_at_its_warning_ends_preempted(
     assert_starts(urgent)
 
 
-def test_a_requeued_victim_waits_again_and_runs_after(
+def test_a_requeued_victim_waits_again_and_runs_after_with_its_files(
     people: Any, catalog: Any, batch: Any, fleet: Any, sent_tasks: Any
 ) -> None:
     batch.requeue_on_preemption = True
     batch.save()
+    batch.storages.set(
+        [Storage.objects.create(name="home", kind="home", directory="homes", mount_path="/home/sandbox")]
+    )
     urgent, victim = preempt_one(people, catalog, batch)
     preemption.do_stop_warned(deadline(victim))
     victim.refresh_from_db()
@@ -173,6 +178,10 @@ def test_a_requeued_victim_waits_again_and_runs_after(
     urgent.refresh_from_db()
     report_stopped(urgent)
     assert_starts(victim)  # queued again, it runs again
+    # On whichever host, it mounts the same home: the files it wrote before are there.
+    launches = [SandboxSpec.from_json(a[0]) for _, t, a in sent_tasks if t == "launch_sandbox"]
+    first, again = [spec.mounts for spec in launches if spec.sandbox_id == victim.pk]
+    assert first == again and [m.source for m in first] == [f"homes/{victim.owner_id}"]
 
 
 def test_the_warning_is_called_off_when_the_request_is_withdrawn(

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs"), 
 PAGES: list[tuple[str, str, str, int]] = [
     ("owner", "GET", "/sandboxes/", 5),
     ("owner", "GET", "/sandboxes/new/", 8),
-    ("owner", "POST", "/sandboxes/preview/", 24),
+    ("owner", "POST", "/sandboxes/preview/", 26),  # 2 for the tier's storage: checked, then shown
     ("owner", "GET", "/sandboxes/{sandbox}/", 9),
     ("owner", "GET", "/sandboxes/{sandbox}/status/", 9),
     ("owner", "GET", "/notifications/", 5),

@@ -47,6 +47,7 @@ class MemoryDriver:
     """Sandboxes as dictionary entries: launch, stop, status and list, nothing else."""
 
     name = "memory"
+    storage_dir = None  # mounts no storage
 
     def __init__(self) -> None:
         self.live: dict[str, SandboxHandle] = {}

@@ -12,7 +12,7 @@ import pytest
 
 from workers.agent import Agent
 from workers.config import AgentSettings
-from workers.drivers.base import MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
+from workers.drivers.base import MpsShare, SandboxHandle, SandboxSpec, SandboxStatus, StorageMount
 from workers.gpu.mps import MpsError, device_key, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
@@ -20,6 +20,7 @@ from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
 class RecordingDriver:
     name = "recording"
+    storage_dir = None  # mounts no storage
 
     def __init__(self) -> None:
         self.launched: list[SandboxSpec] = []
@@ -231,3 +232,29 @@ def test_a_spec_with_the_retired_metering_facts_still_reads() -> None:
     assert SandboxSpec.from_json(old) == spec("GPU-1")
     with pytest.raises(TypeError):
         SandboxSpec.from_json({**old, "not_a_field": 1})  # anything else is still refused
+
+
+def test_a_stopped_sandboxes_storage_is_measured_and_reported_after_the_stop(
+    tmp_path: Path, sent_tasks: Any
+) -> None:
+    a, driver, device = agent(tmp_path)
+    root = tmp_path / "storage"
+    driver.storage_dir = root  # type: ignore[assignment]
+    driver.stop = lambda handle, grace_s=0: None  # type: ignore[attr-defined]
+    home = root / "homes" / "3"
+    home.mkdir(parents=True)
+    (home / "weights.bin").write_bytes(b"x" * 200_000)
+    (home / "same-weights.bin").hardlink_to(home / "weights.bin")  # counted once
+    mounts = (
+        StorageMount("home", "homes/3", "/home/sandbox", False, 1, volume=3),
+        StorageMount("mnist", "datasets/mnist", "/data", True, 0),  # read-only: not measured
+        StorageMount("shared", "projects/9", "/project", False, 2, volume=9),  # not on this host
+    )
+    a.launch(replace(spec(device), mps=None, mounts=mounts))
+    a.stop("a1", SandboxHandle("recording", "a1", 7, "ref").to_json())
+    told = [(task, args) for _, task, args in sent_tasks if task in ("sandbox_stopped", "storage_usage")]
+    assert [task for task, _ in told] == ["sandbox_stopped", "storage_usage"]  # the stop first
+    sandbox_id, usage = told[1][1]
+    assert sandbox_id == 7 and list(usage) == ["3"]
+    used, whole = usage["3"]
+    assert whole and 200_000 <= used < 2 * 200_000

@@ -508,3 +508,24 @@ def test_dev_shm_has_the_tiers_size(driver: DockerDriver, client: docker.DockerC
     assert code == 0 and isinstance(out, bytes), out
     assert out.decode().split()[1] == str(96 * 1024) and "ok" in out.decode()
     driver.stop(handle, grace_s=0)
+
+
+def test_a_read_before_the_first_line_does_not_break_the_next() -> None:
+    """Polling a container that has printed nothing yet, then again: the first read left no
+    time to resume from, and Docker refuses ``since=0`` (it raised InvalidArgument)."""
+    from workers.drivers.docker_logs import ContainerLogReader
+
+    class Container:
+        def __init__(self) -> None:
+            self.lines = b""
+            self.since: list[object] = []
+
+        def logs(self, **kwargs: object) -> bytes:
+            self.since.append(kwargs["since"])
+            return self.lines
+
+    container, reader = Container(), ContainerLogReader()
+    assert reader.read(container, "a1", 0, 4096).data == b""
+    container.lines = b"2026-11-27T05:00:00.000000001Z READY\n"
+    assert reader.read(container, "a1", 0, 4096).data == b"READY\n"
+    assert container.since == [None, None]

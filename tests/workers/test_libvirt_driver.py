@@ -21,7 +21,7 @@ from tests.workers.engines import require_engine, require_module
 
 libvirt = require_module("libvirt", "libvirt-python (make install-libvirt)")
 # After the check above: without the optional extra the module is skipped (failed in CI).
-from workers.drivers import make_driver  # noqa: E402
+from workers.drivers import make_driver, uids  # noqa: E402
 from workers.drivers.base import DriverError, SandboxHandle, SandboxSpec  # noqa: E402
 from workers.drivers.libvirt import (  # noqa: E402
     METADATA_NS,
@@ -37,6 +37,7 @@ from workers.drivers.libvirt import (  # noqa: E402
     libvirt_available,
     normalize_pci_address,
 )
+from workers.drivers.storage import BoundStorage  # noqa: E402
 
 IMAGE = GuestImage(kernel=Path("/images/vmlinuz"), initrd=Path("/images/initramfs.cpio.gz"))
 BOOT_DEADLINE_S = 240.0  # TCG on a busy two-core machine: generous, never asserted on
@@ -410,3 +411,29 @@ def test_terminal_over_the_serial_console(driver: LibvirtDriver, host: str) -> N
     wait_for_state(driver, handle, "exited")
     with pytest.raises(DriverError, match="shut off"):
         driver.exec_terminal(handle)
+
+
+def test_a_vm_shares_exactly_its_resolved_storage_as_its_own_uid() -> None:
+    spec = make_spec(sandbox_id=55)
+    bound = [
+        BoundStorage("/srv/storage/homes/3", "/home/sandbox", False, 1_002_000_003, 3),
+        BoundStorage("/srv/storage/datasets/mnist", "/data/mnist", True, 0, 0),
+    ]
+    root = ET.fromstring(domain_xml(spec, image=IMAGE, domain_type="qemu", bound=bound))  # noqa: S314
+    shares = [(f.find("driver"), f.find("source")) for f in root.findall("devices/filesystem")]
+    assert [(d.get("type"), s.get("dir")) for d, s in shares] == [  # type: ignore[union-attr]
+        ("virtiofs", "/srv/storage/homes/3"),
+        ("virtiofs", "/srv/storage/datasets/mnist"),
+    ]
+    assert root.find("memoryBacking/access").get("mode") == "shared"  # type: ignore[union-attr]
+    cmdline = root.findtext("os/cmdline") or ""
+    assert f"gpushare.uid={uids.sandbox_uid(55)} gpushare.gid=1002000003" in cmdline
+    mounts = base64.b64decode(re.search(r"gpushare\.mounts=(\S+)", cmdline).group(1)).decode()  # type: ignore[union-attr]
+    assert mounts == "gpushare0 rw /home/sandbox\ngpushare1 ro /data/mnist\n"
+    # No storage: no share, and no shared memory.
+    plain = ET.fromstring(domain_xml(spec, image=IMAGE, domain_type="qemu"))  # noqa: S314
+    assert plain.find("devices/filesystem") is None and plain.find("memoryBacking") is None
+    # virtiofsd creates as the guest's one gid: one read-write volume at most.
+    two = [*bound, BoundStorage("/srv/storage/projects/1", "/project", False, 1_002_000_004, 4)]
+    with pytest.raises(DriverError, match="one read-write storage at most"):
+        domain_xml(spec, image=IMAGE, domain_type="qemu", bound=two)

@@ -55,6 +55,7 @@ class CheckingDriver:
     """Runs sandboxes in memory and checks each start against the GPU's daemon."""
 
     name = "process"
+    storage_dir = None  # mounts no storage
 
     def __init__(self) -> None:
         self.live: dict[str, SandboxSpec] = {}

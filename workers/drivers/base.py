@@ -13,6 +13,7 @@ import posixpath
 import stat
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from workers.drivers.output import OutputChunk
@@ -250,6 +251,12 @@ class DriverError(RuntimeError):
 
 class SandboxDriver(Protocol):
     name: str
+
+    @property
+    def storage_dir(self) -> Path | None:
+        """Where this host's persistent storage lives (workers/drivers/storage.py); None for a
+        driver that mounts none (the state-only one of simulated hosts)."""
+        ...
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle: ...
 

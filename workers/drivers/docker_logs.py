@@ -54,7 +54,9 @@ class ContainerLogReader:
     def read(self, container: Any, allocation_id: str, offset: int, limit: int) -> OutputChunk:
         with self._lock:
             cursor = self._cursors.get(allocation_id)
-        resume = cursor is not None and cursor.end == offset
+        # A cursor from a read that found nothing yet has no time to resume from: Docker's
+        # ``since`` must be positive (0 raised InvalidArgument on the next read).
+        resume = cursor is not None and cursor.end == offset and cursor.last > (0, 0)
         since = None
         if resume and cursor is not None:
             since = cursor.last[0] + cursor.last[1] / 1e9

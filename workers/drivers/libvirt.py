@@ -44,12 +44,12 @@ import threading
 import time
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.drivers import DriverUnavailable, install_command
+from workers.drivers import DriverUnavailable, install_command, storage, uids
 
 try:
     import libvirt
@@ -57,7 +57,7 @@ except ImportError as exc:  # an optional extra: the pure builders below work wi
     _LIBVIRT_MISSING: ImportError | None = exc
 else:
     _LIBVIRT_MISSING = None
-from workers.config import var_dir
+from workers.config import storage_root, var_dir
 from workers.drivers.base import (
     LABEL_PREFIX,
     DriverError,
@@ -66,6 +66,7 @@ from workers.drivers.base import (
     SandboxStatus,
 )
 from workers.drivers.output import OutputChunk
+from workers.drivers.storage import BoundStorage
 
 log = logging.getLogger(__name__)
 
@@ -178,11 +179,31 @@ def guest_script(spec: SandboxSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_cmdline(spec: SandboxSpec) -> str:
-    if not spec.command:
-        return _BASE_CMDLINE  # the guest starts a shell on the console
-    encoded = base64.b64encode(guest_script(spec).encode()).decode()
-    cmdline = f"{_BASE_CMDLINE} gpushare.run={encoded}"
+def storage_identity(spec: SandboxSpec, bound: Sequence[BoundStorage]) -> tuple[int, int]:
+    """(uid, gid) a VM with storage runs as, QEMU on the host and its user in the guest: the
+    sandbox's own uid, as the other drivers give it, and its read-write volume's group. QEMU
+    gets no supplementary groups, so a VM takes one read-write volume at most."""
+    writable = [m for m in bound if not m.read_only]
+    if len(writable) > 1:
+        raise DriverError(
+            f"sandbox {spec.allocation_id}: a VM mounts one read-write storage at most, not "
+            f"{len(writable)} ({', '.join(m.target for m in writable)})"
+        )
+    uid = uids.sandbox_uid(spec.sandbox_id)
+    return uid, writable[0].gid if writable else uid
+
+
+def kernel_cmdline(spec: SandboxSpec, bound: Sequence[BoundStorage] = ()) -> str:
+    cmdline = _BASE_CMDLINE
+    if bound:
+        uid, gid = storage_identity(spec, bound)
+        lines = "".join(
+            f"gpushare{i} {'ro' if m.read_only else 'rw'} {m.target}\n" for i, m in enumerate(bound)
+        )
+        cmdline += f" gpushare.uid={uid} gpushare.gid={gid}"
+        cmdline += f" gpushare.mounts={base64.b64encode(lines.encode()).decode()}"
+    if spec.command:  # else the guest starts a shell on the console
+        cmdline += f" gpushare.run={base64.b64encode(guest_script(spec).encode()).decode()}"
     if len(cmdline) > _MAX_CMDLINE:
         raise DriverError(
             f"sandbox {spec.allocation_id}: command and environment take {len(cmdline)} bytes on "
@@ -224,8 +245,10 @@ def domain_xml(
     console_log: Path | None = None,
     network_name: str = "default",
     launched_ms: int | None = None,
+    bound: Sequence[BoundStorage] = (),
 ) -> str:
-    """The libvirt domain XML for ``spec`` (pure, so it is unit-testable without libvirt)."""
+    """The libvirt domain XML for ``spec`` and its storage, resolved on this host (pure, so it
+    is unit-testable without libvirt)."""
     if domain_type not in ("kvm", "qemu"):
         raise ValueError(f"domain type must be kvm or qemu, not {domain_type!r}")
     dom = ET.Element("domain", type=domain_type)
@@ -250,7 +273,7 @@ def domain_xml(
     _sub(os_el, "type", "hvm", arch="x86_64", machine="pc")
     _sub(os_el, "kernel", str(image.kernel))
     _sub(os_el, "initrd", str(image.initrd))
-    _sub(os_el, "cmdline", kernel_cmdline(spec))
+    _sub(os_el, "cmdline", kernel_cmdline(spec, bound))
     features = _sub(dom, "features")
     _sub(features, "acpi")  # libvirt's shutdown presses the ACPI power button
     if domain_type == "kvm":
@@ -281,6 +304,22 @@ def domain_xml(
                 raise DriverError(f"no PCI resolver: cannot pass GPU {device_uuid} through to a VM")
             hostdev = _sub(devices, "hostdev", mode="subsystem", type="pci", managed="yes")
             _sub(_sub(hostdev, "source"), "address", **pci_address(device_uuid, resolve_pci(device_uuid)))
+    if bound:
+        storage_identity(spec, bound)  # refuses a second read-write volume
+        # virtiofs: libvirt runs virtiofsd on the host for each share, which creates files as
+        # the guest's user (the sandbox's uid, the volume's gid; the guest's kernel checks
+        # permissions as they are on the host). It needs the guest's RAM shared with it.
+        backing = ET.Element("memoryBacking")
+        _sub(backing, "source", type="memfd")
+        _sub(backing, "access", mode="shared")
+        dom.insert(list(dom).index(dom.find("vcpu")), backing)  # type: ignore[arg-type]
+    for index, mount in enumerate(bound):
+        # libvirt 9 takes no <readonly/> for virtiofs: a dataset is mounted read-only by the
+        # guest, whose sandbox user is not root, and is root's on the host besides.
+        share = _sub(devices, "filesystem", type="mount", accessmode="passthrough")
+        _sub(share, "driver", type="virtiofs")
+        _sub(share, "source", dir=mount.host_path)
+        _sub(share, "target", dir=f"gpushare{index}")
     _sub(devices, "controller", type="usb", model="none")
     _sub(devices, "memballoon", model="none")
 
@@ -457,6 +496,7 @@ class LibvirtDriver:
         resolve_pci: PciResolver | None = None,
         console_log_dir: Path | None = None,
         network_name: str = "default",
+        storage_dir: Path | None = None,
     ) -> None:
         if _LIBVIRT_MISSING is not None:
             raise DriverUnavailable(
@@ -475,6 +515,7 @@ class LibvirtDriver:
             console_log_dir = Path("/var/log/libvirt/qemu")
         self.console_log_dir = console_log_dir
         self.network_name = network_name
+        self.storage_dir = storage_root() if storage_dir is None else storage_dir
         self._conn: Any = None
         self._conn_lock = threading.Lock()
         # allocation id -> (bytes of its console rotated away, the file's size when last read)
@@ -556,8 +597,10 @@ class LibvirtDriver:
             missing = self.image.missing()
             if missing:
                 raise DriverError(f"{action}: guest image {', '.join(missing)} not readable; {BUILD_HINT}")
+            bound = storage.resolve(self.storage_dir, spec.mounts)
             xml = domain_xml(
                 spec,
+                bound=bound,
                 image=self.image,
                 domain_type=self.domain_type,
                 resolve_pci=self.resolve_pci,

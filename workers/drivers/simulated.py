@@ -27,6 +27,7 @@ STATE_FILE = "simulated-sandboxes.json"
 
 class SimulatedDriver:
     name = "simulated"
+    storage_dir = None  # runs nothing, so mounts nothing
 
     def __init__(self, state_dir: Path, host: str = "") -> None:
         self.host = host

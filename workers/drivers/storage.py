@@ -72,7 +72,7 @@ def checked_target(target: str) -> str:
     return target
 
 
-def _checked_source(source: str) -> str:
+def checked_source(source: str) -> str:
     parts = source.split("/")
     if not source or source.startswith("/") or "\0" in source or any(p in ("", ".", "..") for p in parts):
         raise DriverError(f"storage path {source!r} is not a plain path under the storage root")
@@ -85,12 +85,14 @@ def resolve(root: Path, mounts: tuple[StorageMount, ...], *, make: bool = True) 
     bound: list[BoundStorage] = []
     targets: set[str] = set()
     real_root = os.path.realpath(root)
+    if mounts:
+        _check_reachable(real_root)
     for mount in mounts:
         target = checked_target(mount.target)
         if target in targets:
             raise DriverError(f"two storage mounts at {target}")
         targets.add(target)
-        path = os.path.join(real_root, _checked_source(mount.source))
+        path = os.path.join(real_root, checked_source(mount.source))
         if not mount.read_only and make:
             _make_volume(Path(real_root), path, mount.gid)
         if os.path.realpath(path) != path:  # a symlink on the way: it could lead anywhere
@@ -100,6 +102,24 @@ def resolve(root: Path, mounts: tuple[StorageMount, ...], *, make: bool = True) 
         gid = 0 if mount.read_only else mount.gid
         bound.append(BoundStorage(path, target, mount.read_only, gid, mount.volume))
     return bound
+
+
+def _check_reachable(root: str) -> None:
+    """The sandboxes' uids (no host account's, in no group of the host's) must be able to
+    pass through every directory above the root: else bubblewrap's bind or QEMU's open
+    fails with a bare "permission denied"."""
+    here = root
+    while here != "/":
+        here = os.path.dirname(here)
+        try:
+            mode = os.stat(here).st_mode
+        except OSError as exc:
+            raise DriverError(f"storage root {root}: {here} cannot be read ({exc.strerror})") from exc
+        if not mode & stat.S_IXOTH:
+            raise DriverError(
+                f"storage root {root} cannot be reached by sandboxes: {here} is mode "
+                f"{stat.S_IMODE(mode):o} (sandbox uids need o+x on every directory above STORAGE_ROOT)"
+            )
 
 
 def _make_volume(root: Path, path: str, gid: int) -> None:

@@ -13,6 +13,7 @@ from workers.checkpoint import run_checkpoint_hook
 from workers.config import AgentSettings
 from workers.drivers import DRIVER_ISOLATION
 from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
+from workers.drivers.storage import measure
 from workers.gpu.base import GpuBackend
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.host.inventory import HostInventory
@@ -100,8 +101,27 @@ class SandboxLifecycle:
 
     def stop(self, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
-        self.stop_quietly(allocation_id, handle)
+        spec = self.stop_quietly(allocation_id, handle)
         dispatch.to_control("sandbox_stopped", allocation_id, now_ms())
+        if spec is not None:
+            self.report_storage(spec)
+
+    def report_storage(self, spec: SandboxSpec) -> None:
+        """What the sandbox's read-write volumes hold now that it has stopped: the portal warns
+        the owner near the limit and refuses new sandboxes past it. Measured after the stop is
+        reported, so a large home never delays it."""
+        root = self.driver.storage_dir
+        if root is None:
+            return
+        usage = {}
+        for mount in spec.mounts:
+            path = root / mount.source
+            if mount.read_only or not mount.volume or not path.is_dir():
+                continue
+            used, complete = measure(str(path), self.settings.storage_measure_s)
+            usage[str(mount.volume)] = [used, complete]
+        if usage:
+            dispatch.to_control("storage_usage", spec.sandbox_id, usage)
 
     def warn(self, allocation_id: str, handle_json: dict[str, Any] | None, stop_at: float) -> None:
         """A preemption's warning, before the stop the control worker sends at ``stop_at``
@@ -127,9 +147,10 @@ class SandboxLifecycle:
         said = "no checkpoint hook" if hook is None else hook[1]
         dispatch.to_control("sandbox_warned", allocation_id, f"{said}; {signalled}")
 
-    def stop_quietly(self, allocation_id: str, handle: SandboxHandle | None) -> None:
+    def stop_quietly(self, allocation_id: str, handle: SandboxHandle | None) -> SandboxSpec | None:
         """Stop a sandbox and forget it, reporting nothing: ``stop`` reports the stop, a fleet
-        plan's report says it stopped (and the control plane relaunches it elsewhere)."""
+        plan's report says it stopped (and the control plane relaunches it elsewhere). Returns
+        its spec, when this agent launched it."""
         box = self.sandboxes
         with box.lock:
             box.stopped.add(allocation_id)  # a late launch must not revive it
@@ -144,6 +165,7 @@ class SandboxLifecycle:
             box.running.pop(allocation_id, None)
             box.handles.pop(allocation_id, None)
         self.utilization.forget(allocation_id)
+        return spec
 
     def find(self, allocation_id: str) -> SandboxHandle | None:
         return next((h for h in self.driver.list_owned() if h.allocation_id == allocation_id), None)

@@ -14,11 +14,12 @@ from django.core.management.base import BaseCommand
 from django.db import transaction
 
 from portal.accounts.models import Membership, Project
-from portal.catalog.models import PriorityClass, SandboxImage, SharingMode, Tier
+from portal.catalog.models import PriorityClass, SandboxImage, SharingMode, Storage, Tier
 from portal.demo import DEMO_HOSTS, DEMO_USERS
 from portal.fleet.inventory import do_sync_inventory
 from portal.fleet.models import Gpu, GpuMode
 from portal.quotas.models import QuotaPolicy
+from workers.config import storage_root
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
 TIERS = [
@@ -133,6 +134,7 @@ class Command(BaseCommand):
                     ),
                 },
             )
+        self._storage()
         SandboxImage.objects.update_or_create(
             name="busybox",
             defaults={
@@ -148,6 +150,26 @@ class Command(BaseCommand):
         self.stdout.write(
             self.style.SUCCESS("demo seeded: " + ", ".join(f"{u}/{p}" for u, p in DEMO_USERS.items()))
         )
+
+    def _storage(self) -> None:
+        """A home and a project folder on every tier, and a small read-only dataset, under
+        this machine's STORAGE_ROOT (the demo's agents run here)."""
+        sample = storage_root() / "datasets" / "sample"
+        sample.mkdir(parents=True, exist_ok=True)
+        for folder in (storage_root(), sample.parent, sample):
+            folder.chmod(0o755)  # every sandbox's uid reads a dataset
+        (sample / "README").write_text(
+            "A read-only dataset: every sandbox of the demo's tiers sees it here.\n"
+        )
+        home = {"kind": "home", "directory": "homes", "mount_path": "/home/sandbox", "limit_gib": 10}
+        shared = {"kind": "project", "directory": "projects", "mount_path": "/project", "limit_gib": 50}
+        data = {"kind": "dataset", "directory": "datasets/sample", "mount_path": "/data/sample"}
+        storages = [
+            Storage.objects.update_or_create(name=name, defaults=values)[0]
+            for name, values in (("Home", home), ("Project folder", shared), ("Sample dataset", data))
+        ]
+        for tier in Tier.objects.filter(slug__in=[t[0] for t in TIERS]):
+            tier.storages.set(storages)
 
     def _users(self) -> dict[str, Any]:
         User = get_user_model()
