@@ -44,6 +44,7 @@ from workers.host.lifecycle import SandboxLifecycle
 from workers.host.reports import HostReports
 from workers.host.sampler import Sampler
 from workers.host.sandboxes import HostSandboxes
+from workers.host.storage_meter import StorageMeter
 from workers.host.terminals import open_terminal as relay_terminal
 from workers.host.utilization import UtilizationWindows
 
@@ -77,9 +78,10 @@ class Agent:
         self.alerts = AlertTracker(host)
         self.utilization = UtilizationWindows(self.settings.util_window_s)
         self.output = OutputPump(driver, self.sandboxes.handles.get)
+        self.meter = StorageMeter(self.settings, driver, self.sandboxes)
         self.lifecycle = SandboxLifecycle(
             self.settings, backend, driver, self.sandboxes, self.inventory, self.mps_daemons,
-            self.utilization, self.output,
+            self.utilization, self.output, self.meter,
         )  # fmt: skip
         self.reports = HostReports(
             self.settings, backend, driver, self.sandboxes, self.inventory, self.mps_daemons,
@@ -160,6 +162,13 @@ class Agent:
         dispatch.to_control("telemetry_agent_started", self.host)
         loop = self.sampler.sample_forever(self.settings.sample_interval_s, self.settings.heartbeat_s)
         threading.Thread(target=asyncio.run, args=(loop,), name="agent-sampler", daemon=True).start()
+        if self.driver.storage_dir is not None:
+            threading.Thread(
+                target=self.meter.run_forever,
+                args=(self.sampler.stopping,),
+                name="agent-storage",
+                daemon=True,
+            ).start()
 
     def shutdown(self) -> None:
         self.sampler.stopping.set()

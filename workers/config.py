@@ -101,7 +101,8 @@ class AgentSettings:
     mps_exclusive_process: bool = False  # EXCLUSIVE_PROCESS compute mode while a GPU runs MPS
     checkpoint_hook: str = "-"  # "-": none (workers.moves)
     checkpoint_timeout_s: int = 300
-    storage_measure_s: float = 20.0  # the longest walk measuring a stopped sandbox's storage
+    storage_measure_s: float = 20.0  # the longest walk measuring one volume
+    storage_interval_s: float = 600.0  # how often running sandboxes' volumes are measured
 
     @classmethod
     def from_env(cls, host: str | None = None) -> AgentSettings:
@@ -125,6 +126,7 @@ class AgentSettings:
             mps_exclusive_process=env_bool("MPS_EXCLUSIVE_PROCESS", False),
             checkpoint_hook=env_str("SANDBOX_CHECKPOINT_HOOK", "-"),
             storage_measure_s=float(env_int("STORAGE_MEASURE_S", 20, minimum=1)),
+            storage_interval_s=float(env_int("STORAGE_INTERVAL_S", 600, minimum=10)),
             checkpoint_timeout_s=env_int("SANDBOX_CHECKPOINT_TIMEOUT_S", 300, minimum=1),
         )
 

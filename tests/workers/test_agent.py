@@ -234,7 +234,7 @@ def test_a_spec_with_the_retired_metering_facts_still_reads() -> None:
         SandboxSpec.from_json({**old, "not_a_field": 1})  # anything else is still refused
 
 
-def test_a_stopped_sandboxes_storage_is_measured_and_reported_after_the_stop(
+def test_storage_is_measured_while_sandboxes_run_and_after_each_stops(
     tmp_path: Path, sent_tasks: Any
 ) -> None:
     a, driver, device = agent(tmp_path)
@@ -251,6 +251,12 @@ def test_a_stopped_sandboxes_storage_is_measured_and_reported_after_the_stop(
         StorageMount("shared", "projects/9", "/project", False, 2, volume=9),  # not on this host
     )
     a.launch(replace(spec(device), mps=None, mounts=mounts))
+    a.launch(replace(spec(device), allocation_id="a2", sandbox_id=8, mps=None, mounts=mounts[:1]))
+    # While they run, a round: each sandbox told what its volumes hold, a shared one walked once.
+    a.meter.round()
+    during = {args[0]: args[1] for _, task, args in sent_tasks if task == "storage_usage"}
+    assert set(during) == {7, 8} and during[7] == during[8] and list(during[7]) == ["3"]
+    sent_tasks.clear()
     a.stop("a1", SandboxHandle("recording", "a1", 7, "ref").to_json())
     told = [(task, args) for _, task, args in sent_tasks if task in ("sandbox_stopped", "storage_usage")]
     assert [task for task, _ in told] == ["sandbox_stopped", "storage_usage"]  # the stop first

@@ -13,11 +13,11 @@ from workers.checkpoint import run_checkpoint_hook
 from workers.config import AgentSettings
 from workers.drivers import DRIVER_ISOLATION
 from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
-from workers.drivers.storage import measure
 from workers.gpu.base import GpuBackend
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.host.inventory import HostInventory
 from workers.host.sandboxes import HostSandboxes
+from workers.host.storage_meter import StorageMeter
 from workers.host.utilization import UtilizationWindows
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class SandboxLifecycle:
         mps_daemons: MpsDaemons,
         utilization: UtilizationWindows,
         output: OutputPump,
+        meter: StorageMeter,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -47,6 +48,7 @@ class SandboxLifecycle:
         self.mps_daemons = mps_daemons
         self.utilization = utilization
         self.output = output
+        self.meter = meter
 
     def launch(self, spec: SandboxSpec) -> None:
         box = self.sandboxes
@@ -103,25 +105,8 @@ class SandboxLifecycle:
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
         spec = self.stop_quietly(allocation_id, handle)
         dispatch.to_control("sandbox_stopped", allocation_id, now_ms())
-        if spec is not None:
-            self.report_storage(spec)
-
-    def report_storage(self, spec: SandboxSpec) -> None:
-        """What the sandbox's read-write volumes hold now that it has stopped: the portal warns
-        the owner near the limit and refuses new sandboxes past it. Measured after the stop is
-        reported, so a large home never delays it."""
-        root = self.driver.storage_dir
-        if root is None:
-            return
-        usage = {}
-        for mount in spec.mounts:
-            path = root / mount.source
-            if mount.read_only or not mount.volume or not path.is_dir():
-                continue
-            used, complete = measure(str(path), self.settings.storage_measure_s)
-            usage[str(mount.volume)] = [used, complete]
-        if usage:
-            dispatch.to_control("storage_usage", spec.sandbox_id, usage)
+        if spec is not None:  # what its volumes hold now: after the stop's report, never delaying it
+            self.meter.report(spec)
 
     def warn(self, allocation_id: str, handle_json: dict[str, Any] | None, stop_at: float) -> None:
         """A preemption's warning, before the stop the control worker sends at ``stop_at``
