@@ -10,7 +10,7 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.core.paginator import Paginator
 from django.db import models
 from django.db.models import Count, Prefetch, Q
-from django.http import Http404, HttpRequest, HttpResponse, QueryDict
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBadRequest, QueryDict
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
@@ -38,6 +38,7 @@ from portal.control.plans import (
 )
 from portal.fleet.models import FleetPlan, Gpu, Host, PlanStep
 from portal.fleet.modes import GpuModeError, describe, do_set_gpu_mode, serving
+from portal.inputs import plain_text
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes.models import Allocation, Sandbox
 from portal.sandboxes.snapshot import build_fairshare, build_queue, build_snapshot
@@ -265,6 +266,8 @@ def audit_log(request: HttpRequest) -> HttpResponse:
     """The newest audit entries, optionally of one kind of target (``?target=catalog.tier``)."""
     entries = AuditEntry.objects.select_related("actor")
     target = request.GET.get("target", "")
+    if plain_text(target, 60) is None:
+        return HttpResponseBadRequest("target: a kind of target, such as catalog.tier.")
     if target:
         entries = entries.filter(target_type=target)
     kinds = AuditEntry.objects.order_by("target_type").values_list("target_type", flat=True).distinct()

@@ -20,7 +20,7 @@ from django.views.decorators.http import require_GET
 from portal.accounts.access import visible_projects
 from portal.billing.ledger import cost_by, sandbox_usage
 from portal.fleet.models import Gpu
-from portal.inputs import whole_number
+from portal.inputs import plain_text, whole_number
 from portal.sandboxes.models import Sandbox
 from portal.telemetry.access import may_watch_fleet, may_watch_gpu, may_watch_sandbox
 from portal.telemetry.models import Alert, GpuRollup, SandboxRollup
@@ -241,6 +241,8 @@ def alerts(request: HttpRequest) -> JsonResponse:
         # what its live stream carries (the GPU's fleet alerts are the admins' view).
         scope = Alert.objects.filter(sandbox_id=sandbox_id)
     elif uuid is not None:
+        if plain_text(uuid, 64) is None:
+            return _bad(BadParameter("gpu", "A GPU or MIG device UUID."))
         if not may_watch_gpu(request.user, uuid):
             return _forbidden()
         scope = Alert.objects.filter(gpu__uuid=uuid)
