@@ -1,4 +1,5 @@
-"""ASGI entry point: Django for HTTP, Channels for WebSockets (origin and session checked).
+"""ASGI entry point: Django for HTTP, Channels for WebSockets (origin and session checked)
+and for sandboxes' web apps (``/sandboxes/<id>/app/``, portal/sandboxes/app_proxy.py).
 
 Two rules sit in front of both, decided here once for any ASGI server (uvicorn, daphne):
 - The client's address and scheme come from ``X-Forwarded-For``/``X-Forwarded-Proto`` only
@@ -31,8 +32,10 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import WebsocketDenier  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.http.request import split_domain_port, validate_host  # noqa: E402
+from django.urls import re_path  # noqa: E402
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware  # noqa: E402
 
+from portal.sandboxes.app_proxy import AppProxy  # noqa: E402
 from portal.telemetry.routing import websocket_urlpatterns  # noqa: E402
 
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
@@ -75,7 +78,12 @@ class SameOriginValidator:
 def build(trusted_proxies: list[str]) -> Any:
     router = ProtocolTypeRouter(
         {
-            "http": django_asgi_app,
+            "http": URLRouter(
+                [
+                    re_path(r"^sandboxes/(?P<sandbox_id>\d+)/app/", AuthMiddlewareStack(AppProxy.as_asgi())),
+                    re_path(r"", django_asgi_app),  # type: ignore[arg-type]  # an ASGI app, as Channels routes
+                ]
+            ),
             "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
         }
     )

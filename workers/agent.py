@@ -45,6 +45,7 @@ from workers.host.reports import HostReports
 from workers.host.sampler import Sampler
 from workers.host.sandboxes import HostSandboxes
 from workers.host.storage_meter import StorageMeter
+from workers.host.terminals import open_app as relay_app
 from workers.host.terminals import open_terminal as relay_terminal
 from workers.host.utilization import UtilizationWindows
 
@@ -123,6 +124,10 @@ class Agent:
     def open_terminal(self, session: str, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
         relay_terminal(self.driver, self.host, session, allocation_id, handle, self.settings.terminal_idle_s)
+
+    def open_app(self, session: str, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
+        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
+        relay_app(self.driver, self.host, session, allocation_id, handle, self.settings.terminal_idle_s)
 
     def execute_plan(
         self, plan_id: int, stops: list[dict[str, Any]], mig_plan: dict[str, Any] | None, busy: dict[str, str]
@@ -274,6 +279,11 @@ def execute_plan(
     busy: dict[str, str],
 ) -> None:
     agent_for(task).execute_plan(plan_id, stops, mig_plan, busy)
+
+
+@app.task(name="workers.agent.open_app", ignore_result=True, bind=True)
+def open_app(task: AnyTask, session: str, allocation_id: str, handle: dict[str, Any] | None) -> None:
+    agent_for(task).open_app(session, allocation_id, handle)
 
 
 @app.task(name="workers.agent.open_terminal", ignore_result=True, bind=True)

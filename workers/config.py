@@ -31,6 +31,11 @@ def storage_root() -> Path:
     return Path(value).resolve() if value else var_dir() / "storage"
 
 
+def apps_root() -> Path:
+    """Where the drivers keep each sandbox's app socket directory (workers/drivers/app_socket.py)."""
+    return var_dir() / "apps"
+
+
 def embedded_redis_dir() -> Path | None:
     """The embedded Redis folder when REDIS_URL is unset, else None."""
     return None if os.environ.get("REDIS_URL") or os.environ.get("REDIS_URL_FILE") else (var_dir() / "redis")

@@ -196,6 +196,12 @@ class SandboxImage(models.Model):
     name = models.CharField(max_length=60, unique=True)
     reference = models.CharField(max_length=200, help_text="Container image, e.g. gpushare/sandbox-base:1")
     command = models.JSONField(default=list, help_text="Command run in the sandbox, as a list.")
+    app = models.CharField(
+        max_length=60,
+        blank=True,
+        help_text="The web app its command serves on $GPUSHARE_APP_SOCKET under $GPUSHARE_APP_URL, "
+        "e.g. JupyterLab (opened from the sandbox page); empty: none.",
+    )
     active = models.BooleanField(default=True)
 
     class Meta:

@@ -145,4 +145,4 @@ class PriorityClassForm(forms.ModelForm):
 class ImageForm(forms.ModelForm):
     class Meta:
         model = SandboxImage
-        fields = ["name", "reference", "command", "active"]
+        fields = ["name", "reference", "command", "app", "active"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from portal.catalog.storage import mounts_for
 from portal.fleet.models import GpuMode
+from portal.sandboxes.app_proxy import app_url
 from portal.sandboxes.models import Allocation, Sandbox
 from workers.drivers.base import MpsShare, SandboxSpec
 
@@ -37,8 +38,13 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         # Pinned to MPS, the GPU's daemon may outlive its last share; following demand, not.
         mps_pinned=mps_alloc is not None and mps_alloc.gpu.sharing_mode == GpuMode.MPS,
         isolation=sandbox.isolation,
-        env={"GPUSHARE_SANDBOX_ID": str(sandbox.pk), "GPUSHARE_PROJECT": sandbox.project.slug},
+        env={
+            "GPUSHARE_SANDBOX_ID": str(sandbox.pk),
+            "GPUSHARE_PROJECT": sandbox.project.slug,
+            **({"GPUSHARE_APP_URL": app_url(sandbox.pk)} if sandbox.image.app else {}),
+        },
         tier=tier.slug,
         batch=sandbox.batch,
         mounts=mounts_for(tier, sandbox.owner, sandbox.project),
+        app=bool(sandbox.image.app),
     )

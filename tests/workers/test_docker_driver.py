@@ -529,3 +529,17 @@ def test_a_read_before_the_first_line_does_not_break_the_next() -> None:
     container.lines = b"2026-11-27T05:00:00.000000001Z READY\n"
     assert reader.read(container, "a1", 0, 4096).data == b"READY\n"
     assert container.since == [None, None]
+
+
+def test_an_app_gets_its_socket_folder_and_nothing_else_of_the_host(tmp_path: Path) -> None:
+    spec = make_spec(app=True)
+    kw = container_kwargs(spec, app_dir=tmp_path / spec.allocation_id)
+    [mount] = kw["mounts"]
+    assert (mount["Target"], mount["Source"], mount["Type"]) == (
+        "/run/gpushare",
+        str(tmp_path / spec.allocation_id),
+        "bind",
+    )
+    assert kw["environment"]["GPUSHARE_APP_SOCKET"] == "/run/gpushare/app.sock"
+    assert kw["network_mode"] == "none"  # the app is reached through its socket, never a network
+    assert "mounts" not in container_kwargs(make_spec())

@@ -3,6 +3,7 @@ path outside the storage root, and still there for the owner's next sandbox."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -199,3 +200,58 @@ def test_a_mount_point_over_the_sandboxes_own_paths_is_refused(make: tuple, targ
     with pytest.raises(DriverError, match="storage"):
         driver.launch(spec(304, "sleep 300", mounts=(mount,)))
     assert driver.list_owned() == []
+
+
+APP = (
+    "import http.server, os, socketserver\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        said = 'hello from ' + os.environ['GPUSHARE_APP_URL'] + ' as ' + str(os.getuid())\n"
+    "        body = said.encode()\n"
+    "        self.send_response(200)\n"
+    "        self.send_header('content-length', str(len(body)))\n"
+    "        self.end_headers()\n"
+    "        self.wfile.write(body)\n"
+    "class S(socketserver.UnixStreamServer):\n"
+    "    def get_request(self):\n"
+    "        conn, _ = super().get_request(); return conn, ('', 0)\n"
+    "print('READY', flush=True)\n"
+    "S(os.environ['GPUSHARE_APP_SOCKET'], H).serve_forever()\n"
+)
+
+
+@pytest.mark.bwrap
+def test_a_process_sandboxes_app_is_reached_through_its_socket(storage_dir: Path, tmp_path: Path) -> None:
+    """The agent's side of the portal's app proxy: the sandbox's app listens on its socket
+    (no network), and ``open_app`` connects to it from the host; another sandbox's is apart."""
+    from workers.drivers.process import ProcessDriver, bwrap_available
+
+    require_engine(bwrap_available(), "bubblewrap (bwrap) with user namespaces")
+    apps = Path(tempfile.mkdtemp(prefix="apps-", dir="/var/tmp"))
+    driver = ProcessDriver(tmp_path / "state", host="h", storage_dir=storage_dir, apps_dir=apps)
+    spec = make_spec("h", 404, "", command=("python3", "-c", APP), mounts=(), app=True,
+                     env={"GPUSHARE_APP_URL": "/sandboxes/404/app/"})  # fmt: skip
+    handle = driver.launch(spec)
+    try:
+        output_of(driver, handle, "READY")
+        deadline = time.monotonic() + 20
+        while not (apps / spec.allocation_id / "app.sock").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stream = driver.open_app(handle)
+        stream.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        with contextlib.suppress(EOFError):
+            while True:
+                answer += stream.read(1.0)
+        stream.close()
+        assert answer.startswith(b"HTTP/1.0 200") and b"hello from /sandboxes/404/app/ as 1000" in answer
+        folder = (apps / spec.allocation_id).stat()
+        assert stat.S_IMODE(folder.st_mode) == 0o700  # only the sandbox (and root) may enter
+        if os.geteuid() == 0:
+            assert folder.st_uid == uids.sandbox_uid(404)
+    finally:
+        driver.stop(handle, grace_s=0)
+        shutil.rmtree(apps, ignore_errors=True)
+    assert not (apps / spec.allocation_id).exists()
+    with pytest.raises(DriverError, match="not listening"):
+        driver.open_app(handle)

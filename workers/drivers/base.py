@@ -75,6 +75,7 @@ class SandboxSpec:
     tier: str = ""  # the tier's slug: its alert thresholds apply to this sandbox
     batch: bool = False  # a batch run: the agent ships its output to its owner
     mounts: tuple[StorageMount, ...] = ()  # the tier's storage: a home, project folders, datasets
+    app: bool = False  # the image serves a web app on its app socket (workers/drivers/app_socket.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -273,6 +274,11 @@ class SandboxDriver(Protocol):
     def list_owned(self) -> list[SandboxHandle]: ...
 
     def exec_terminal(self, handle: SandboxHandle) -> Terminal: ...
+
+    def open_app(self, handle: SandboxHandle) -> Terminal:
+        """A connection to the sandbox's web app, for the portal's proxy (a byte stream with
+        the terminal's interface). DriverError when it has none or it is not listening."""
+        ...
 
     def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
         """At most ``limit`` bytes of the sandbox's stdout and stderr from ``offset`` (into

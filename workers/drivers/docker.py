@@ -36,8 +36,8 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
-from workers.config import storage_root
-from workers.drivers import storage, uids
+from workers.config import apps_root, storage_root
+from workers.drivers import app_socket, storage, uids
 from workers.drivers.base import (
     LABEL_PREFIX,
     DriverError,
@@ -81,7 +81,10 @@ def sandbox_user(spec: SandboxSpec) -> int:
 
 
 def container_kwargs(
-    spec: SandboxSpec, output_cap: int | None = None, bound: Sequence[BoundStorage] = ()
+    spec: SandboxSpec,
+    output_cap: int | None = None,
+    bound: Sequence[BoundStorage] = (),
+    app_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The ``containers.create`` arguments for ``spec`` and its storage, resolved on this host
     (pure, so it is unit-testable)."""
@@ -97,7 +100,13 @@ def container_kwargs(
         "hostname": f"sandbox-{spec.sandbox_id}",
         "labels": spec.labels(),
         # HOME by name: the sandbox's uid has no entry in the image's /etc/passwd.
-        "environment": {"HOME": SANDBOX_HOME, "USER": "sandbox", **spec.env, **spec.gpu_env()},
+        "environment": {
+            "HOME": SANDBOX_HOME,
+            "USER": "sandbox",
+            **spec.env,
+            **({"GPUSHARE_APP_SOCKET": app_socket.APP_SOCKET} if app_dir is not None else {}),
+            **spec.gpu_env(),
+        },
         "user": f"{uid}:{uid}",
         "working_dir": SANDBOX_HOME,
         "cap_drop": ["ALL"],
@@ -143,6 +152,9 @@ def container_kwargs(
             for m in bound
         ]
         kwargs["group_add"] = [str(gid) for gid in spec.groups()]
+    if app_dir is not None:  # its app's socket, which the agent connects to from the host
+        socket_dir = docker.types.Mount(target=app_socket.APP_DIR, source=str(app_dir), type="bind")
+        kwargs["mounts"] = [*kwargs.get("mounts", []), socket_dir]
     return kwargs
 
 
@@ -252,6 +264,7 @@ class DockerDriver:
         self._client = client
         self.host = host
         self.storage_dir = storage_root() if storage_dir is None else storage_dir
+        self.apps_dir = apps_root()
         self._logs = ContainerLogReader()
 
     @property
@@ -314,7 +327,12 @@ class DockerDriver:
                 require_mps_pipe(spec.mps.pipe_dir, sandbox_user(spec), real_gpu=spec.real_gpu)
             try:
                 bound = storage.resolve(self.storage_dir, spec.mounts)
-                container = self.client.containers.create(**container_kwargs(spec, bound=bound))
+                app_dir = None
+                if spec.app:
+                    app_dir = app_socket.make_dir(self.apps_dir, spec.allocation_id, sandbox_user(spec))
+                container = self.client.containers.create(
+                    **container_kwargs(spec, bound=bound, app_dir=app_dir)
+                )
             except docker.errors.ImageNotFound as exc:
                 raise DriverError(
                     f"{action}: image {spec.image!r} is not on this host; {BUILD_HINT}"
@@ -335,8 +353,12 @@ class DockerDriver:
             log.info("launched sandbox %s as container %s", spec.allocation_id, container.id)
             return self._handle(container)
 
+    def open_app(self, handle: SandboxHandle) -> app_socket.SocketStream:
+        return app_socket.connect(self.apps_dir, handle.allocation_id)
+
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
         self._logs.forget(handle.allocation_id)
+        app_socket.remove_dir(self.apps_dir, handle.allocation_id)
         with _engine_errors(f"stop sandbox {handle.allocation_id}"):
             try:
                 container = self.client.containers.get(handle.ref)

@@ -757,6 +757,11 @@ class LibvirtDriver:
                 )
         return handles
 
+    def open_app(self, handle: SandboxHandle) -> ConsoleTerminal:
+        raise DriverError(
+            f"sandbox {handle.allocation_id}: a VM's web app cannot be reached through the portal yet"
+        )
+
     def exec_terminal(self, handle: SandboxHandle) -> ConsoleTerminal:
         action = f"open a terminal in sandbox {handle.allocation_id}"
         with _libvirt_errors(action):

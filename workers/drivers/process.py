@@ -70,8 +70,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workers.config import storage_root
-from workers.drivers import DriverUnavailable, output, procfs, seccomp, storage, uids
+from workers.config import apps_root, storage_root
+from workers.drivers import DriverUnavailable, app_socket, output, procfs, seccomp, storage, uids
 from workers.drivers.base import (
     PROTECTED_HOST_PATHS,
     DriverError,
@@ -202,6 +202,7 @@ class ProcessDriver:
         gpu_nodes: GpuNodes | None = None,
         output_cap: int | None = None,
         storage_dir: Path | None = None,
+        apps_dir: Path | None = None,
     ) -> None:
         if limits not in ("auto", "cgroup", "rlimit"):
             raise ValueError(f"limits must be auto, cgroup or rlimit, not {limits!r}")
@@ -213,6 +214,7 @@ class ProcessDriver:
         self.gpu_nodes = gpu_nodes or GpuNodes()
         self.output_cap = output.cap_bytes() if output_cap is None else output_cap
         self.storage_dir = storage_root() if storage_dir is None else storage_dir
+        self.apps_dir = apps_root() if apps_dir is None else apps_dir
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._thread_lock = threading.Lock()
 
@@ -378,6 +380,12 @@ class ProcessDriver:
         # them through its supplementary groups (the volumes' gids, given by setpriv).
         for mount in bound:
             args += ["--ro-bind" if mount.read_only else "--bind", mount.host_path, mount.target]
+        if spec.app:  # its app's socket, which the agent connects to from the host
+            args += [
+                "--bind",
+                str(app_socket.host_dir(self.apps_dir, spec.allocation_id)),
+                app_socket.APP_DIR,
+            ]
         args += ["--chdir", SANDBOX_HOME, "--clearenv"]
         env = self._sandbox_env(spec)
         if nodes and (lib_dirs := self._lib_dirs()):
@@ -394,7 +402,8 @@ class ProcessDriver:
     @staticmethod
     def _sandbox_env(spec: SandboxSpec) -> dict[str, str]:
         base = {"PATH": _BASE_PATH, "HOME": SANDBOX_HOME, "USER": "sandbox"}
-        return {**base, **spec.env, **spec.gpu_env()}
+        app = {"GPUSHARE_APP_SOCKET": app_socket.APP_SOCKET} if spec.app else {}
+        return {**base, **spec.env, **app, **spec.gpu_env()}
 
     @staticmethod
     def _host_uid(spec: SandboxSpec) -> int:
@@ -426,6 +435,8 @@ class ProcessDriver:
         if spec.mps is not None:
             require_mps_pipe(spec.mps.pipe_dir, self._run_uid(spec), real_gpu=spec.real_gpu)
         bound = storage.resolve(self.storage_dir, spec.mounts)
+        if spec.app:
+            app_socket.make_dir(self.apps_dir, spec.allocation_id, self._run_uid(spec))
         limits = self._choose_limits(spec)
         output_dir = self._output_dir(spec.allocation_id)
         status_path = self._path(spec.allocation_id, "status")
@@ -560,6 +571,7 @@ class ProcessDriver:
             for suffix in ("json", "status"):
                 self._path(handle.allocation_id, suffix).unlink(missing_ok=True)
             shutil.rmtree(self._output_dir(handle.allocation_id), ignore_errors=True)
+            app_socket.remove_dir(self.apps_dir, handle.allocation_id)
             self._children.pop(handle.allocation_id, None)
             log.info("stopped sandbox %s", handle.allocation_id)
 
@@ -641,6 +653,9 @@ class ProcessDriver:
         return handles
 
     # -- terminal --
+
+    def open_app(self, handle: SandboxHandle) -> app_socket.SocketStream:
+        return app_socket.connect(self.apps_dir, handle.allocation_id)
 
     def exec_terminal(self, handle: SandboxHandle) -> ProcessTerminal:
         state = self._load(handle.allocation_id)

@@ -69,6 +69,9 @@ class SimulatedDriver:
         with self._lock:
             return [handle for handle, _ in self._sandboxes.values()]
 
+    def open_app(self, handle: SandboxHandle) -> Terminal:
+        raise DriverError(f"sandbox {handle.sandbox_id} is simulated: no app runs in it")
+
     def exec_terminal(self, handle: SandboxHandle) -> Terminal:
         raise DriverError(
             f"sandbox {handle.sandbox_id} is simulated (host {self.host or '?'} keeps its state only): "

@@ -86,7 +86,7 @@ def resolve(root: Path, mounts: tuple[StorageMount, ...], *, make: bool = True) 
     targets: set[str] = set()
     real_root = os.path.realpath(root)
     if mounts:
-        _check_reachable(real_root)
+        check_reachable(real_root)
     for mount in mounts:
         target = checked_target(mount.target)
         if target in targets:
@@ -104,7 +104,7 @@ def resolve(root: Path, mounts: tuple[StorageMount, ...], *, make: bool = True) 
     return bound
 
 
-def _check_reachable(root: str) -> None:
+def check_reachable(root: str, what: str = "storage root") -> None:
     """The sandboxes' uids (no host account's, in no group of the host's) must be able to
     pass through every directory above the root: else bubblewrap's bind or QEMU's open
     fails with a bare "permission denied"."""
@@ -114,11 +114,11 @@ def _check_reachable(root: str) -> None:
         try:
             mode = os.stat(here).st_mode
         except OSError as exc:
-            raise DriverError(f"storage root {root}: {here} cannot be read ({exc.strerror})") from exc
+            raise DriverError(f"{what} {root}: {here} cannot be read ({exc.strerror})") from exc
         if not mode & stat.S_IXOTH:
             raise DriverError(
-                f"storage root {root} cannot be reached by sandboxes: {here} is mode "
-                f"{stat.S_IMODE(mode):o} (sandbox uids need o+x on every directory above STORAGE_ROOT)"
+                f"{what} {root} cannot be reached by sandboxes: {here} is mode "
+                f"{stat.S_IMODE(mode):o} (sandbox uids need o+x on every directory above it)"
             )
 
 

@@ -1,0 +1,182 @@
+"""A sandbox's web app (JupyterLab...) through the portal: ``/sandboxes/<id>/app/...``.
+
+The sandbox has no network; its app listens on a unix socket the host agent reaches
+(workers/drivers/app_socket.py). Each HTTP request here opens one connection through the
+agent, relayed over the channel layer like a terminal's pty (workers/terminal_relay.py):
+this consumer writes the request as HTTP/1.1 with h11 (``Connection: close``), reads the
+response the same way and streams it to the browser.
+
+Who may open it: the sandbox's **owner** only, not its project's managers or admins as the
+terminal allows. The app is served on the portal's own origin, so its pages' scripts run
+with the viewer's portal session; an app is its owner's code, and must never run with
+someone else's. The portal's own cookies (session, CSRF) are taken out of what the app is
+sent, and it may not set them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from channels.db import database_sync_to_async
+from channels.generic.http import AsyncHttpConsumer
+from django.conf import settings
+from django.http.request import split_domain_port, validate_host
+
+from portal.sandboxes.consumers import TERMINAL_ISOLATION
+from portal.sandboxes.models import Sandbox, SandboxState
+from workers import dispatch
+from workers.terminal_relay import decode, encode, term_in_group, term_out_group
+
+OPEN_TIMEOUT_S = 10.0  # the agent connects to the app
+ANSWER_TIMEOUT_S = 120.0  # between two pieces of the app's answer
+# Hop-by-hop headers (RFC 9110 section 7.6.1), which stop at each hop.
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
+                         b"transfer-encoding", b"upgrade"})  # fmt: skip
+
+
+def app_url(sandbox_id: int) -> str:
+    """The path the app is served under (its base URL, GPUSHARE_APP_URL in the sandbox)."""
+    return f"/sandboxes/{sandbox_id}/app/"
+
+
+@dataclass(frozen=True)
+class Target:
+    host: str
+    allocation_key: str
+    handle: dict[str, Any] | None
+
+
+def authorize(user: Any, sandbox_id: int, host: str) -> Target | tuple[int, str]:
+    """Where the app is, or (HTTP status, why not). ``host``: the request's Host header, held
+    to ALLOWED_HOSTS as Django holds its own pages' (this route does not pass through it)."""
+    if not validate_host(split_domain_port(host)[0], settings.ALLOWED_HOSTS):
+        return 400, "Bad Host header."
+    sandbox = Sandbox.objects.select_related("host", "image").filter(pk=sandbox_id).first()
+    if user is None or not user.is_authenticated:
+        return 403, "Sign in to open a sandbox's app."
+    if sandbox is None or sandbox.owner_id != user.pk:
+        return 403, "Only the sandbox's owner can open its app."
+    if not sandbox.image.app:
+        return 404, f"The image {sandbox.image.name} serves no app."
+    if sandbox.state != SandboxState.RUNNING or sandbox.host is None:
+        return 409, f"The sandbox is {sandbox.get_state_display().lower()}, not running."
+    if sandbox.isolation not in TERMINAL_ISOLATION or sandbox.host.simulated_sandboxes:
+        return 409, "Only container and process sandboxes on a real host serve their app here."
+    return Target(sandbox.host.name, sandbox.allocation_key, sandbox.handle)
+
+
+class AppProxy(AsyncHttpConsumer):
+    async def handle(self, body: bytes) -> None:
+        sandbox_id = int(self.scope["url_route"]["kwargs"]["sandbox_id"])
+        host = dict(self.scope["headers"]).get(b"host", b"").decode("latin-1")
+        verdict = await database_sync_to_async(authorize)(self.scope.get("user"), sandbox_id, host)
+        if not isinstance(verdict, Target):
+            await self._refuse(*verdict)
+            return
+        session = uuid.uuid4().hex
+        layer = self.channel_layer
+        channel = await layer.new_channel()
+        await layer.group_add(term_out_group(session), channel)
+        try:
+            await asyncio.to_thread(
+                dispatch.to_host, verdict.host, "open_app", session, verdict.allocation_key, verdict.handle
+            )
+            await self._relay(session, channel, body)
+        finally:
+            await layer.group_send(term_in_group(session), {"type": "term.close"})
+            await layer.group_discard(term_out_group(session), channel)
+
+    async def _relay(self, session: str, channel: str, body: bytes) -> None:
+        layer = self.channel_layer
+        try:
+            opened = await asyncio.wait_for(layer.receive(channel), OPEN_TIMEOUT_S)
+        except TimeoutError:
+            await self._refuse(504, "The sandbox's host did not answer.")
+            return
+        if opened.get("type") != "term.opened":
+            await self._refuse(502, f"The sandbox's app cannot be reached: {opened.get('reason', '')}")
+            return
+        client = h11.Connection(h11.CLIENT)
+        request = client.send(
+            h11.Request(method=self.scope["method"], target=self._target(), headers=self._headers(body))
+        )
+        request += client.send(h11.Data(data=body)) if body else b""
+        request += client.send(h11.EndOfMessage())
+        await layer.group_send(term_in_group(session), {"type": "term.input", "data": encode(request)})
+        started = False
+        while True:
+            event = client.next_event()
+            if event is h11.NEED_DATA:
+                try:
+                    message = await asyncio.wait_for(layer.receive(channel), ANSWER_TIMEOUT_S)
+                except TimeoutError:
+                    message = {"type": "term.closed", "reason": "no answer"}
+                if message.get("type") == "term.output":
+                    client.receive_data(decode(message["data"]))
+                    continue
+                if not started:
+                    await self._refuse(
+                        502, f"The sandbox's app gave no answer ({message.get('reason', '')})."
+                    )
+                    return
+                client.receive_data(b"")  # closed: h11 says whether the body was whole
+                continue
+            if isinstance(event, h11.Response):
+                started = True
+                await self.send_headers(status=event.status_code, headers=self._answer_headers(event.headers))
+            elif isinstance(event, h11.Data):
+                await self.send_body(bytes(event.data), more_body=True)
+            elif isinstance(event, h11.InformationalResponse):
+                continue  # 100 Continue and the like: for this hop only
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                await self.send_body(b"", more_body=False)
+                return
+
+    def _target(self) -> bytes:
+        path: bytes = self.scope.get("raw_path") or self.scope["path"].encode()
+        query: bytes = self.scope.get("query_string", b"")
+        return path + (b"?" + query if query else b"")
+
+    def _headers(self, body: bytes) -> list[tuple[bytes, bytes]]:
+        portal_cookies = {settings.SESSION_COOKIE_NAME.encode(), settings.CSRF_COOKIE_NAME.encode()}
+        headers = []
+        for name, value in self.scope["headers"]:
+            name = name.lower()
+            if name in _HOP_BY_HOP or name == b"content-length":  # set below, for the body sent
+                continue
+            if name == b"cookie":
+                kept = [c for c in value.split(b";") if c.strip().split(b"=", 1)[0] not in portal_cookies]
+                if not kept:
+                    continue
+                value = b";".join(kept).strip()
+            headers.append((name, value))
+        client = self.scope.get("client") or ("", 0)
+        headers += [
+            (b"connection", b"close"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-forwarded-for", str(client[0]).encode()),
+            (b"x-forwarded-proto", str(self.scope.get("scheme", "http")).encode()),
+        ]
+        return headers
+
+    @staticmethod
+    def _answer_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        portal_cookies = {settings.SESSION_COOKIE_NAME.encode(), settings.CSRF_COOKIE_NAME.encode()}
+        kept = []
+        for name, value in headers:
+            if name.lower() in _HOP_BY_HOP:
+                continue
+            if name.lower() == b"set-cookie" and value.split(b"=", 1)[0].strip() in portal_cookies:
+                continue  # the app may not sign the browser in or out of the portal
+            kept.append((name, value))
+        return kept
+
+    async def _refuse(self, status: int, reason: str) -> None:
+        await self.send_response(
+            status, reason.encode(), headers=[(b"content-type", b"text/plain; charset=utf-8")]
+        )
