@@ -26,14 +26,20 @@ def var_dir() -> Path:
 def storage_root() -> Path:
     """STORAGE_ROOT: the directory under which sandboxes' persistent storage lives on a GPU
     host (homes, project folders, datasets); in production a shared file system mounted at
-    the same path on every host. Default: <var>/storage, one host's own."""
+    the same path on every host. Default, one host's own: ``/var/lib/gpushare/storage`` for a
+    root agent, whose process sandboxes run as other uids that must pass through every folder
+    above it (a checkout under /root or a 0700 home would hide <var>), else <var>/storage."""
     value = os.environ.get("STORAGE_ROOT", "").strip()
-    return Path(value).resolve() if value else var_dir() / "storage"
+    if value:
+        return Path(value).resolve()
+    return Path("/var/lib/gpushare/storage") if os.geteuid() == 0 else var_dir() / "storage"
 
 
 def apps_root() -> Path:
-    """Where the drivers keep each sandbox's app socket directory (workers/drivers/app_socket.py)."""
-    return var_dir() / "apps"
+    """Where the drivers keep each sandbox's app socket folder (workers/drivers/app_socket.py):
+    for a root agent under /run, as its MPS pipes (workers.gpu.mps.mps_root) and for the same
+    reason as ``storage_root``; else <var>/apps."""
+    return Path("/run/gpushare/apps") if os.geteuid() == 0 else var_dir() / "apps"
 
 
 def embedded_redis_dir() -> Path | None:

@@ -30,6 +30,7 @@ from django.http.request import split_domain_port, validate_host
 from portal.sandboxes.consumers import TERMINAL_ISOLATION
 from portal.sandboxes.models import Sandbox, SandboxState
 from workers import dispatch
+from workers.drivers.app_socket import NOT_LISTENING
 from workers.terminal_relay import decode, encode, term_in_group, term_out_group
 
 OPEN_TIMEOUT_S = 10.0  # the agent connects to the app
@@ -99,7 +100,11 @@ class AppProxy(AsyncHttpConsumer):
             await self._refuse(504, "The sandbox's host did not answer.")
             return
         if opened.get("type") != "term.opened":
-            await self._refuse(502, f"The sandbox's app cannot be reached: {opened.get('reason', '')}")
+            reason = str(opened.get("reason", ""))
+            if NOT_LISTENING in reason:  # just started: its app has not opened its socket yet
+                await self._starting()
+                return
+            await self._refuse(502, f"The sandbox's app cannot be reached: {reason}")
             return
         client = h11.Connection(h11.CLIENT)
         request = client.send(
@@ -175,6 +180,23 @@ class AppProxy(AsyncHttpConsumer):
                 continue  # the app may not sign the browser in or out of the portal
             kept.append((name, value))
         return kept
+
+    async def _starting(self) -> None:
+        """A page that says so and tries again by itself (the Refresh header), as a 503."""
+        page = (
+            "<!doctype html><html lang=en><head><meta charset=utf-8><title>Starting…</title></head>"
+            "<body><p>The sandbox's app is starting: this page tries again every 2 seconds.</p></body></html>"
+        )
+        await self.send_response(
+            503,
+            page.encode(),
+            headers=[
+                (b"content-type", b"text/html; charset=utf-8"),
+                (b"refresh", b"2"),
+                (b"retry-after", b"2"),
+                (b"cache-control", b"no-store"),
+            ],
+        )
 
     async def _refuse(self, status: int, reason: str) -> None:
         await self.send_response(

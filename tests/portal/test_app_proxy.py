@@ -142,12 +142,13 @@ def test_the_owner_reaches_the_app_without_the_portals_cookies(
         server.server_close()
 
 
-def test_an_app_not_listening_is_a_502_that_says_so(
+def test_an_app_not_listening_yet_is_a_page_that_tries_again(
     people: Any, catalog: Any, fleet: Any, sent_tasks: Any, app_root: Path
 ) -> None:
     sandbox = with_app(running_sandbox(people, catalog))
     answer = fetch(people["owner"], f"/sandboxes/{sandbox.pk}/app/lab", root=app_root, sent=sent_tasks)
-    assert answer["status"] == 502 and b"its app is not listening" in answer["body"]
+    assert answer["status"] == 503 and b"is starting" in answer["body"]
+    assert headers(answer, b"refresh") == [b"2"]
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from workers.drivers.storage import check_reachable
 APP_DIR = "/run/gpushare"  # in the sandbox
 APP_SOCKET = f"{APP_DIR}/app.sock"
 READ_SIZE = 64 * 1024
+NOT_LISTENING = "its app is not listening"  # the portal tells "starting" from other refusals by it
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
@@ -34,11 +35,12 @@ def host_dir(root: Path, allocation_id: str) -> Path:
     return root / allocation_id
 
 
-def make_dir(root: Path, allocation_id: str, uid: int) -> Path:
-    """The sandbox's app directory on the host, empty, the sandbox's own (``uid``)."""
+def make_dir(root: Path, allocation_id: str, uid: int, *, bound_by_sandbox: bool = False) -> Path:
+    """The sandbox's app directory on the host, empty, the sandbox's own (``uid``).
+    ``bound_by_sandbox``: as ``storage.resolve``'s (bubblewrap binds it as the sandbox's uid)."""
     path = host_dir(root, allocation_id)
-    root.mkdir(mode=0o711, parents=True, exist_ok=True)  # searchable: each sandbox enters its own
-    if os.geteuid() == 0:
+    root.mkdir(mode=0o711, parents=True, exist_ok=True)
+    if os.geteuid() == 0 and bound_by_sandbox:
         check_reachable(str(root.resolve()), "the app sockets' directory")
         os.chmod(root, 0o711)  # noqa: S103 - search only: no listing, each sandbox's own folder is 0700
     shutil.rmtree(path, ignore_errors=True)  # a stale socket of a previous launch
@@ -67,7 +69,7 @@ def connect(root: Path, allocation_id: str, timeout_s: float = 5.0) -> SocketStr
     except OSError as exc:
         sock.close()
         raise DriverError(
-            f"sandbox {allocation_id}: its app is not listening on {APP_SOCKET} ({exc.strerror or exc})"
+            f"sandbox {allocation_id}: {NOT_LISTENING} on {APP_SOCKET} ({exc.strerror or exc})"
         ) from exc
     sock.settimeout(None)
     return SocketStream(sock)

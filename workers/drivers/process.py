@@ -67,6 +67,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,18 @@ def bwrap_problem() -> str | None:
     said = probed.stderr.decode(errors="replace").strip() or f"exit code {probed.returncode}"
     who = f"as uid {probe[2]}" if probe[0] == "setpriv" else "as this user"
     return f"bwrap cannot create user namespaces {who}: {said}"
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A host folder bwrap binds into the sandbox (its storage, its app's socket folder)."""
+
+    source: str
+    target: str
+    read_only: bool
+
+    def args(self) -> list[str]:
+        return ["--ro-bind" if self.read_only else "--bind", self.source, self.target]
 
 
 def bwrap_available() -> bool:
@@ -333,13 +346,13 @@ class ProcessDriver:
         status_fd: int,
         seccomp_fd: int,
         nodes: list[Node] | None = None,
-        bound: list[storage.BoundStorage] | None = None,
+        binds: list[Bind] | None = None,
     ) -> list[str]:
         self._refuse_unsafe(spec)
         if nodes is None:
             nodes = self._device_nodes(spec)
-        if bound is None:
-            bound = storage.resolve(self.storage_dir, spec.mounts)
+        if binds is None:
+            binds = self._binds(spec, storage.resolve(self.storage_dir, spec.mounts))
         args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--seccomp", str(seccomp_fd)]
         args += ["--die-with-parent", "--new-session"]
         args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
@@ -377,15 +390,10 @@ class ProcessDriver:
             # Read-write: the client creates and connects to sockets in the pipe directory.
             args += ["--bind", spec.mps.pipe_dir, spec.mps.pipe_dir]
         # After the tmpfs: a project folder may go inside the scratch home. The sandbox reaches
-        # them through its supplementary groups (the volumes' gids, given by setpriv).
-        for mount in bound:
-            args += ["--ro-bind" if mount.read_only else "--bind", mount.host_path, mount.target]
-        if spec.app:  # its app's socket, which the agent connects to from the host
-            args += [
-                "--bind",
-                str(app_socket.host_dir(self.apps_dir, spec.allocation_id)),
-                app_socket.APP_DIR,
-            ]
+        # its storage through its supplementary groups (the volumes' gids, given by setpriv),
+        # and its app's socket folder as its owner.
+        for bind in binds:
+            args += bind.args()
         args += ["--chdir", SANDBOX_HOME, "--clearenv"]
         env = self._sandbox_env(spec)
         if nodes and (lib_dirs := self._lib_dirs()):
@@ -394,6 +402,13 @@ class ProcessDriver:
             args += ["--setenv", key, value]
         args += ["--json-status-fd", str(status_fd), "--", *spec.command]
         return args
+
+    def _binds(self, spec: SandboxSpec, bound: list[storage.BoundStorage]) -> list[Bind]:
+        binds = [Bind(m.host_path, m.target, m.read_only) for m in bound]
+        if spec.app:  # its app's socket, which the agent connects to from the host
+            folder = str(app_socket.host_dir(self.apps_dir, spec.allocation_id))
+            binds.append(Bind(folder, app_socket.APP_DIR, False))
+        return binds
 
     @staticmethod
     def _lib_dirs() -> list[str]:
@@ -434,9 +449,11 @@ class ProcessDriver:
         nodes = self._device_nodes(spec)
         if spec.mps is not None:
             require_mps_pipe(spec.mps.pipe_dir, self._run_uid(spec), real_gpu=spec.real_gpu)
-        bound = storage.resolve(self.storage_dir, spec.mounts)
+        # bwrap binds as the sandbox's uid: it needs a way through every folder above them.
+        bound = storage.resolve(self.storage_dir, spec.mounts, bound_by_sandbox=True)
         if spec.app:
-            app_socket.make_dir(self.apps_dir, spec.allocation_id, self._run_uid(spec))
+            app_socket.make_dir(self.apps_dir, spec.allocation_id, self._run_uid(spec), bound_by_sandbox=True)
+        binds = self._binds(spec, bound)
         limits = self._choose_limits(spec)
         output_dir = self._output_dir(spec.allocation_id)
         status_path = self._path(spec.allocation_id, "status")
@@ -447,17 +464,22 @@ class ProcessDriver:
             drop = ["setpriv", "--reuid", uid, "--regid", uid, *groups, "--"]
         fds: list[int] = []
         try:
+            passed: list[int] = []  # what bwrap reads: passwd, group, its status, the seccomp filter
             for content in (_PASSWD.encode(), _GROUP.encode(), None, seccomp.bpf_program()):
                 if content is None:
                     fds.append(os.open(status_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+                    passed.append(fds[-1])
                     continue
                 fd = os.memfd_create("gpushare-sandbox", 0)  # bwrap reads it: no file on disk
                 fds.append(fd)
+                passed.append(fd)
                 os.write(fd, content)
                 os.lseek(fd, 0, os.SEEK_SET)
+            passwd_fd, group_fd, status_fd, seccomp_fd = passed[-4:]
+            bwrap = self._bwrap_args(spec, passwd_fd, group_fd, status_fd, seccomp_fd, nodes, binds)
             argv = [
                 "/bin/sh", "-c", _JOIN_AND_WAIT, "gpushare-sandbox", *limits.procs_files, "--",
-                *drop, *limits.prlimit, *self._bwrap_args(spec, fds[0], fds[1], fds[2], fds[3], nodes, bound),
+                *drop, *limits.prlimit, *bwrap,
             ]  # fmt: skip
             # stdout and stderr go through a pipe to the capped writer (workers/drivers/
             # output.py), never straight to a file: a tenant printing without end would fill
@@ -479,7 +501,7 @@ class ProcessDriver:
                 stdout=write_end,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                pass_fds=fds[:4],
+                pass_fds=passed,
                 cwd="/",
                 env={"PATH": _BASE_PATH},
             )

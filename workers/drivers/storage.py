@@ -79,13 +79,17 @@ def checked_source(source: str) -> str:
     return source
 
 
-def resolve(root: Path, mounts: tuple[StorageMount, ...], *, make: bool = True) -> list[BoundStorage]:
+def resolve(
+    root: Path, mounts: tuple[StorageMount, ...], *, make: bool = True, bound_by_sandbox: bool = False
+) -> list[BoundStorage]:
     """Each mount's host directory under ``root``, checked, and for a read-write volume made
-    (and its group, mode and default ACL set); a missing dataset is a launch error."""
+    (and its group, mode and default ACL set); a missing dataset is a launch error.
+    ``bound_by_sandbox``: the sandbox's own uid makes the binds (bubblewrap), not a root
+    daemon (Docker, libvirt's virtiofsd), so it must be able to reach the root."""
     bound: list[BoundStorage] = []
     targets: set[str] = set()
     real_root = os.path.realpath(root)
-    if mounts:
+    if mounts and bound_by_sandbox:
         check_reachable(real_root)
     for mount in mounts:
         target = checked_target(mount.target)
