@@ -36,6 +36,7 @@ from django.urls import re_path  # noqa: E402
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware  # noqa: E402
 
 from portal.sandboxes.app_proxy import AppProxy  # noqa: E402
+from portal.sandboxes.app_websocket import AppWebSocket  # noqa: E402
 from portal.telemetry.routing import websocket_urlpatterns  # noqa: E402
 
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
@@ -84,7 +85,16 @@ def build(trusted_proxies: list[str]) -> Any:
                     re_path(r"", django_asgi_app),  # type: ignore[arg-type]  # an ASGI app, as Channels routes
                 ]
             ),
-            "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+            "websocket": SameOriginValidator(
+                AuthMiddlewareStack(
+                    URLRouter(
+                        [
+                            re_path(r"^sandboxes/(?P<sandbox_id>\d+)/app/", AppWebSocket.as_asgi()),
+                            *websocket_urlpatterns,
+                        ]
+                    )
+                )
+            ),
         }
     )
     return ProxyHeadersMiddleware(router, trusted_hosts=trusted_proxies) if trusted_proxies else router

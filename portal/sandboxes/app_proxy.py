@@ -45,6 +45,17 @@ def app_url(sandbox_id: int) -> str:
     return f"/sandboxes/{sandbox_id}/app/"
 
 
+def portal_cookie_names() -> frozenset[bytes]:
+    return frozenset({settings.SESSION_COOKIE_NAME.encode(), settings.CSRF_COOKIE_NAME.encode()})
+
+
+def without_portal_cookies(header: bytes) -> bytes:
+    """A Cookie header without the portal's session and CSRF cookies: the app never sees them."""
+    names = portal_cookie_names()
+    kept = [c for c in header.split(b";") if c.strip() and c.strip().split(b"=", 1)[0] not in names]
+    return b";".join(kept).strip()
+
+
 @dataclass(frozen=True)
 class Target:
     host: str
@@ -148,17 +159,15 @@ class AppProxy(AsyncHttpConsumer):
         return path + (b"?" + query if query else b"")
 
     def _headers(self, body: bytes) -> list[tuple[bytes, bytes]]:
-        portal_cookies = {settings.SESSION_COOKIE_NAME.encode(), settings.CSRF_COOKIE_NAME.encode()}
         headers = []
         for name, value in self.scope["headers"]:
             name = name.lower()
             if name in _HOP_BY_HOP or name == b"content-length":  # set below, for the body sent
                 continue
             if name == b"cookie":
-                kept = [c for c in value.split(b";") if c.strip().split(b"=", 1)[0] not in portal_cookies]
-                if not kept:
+                value = without_portal_cookies(value)
+                if not value:
                     continue
-                value = b";".join(kept).strip()
             headers.append((name, value))
         client = self.scope.get("client") or ("", 0)
         headers += [
@@ -171,7 +180,7 @@ class AppProxy(AsyncHttpConsumer):
 
     @staticmethod
     def _answer_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        portal_cookies = {settings.SESSION_COOKIE_NAME.encode(), settings.CSRF_COOKIE_NAME.encode()}
+        portal_cookies = portal_cookie_names()
         kept = []
         for name, value in headers:
             if name.lower() in _HOP_BY_HOP:

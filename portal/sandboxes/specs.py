@@ -25,6 +25,7 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         host=sandbox.host.name,
         project=sandbox.project.slug,
         owner=sandbox.owner.get_username(),
+        owner_id=sandbox.owner_id,
         image=sandbox.image.reference,
         command=tuple(sandbox.command if sandbox.batch else sandbox.image.command or ("sleep", "infinity")),
         device_uuids=tuple(a.device_uuid for a in allocations),

@@ -122,6 +122,15 @@ def test_a_notebook_through_the_portal_keeps_its_files_across_hosts(
         first = start_notebook(page, base)
         lab = open_lab(page)
         assert lab.url.startswith(f"{base}/sandboxes/{first.pk}/app/")
+        # A kernel, through the app's WebSockets: code runs, and sees no network but loopback.
+        lab.locator("#jupyterlab-splash").wait_for(state="detached", timeout=60_000)
+        lab.locator('.jp-LauncherCard[data-category="Notebook"]').first.click()
+        cell = lab.locator(".jp-Notebook .jp-Cell .cm-content").first
+        cell.wait_for(timeout=60_000)
+        cell.click()
+        lab.keyboard.type("import socket; print('kernel says', 6 * 7, [n for _, n in socket.if_nameindex()])")
+        lab.keyboard.press("Shift+Enter")
+        lab.locator(".jp-OutputArea-output", has_text="kernel says 42 ['lo']").wait_for(timeout=60_000)
         SHOTS.mkdir(parents=True, exist_ok=True)
         lab.screenshot(path=str(SHOTS / "notebook-through-portal.png"))  # JupyterLab's page, not ours: no axe
 

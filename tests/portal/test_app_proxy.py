@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from channels.testing import HttpCommunicator
+from channels.testing import HttpCommunicator, WebsocketCommunicator
 
 from portal.asgi import application
 from portal.sandboxes.models import Sandbox
@@ -179,3 +179,81 @@ def test_who_may_open_an_app(
     answer = fetch(people[persona], f"/sandboxes/{sandbox.pk}/app/lab")
     assert answer["status"] == status and says in answer["body"]
     assert not [t for t in sent_tasks if t[1] == "open_app"]  # the host was never asked
+
+
+def ws_app(root: Path, sandbox: Sandbox) -> Any:
+    """An app's WebSocket on its socket: echoes each message, and says which subprotocol it took."""
+    from websockets.sync.server import unix_serve
+
+    def echo(connection: Any) -> None:
+        connection.send(f"hello over {connection.subprotocol}")
+        for message in connection:
+            connection.send(message)
+
+    folder = root / sandbox.allocation_key
+    folder.mkdir(parents=True)
+    server = unix_serve(echo, str(folder / "app.sock"), subprotocols=["v1.kernel.websocket.jupyter.org"])
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def ws_communicator(user: Any, path: str) -> WebsocketCommunicator:
+    cookie = f"sessionid={client_for(user).cookies['sessionid'].value}; _xsrf=abc".encode()
+    return WebsocketCommunicator(
+        application,
+        path,
+        headers=[(b"host", b"localhost"), (b"origin", b"http://localhost"), (b"cookie", cookie)],
+        subprotocols=["v1.kernel.websocket.jupyter.org"],
+    )
+
+
+async def play_agent(sent: list[Any], root: Path, until: asyncio.Task[Any]) -> None:
+    """The host agent's part: each ``open_app`` the portal sends, relayed to ``root``'s socket."""
+    deadline = time.monotonic() + WAIT_S
+    while not until.done() and time.monotonic() < deadline:
+        for asked in [t for t in sent if t[1] == "open_app"]:
+            sent.remove(asked)
+            _, _, (session, key, _handle) = asked
+            opener = functools.partial(lambda folder, k, _h: app_socket.connect(folder, k), root, key)
+            relay_stream(opener, "h", session, key, SandboxHandle("process", key, 0, "pid"), 30, "app")
+        await asyncio.sleep(0.02)
+
+
+def test_the_apps_websockets_go_both_ways_with_the_subprotocol_it_chose(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any, app_root: Path
+) -> None:
+    sandbox = with_app(running_sandbox(people, catalog))
+    server = ws_app(app_root, sandbox)
+    comm = ws_communicator(people["owner"], f"/sandboxes/{sandbox.pk}/app/api/kernels/k1/channels")
+
+    async def run() -> tuple[Any, list[Any]]:
+        connecting = asyncio.create_task(comm.connect(timeout=WAIT_S))
+        agent = asyncio.create_task(play_agent(sent_tasks, app_root, connecting))
+        connected = await connecting
+        got = [await comm.receive_from(timeout=WAIT_S)]
+        await comm.send_to(text_data='{"msg_type": "execute_request"}')
+        got.append(await comm.receive_from(timeout=WAIT_S))
+        await comm.send_to(bytes_data=b"\x00\x01" * 40_000)  # larger than one relayed piece
+        got.append(await comm.receive_output(timeout=WAIT_S))
+        await comm.disconnect()
+        agent.cancel()
+        return connected, got
+
+    try:
+        connected, got = asyncio.run(run())
+    finally:
+        server.shutdown()
+    assert connected == (True, "v1.kernel.websocket.jupyter.org")
+    assert got[0] == "hello over v1.kernel.websocket.jupyter.org"
+    assert got[1] == '{"msg_type": "execute_request"}'
+    assert got[2]["bytes"] == b"\x00\x01" * 40_000
+
+
+def test_another_user_cannot_open_the_apps_websocket(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    sandbox = with_app(running_sandbox(people, catalog))
+    comm = ws_communicator(people["member"], f"/sandboxes/{sandbox.pk}/app/api/events/subscribe")
+    connected, code = asyncio.run(comm.connect(timeout=WAIT_S))
+    assert (connected, code) == (False, 4403)
+    assert not [t for t in sent_tasks if t[1] == "open_app"]

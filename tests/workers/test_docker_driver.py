@@ -543,3 +543,10 @@ def test_an_app_gets_its_socket_folder_and_nothing_else_of_the_host(tmp_path: Pa
     assert kw["environment"]["GPUSHARE_APP_SOCKET"] == "/run/gpushare/app.sock"
     assert kw["network_mode"] == "none"  # the app is reached through its socket, never a network
     assert "mounts" not in container_kwargs(make_spec())
+
+
+def test_a_persons_sandboxes_run_as_their_uid_and_an_mps_share_as_its_gpus() -> None:
+    assert container_kwargs(make_spec(owner_id=5))["user"] == f"{uids.owner_uid(5)}:{uids.owner_uid(5)}"
+    assert uids.owner_uid(5) != uids.owner_uid(6) and uids.owner_uid(5) != uids.sandbox_uid(5)
+    share = make_spec(owner_id=5, mps=MpsShare("/run/gpushare/mps/x/pipe", 50, 4096))
+    assert sandbox_user(share) == uids.mps_uid("GPU-aaaa")

@@ -154,11 +154,12 @@ def test_storage_is_the_sandboxes_own_and_outlives_it(make: tuple, storage_dir: 
         volume = (storage_dir / "homes" / str(VOLUME)).stat()
         assert (volume.st_uid, volume.st_gid, stat.S_IMODE(volume.st_mode)) == (0, GID, 0o2770)
         assert info.st_gid == GID
-    # Group read-write: the owner's next sandbox has another uid, and the volume's group.
+    # Group read-write: a sandbox of another uid (an MPS share's, a colleague's in a project
+    # folder) reaches the volume through its group.
     assert stat.S_IMODE(info.st_mode) & 0o060 == 0o060
     driver.stop(handle, grace_s=0)
 
-    # The owner's next sandbox: another id, so another uid, on the same storage.
+    # Another sandbox with no owner named: another id, so another uid, on the same storage.
     script = f"cat $HOME/notes.txt; echo two >> $HOME/notes.txt; echo {READY}; sleep 300"
     second = driver.launch(spec(202, script))
     out = output_of(driver, second, READY)

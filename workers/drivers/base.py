@@ -76,6 +76,7 @@ class SandboxSpec:
     batch: bool = False  # a batch run: the agent ships its output to its owner
     mounts: tuple[StorageMount, ...] = ()  # the tier's storage: a home, project folders, datasets
     app: bool = False  # the image serves a web app on its app socket (workers/drivers/app_socket.py)
+    owner_id: int = 0  # the owner's portal user id: their sandboxes run as their uid (uids.owner_uid)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -74,10 +74,8 @@ def _tmpfs_mib(spec: SandboxSpec) -> int:
 
 
 def sandbox_user(spec: SandboxSpec) -> int:
-    """The container's uid: its own; under MPS, its GPU's (one MPS server serves one uid)."""
-    if spec.mps is not None and spec.device_uuids:
-        return uids.mps_uid(spec.device_uuids[0])
-    return uids.sandbox_uid(spec.sandbox_id)
+    """The container's uid: its owner's; under MPS, its GPU's (uids.host_uid)."""
+    return uids.host_uid(spec)
 
 
 def container_kwargs(

@@ -189,7 +189,7 @@ def storage_identity(spec: SandboxSpec, bound: Sequence[BoundStorage]) -> tuple[
             f"sandbox {spec.allocation_id}: a VM mounts one read-write storage at most, not "
             f"{len(writable)} ({', '.join(m.target for m in writable)})"
         )
-    uid = uids.sandbox_uid(spec.sandbox_id)
+    uid = uids.host_uid(spec)
     return uid, writable[0].gid if writable else uid
 
 

@@ -307,7 +307,8 @@ class ProcessDriver:
     # -- launch --
 
     def _choose_limits(self, spec: SandboxSpec) -> Limits:
-        private_uid = os.geteuid() == 0 and spec.mps is None
+        # RLIMIT_NPROC counts the uid's processes: only a uid this sandbox has to itself.
+        private_uid = os.geteuid() == 0 and spec.mps is None and not spec.owner_id
         if self.limits == "rlimit":
             return rlimits(spec, private_uid)
         try:
@@ -422,9 +423,7 @@ class ProcessDriver:
 
     @staticmethod
     def _host_uid(spec: SandboxSpec) -> int:
-        if spec.mps is not None and spec.device_uuids:
-            return uids.mps_uid(spec.device_uuids[0])
-        return uids.sandbox_uid(spec.sandbox_id)
+        return uids.host_uid(spec)
 
     def _run_uid(self, spec: SandboxSpec) -> int:
         """The host uid the sandbox runs as: its own (or its GPU's MPS uid) under a root

@@ -1,0 +1,176 @@
+"""A sandbox's web app's WebSockets (Jupyter's kernels, terminals, events) through the portal.
+
+The same way as its HTTP requests (``portal/sandboxes/app_proxy.py``): the owner only, one
+connection to the app's socket through the host agent, relayed over the channel layer. The
+app's handshake comes first, spoken with ``websockets``' sans-I/O client over that relay, so
+that the browser is accepted with the subprotocol the app chose (Jupyter's kernel protocol
+depends on it); then frames go both ways, whole messages to the browser. While it is open,
+the owner's right is checked again every ``STREAM_RECHECK_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from websockets.client import ClientProtocol
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Response
+from websockets.typing import Subprotocol
+from websockets.uri import parse_uri
+
+from portal.accounts.streams import Recheck
+from portal.sandboxes.app_proxy import OPEN_TIMEOUT_S, Target, authorize, without_portal_cookies
+from portal.sandboxes.models import Sandbox, SandboxState
+from workers import dispatch
+from workers.terminal_relay import decode, encode, term_in_group, term_out_group
+
+REFUSED, GONE = 4403, 1011  # not allowed; the app went away
+MAX_MESSAGE = 64 * 1024 * 1024  # a notebook's outputs (images) come in one message
+
+
+class AppWebSocket(AsyncWebsocketConsumer):
+    session = ""
+    tunnel = ""
+    _app: ClientProtocol | None = None
+    _pump: asyncio.Task[None] | None = None
+    _recheck: Recheck | None = None
+    _partial: tuple[Opcode, list[bytes]] | None = None
+
+    async def connect(self) -> None:
+        headers = {k.lower(): v for k, v in self.scope["headers"]}
+        host = headers.get(b"host", b"").decode("latin-1")
+        verdict = await database_sync_to_async(authorize)(self.scope.get("user"), self._sandbox_id(), host)
+        if not isinstance(verdict, Target):
+            await self.close(code=REFUSED)  # before accept(): the handshake is refused (403)
+            return
+        layer = self.channel_layer
+        self.session = uuid.uuid4().hex
+        self.tunnel = await layer.new_channel()
+        await layer.group_add(term_out_group(self.session), self.tunnel)
+        await asyncio.to_thread(
+            dispatch.to_host, verdict.host, "open_app", self.session, verdict.allocation_key, verdict.handle
+        )
+        early = await self._handshake(host, headers)
+        if early is None:
+            await self.close(code=REFUSED)
+            return
+        await self.accept(subprotocol=self._app.subprotocol if self._app else None)
+        for frame in early:
+            await self._to_browser(frame)
+        self._pump = asyncio.create_task(self._from_app())
+        self._recheck = Recheck(self.scope, self._still_allowed, self._revoked)
+        self._recheck.start()
+
+    def _sandbox_id(self) -> int:
+        return int(self.scope["url_route"]["kwargs"]["sandbox_id"])
+
+    async def _handshake(self, host: str, headers: dict[bytes, bytes]) -> list[Frame] | None:
+        """The app's answer to the browser's upgrade, asked over the agent's connection; the
+        frames that came with it, or None when the app refused (or was not there)."""
+        layer = self.channel_layer
+        try:
+            opened = await asyncio.wait_for(layer.receive(self.tunnel), OPEN_TIMEOUT_S)
+        except TimeoutError:
+            return None
+        if opened.get("type") != "term.opened":
+            return None
+        query = self.scope.get("query_string", b"").decode("latin-1")
+        path = self.scope["path"] + (f"?{query}" if query else "")
+        offered = [Subprotocol(p) for p in self.scope.get("subprotocols") or []]  # ASGI's own list
+        self._app = ClientProtocol(
+            parse_uri(f"ws://{host}{path}"), subprotocols=offered or None, max_size=MAX_MESSAGE
+        )
+        request = self._app.connect()
+        cookie = without_portal_cookies(headers.get(b"cookie", b""))
+        if cookie:
+            request.headers["Cookie"] = cookie.decode("latin-1")
+        if b"origin" in headers:  # Jupyter compares it with Host, as a browser sent them
+            request.headers["Origin"] = headers[b"origin"].decode("latin-1")
+        self._app.send_request(request)
+        await self._flush()
+        while True:
+            try:
+                message = await asyncio.wait_for(layer.receive(self.tunnel), OPEN_TIMEOUT_S)
+            except TimeoutError:
+                return None
+            if message.get("type") != "term.output":
+                return None
+            self._app.receive_data(decode(message["data"]))
+            events = self._app.events_received()
+            if events and isinstance(events[0], Response):
+                if self._app.handshake_exc is not None:
+                    return None
+                return [e for e in events[1:] if isinstance(e, Frame)]
+
+    async def _from_app(self) -> None:
+        assert self._app is not None  # noqa: S101 - set by the handshake
+        while True:
+            message = await self.channel_layer.receive(self.tunnel)
+            if message.get("type") != "term.output":
+                await self.close(code=GONE)
+                return
+            self._app.receive_data(decode(message["data"]))
+            for event in self._app.events_received():
+                if isinstance(event, Frame):
+                    await self._to_browser(event)
+            await self._flush()  # the pongs to its pings
+
+    async def _to_browser(self, frame: Frame) -> None:
+        if frame.opcode == Opcode.CLOSE:
+            await self.close()
+            return
+        if frame.opcode in (Opcode.PING, Opcode.PONG):
+            return
+        if frame.opcode in (Opcode.TEXT, Opcode.BINARY):
+            self._partial = (frame.opcode, [frame.data])
+        elif frame.opcode == Opcode.CONT and self._partial is not None:
+            self._partial[1].append(frame.data)
+        if not frame.fin or self._partial is None:
+            return
+        opcode, parts = self._partial
+        self._partial = None
+        if opcode == Opcode.TEXT:
+            await self.send(text_data=b"".join(parts).decode())
+        else:
+            await self.send(bytes_data=b"".join(parts))
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self._app is None:
+            return
+        if text_data is not None:
+            self._app.send_text(text_data.encode())
+        elif bytes_data is not None:
+            self._app.send_binary(bytes_data)
+        await self._flush()
+
+    async def _flush(self) -> None:
+        if self._app is None:
+            return
+        data = b"".join(self._app.data_to_send())
+        if data:
+            await self.channel_layer.group_send(
+                term_in_group(self.session), {"type": "term.input", "data": encode(data)}
+            )
+
+    def _still_allowed(self, user: Any) -> bool:
+        sandbox = Sandbox.objects.filter(pk=self._sandbox_id(), state=SandboxState.RUNNING).first()
+        return sandbox is not None and sandbox.owner_id == user.pk
+
+    async def _revoked(self) -> None:
+        await self.close(code=REFUSED)
+
+    async def disconnect(self, code: int) -> None:
+        if self._recheck is not None:
+            await self._recheck.stop()
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        if self.session:
+            await self.channel_layer.group_send(term_in_group(self.session), {"type": "term.close"})
+            await self.channel_layer.group_discard(term_out_group(self.session), self.tunnel)
