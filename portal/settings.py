@@ -193,7 +193,12 @@ if not STATIC_MANIFEST:
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "capacity": 200, "expiry": 10},
+        "CONFIG": {
+            "hosts": [REDIS_URL],
+            "capacity": 200,
+            "expiry": 10,
+            "channel_capacity": worker_config.CHANNEL_CAPACITY,
+        },
     }
 }
 

@@ -20,8 +20,11 @@ scripts/build-sandbox-image.sh
 started=$(date +%s)
 wheels="${GPUSHARE_VAR_DIR:-$PWD/var}/wheels/notebook"
 mkdir -p "$wheels"
-# cp311 manylinux wheels: Debian bookworm's Python is 3.11, as the project's.
-python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
+# cp311 manylinux wheels: Debian bookworm's Python is 3.11, as the project's. The project's
+# venv has pip (make install); a bare Debian's python3 may not.
+python="python3"
+[[ -x .venv/bin/python ]] && python=".venv/bin/python"
+"$python" -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
     --python-version 3.11 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_28_x86_64 --require-hashes -r images/notebook/requirements.lock -d "$wheels"
 context="$(mktemp -d)"

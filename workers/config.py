@@ -85,6 +85,11 @@ def ensure_embedded_redis() -> None:
         ensure_running(embedded)
 
 
+# Every process-local channel of a process (a page's terminal, each proxied request to a
+# sandbox's app) shares one Redis list, and senders drop what goes past its capacity: a
+# JupyterLab page's first burst (some 60 requests at once) lost a piece of a file at 200.
+CHANNEL_CAPACITY = {"specific.*": 2000}
+
 # Written every 2 s by the control worker, read by /healthz.
 CONTROL_HEARTBEAT_KEY = "gpushare:control:heartbeat"
 

@@ -15,6 +15,7 @@ from typing import Any, TypedDict
 from channels_redis.core import RedisChannelLayer
 
 from workers.batch_output import OutputMessage
+from workers.config import CHANNEL_CAPACITY
 from workers.gpu.base import GpuSample
 
 FLEET_GROUP = "fleet"
@@ -120,7 +121,7 @@ def sample_message(
 
 def make_layer(redis_url: str) -> RedisChannelLayer:
     """A channel layer without Django settings: agents only know the broker URL."""
-    return RedisChannelLayer(hosts=[redis_url], capacity=200, expiry=10)
+    return RedisChannelLayer(hosts=[redis_url], capacity=200, expiry=10, channel_capacity=CHANNEL_CAPACITY)
 
 
 async def publish(

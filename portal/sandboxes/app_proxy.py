@@ -33,7 +33,9 @@ from workers import dispatch
 from workers.drivers.app_socket import NOT_LISTENING
 from workers.terminal_relay import decode, encode, term_in_group, term_out_group
 
-OPEN_TIMEOUT_S = 10.0  # the agent connects to the app
+# The agent connects to the app: a Celery message, then a thread. 10 s was not enough for a
+# page's first burst of requests on a loaded two-core CI machine (a 504 broke JupyterLab).
+OPEN_TIMEOUT_S = 30.0
 ANSWER_TIMEOUT_S = 120.0  # between two pieces of the app's answer
 # Hop-by-hop headers (RFC 9110 section 7.6.1), which stop at each hop.
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",

@@ -130,7 +130,8 @@ class TestRequestPlaceLaunchStreamStopBill:
         assert "no-new-privileges" in host_config["SecurityOpt"]
         assert host_config["NetworkMode"] == "none"
         assert f"NVIDIA_VISIBLE_DEVICES={alloc.device_uuid}" in attrs["Config"]["Env"]
-        uid = uids.sandbox_uid(dedicated)  # its own, from the range no host account uses
+        owner = Sandbox.objects.get(pk=dedicated).owner_id
+        uid = uids.owner_uid(owner)  # its owner's, from the range no host account uses
         assert attrs["Config"]["User"] == f"{uid}:{uid}"
 
     def test_05_the_mig_one_runs_on_a_mig_instance(self, docker_client: Any, state: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from workers.drivers.storage import check_reachable
 
 APP_DIR = "/run/gpushare"  # in the sandbox
 APP_SOCKET = f"{APP_DIR}/app.sock"
-READ_SIZE = 64 * 1024
+READ_SIZE = 256 * 1024  # a relayed piece: fewer messages in a page's burst
 NOT_LISTENING = "its app is not listening"  # the portal tells "starting" from other refusals by it
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 

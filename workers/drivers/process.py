@@ -463,19 +463,15 @@ class ProcessDriver:
             drop = ["setpriv", "--reuid", uid, "--regid", uid, *groups, "--"]
         fds: list[int] = []
         try:
-            passed: list[int] = []  # what bwrap reads: passwd, group, its status, the seccomp filter
             for content in (_PASSWD.encode(), _GROUP.encode(), None, seccomp.bpf_program()):
                 if content is None:
                     fds.append(os.open(status_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
-                    passed.append(fds[-1])
                     continue
                 fd = os.memfd_create("gpushare-sandbox", 0)  # bwrap reads it: no file on disk
                 fds.append(fd)
-                passed.append(fd)
                 os.write(fd, content)
                 os.lseek(fd, 0, os.SEEK_SET)
-            passwd_fd, group_fd, status_fd, seccomp_fd = passed[-4:]
-            bwrap = self._bwrap_args(spec, passwd_fd, group_fd, status_fd, seccomp_fd, nodes, binds)
+            bwrap = self._bwrap_args(spec, fds[0], fds[1], fds[2], fds[3], nodes, binds)
             argv = [
                 "/bin/sh", "-c", _JOIN_AND_WAIT, "gpushare-sandbox", *limits.procs_files, "--",
                 *drop, *limits.prlimit, *bwrap,
@@ -500,7 +496,7 @@ class ProcessDriver:
                 stdout=write_end,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                pass_fds=passed,
+                pass_fds=fds[:4],
                 cwd="/",
                 env={"PATH": _BASE_PATH},
             )

@@ -80,7 +80,7 @@ def checked_source(source: str) -> str:
 
 
 def resolve(
-    root: Path, mounts: tuple[StorageMount, ...], *, make: bool = True, bound_by_sandbox: bool = False
+    root: Path, mounts: tuple[StorageMount, ...], *, bound_by_sandbox: bool = False
 ) -> list[BoundStorage]:
     """Each mount's host directory under ``root``, checked, and for a read-write volume made
     (and its group, mode and default ACL set); a missing dataset is a launch error.
@@ -97,7 +97,7 @@ def resolve(
             raise DriverError(f"two storage mounts at {target}")
         targets.add(target)
         path = os.path.join(real_root, checked_source(mount.source))
-        if not mount.read_only and make:
+        if not mount.read_only:
             _make_volume(Path(real_root), path, mount.gid)
         if os.path.realpath(path) != path:  # a symlink on the way: it could lead anywhere
             raise DriverError(f"storage {mount.name}: {mount.source} leads out of the storage root")
@@ -110,8 +110,8 @@ def resolve(
 
 def check_reachable(root: str, what: str = "storage root") -> None:
     """The sandboxes' uids (no host account's, in no group of the host's) must be able to
-    pass through every directory above the root: else bubblewrap's bind or QEMU's open
-    fails with a bare "permission denied"."""
+    pass through every directory above the root: else bubblewrap's bind, made as the
+    sandbox's uid, fails with a bare "permission denied"."""
     here = root
     while here != "/":
         here = os.path.dirname(here)
@@ -134,7 +134,7 @@ def _make_volume(root: Path, path: str, gid: int) -> None:
         for part in os.path.relpath(path, root).split("/"):
             here = os.path.join(here, part)
             with contextlib.suppress(FileExistsError):
-                os.mkdir(here, VOLUME_MODE if here == path else 0o755)  # parents: searchable only
+                os.mkdir(here, VOLUME_MODE if here == path else 0o755)  # parents (homes/): root's
             if os.path.islink(here) or not os.path.isdir(here):
                 raise DriverError(f"storage path {here} is not a directory of the storage root")
         if os.geteuid() == 0 and gid:
