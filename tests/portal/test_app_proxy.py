@@ -93,12 +93,20 @@ def fetch(
 ) -> dict[str, Any]:
     """The portal's answer to ``user``'s request, the agent's part played by ``relay_stream``
     on the host's side of ``root`` (when the portal asks for a connection)."""
-    cookie = f"sessionid={client_for(user).cookies['sessionid'].value}; _xsrf=abc".encode()
-    comm = HttpCommunicator(
-        application, method, path, body=body, headers=[(b"host", b"localhost"), (b"cookie", cookie)]
-    )
+    return fetch_all(user, [(path, method, body)], root, sent)[0]
 
-    async def run() -> dict[str, Any]:
+
+def fetch_all(
+    user: Any, requests: list[tuple[str, str, bytes]], root: Path | None = None, sent: Any = None
+) -> list[dict[str, Any]]:
+    """Several requests in one event loop: the channel layer's locks belong to the loop that
+    made them, so a second ``asyncio.run`` would meet the first one's."""
+    cookie = f"sessionid={client_for(user).cookies['sessionid'].value}; _xsrf=abc".encode()
+
+    async def one(path: str, method: str, body: bytes) -> dict[str, Any]:
+        comm = HttpCommunicator(
+            application, method, path, body=body, headers=[(b"host", b"localhost"), (b"cookie", cookie)]
+        )
         answer = asyncio.create_task(comm.get_response(timeout=WAIT_S))
         deadline = time.monotonic() + WAIT_S
         while not answer.done() and time.monotonic() < deadline:
@@ -111,6 +119,9 @@ def fetch(
                 relay_stream(opener, "h", session, key, handle, 30, "app")
             await asyncio.sleep(0.02)
         return await answer
+
+    async def run() -> list[dict[str, Any]]:
+        return [await one(*request) for request in requests]
 
     return asyncio.run(run())
 
@@ -126,16 +137,23 @@ def test_the_owner_reaches_the_app_without_the_portals_cookies(
     server = serve_app(app_root, sandbox)
     try:
         base = f"/sandboxes/{sandbox.pk}/app"
-        answer = fetch(people["owner"], f"{base}/lab?reset=1", root=app_root, sent=sent_tasks)
+        answer, big, posted = fetch_all(
+            people["owner"],
+            [
+                (f"{base}/lab?reset=1", "GET", b""),
+                (f"{base}/big", "GET", b""),
+                (f"{base}/api", "POST", b'{"cell": 1}'),
+            ],
+            app_root,
+            sent_tasks,
+        )
         assert answer["status"] == 200, answer
         seen = json.loads(answer["body"])
         assert seen["path"] == f"{base}/lab?reset=1" and seen["host"] == "localhost"
         assert seen["cookie"] == "_xsrf=abc"  # the portal's session never reaches the app
         assert headers(answer, b"set-cookie") == [b"_xsrf=abc; Path=/"]  # nor may it set one
 
-        big = fetch(people["owner"], f"{base}/big", root=app_root, sent=sent_tasks)
         assert big["status"] == 200 and big["body"] == b"x" * BIG
-        posted = fetch(people["owner"], f"{base}/api", "POST", b'{"cell": 1}', root=app_root, sent=sent_tasks)
         assert posted["body"] == b'got {"cell": 1}'
     finally:
         server.shutdown()
