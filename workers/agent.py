@@ -45,8 +45,7 @@ from workers.host.reports import HostReports
 from workers.host.sampler import Sampler
 from workers.host.sandboxes import HostSandboxes
 from workers.host.storage_meter import StorageMeter
-from workers.host.terminals import open_app as relay_app
-from workers.host.terminals import open_terminal as relay_terminal
+from workers.host.terminals import relay_stream
 from workers.host.utilization import UtilizationWindows
 
 log = logging.getLogger(__name__)
@@ -123,11 +122,27 @@ class Agent:
 
     def open_terminal(self, session: str, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
-        relay_terminal(self.driver, self.host, session, allocation_id, handle, self.settings.terminal_idle_s)
+        relay_stream(
+            self.driver.exec_terminal,
+            self.host,
+            session,
+            allocation_id,
+            handle,
+            self.settings.terminal_idle_s,
+            "terminal",
+        )
 
     def open_app(self, session: str, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
-        relay_app(self.driver, self.host, session, allocation_id, handle, self.settings.terminal_idle_s)
+        relay_stream(
+            self.driver.open_app,
+            self.host,
+            session,
+            allocation_id,
+            handle,
+            self.settings.terminal_idle_s,
+            "app",
+        )
 
     def execute_plan(
         self, plan_id: int, stops: list[dict[str, Any]], mig_plan: dict[str, Any] | None, busy: dict[str, str]

@@ -9,35 +9,10 @@ import threading
 from collections.abc import Callable
 
 from workers import config, terminal_relay
-from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, Terminal
+from workers.drivers.base import DriverError, SandboxHandle, Terminal
 from workers.telemetry import make_layer
 
 log = logging.getLogger(__name__)
-
-
-def open_terminal(
-    driver: SandboxDriver,
-    host: str,
-    session: str,
-    allocation_id: str,
-    handle: SandboxHandle | None,
-    idle_s: float,
-) -> None:
-    """Relay a pty into the sandbox (see ``workers.terminal_relay``) on a thread of its own:
-    a session may last as long as the user types."""
-    relay_stream(driver.exec_terminal, host, session, allocation_id, handle, idle_s, "terminal")
-
-
-def open_app(
-    driver: SandboxDriver,
-    host: str,
-    session: str,
-    allocation_id: str,
-    handle: SandboxHandle | None,
-    idle_s: float,
-) -> None:
-    """Relay one connection to the sandbox's web app (portal/sandboxes/app_proxy.py)."""
-    relay_stream(driver.open_app, host, session, allocation_id, handle, idle_s, "app")
 
 
 def relay_stream(
@@ -49,6 +24,9 @@ def relay_stream(
     idle_s: float,
     what: str,
 ) -> None:
+    """Relay the stream ``opener`` gives (a terminal's pty: ``driver.exec_terminal``; a web
+    app's connection: ``driver.open_app``) on a thread of its own, until either side ends it
+    (see ``workers.terminal_relay``); ``what`` names it in the log and the thread."""
 
     async def serve() -> None:
         layer = make_layer(config.redis_url())
