@@ -195,9 +195,7 @@ CHANNEL_LAYERS = {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         "CONFIG": {
             "hosts": [REDIS_URL],
-            "capacity": 200,
-            "expiry": 10,
-            "channel_capacity": worker_config.CHANNEL_CAPACITY,
+            **worker_config.CHANNEL_LAYER_OPTIONS,
         },
     }
 }

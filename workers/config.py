@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from portal.env import ConfigError, env_bool, env_choice, env_int, env_str
 
@@ -85,10 +86,16 @@ def ensure_embedded_redis() -> None:
         ensure_running(embedded)
 
 
-# Every process-local channel of a process (a page's terminal, each proxied request to a
-# sandbox's app) shares one Redis list, and senders drop what goes past its capacity: a
-# JupyterLab page's first burst (some 60 requests at once) lost a piece of a file at 200.
-CHANNEL_CAPACITY = {"specific.*": 2000}
+# The channel layer's options, the portal's and the agents' alike (live telemetry, fleet
+# notices; terminals and apps are relayed through Redis streams of their own). A message
+# its reader has not taken in ``expiry`` seconds is stale. Every process-local channel of a
+# web process (each open page's) shares one Redis key, and senders drop what goes past its
+# capacity: 2000 leaves room for many pages at once.
+CHANNEL_LAYER_OPTIONS: dict[str, Any] = {
+    "capacity": 200,
+    "expiry": 10,
+    "channel_capacity": {"specific.*": 2000},
+}
 
 # Written every 2 s by the control worker, read by /healthz.
 CONTROL_HEARTBEAT_KEY = "gpushare:control:heartbeat"

@@ -15,7 +15,7 @@ from typing import Any, TypedDict
 from channels_redis.core import RedisChannelLayer
 
 from workers.batch_output import OutputMessage
-from workers.config import CHANNEL_CAPACITY
+from workers.config import CHANNEL_LAYER_OPTIONS
 from workers.gpu.base import GpuSample
 
 FLEET_GROUP = "fleet"
@@ -121,7 +121,7 @@ def sample_message(
 
 def make_layer(redis_url: str) -> RedisChannelLayer:
     """A channel layer without Django settings: agents only know the broker URL."""
-    return RedisChannelLayer(hosts=[redis_url], capacity=200, expiry=10, channel_capacity=CHANNEL_CAPACITY)
+    return RedisChannelLayer(hosts=[redis_url], **CHANNEL_LAYER_OPTIONS)
 
 
 async def publish(

@@ -2,7 +2,7 @@
 
 The sandbox has no network; its app listens on a unix socket the host agent reaches
 (workers/drivers/app_socket.py). Each HTTP request here opens one connection through the
-agent, relayed over the channel layer like a terminal's pty (workers/terminal_relay.py):
+agent, relayed through Redis like a terminal's pty (workers/terminal_relay.py):
 this consumer writes the request as HTTP/1.1 with h11 (``Connection: close``), reads the
 response the same way and streams it to the browser.
 
@@ -15,8 +15,7 @@ sent, and it may not set them.
 
 from __future__ import annotations
 
-import asyncio
-import uuid
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +28,12 @@ from django.http.request import split_domain_port, validate_host
 
 from portal.sandboxes.consumers import TERMINAL_ISOLATION
 from portal.sandboxes.models import Sandbox, SandboxState
-from workers import dispatch
+from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelSilent
 from workers.drivers.app_socket import NOT_LISTENING
-from workers.terminal_relay import decode, encode, term_in_group, term_out_group
+from workers.terminal_relay import StreamBroken
 
-# The agent connects to the app: a Celery message, then a thread. 10 s was not enough for a
-# page's first burst of requests on a loaded two-core CI machine (a 504 broke JupyterLab).
-OPEN_TIMEOUT_S = 30.0
+log = logging.getLogger(__name__)
+
 ANSWER_TIMEOUT_S = 120.0  # between two pieces of the app's answer
 # Hop-by-hop headers (RFC 9110 section 7.6.1), which stop at each hop.
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
@@ -92,32 +90,28 @@ class AppProxy(AsyncHttpConsumer):
         if not isinstance(verdict, Target):
             await self._refuse(*verdict)
             return
-        session = uuid.uuid4().hex
-        layer = self.channel_layer
-        channel = await layer.new_channel()
-        await layer.group_add(term_out_group(session), channel)
+        tunnel = Tunnel()
         try:
-            await asyncio.to_thread(
-                dispatch.to_host, verdict.host, "open_app", session, verdict.allocation_key, verdict.handle
-            )
-            await self._relay(session, channel, body)
+            await tunnel.open(verdict.host, "open_app", verdict.allocation_key, verdict.handle)
+            await self._relay(tunnel, body)
         finally:
-            await layer.group_send(term_in_group(session), {"type": "term.close"})
-            await layer.group_discard(term_out_group(session), channel)
+            await tunnel.close()
 
-    async def _relay(self, session: str, channel: str, body: bytes) -> None:
-        layer = self.channel_layer
+    async def _relay(self, tunnel: Tunnel, body: bytes) -> None:
         try:
-            opened = await asyncio.wait_for(layer.receive(channel), OPEN_TIMEOUT_S)
-        except TimeoutError:
+            await tunnel.wait_opened(OPEN_TIMEOUT_S)
+        except TunnelSilent:
+            log.warning(
+                "sandbox app %s: host %s did not open the app's connection in %.0f s",
+                tunnel.session[:8], self.scope["path"][:200], OPEN_TIMEOUT_S,
+            )  # fmt: skip
             await self._refuse(504, "The sandbox's host did not answer.")
             return
-        if opened.get("type") != "term.opened":
-            reason = str(opened.get("reason", ""))
-            if NOT_LISTENING in reason:  # just started: its app has not opened its socket yet
+        except TunnelClosed as closed:
+            if NOT_LISTENING in closed.reason:  # just started: its app has not opened its socket yet
                 await self._starting()
-                return
-            await self._refuse(502, f"The sandbox's app cannot be reached: {reason}")
+            else:
+                await self._refuse(502, f"The sandbox's app cannot be reached: {closed.reason}")
             return
         client = h11.Connection(h11.CLIENT)
         request = client.send(
@@ -125,35 +119,45 @@ class AppProxy(AsyncHttpConsumer):
         )
         request += client.send(h11.Data(data=body)) if body else b""
         request += client.send(h11.EndOfMessage())
-        await layer.group_send(term_in_group(session), {"type": "term.input", "data": encode(request)})
+        await tunnel.write(request)
         started = False
-        while True:
-            event = client.next_event()
-            if event is h11.NEED_DATA:
-                try:
-                    message = await asyncio.wait_for(layer.receive(channel), ANSWER_TIMEOUT_S)
-                except TimeoutError:
-                    message = {"type": "term.closed", "reason": "no answer"}
-                if message.get("type") == "term.output":
-                    client.receive_data(decode(message["data"]))
-                    continue
-                if not started:
-                    await self._refuse(
-                        502, f"The sandbox's app gave no answer ({message.get('reason', '')})."
+        try:
+            while True:
+                event = client.next_event()
+                if event is h11.NEED_DATA:
+                    try:
+                        client.receive_data(await tunnel.read(ANSWER_TIMEOUT_S))
+                    except TunnelClosed as closed:
+                        if not started:
+                            await self._refuse(502, f"The sandbox's app gave no answer ({closed.reason}).")
+                            return
+                        if isinstance(closed, TunnelSilent):
+                            raise
+                        client.receive_data(b"")  # it closed: h11 says whether the answer was whole
+                elif isinstance(event, h11.Response):
+                    started = True
+                    await self.send_headers(
+                        status=event.status_code, headers=self._answer_headers(event.headers)
                     )
+                elif isinstance(event, h11.Data):
+                    await self.send_body(bytes(event.data), more_body=True)
+                elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    await self.send_body(b"", more_body=False)
                     return
-                client.receive_data(b"")  # closed: h11 says whether the body was whole
-                continue
-            if isinstance(event, h11.Response):
-                started = True
-                await self.send_headers(status=event.status_code, headers=self._answer_headers(event.headers))
-            elif isinstance(event, h11.Data):
-                await self.send_body(bytes(event.data), more_body=True)
-            elif isinstance(event, h11.InformationalResponse):
-                continue  # 100 Continue and the like: for this hop only
-            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                await self.send_body(b"", more_body=False)
+                # h11.InformationalResponse (100 Continue and the like): for this hop only
+        except (TunnelSilent, StreamBroken, h11.RemoteProtocolError) as exc:
+            if not started:
+                await self._refuse(502, f"The sandbox's app gave no answer that could be read ({exc}).")
                 return
+            # Half an answer is out: ending it as if whole would hand the browser a truncated
+            # file it might cache. Returning without the last body message makes the server
+            # drop the connection, which the browser reports as a failed load.
+            log.warning(
+                "sandbox app %s: the answer to %s broke off: %s",
+                tunnel.session[:8],
+                self._target()[:200],
+                exc,
+            )
 
     def _target(self) -> bytes:
         path: bytes = self.scope.get("raw_path") or self.scope["path"].encode()

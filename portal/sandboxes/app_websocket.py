@@ -1,7 +1,7 @@
 """A sandbox's web app's WebSockets (Jupyter's kernels, terminals, events) through the portal.
 
 The same way as its HTTP requests (``portal/sandboxes/app_proxy.py``): the owner only, one
-connection to the app's socket through the host agent, relayed over the channel layer. The
+connection to the app's socket through the host agent, relayed through Redis. The
 app's handshake comes first, spoken with ``websockets``' sans-I/O client over that relay, so
 that the browser is accepted with the subprotocol the app chose (Jupyter's kernel protocol
 depends on it); then frames go both ways, whole messages to the browser. While it is open,
@@ -10,35 +10,26 @@ the owner's right is checked again every ``STREAM_RECHECK_S``.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import uuid
 from typing import Any
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncWebsocketConsumer
 from websockets.client import ClientProtocol
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Response
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
-from portal.accounts.streams import Recheck
-from portal.sandboxes.app_proxy import OPEN_TIMEOUT_S, Target, authorize, without_portal_cookies
+from portal.sandboxes.app_proxy import Target, authorize, without_portal_cookies
 from portal.sandboxes.models import Sandbox, SandboxState
-from workers import dispatch
-from workers.terminal_relay import decode, encode, term_in_group, term_out_group
+from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
+from workers.terminal_relay import StreamBroken
 
 REFUSED, GONE = 4403, 1011  # not allowed; the app went away
 MAX_MESSAGE = 64 * 1024 * 1024  # a notebook's outputs (images) come in one message
 
 
-class AppWebSocket(AsyncWebsocketConsumer):
-    session = ""
-    tunnel = ""
+class AppWebSocket(TunnelWebSocket):
     _app: ClientProtocol | None = None
-    _pump: asyncio.Task[None] | None = None
-    _recheck: Recheck | None = None
     _partial: tuple[Opcode, list[bytes]] | None = None
 
     async def connect(self) -> None:
@@ -48,37 +39,28 @@ class AppWebSocket(AsyncWebsocketConsumer):
         if not isinstance(verdict, Target):
             await self.close(code=REFUSED)  # before accept(): the handshake is refused (403)
             return
-        layer = self.channel_layer
-        self.session = uuid.uuid4().hex
-        self.tunnel = await layer.new_channel()
-        await layer.group_add(term_out_group(self.session), self.tunnel)
-        await asyncio.to_thread(
-            dispatch.to_host, verdict.host, "open_app", self.session, verdict.allocation_key, verdict.handle
-        )
-        early = await self._handshake(host, headers)
+        self._tunnel = Tunnel()
+        await self._tunnel.open(verdict.host, "open_app", verdict.allocation_key, verdict.handle)
+        try:
+            early = await self._handshake(self._tunnel, host, headers)
+        except (TunnelClosed, StreamBroken):
+            early = None
         if early is None:
             await self.close(code=REFUSED)
             return
         await self.accept(subprotocol=self._app.subprotocol if self._app else None)
         for frame in early:
             await self._to_browser(frame)
-        self._pump = asyncio.create_task(self._from_app())
-        self._recheck = Recheck(self.scope, self._still_allowed, self._revoked)
-        self._recheck.start()
+        self.stream(self._from_app(), self._still_allowed, self._revoked)
 
     def _sandbox_id(self) -> int:
         return int(self.scope["url_route"]["kwargs"]["sandbox_id"])
 
-    async def _handshake(self, host: str, headers: dict[bytes, bytes]) -> list[Frame] | None:
+    async def _handshake(self, tunnel: Tunnel, host: str, headers: dict[bytes, bytes]) -> list[Frame] | None:
         """The app's answer to the browser's upgrade, asked over the agent's connection; the
-        frames that came with it, or None when the app refused (or was not there)."""
-        layer = self.channel_layer
-        try:
-            opened = await asyncio.wait_for(layer.receive(self.tunnel), OPEN_TIMEOUT_S)
-        except TimeoutError:
-            return None
-        if opened.get("type") != "term.opened":
-            return None
+        frames that came with it, or None when the app refused. TunnelClosed when it was
+        not there."""
+        await tunnel.wait_opened(OPEN_TIMEOUT_S)
         query = self.scope.get("query_string", b"").decode("latin-1")
         path = self.scope["path"] + (f"?{query}" if query else "")
         offered = [Subprotocol(p) for p in self.scope.get("subprotocols") or []]  # ASGI's own list
@@ -94,13 +76,7 @@ class AppWebSocket(AsyncWebsocketConsumer):
         self._app.send_request(request)
         await self._flush()
         while True:
-            try:
-                message = await asyncio.wait_for(layer.receive(self.tunnel), OPEN_TIMEOUT_S)
-            except TimeoutError:
-                return None
-            if message.get("type") != "term.output":
-                return None
-            self._app.receive_data(decode(message["data"]))
+            self._app.receive_data(await tunnel.read(OPEN_TIMEOUT_S))
             events = self._app.events_received()
             if events and isinstance(events[0], Response):
                 if self._app.handshake_exc is not None:
@@ -108,13 +84,14 @@ class AppWebSocket(AsyncWebsocketConsumer):
                 return [e for e in events[1:] if isinstance(e, Frame)]
 
     async def _from_app(self) -> None:
-        assert self._app is not None  # noqa: S101 - set by the handshake
+        assert self._app is not None and self._tunnel is not None  # noqa: S101 - set by connect
         while True:
-            message = await self.channel_layer.receive(self.tunnel)
-            if message.get("type") != "term.output":
+            try:
+                data = await self._tunnel.read()
+            except (TunnelClosed, StreamBroken):
                 await self.close(code=GONE)
                 return
-            self._app.receive_data(decode(message["data"]))
+            self._app.receive_data(data)
             for event in self._app.events_received():
                 if isinstance(event, Frame):
                     await self._to_browser(event)
@@ -149,13 +126,11 @@ class AppWebSocket(AsyncWebsocketConsumer):
         await self._flush()
 
     async def _flush(self) -> None:
-        if self._app is None:
+        if self._app is None or self._tunnel is None:
             return
         data = b"".join(self._app.data_to_send())
         if data:
-            await self.channel_layer.group_send(
-                term_in_group(self.session), {"type": "term.input", "data": encode(data)}
-            )
+            await self._tunnel.write(data)
 
     def _still_allowed(self, user: Any) -> bool:
         sandbox = Sandbox.objects.filter(pk=self._sandbox_id(), state=SandboxState.RUNNING).first()
@@ -163,14 +138,3 @@ class AppWebSocket(AsyncWebsocketConsumer):
 
     async def _revoked(self) -> None:
         await self.close(code=REFUSED)
-
-    async def disconnect(self, code: int) -> None:
-        if self._recheck is not None:
-            await self._recheck.stop()
-        if self._pump is not None:
-            self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump
-        if self.session:
-            await self.channel_layer.group_send(term_in_group(self.session), {"type": "term.close"})
-            await self.channel_layer.group_discard(term_out_group(self.session), self.tunnel)

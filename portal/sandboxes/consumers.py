@@ -14,22 +14,18 @@ frames, and JSON ``{"type": "opened"}`` / ``{"type": "closed", "reason": "..."}`
 
 from __future__ import annotations
 
-import asyncio
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncWebsocketConsumer
 from django.utils import timezone
 
 from portal.accounts.access import can_manage_sandbox
-from portal.accounts.streams import Recheck
 from portal.audit import trail
 from portal.sandboxes.models import Sandbox, SandboxEvent, SandboxState
-from workers import dispatch
-from workers.terminal_relay import decode, encode, term_in_group, term_out_group
+from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
+from workers.terminal_relay import StreamBroken
 
 FORBIDDEN, CONFLICT = 4403, 4409
 TERMINAL_ISOLATION = ("container", "process")  # a VM's console is its serial line, not a pty exec
@@ -41,10 +37,7 @@ class Refusal:
     reason: str
 
 
-class SandboxTerminal(AsyncWebsocketConsumer):
-    session = ""
-    _recheck: Recheck | None = None
-
+class SandboxTerminal(TunnelWebSocket):
     async def connect(self) -> None:
         await self.accept()
         verdict = await database_sync_to_async(self.authorize)(self.scope.get("user"))
@@ -52,12 +45,10 @@ class SandboxTerminal(AsyncWebsocketConsumer):
             await self.send(text_data=json.dumps({"type": "closed", "reason": verdict.reason}))
             await self.close(code=verdict.code)
             return
-        self.session = uuid.uuid4().hex
-        await self.channel_layer.group_add(term_out_group(self.session), self.channel_name)
         host, key, handle = verdict
-        await asyncio.to_thread(dispatch.to_host, host, "open_terminal", self.session, key, handle)
-        self._recheck = Recheck(self.scope, self._still_allowed, self._revoked)
-        self._recheck.start()
+        self._tunnel = Tunnel()
+        await self._tunnel.open(host, "open_terminal", key, handle)
+        self.stream(self._from_sandbox(self._tunnel), self._still_allowed, self._revoked)
 
     def _still_allowed(self, user: Any) -> bool:
         sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
@@ -100,39 +91,32 @@ class SandboxTerminal(AsyncWebsocketConsumer):
             trail.record(user, "sandbox.terminal", sandbox, None, None, "opened a terminal in it")
         return sandbox.host.name, sandbox.allocation_key, sandbox.handle
 
+    async def _from_sandbox(self, tunnel: Tunnel) -> None:
+        """The pty's output to the browser, piece by piece, until it ends."""
+        try:
+            await tunnel.wait_opened(OPEN_TIMEOUT_S)
+            await self.send(text_data=json.dumps({"type": "opened"}))
+            while True:
+                await self.send(bytes_data=await tunnel.read())
+        except TunnelClosed as closed:
+            reason = closed.reason
+        except StreamBroken as exc:
+            reason = f"the terminal's output broke off: {exc}"
+        await self.send(text_data=json.dumps({"type": "closed", "reason": reason}))
+        await self.close()
+
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
-        if not self.session:
+        if self._tunnel is None:
             return
         try:
             message = json.loads(text_data or "{}")
         except json.JSONDecodeError:
             return
-        event: dict[str, Any]
         if message.get("type") == "input" and isinstance(message.get("data"), str):
-            event = {"type": "term.input", "data": encode(message["data"].encode())}
+            await self._tunnel.write(message["data"].encode())
         elif message.get("type") == "resize":
             try:
                 rows, cols = int(message["rows"]), int(message["cols"])
             except (KeyError, TypeError, ValueError):
                 return
-            event = {"type": "term.resize", "rows": max(1, min(rows, 500)), "cols": max(1, min(cols, 500))}
-        else:
-            return
-        await self.channel_layer.group_send(term_in_group(self.session), event)
-
-    async def disconnect(self, code: int) -> None:
-        if self._recheck is not None:
-            await self._recheck.stop()
-        if self.session:
-            await self.channel_layer.group_send(term_in_group(self.session), {"type": "term.close"})
-            await self.channel_layer.group_discard(term_out_group(self.session), self.channel_name)
-
-    async def term_opened(self, event: dict[str, Any]) -> None:
-        await self.send(text_data=json.dumps({"type": "opened"}))
-
-    async def term_output(self, event: dict[str, Any]) -> None:
-        await self.send(bytes_data=decode(event["data"]))
-
-    async def term_closed(self, event: dict[str, Any]) -> None:
-        await self.send(text_data=json.dumps({"type": "closed", "reason": event.get("reason", "")}))
-        await self.close()
+            await self._tunnel.resize(max(1, min(rows, 500)), max(1, min(cols, 500)))

@@ -1,5 +1,5 @@
 """The web terminal's relay, end to end in one process: the browser's WebSocket, the Redis
-channel layer, and the agent's relay (``workers.terminal_relay``) over a pty stand-in.
+Redis streams, and the agent's relay (``workers.terminal_relay``) over a pty stand-in.
 The real ptys (Docker exec, bubblewrap) have their own driver tests; the browser test
 types ``echo hi`` into a real container."""
 
@@ -12,9 +12,10 @@ import time
 from typing import Any
 
 import pytest
-from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
+from django.conf import settings
 from django.utils import timezone
+from redis.asyncio import Redis
 
 from portal.asgi import application
 from portal.sandboxes import actions
@@ -93,7 +94,7 @@ def test_keystrokes_reach_the_shell_and_its_output_comes_back(
         [(queue_name, _task, (session, key, handle))] = [t for t in sent_tasks if t[1] == "open_terminal"]
         assert queue_name == host_queue and key == sandbox.allocation_key
         assert handle == {"driver": "docker", "ref": "c1"}
-        agent = asyncio.create_task(relay(get_channel_layer(), shell, session, idle_s=30))
+        agent = asyncio.create_task(relay(Redis.from_url(settings.REDIS_URL), shell, session, idle_s=30))
         assert json.loads(await comm.receive_from(timeout=WAIT_S)) == {"type": "opened"}
         await comm.send_to(text_data=json.dumps({"type": "resize", "rows": 30, "cols": 100}))
         await comm.send_to(text_data=json.dumps({"type": "input", "data": "echo hi\n"}))

@@ -3,7 +3,7 @@
 Sandboxes have no network, so an app inside one listens on a unix socket instead of a port:
 ``GPUSHARE_APP_SOCKET`` (in ``APP_DIR``, a directory the driver binds from the host, the
 sandbox's own and mode 0700). The agent connects to it on the host side and relays the
-bytes to the portal through the channel layer (``workers/terminal_relay.py``, as a
+bytes to the portal through Redis (``workers/terminal_relay.py``, as a
 terminal's pty), where ``portal/sandboxes/app_proxy.py`` speaks HTTP to it for the owner's
 browser. Nobody else on the host can reach the socket: only root and the sandbox's uid may
 enter its directory.

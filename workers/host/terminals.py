@@ -1,5 +1,5 @@
 """A browser's terminal into a sandbox, or its web app's connection: a pty or a socket,
-relayed through the channel layer (``workers/terminal_relay.py``)."""
+relayed through Redis (``workers/terminal_relay.py``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import logging
 import threading
 from collections.abc import Callable
 
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
 from workers import config, terminal_relay
 from workers.drivers.base import DriverError, SandboxHandle, Terminal
-from workers.telemetry import make_layer
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +31,11 @@ def relay_stream(
     (see ``workers.terminal_relay``); ``what`` names it in the log and the thread."""
 
     async def serve() -> None:
-        layer = make_layer(config.redis_url())
-        if handle is None:
-            await terminal_relay.refuse(layer, session, f"sandbox {allocation_id} is not on host {host}")
-            return
         try:
-            terminal = await asyncio.to_thread(opener, handle)
-        except DriverError as exc:
-            await terminal_relay.refuse(layer, session, str(exc))
-            return
-        reason = await terminal_relay.relay(layer, terminal, session, idle_s)
+            async with Redis.from_url(config.redis_url()) as redis:
+                reason = await opened_and_relayed(redis)
+        except RedisError as exc:
+            reason = f"Redis failed ({exc})"
         log.log(
             logging.INFO if what == "terminal" else logging.DEBUG,
             "%s of %s ended: %s",
@@ -46,5 +43,17 @@ def relay_stream(
             allocation_id,
             reason,
         )
+
+    async def opened_and_relayed(redis: Redis) -> str:
+        if handle is None:
+            reason = f"sandbox {allocation_id} is not on host {host}"
+            await terminal_relay.refuse(redis, session, reason)
+            return reason
+        try:
+            terminal = await asyncio.to_thread(opener, handle)
+        except DriverError as exc:
+            await terminal_relay.refuse(redis, session, str(exc))
+            return f"not opened: {exc}"
+        return await terminal_relay.relay(redis, terminal, session, idle_s)
 
     threading.Thread(target=asyncio.run, args=(serve(),), name=f"{what}-{session[:8]}", daemon=True).start()
