@@ -23,6 +23,8 @@ step "Debian packages"
 packages=(docker.io busybox-static bubblewrap chromium fonts-dejavu-core
   # the sandbox image: a Debian minbase rootfs (scripts/build-sandbox-image.sh).
   debootstrap
+  # approved-registry pulls (tests/workers/test_image_pull.py): a registry on loopback.
+  docker-registry
   # deployment test (tests/e2e/test_deployment.py): the reverse proxy, TLS, systemd-analyze.
   nginx openssl systemd
   # libvirt driver: the daemon, QEMU (TCG when there is no usable KVM), headers for

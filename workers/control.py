@@ -74,6 +74,11 @@ def sandbox_launched(allocation_key: str, handle: dict[str, Any], started_ms: in
     tasks.sandbox_launched(allocation_key, handle, started_ms)
 
 
+@app.task(name="workers.control.launch_progress", ignore_result=True)
+def launch_progress(allocation_key: str, line: str) -> None:
+    tasks.launch_progress(allocation_key, line)
+
+
 @app.task(name="workers.control.sandbox_launch_failed", ignore_result=True)
 def sandbox_launch_failed(sandbox_id: int, allocation_key: str, message: str) -> None:
     tasks.sandbox_launch_failed(sandbox_id, allocation_key, message)

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from portal.catalog import registries
 from workers.drivers import uids
 from workers.drivers.base import DriverError, StorageMount
 from workers.drivers.storage import checked_source, checked_target
@@ -190,6 +191,43 @@ class Tier(models.Model):
         return f"{self.price_per_gpu_hour_micros / 1_000_000:.2f} {self.currency}/{unit}"
 
 
+def validate_registry_prefix(value: str) -> None:
+    try:
+        registries.checked_prefix(value)
+    except ValueError as exc:
+        raise ValidationError(str(exc)) from exc
+
+
+class ImageRegistry(models.Model):
+    """A registry, or a namespace in one, whose images the agents may pull (the catalog's
+    images still name each one a sandbox may run): ``portal/catalog/registries.py``."""
+
+    prefix = models.CharField(
+        max_length=200,
+        unique=True,
+        validators=[validate_registry_prefix],
+        help_text="Registry host and any namespace, e.g. registry.example.org/ml/ or 127.0.0.1:5000/lab/",
+    )
+    note = models.CharField(max_length=200, blank=True, help_text="Who runs it, what it holds.")
+    active = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["prefix"]
+
+    def __str__(self) -> str:
+        return self.prefix
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        self.prefix = registries.checked_prefix(self.prefix)
+        super().save(*args, **kwargs)
+
+    @classmethod
+    def allows(cls, reference: str) -> bool:
+        """Whether the agents may pull ``reference``: it is under an active approval."""
+        prefixes = list(cls.objects.filter(active=True).values_list("prefix", flat=True))
+        return registries.approved_by(reference, prefixes) is not None
+
+
 class SandboxImage(models.Model):
     """The allowlist: sandboxes may only run these images."""
 
@@ -209,6 +247,20 @@ class SandboxImage(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        first = self.reference.partition("/")[0]
+        named = "/" in self.reference and registries.names_registry(first)
+        if named and not ImageRegistry.allows(self.reference):
+            raise ValidationError(
+                {"reference": f"{first} is not an approved registry: approve it (or the image's namespace "
+                 "in it) under Registries, or load the image on every host and name it without its registry."}
+            )  # fmt: skip
+
+    @property
+    def pulled(self) -> bool:
+        """Pulled by the agents from an approved registry, rather than built on the hosts."""
+        return ImageRegistry.allows(self.reference)
 
 
 def _agent_rule(check: object, value: str) -> None:

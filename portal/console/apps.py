@@ -11,7 +11,7 @@ class ConsoleConfig(AppConfig):
 
         from portal.accounts.models import Membership, Project
         from portal.audit.trail import watch
-        from portal.catalog.models import PriorityClass, SandboxImage, Storage, Tier
+        from portal.catalog.models import ImageRegistry, PriorityClass, SandboxImage, Storage, Tier
         from portal.fleet.models import Gpu
         from portal.quotas.models import QuotaPolicy
 
@@ -20,6 +20,7 @@ class ConsoleConfig(AppConfig):
             PriorityClass,
             SandboxImage,
             Storage,
+            ImageRegistry,
             QuotaPolicy,
             Project,
             Membership,

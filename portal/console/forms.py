@@ -6,7 +6,7 @@ from typing import Any
 
 from django import forms
 
-from portal.catalog.models import IsolationLevel, PriorityClass, SandboxImage, Storage, Tier
+from portal.catalog.models import ImageRegistry, IsolationLevel, PriorityClass, SandboxImage, Storage, Tier
 from portal.fleet.models import SETTABLE_MODES, Gpu, Host
 from portal.quotas.models import QuotaPolicy
 from scheduler.gpus import COMPUTE_SLICES, MODELS
@@ -146,3 +146,9 @@ class ImageForm(forms.ModelForm):
     class Meta:
         model = SandboxImage
         fields = ["name", "reference", "command", "app", "active"]
+
+
+class RegistryForm(forms.ModelForm):
+    class Meta:
+        model = ImageRegistry
+        fields = ["prefix", "note", "active"]

@@ -16,7 +16,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from portal.audit.models import AuditEntry
-from portal.catalog.models import PriorityClass, SandboxImage, Storage, Tier
+from portal.catalog.models import ImageRegistry, PriorityClass, SandboxImage, Storage, Tier
 from portal.console.forms import (
     ConsolidationForm,
     FleetFilterForm,
@@ -25,6 +25,7 @@ from portal.console.forms import (
     MigRelayoutForm,
     PriorityClassForm,
     QuotaForm,
+    RegistryForm,
     StorageForm,
     TierForm,
 )
@@ -283,6 +284,7 @@ CATALOG: dict[str, tuple[type[models.Model], type[forms.ModelForm], str]] = {
     "priority-classes": (PriorityClass, PriorityClassForm, "priority class"),
     "images": (SandboxImage, ImageForm, "image"),
     "storage": (Storage, StorageForm, "storage"),
+    "registries": (ImageRegistry, RegistryForm, "registry"),
 }
 
 
@@ -298,6 +300,7 @@ def catalog(request: HttpRequest) -> HttpResponse:
             "classes": PriorityClass.objects.all(),
             "images": SandboxImage.objects.all(),
             "storages": Storage.objects.prefetch_related("tiers"),
+            "registries": ImageRegistry.objects.all(),
         },
     )
 

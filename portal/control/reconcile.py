@@ -211,7 +211,8 @@ def _launch_overdue(sandbox: Sandbox, taken_at: datetime) -> bool:
         .values_list("at", flat=True)
         .first()
     )
-    sent = max(filter(None, (sandbox.placed_at, last_resend)), default=None)
+    # A host still reporting its launch's progress (a long image pull) is not sent it again.
+    sent = max(filter(None, (sandbox.placed_at, last_resend, sandbox.launch_progress_at)), default=None)
     return sent is not None and sent < taken_at - timedelta(seconds=LAUNCH_RESEND_S)
 
 

@@ -28,6 +28,7 @@ from portal.control.redis_client import client as redis_client
 from portal.control.scheduling import schedule_cycle as run_schedule_cycle
 from portal.fleet.inventory import do_heartbeats, do_sync_inventory
 from portal.sandboxes import actions, preemption
+from portal.sandboxes.models import Sandbox, SandboxState
 from portal.sandboxes.output import do_store_output
 from portal.sandboxes.storage_usage import do_record_storage_usage
 from portal.telemetry.alerts import do_close_host_alerts, do_record_alerts
@@ -97,6 +98,13 @@ def plan_executed(
 
 def sandbox_launched(allocation_key: str, handle: dict[str, Any], started_ms: int) -> None:
     actions.do_mark_running(allocation_key, handle, from_ms(started_ms))
+
+
+def launch_progress(allocation_key: str, line: str) -> None:
+    """A line of what a starting sandbox's host is doing (pulling its image): on its page."""
+    Sandbox.objects.filter(allocation_key=allocation_key, state=SandboxState.STARTING).update(
+        launch_progress=line[:300], launch_progress_at=timezone.now()
+    )
 
 
 def sandbox_launch_failed(sandbox_id: int, allocation_key: str, message: str) -> None:

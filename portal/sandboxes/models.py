@@ -81,6 +81,10 @@ class Sandbox(models.Model):
     state = models.CharField(max_length=16, choices=SandboxState.choices, default=SandboxState.REQUESTED)
     pending_reason = models.CharField(max_length=PENDING_REASON_MAX, blank=True)
     failure = models.TextField(blank=True)
+    # While it starts: what its host is doing that takes time (pulling its image), and when
+    # it last said so (a launch that reports is alive: its launch is not sent again).
+    launch_progress = models.CharField(max_length=300, blank=True)
+    launch_progress_at = models.DateTimeField(null=True, blank=True)
     host = models.ForeignKey(Host, on_delete=models.PROTECT, null=True, blank=True, related_name="sandboxes")
     # Idempotency key of the current placement: drivers label what they launch with it.
     allocation_key = models.CharField(max_length=40, blank=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from portal.catalog.models import ImageRegistry
 from portal.catalog.storage import mounts_for
 from portal.fleet.models import GpuMode
 from portal.sandboxes.app_proxy import app_url
@@ -48,4 +49,5 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         batch=sandbox.batch,
         mounts=mounts_for(tier, sandbox.owner, sandbox.project),
         app=bool(sandbox.image.app),
+        pull=ImageRegistry.allows(sandbox.image.reference),
     )

@@ -53,6 +53,9 @@ class MemoryDriver:
         self.live: dict[str, SandboxHandle] = {}
         self.stopped: list[str] = []
 
+    def prepare(self, spec: SandboxSpec, report: Any) -> None:
+        pass
+
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         handle = self.live.get(spec.allocation_id)
         if handle is None:

@@ -25,6 +25,9 @@ class RecordingDriver:
     def __init__(self) -> None:
         self.launched: list[SandboxSpec] = []
 
+    def prepare(self, spec: SandboxSpec, report: Any) -> None:
+        pass
+
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         self.launched.append(spec)
         return SandboxHandle(self.name, spec.allocation_id, spec.sandbox_id, "ref")
@@ -223,6 +226,23 @@ def test_a_launch_that_crashes_is_no_longer_reported_as_coming(tmp_path: Path) -
         a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))
     a.reports.build()
     assert a.sandboxes.launching == {} and a.reports.ready is not None and a.reports.ready[0] == []
+
+
+def test_a_launch_reports_what_its_driver_prepares_then_launches(tmp_path: Path, sent_tasks: Any) -> None:
+    class PullingDriver(RecordingDriver):
+        def prepare(self, spec: SandboxSpec, report: Any) -> None:
+            report("pulling r.example/a:1: 1 of 2 layers")
+
+    backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
+    settings = AgentSettings(host="h", mps_dir=str(tmp_path / "mps"))
+    driver = PullingDriver()
+    a = Agent("h", backend, driver, tmp_path, settings)  # type: ignore[arg-type]
+    a.inventory.refresh()
+    launched = replace(spec(backend.list_gpus()[0].uuid), mps=None)
+    a.launch(launched)
+    tasks = [(task, args) for _, task, args in sent_tasks if task in ("launch_progress", "sandbox_launched")]
+    assert tasks[0] == ("launch_progress", (launched.allocation_id, "pulling r.example/a:1: 1 of 2 layers"))
+    assert tasks[1][0] == "sandbox_launched" and driver.launched == [launched]
 
 
 def test_a_spec_with_the_retired_metering_facts_still_reads() -> None:

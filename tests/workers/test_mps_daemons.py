@@ -63,6 +63,9 @@ class CheckingDriver:
         self.daemons: MpsDaemons | None = None  # the current agent's (it changes on a restart)
         self.slow_stop_s = 0.0
 
+    def prepare(self, spec: SandboxSpec, report: Any) -> None:
+        pass
+
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         assert self.daemons is not None
         if spec.allocation_id not in self.live:

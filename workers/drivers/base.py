@@ -12,6 +12,7 @@ import os
 import posixpath
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -76,6 +77,7 @@ class SandboxSpec:
     batch: bool = False  # a batch run: the agent ships its output to its owner
     mounts: tuple[StorageMount, ...] = ()  # the tier's storage: a home, project folders, datasets
     app: bool = False  # the image serves a web app on its app socket (workers/drivers/app_socket.py)
+    pull: bool = False  # its image is from a registry an admin approved: pulled when missing
     owner_id: int = 0  # the owner's portal user id: their sandboxes run as their uid (uids.owner_uid)
 
     def to_json(self) -> dict[str, Any]:
@@ -258,6 +260,12 @@ class SandboxDriver(Protocol):
     def storage_dir(self) -> Path | None:
         """Where this host's persistent storage lives (workers/drivers/storage.py); None for a
         driver that mounts none (the state-only one of simulated hosts)."""
+        ...
+
+    def prepare(self, spec: SandboxSpec, report: Callable[[str], None]) -> None:
+        """What a launch needs first and may take minutes (Docker: pulling an approved
+        image), before the launch itself; ``report`` is given a line of progress now and
+        then. Nothing, for drivers that need nothing."""
         ...
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle: ...

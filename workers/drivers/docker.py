@@ -26,7 +26,7 @@ import logging
 import select
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ import docker.types
 import requests.exceptions
 
 from workers.config import apps_root, storage_root
-from workers.drivers import app_socket, storage, uids
+from workers.drivers import app_socket, image_pull, storage, uids
 from workers.drivers.base import (
     LABEL_PREFIX,
     DriverError,
@@ -310,6 +310,20 @@ class DockerDriver:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+    def prepare(self, spec: SandboxSpec, report: Callable[[str], None]) -> None:
+        """Pull the sandbox's image when this host lacks it and its registry is one an admin
+        approved (``spec.pull``), reporting progress; any other image must have been built
+        or loaded here. Credentials: the agent user's ``docker login`` (~/.docker/config.json)."""
+        if not spec.pull:
+            return
+        with _engine_errors(f"pull {spec.image} for sandbox {spec.allocation_id}"):
+            try:
+                self.client.images.get(spec.image)
+                return
+            except docker.errors.ImageNotFound:
+                pass
+            image_pull.follow(spec.image, self.client.api.pull(spec.image, stream=True, decode=True), report)
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         action = f"launch sandbox {spec.allocation_id} from {spec.image}"

@@ -568,6 +568,9 @@ class LibvirtDriver:
             raise
         return labels_from_metadata(str(xml))
 
+    def prepare(self, spec: SandboxSpec, report: Callable[[str], None]) -> None:
+        """Nothing to fetch: a VM boots the guest image built on the host (scripts/build-vm-image.sh)."""
+
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         action = f"launch sandbox {spec.allocation_id} as a VM"
         if spec.real_gpu and spec.device_uuids:

@@ -66,7 +66,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -429,6 +429,9 @@ class ProcessDriver:
         """The host uid the sandbox runs as: its own (or its GPU's MPS uid) under a root
         agent, which drops to it with setpriv; the agent's own uid otherwise."""
         return self._host_uid(spec) if os.geteuid() == 0 else os.geteuid()
+
+    def prepare(self, spec: SandboxSpec, report: Callable[[str], None]) -> None:
+        """Nothing to fetch: a process sandbox runs on the host's own root, not an image."""
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         if not spec.command:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from workers.drivers.base import DriverError, SandboxHandle, SandboxSpec, SandboxStatus, Terminal
@@ -37,6 +38,9 @@ class SimulatedDriver:
         # allocation id -> (its handle, when it was launched in ms)
         self._sandboxes: dict[str, tuple[SandboxHandle, int]] = {}
         self._load()
+
+    def prepare(self, spec: SandboxSpec, report: Callable[[str], None]) -> None:
+        """Nothing to fetch: a simulated sandbox runs no image."""
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         """Idempotent, keyed by the allocation: a repeated launch returns the same handle."""

@@ -75,6 +75,9 @@ class SandboxLifecycle:
         with box.lock:
             box.launching[spec.allocation_id] = spec.sandbox_id
         try:
+            self.driver.prepare(
+                spec, lambda line: dispatch.to_control("launch_progress", spec.allocation_id, line)
+            )
             handle = self.driver.launch(spec)
         except BaseException as exc:  # a refusal (reported) or a bug (the task fails)
             with box.lock:
