@@ -43,7 +43,7 @@ def storage_root() -> Iterator[Path]:
 def notebook_catalog(catalog: Any) -> SandboxImage:
     require_engine(docker_available(), "Docker engine")
     built = subprocess.run(
-        [REPO / "scripts" / "build-notebook-image.sh"], capture_output=True, text=True, check=False
+        [REPO / "scripts" / "build-python-image.sh", "notebook"], capture_output=True, text=True, check=False
     )
     require_engine(built.returncode == 0, f"the notebook image ({built.stderr[-500:]})")
     home = Storage.objects.create(name="Home", kind="home", directory="homes", mount_path="/home/sandbox")

@@ -218,10 +218,11 @@ class Platform:
             import docker
 
             client = docker.from_env()
-            for container in client.containers.list(
-                all=True, filters={"label": f"io.gpushare.host={self.host}"}
-            ):
-                container.remove(force=True)
+            for container in client.containers.list(all=True, filters={"label": "io.gpushare.host"}):
+                # This run's hosts: its own and those a test adds ("<host>-b"), unique per run.
+                owner = container.labels.get("io.gpushare.host", "")
+                if owner == self.host or owner.startswith(f"{self.host}-"):
+                    container.remove(force=True)
         stop_process_sandboxes(self.var_dir)
 
 

@@ -185,6 +185,21 @@ def _engine_errors(action: str) -> Iterator[None]:
         raise DriverError(f"{action}: cannot reach the Docker engine: {exc}") from exc
 
 
+def image_present(reference: str, timeout_s: float = _PING_TIMEOUT_S) -> bool:
+    """True when this machine's engine answers and has ``reference``."""
+    try:
+        client = docker.from_env(timeout=max(1, round(timeout_s)))
+    except (docker.errors.DockerException, requests.exceptions.RequestException):
+        return False
+    try:
+        client.images.get(reference)
+        return True
+    except (docker.errors.DockerException, requests.exceptions.RequestException):
+        return False
+    finally:
+        client.close()
+
+
 def docker_available(timeout_s: float = _PING_TIMEOUT_S) -> bool:
     """True when the engine from the environment (DOCKER_HOST or the socket) answers a ping."""
     try:

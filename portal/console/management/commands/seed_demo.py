@@ -20,7 +20,15 @@ from portal.fleet.inventory import do_sync_inventory
 from portal.fleet.models import Gpu, GpuMode
 from portal.quotas.models import QuotaPolicy
 from workers.config import storage_root
+from workers.drivers.docker import image_present
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+
+SHELL_UNTIL_STOPPED = ["sh", "-c", "while true; do sleep 3600; done"]
+# Images scripts/build-python-image.sh builds, listed once they are built on this machine.
+BUILT_HERE = {
+    "JupyterLab": ("gpushare/notebook:1", ["/usr/local/bin/gpushare-app"], "JupyterLab"),
+    "CUDA Python": ("gpushare/cuda-python:1", SHELL_UNTIL_STOPPED, ""),
+}
 
 TIERS = [
     # slug, name, mode, isolation, price EUR/GPU-h, priority, max GPUs, description
@@ -137,11 +145,13 @@ class Command(BaseCommand):
         self._storage()
         SandboxImage.objects.update_or_create(
             name="busybox",
-            defaults={
-                "reference": "gpushare/sandbox-base:1",
-                "command": ["sh", "-c", "while true; do sleep 3600; done"],
-            },
+            defaults={"reference": "gpushare/sandbox-base:1", "command": SHELL_UNTIL_STOPPED},
         )
+        for name, (reference, command, app) in BUILT_HERE.items():
+            if image_present(reference):  # the demo's agents run on this machine's engine
+                SandboxImage.objects.update_or_create(
+                    name=name, defaults={"reference": reference, "command": command, "app": app}
+                )
         for host, spec in DEMO_HOSTS.items():
             gpus = SimulatedBackend(host, parse_sim_spec(spec)).list_gpus()
             do_sync_inventory(host, "simulated", "", [g.to_json() for g in gpus])
