@@ -10,6 +10,7 @@ from django.db import models
 
 from portal.catalog.models import Storage, StorageVolume, Tier
 from workers.drivers.base import StorageMount
+from workers.sizes import human_size
 
 WARN_PCT = 90  # an owner hears of a volume this full, and again when it is over its limit
 
@@ -48,13 +49,6 @@ class StorageLine:
         if not self.storage.limit_gib:
             return f"{used} used (no limit)"
         return f"{used} of {self.storage.limit_gib} GiB used"
-
-
-def human_size(size: int) -> str:
-    """ "4 KiB", "5.0 MiB", "9.5 GiB" """
-    if size >= 1024**3:
-        return f"{size / 1024**3:.1f} GiB"
-    return f"{size / 1024**2:.1f} MiB" if size >= 1024**2 else f"{size // 1024} KiB"
 
 
 def _volume_filter(storage: Storage, user: Any, project: Any) -> dict[str, Any]:

@@ -14,9 +14,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from portal.catalog.models import StorageVolume
-from portal.catalog.storage import WARN_PCT, human_size
+from portal.catalog.storage import WARN_PCT
 from portal.sandboxes.models import Notification, Sandbox
 from portal.sandboxes.notify import notify_owner
+from workers.sizes import human_size
 
 log = logging.getLogger(__name__)
 

@@ -96,7 +96,7 @@ def test_a_starting_sandbox_shows_its_pull_and_is_not_launched_again_meanwhile(
     people: Any, catalog: Any, fleet: Any, sent_tasks: Any
 ) -> None:
     sandbox = placed(people, catalog, running=False)
-    line = "pulling 127.0.0.1:5000/lab/torch:2: 1 of 4 layers, 212.0 MB of 2.1 GB"
+    line = "pulling 127.0.0.1:5000/lab/torch:2: 1 of 4 layers, 212.0 MiB of 2.0 GiB"
     tasks.launch_progress(sandbox.allocation_key, line)
     status = client_for(people["owner"]).get(f"/sandboxes/{sandbox.pk}/status/").content.decode()
     assert 'id="launch-progress"' in status and "Pulling 127.0.0.1:5000/lab/torch:2: 1 of 4 layers" in status

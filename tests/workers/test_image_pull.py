@@ -90,9 +90,9 @@ def test_an_approved_image_is_pulled_with_progress_then_runs(
     spec = make_spec(host, image=published, pull=True, device_uuids=(), command=("sleep", "30"))
     driver.prepare(spec, lines.append)
     assert client.images.get(published)
-    assert re.fullmatch(rf"pulling {re.escape(published)}: (\d+) of \1 layers, .* MB of .* MB", lines[-1]), (
-        lines
-    )
+    assert re.fullmatch(
+        rf"pulling {re.escape(published)}: (\d+) of \1 layers, .* MiB of .* MiB", lines[-1]
+    ), lines
     handle = driver.launch(spec)
     assert driver.status(handle).state == "running"
     driver.stop(handle, grace_s=0)
@@ -137,8 +137,8 @@ def test_pull_progress_sums_the_layers() -> None:
     ]
     for event in events:
         progress.update(event)
-    assert progress.line() == "pulling r.example/a:1: 0 of 2 layers, 500.0 KB of 5.0 MB"
+    assert progress.line() == "pulling r.example/a:1: 0 of 2 layers, 488 KiB of 4.8 MiB"
     progress.update({"status": "Pull complete", "id": "l1"})
-    assert progress.line() == "pulling r.example/a:1: 1 of 2 layers, 2.0 MB of 5.0 MB"
+    assert progress.line() == "pulling r.example/a:1: 1 of 2 layers, 1.9 MiB of 4.8 MiB"
     with pytest.raises(DriverError, match=r"pull of r\.example/a:1 failed: toomanyrequests"):
         progress.update({"error": "toomanyrequests", "errorDetail": {}})

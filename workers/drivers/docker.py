@@ -185,33 +185,32 @@ def _engine_errors(action: str) -> Iterator[None]:
         raise DriverError(f"{action}: cannot reach the Docker engine: {exc}") from exc
 
 
-def image_present(reference: str, timeout_s: float = _PING_TIMEOUT_S) -> bool:
-    """True when this machine's engine answers and has ``reference``."""
+_UNREACHABLE = (docker.errors.DockerException, requests.exceptions.RequestException)
+
+
+def _ask_engine(question: Callable[[docker.DockerClient], object], timeout_s: float) -> bool:
+    """Whether the engine from the environment (DOCKER_HOST or the socket) answers
+    ``question`` truthfully; False when it cannot be reached or refuses."""
     try:
         client = docker.from_env(timeout=max(1, round(timeout_s)))
-    except (docker.errors.DockerException, requests.exceptions.RequestException):
+    except _UNREACHABLE:
         return False
     try:
-        client.images.get(reference)
-        return True
-    except (docker.errors.DockerException, requests.exceptions.RequestException):
+        return bool(question(client))
+    except _UNREACHABLE:
         return False
     finally:
         client.close()
+
+
+def image_present(reference: str, timeout_s: float = _PING_TIMEOUT_S) -> bool:
+    """True when this machine's engine answers and has ``reference``."""
+    return _ask_engine(lambda client: client.images.get(reference), timeout_s)
 
 
 def docker_available(timeout_s: float = _PING_TIMEOUT_S) -> bool:
-    """True when the engine from the environment (DOCKER_HOST or the socket) answers a ping."""
-    try:
-        client = docker.from_env(timeout=max(1, round(timeout_s)))
-    except (docker.errors.DockerException, requests.exceptions.RequestException):
-        return False
-    try:
-        return bool(client.ping())
-    except (docker.errors.DockerException, requests.exceptions.RequestException):
-        return False
-    finally:
-        client.close()
+    """True when the engine from the environment answers a ping."""
+    return _ask_engine(lambda client: client.ping(), timeout_s)
 
 
 class DockerTerminal:

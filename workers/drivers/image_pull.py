@@ -13,19 +13,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from workers.drivers.base import DriverError
+from workers.sizes import human_size
 
 REPORT_EVERY_S = 2.0  # a line per this many seconds at most: each is a message to the control worker
 _DONE = frozenset(
     {"Download complete", "Pull complete", "Already exists", "Verifying Checksum", "Extracting"}
 )
-
-
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1000 or unit == "GB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
-    return f"{count:.1f} GB"  # pragma: no cover - the loop returns
 
 
 class PullProgress:
@@ -59,7 +52,7 @@ class PullProgress:
             )
         got = sum(current for current, _ in self.layers.values())
         total = sum(whole for _, whole in self.layers.values())
-        size = f", {human_bytes(got)} of {human_bytes(total)}" if total else ""
+        size = f", {human_size(got)} of {human_size(total)}" if total else ""
         return f"pulling {self.image}: {len(self.done)} of {len(self.layers)} layers{size}"
 
 
