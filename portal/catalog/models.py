@@ -222,10 +222,13 @@ class ImageRegistry(models.Model):
         super().save(*args, **kwargs)
 
     @classmethod
+    def active_prefixes(cls) -> list[str]:
+        return list(cls.objects.filter(active=True).values_list("prefix", flat=True))
+
+    @classmethod
     def allows(cls, reference: str) -> bool:
         """Whether the agents may pull ``reference``: it is under an active approval."""
-        prefixes = list(cls.objects.filter(active=True).values_list("prefix", flat=True))
-        return registries.approved_by(reference, prefixes) is not None
+        return registries.approved_by(reference, cls.active_prefixes()) is not None
 
 
 class SandboxImage(models.Model):
@@ -249,18 +252,12 @@ class SandboxImage(models.Model):
         return self.name
 
     def clean(self) -> None:
-        first = self.reference.partition("/")[0]
-        named = "/" in self.reference and registries.names_registry(first)
-        if named and not ImageRegistry.allows(self.reference):
+        registry = registries.registry_named(self.reference)
+        if registry and not ImageRegistry.allows(self.reference):
             raise ValidationError(
-                {"reference": f"{first} is not an approved registry: approve it (or the image's namespace "
+                {"reference": f"{registry} is not an approved registry: approve it (or the image's namespace "
                  "in it) under Registries, or load the image on every host and name it without its registry."}
             )  # fmt: skip
-
-    @property
-    def pulled(self) -> bool:
-        """Pulled by the agents from an approved registry, rather than built on the hosts."""
-        return ImageRegistry.allows(self.reference)
 
 
 def _agent_rule(check: object, value: str) -> None:

@@ -18,18 +18,17 @@ _REGISTRY = re.compile(
 )
 
 
-def names_registry(part: str) -> bool:
-    return "." in part or ":" in part or part == "localhost"
+def registry_named(reference: str) -> str | None:
+    """The registry ``reference`` names itself, if it names one."""
+    first, _, rest = reference.partition("/")
+    return first if rest and ("." in first or ":" in first or first == "localhost") else None
 
 
 def full_reference(reference: str) -> str:
     """``reference`` with the registry and namespace Docker would assume spelled out."""
-    first, _, rest = reference.partition("/")
-    if rest and names_registry(first):
+    if registry_named(reference):
         return reference
-    if not rest:
-        return f"docker.io/library/{reference}"
-    return f"docker.io/{reference}"
+    return f"docker.io/{reference}" if "/" in reference else f"docker.io/library/{reference}"
 
 
 def checked_prefix(prefix: str) -> str:

@@ -16,6 +16,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from portal.audit.models import AuditEntry
+from portal.catalog import registries
 from portal.catalog.models import ImageRegistry, PriorityClass, SandboxImage, Storage, Tier
 from portal.console.forms import (
     ConsolidationForm,
@@ -291,6 +292,8 @@ CATALOG: dict[str, tuple[type[models.Model], type[forms.ModelForm], str]] = {
 @staff_member_required
 def catalog(request: HttpRequest) -> HttpResponse:
     """Tiers, quotas, priority classes and images at a glance, each with its edit link."""
+    images = list(SandboxImage.objects.all())
+    prefixes = ImageRegistry.active_prefixes()
     return render(
         request,
         "console/catalog.html",
@@ -298,7 +301,9 @@ def catalog(request: HttpRequest) -> HttpResponse:
             "tiers": Tier.objects.select_related("priority_class"),
             "quotas": QuotaPolicy.objects.select_related("project"),
             "classes": PriorityClass.objects.all(),
-            "images": SandboxImage.objects.all(),
+            "images": images,
+            # Those the agents pull when missing: one query for the approvals, not one per image.
+            "pulled": {i.pk for i in images if registries.approved_by(i.reference, prefixes)},
             "storages": Storage.objects.prefetch_related("tiers"),
             "registries": ImageRegistry.objects.all(),
         },
