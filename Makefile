@@ -17,7 +17,7 @@ VM_INITRD ?= $(VM_IMAGES)/initramfs.cpio.gz
 # The VMs run under TCG, as in CI; auto picks KVM where /dev/kvm can run guests.
 LIBVIRT_DOMAIN_TYPE ?= qemu
 
-.PHONY: run test setup-test lint bench twin install install-libvirt frontend image clean
+.PHONY: run test setup-test lint bench twin install install-libvirt install-ldap frontend image clean
 
 install: $(VENV)/.installed
 
@@ -40,6 +40,15 @@ frontend: static/dist/app.js
 
 static/dist/app.js: package.json package-lock.json $(wildcard static/src/*.js)
 	npm ci --no-audit --no-fund --loglevel=error
+# Sign-in with a directory password (LDAP_SERVER_URI): python-ldap builds against OpenLDAP's
+# headers (Debian: libldap2-dev libsasl2-dev); a portal without LDAP does not need it.
+install-ldap: $(VENV)/.installed-ldap
+
+$(VENV)/.installed-ldap: $(VENV)/.installed requirements/ldap.lock
+	@test -e /usr/include/ldap.h -a -e /usr/include/sasl/sasl.h || { echo "install-ldap: the OpenLDAP headers are missing: apt-get install -y libldap2-dev libsasl2-dev"; exit 1; }
+	$(VENV)/bin/uv pip install -q -p $(PY) -r requirements/ldap.lock
+	touch $@
+
 	npm run build --silent
 
 # The sandbox base image, a Debian minbase built locally (no registry pulls); needs Docker.
@@ -57,7 +66,7 @@ setup-test:
 # embedded default (SQLite + embedded Redis) that `make run` uses. CI=true: an engine that
 # is missing fails its tests instead of skipping them (setup-test installed them all).
 test: setup-test
-	$(MAKE) --no-print-directory install-libvirt frontend
+	$(MAKE) --no-print-directory install-libvirt install-ldap frontend
 	CI=$${CI:-true} TEST_DATABASE_URL=$(TEST_DATABASE_URL) TEST_REDIS_URL=$(TEST_REDIS_URL) \
 		GPUSHARE_VAR_DIR=$(TEST_VAR_DIR) VM_KERNEL=$(VM_KERNEL) VM_INITRD=$(VM_INITRD) \
 		LIBVIRT_DOMAIN_TYPE=$(LIBVIRT_DOMAIN_TYPE) bash scripts/run-tests.sh $(PYTEST_ARGS)

@@ -13,6 +13,7 @@ import dj_database_url
 from csp.constants import NONE, SELF, UNSAFE_INLINE
 
 from portal.env import ConfigError, env_bool, env_choice, env_int, env_list, env_str
+from portal.identity.config import authentication_backends, ldap_settings, oidc_settings
 from scheduler.placement import DEFAULT_POLICY, POLICY_NAMES
 from workers import config as worker_config
 
@@ -59,6 +60,7 @@ INSTALLED_APPS = [
     "portal.api",
     "portal.audit",
     "portal.accounts",
+    "portal.identity",
     "portal.catalog",
     "portal.fleet",
     "portal.quotas",
@@ -165,6 +167,20 @@ PASSWORD_RESET_TIMEOUT = env_int("PASSWORD_RESET_TIMEOUT", 3 * 3600, minimum=300
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "sandbox-list"
 LOGOUT_REDIRECT_URL = "login"
+
+# Single sign-on (portal/identity, README "Single sign-on"): OpenID Connect when
+# OIDC_RP_CLIENT_ID is set, LDAP when LDAP_SERVER_URI is set; group rules (the console's
+# catalog) map the provider's groups to projects at each sign-in. Local accounts keep working:
+# LOCAL_SIGN_IN=staff leaves them to admins only.
+_oidc, _ldap = oidc_settings(), ldap_settings()
+OIDC_ENABLED: bool = _oidc.pop("OIDC_ENABLED")
+OIDC_GROUPS_CLAIM: str = _oidc.pop("OIDC_GROUPS_CLAIM", "groups")
+OIDC_PROVIDER_NAME: str = _oidc.pop("OIDC_PROVIDER_NAME", "")
+LDAP_ENABLED: bool = _ldap.pop("LDAP_ENABLED")
+globals().update(_oidc)  # mozilla-django-oidc's and django-auth-ldap's own names
+globals().update(_ldap)
+LOCAL_SIGN_IN = env_choice("LOCAL_SIGN_IN", ("everyone", "staff"), "everyone")
+AUTHENTICATION_BACKENDS = authentication_backends(OIDC_ENABLED, LDAP_ENABLED)
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -12,6 +12,7 @@ from portal.api.schema import SchemaView
 from portal.billing.api import InvoiceViewSet, PriceViewSet, UsageExportView, UsageRecordViewSet
 from portal.billing.views import invoice_detail
 from portal.console import views as console
+from portal.identity import views as identity
 from portal.projects import views as projects
 from portal.quotas.api import QuotaViewSet
 from portal.sandboxes import views as sandboxes
@@ -37,6 +38,9 @@ urlpatterns = [
     path("login/", ThrottledLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     # Django's own password views with the portal's templates (templates/registration/).
+    # Single sign-on through OpenID Connect (404 until OIDC_RP_CLIENT_ID is set).
+    path("oidc/authenticate/", identity.oidc_start, name="oidc_authentication_init"),
+    path("oidc/callback/", identity.oidc_callback, name="oidc_authentication_callback"),
     path("account/password/", auth_views.PasswordChangeView.as_view(), name="password_change"),
     path("account/password/done/", auth_views.PasswordChangeDoneView.as_view(), name="password_change_done"),
     path("password-reset/", ThrottledPasswordResetView.as_view(), name="password_reset"),

@@ -3,7 +3,7 @@
 # first (and so does .ci/run, through `make test`). A second run only checks and returns.
 #
 #   - Debian packages: Docker, busybox, debootstrap, bubblewrap, Chromium, nginx/openssl/systemd (the
-#     deployment test), libvirt + QEMU + the libvirt headers, and what the VM guest's kernel
+#     deployment test), OpenLDAP (slapd and its headers), libvirt + QEMU + the libvirt headers, and what the VM guest's kernel
 #     build needs. Installed with apt-get when we are root; otherwise the exact command is
 #     printed and the script fails.
 #   - PostgreSQL and Redis on 127.0.0.1 started if they are installed but stopped.
@@ -25,6 +25,8 @@ packages=(docker.io busybox-static bubblewrap chromium fonts-dejavu-core
   debootstrap
   # approved-registry pulls (tests/workers/test_image_pull.py): a registry on loopback.
   docker-registry
+  # single sign-on (tests/identity): OpenLDAP's server and tools, its headers for python-ldap.
+  slapd ldap-utils libldap2-dev libsasl2-dev
   # deployment test (tests/e2e/test_deployment.py): the reverse proxy, TLS, systemd-analyze.
   nginx openssl systemd
   # libvirt driver: the daemon, QEMU (TCG when there is no usable KVM), headers for

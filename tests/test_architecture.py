@@ -18,6 +18,7 @@ FIRST_PARTY = ("portal", "workers", "scheduler")
 ALLOWED = {
     # AppConfig.ready(): the console (top layer) chooses which models the audit trail watches.
     ("portal.console.apps", "portal."): "AppConfig.ready() runs once the apps are loaded",
+    ("portal.identity.apps", "portal.identity"): "django-auth-ldap is an optional extra",
     # Engines chosen at run time, some optional (libvirt-python is an extra).
     ("workers.drivers", "workers.drivers."): "a driver's engine is loaded only when chosen",
     ("portal.launcher", "workers.drivers.docker"): "`make run` asks Docker only if it is there",

@@ -166,6 +166,16 @@ class ThrottledLoginView(LoginView):
 
     form_class = ThrottledAuthenticationForm
 
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        """The single sign-on choices the page offers beside the form (README "Single sign-on")."""
+        return {
+            **super().get_context_data(**kwargs),
+            "oidc_enabled": settings.OIDC_ENABLED,
+            "oidc_provider_name": settings.OIDC_PROVIDER_NAME,
+            "ldap_enabled": settings.LDAP_ENABLED,
+            "sso_failed": self.request.GET.get("sso") == "failed",
+        }
+
     def form_valid(self, form: AuthenticationForm) -> HttpResponse:
         username = form.cleaned_data["username"]
         clear_success(self.request, username)

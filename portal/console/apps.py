@@ -13,6 +13,7 @@ class ConsoleConfig(AppConfig):
         from portal.audit.trail import watch
         from portal.catalog.models import ImageRegistry, PriorityClass, SandboxImage, Storage, Tier
         from portal.fleet.models import Gpu
+        from portal.identity.models import GroupRule
         from portal.quotas.models import QuotaPolicy
 
         watch(
@@ -21,6 +22,7 @@ class ConsoleConfig(AppConfig):
             SandboxImage,
             Storage,
             ImageRegistry,
+            GroupRule,
             QuotaPolicy,
             Project,
             Membership,

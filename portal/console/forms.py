@@ -8,6 +8,7 @@ from django import forms
 
 from portal.catalog.models import ImageRegistry, IsolationLevel, PriorityClass, SandboxImage, Storage, Tier
 from portal.fleet.models import SETTABLE_MODES, Gpu, Host
+from portal.identity.models import GroupRule
 from portal.quotas.models import QuotaPolicy
 from scheduler.gpus import COMPUTE_SLICES, MODELS
 
@@ -152,3 +153,9 @@ class RegistryForm(forms.ModelForm):
     class Meta:
         model = ImageRegistry
         fields = ["prefix", "note", "active"]
+
+
+class GroupRuleForm(forms.ModelForm):
+    class Meta:
+        model = GroupRule
+        fields = ["source", "group", "project", "role", "active"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from django import forms
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.core.paginator import Paginator
@@ -22,6 +23,7 @@ from portal.console.forms import (
     ConsolidationForm,
     FleetFilterForm,
     GpuModeForm,
+    GroupRuleForm,
     ImageForm,
     MigRelayoutForm,
     PriorityClassForm,
@@ -40,6 +42,7 @@ from portal.control.plans import (
 )
 from portal.fleet.models import FleetPlan, Gpu, Host, PlanStep
 from portal.fleet.modes import GpuModeError, describe, do_set_gpu_mode, serving
+from portal.identity.models import GroupRule
 from portal.inputs import plain_text
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes.models import Allocation, Sandbox
@@ -286,6 +289,7 @@ CATALOG: dict[str, tuple[type[models.Model], type[forms.ModelForm], str]] = {
     "images": (SandboxImage, ImageForm, "image"),
     "storage": (Storage, StorageForm, "storage"),
     "registries": (ImageRegistry, RegistryForm, "registry"),
+    "group-rules": (GroupRule, GroupRuleForm, "group rule"),
 }
 
 
@@ -306,6 +310,12 @@ def catalog(request: HttpRequest) -> HttpResponse:
             "pulled": {i.pk for i in images if registries.approved_by(i.reference, prefixes)},
             "storages": Storage.objects.prefetch_related("tiers"),
             "registries": ImageRegistry.objects.all(),
+            "group_rules": GroupRule.objects.select_related("project"),
+            "providers": [
+                name
+                for name, on in (("OpenID Connect", settings.OIDC_ENABLED), ("LDAP", settings.LDAP_ENABLED))
+                if on
+            ],
         },
     )
 

@@ -60,6 +60,10 @@ def staff_only(status: Any, anonymous: Any = (302, ADMIN_LOGIN)) -> dict[str, An
 
 route("GET", "/", all=(302, "elsewhere"))
 route("GET", "/login/", all=200)
+# Single sign-on's pages: not there while no provider is configured, as here
+# (tests/identity/test_oidc_sign_in.py signs in through a real one).
+route("GET", "/oidc/authenticate/", all=404)
+route("GET", "/oidc/callback/", all=404)
 # Prometheus brings a bearer token (tests/portal/test_metrics.py); people need staff.
 route("GET", "/metrics", **signed_in(403, anonymous=401, admin=200))
 route("GET", "/sandboxes/", **signed_in(200))
