@@ -195,6 +195,8 @@ def main() -> int:
     os.environ.setdefault("DEBUG", "true")
     port = int(os.environ.get("PORT", "8000"))
     bind = os.environ.get("BIND", "127.0.0.1")
+    # Links in the mails the control worker sends lead to this server.
+    os.environ.setdefault("PORTAL_URL", f"http://{'localhost' if bind == '127.0.0.1' else bind}:{port}")
     config.ensure_embedded_redis()
     manage = [PY, "manage.py"]
     subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], check=True)  # noqa: S603 - fixed argv

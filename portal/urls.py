@@ -15,6 +15,7 @@ from portal.console import views as console
 from portal.identity import views as identity
 from portal.projects import views as projects
 from portal.quotas.api import QuotaViewSet
+from portal.sandboxes import email_views
 from portal.sandboxes import views as sandboxes
 from portal.sandboxes.api import SandboxViewSet
 from portal.telemetry import pages as telemetry_pages
@@ -37,10 +38,10 @@ urlpatterns = [
     path("metrics", metrics, name="metrics"),
     path("login/", ThrottledLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
-    # Django's own password views with the portal's templates (templates/registration/).
     # Single sign-on through OpenID Connect (404 until OIDC_RP_CLIENT_ID is set).
     path("oidc/authenticate/", identity.oidc_start, name="oidc_authentication_init"),
     path("oidc/callback/", identity.oidc_callback, name="oidc_authentication_callback"),
+    # Django's own password views with the portal's templates (templates/registration/).
     path("account/password/", auth_views.PasswordChangeView.as_view(), name="password_change"),
     path("account/password/done/", auth_views.PasswordChangeDoneView.as_view(), name="password_change_done"),
     path("password-reset/", ThrottledPasswordResetView.as_view(), name="password_reset"),
@@ -57,6 +58,7 @@ urlpatterns = [
     path("sandboxes/new/", sandboxes.sandbox_new, name="sandbox-new"),
     path("sandboxes/preview/", sandboxes.sandbox_preview, name="sandbox-preview"),
     path("notifications/", sandboxes.notifications, name="notifications"),
+    path("account/notifications/", email_views.notification_email, name="notification-email"),
     path("account/tokens/", token_views.api_tokens, name="api-tokens"),
     path("account/tokens/<int:pk>/revoke/", token_views.api_token_revoke, name="api-token-revoke"),
     path("projects/", projects.project_list, name="project-list"),

@@ -20,6 +20,7 @@ django.setup()
 from django.utils import timezone  # noqa: E402
 
 from portal.control import tasks  # noqa: E402
+from portal.sandboxes.emails import send_notification_emails  # noqa: E402
 from portal.webhooks.deliveries import attempt_delivery, webhook_tick  # noqa: E402
 from workers.celery import app  # noqa: E402
 from workers.liveness import Beat  # noqa: E402
@@ -156,6 +157,22 @@ def deliver_webhook(self: Any, delivery_id: int) -> None:
     delay = attempt_delivery(delivery_id)
     if delay is not None:
         raise self.retry(countdown=delay)
+
+
+@app.task(
+    bind=True,
+    name="workers.control.email_notifications",
+    ignore_result=True,
+    max_retries=None,  # send_notification_emails counts attempts and gives up after MAX_ATTEMPTS
+    soft_time_limit=100,
+    time_limit=120,
+)
+def email_notifications(self: Any, notification_ids: list[int]) -> None:
+    """Mail the notifications whose users chose their kind by email (portal.sandboxes.emails);
+    those the mail server did not take are retried with backoff, about an hour in all."""
+    retry = send_notification_emails(notification_ids, attempt=self.request.retries + 1)
+    if retry is not None:
+        raise self.retry(args=[retry.ids], countdown=retry.delay_s)
 
 
 @app.task(name="workers.control.sweep_webhooks", ignore_result=True, soft_time_limit=60, time_limit=90)

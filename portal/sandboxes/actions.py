@@ -644,7 +644,7 @@ def do_expire_overdue(now: datetime, warn_before: timedelta = timedelta(minutes=
                 sandbox.save(update_fields=["expiry_warned_at"])
                 notify.notify_owner(
                     sandbox,
-                    Notification.Kind.ENDED,
+                    Notification.Kind.EXPIRING,
                     f"Sandbox {sandbox.pk} reaches its time limit at {ends_at:%H:%M} UTC; "
                     "extend it to keep it.",
                 )

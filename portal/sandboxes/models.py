@@ -269,6 +269,7 @@ class Notification(models.Model):
         PREEMPTED = "preempted", "Preempted"
         IDLE = "idle", "Idle warning"
         CULLED = "culled", "Culled"
+        EXPIRING = "expiring", "Expiring"
         ENDED = "ended", "Ended"
         FAILED = "failed", "Failed"
         DRAINED = "drained", "GPU drained"
@@ -284,6 +285,10 @@ class Notification(models.Model):
     message = models.CharField(max_length=300)
     created_at = models.DateTimeField(default=timezone.now)
     read_at = models.DateTimeField(null=True, blank=True)
+    # Set when a worker takes its mail to send (a conditional UPDATE, so two never both do),
+    # and kept once the SMTP server accepted it; null again when the send failed. Null for
+    # notifications nobody asked to have mailed (``portal.sandboxes.emails``).
+    emailed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-pk"]
@@ -297,6 +302,30 @@ class Notification(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} for {self.user}: {self.message}"
+
+
+class EmailChoice(models.Model):
+    """Whether one kind of notification also arrives by email for one user. A kind without a
+    row takes its default (``portal.sandboxes.emails.DEFAULT_EMAIL_KINDS``); the settings
+    page writes a row for every kind it shows, so a later change of defaults leaves what a
+    user chose alone."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="email_choices")
+    kind = models.CharField(max_length=16, choices=Notification.Kind.choices)
+    by_email = models.BooleanField()
+
+    class Meta:
+        constraints = [
+            # Also the index of the mail task's lookup: the choices of a few users at once.
+            models.UniqueConstraint(
+                fields=["user", "kind"],
+                name="%(app_label)s_%(class)s_one_per_kind",
+                violation_error_message="A user chooses once per kind of notification.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} by email for {self.user_id}: {self.by_email}"
 
 
 class OutputChunk(models.Model):

@@ -2,7 +2,9 @@
 
 Written inside the transaction of the change they report (so a rolled-back change never
 notifies), by ``actions`` on transitions and by the few places that know more: the
-scheduling cycle (a request starts waiting), culling (idle warnings), drains.
+scheduling cycle (a request starts waiting), culling (idle warnings), drains. Each is also
+handed, after that commit, to the mail task, which mails those of the kinds their user
+chose (``portal.sandboxes.emails``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from django.utils import timezone
 
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
+from portal.sandboxes import emails
 from portal.sandboxes.models import LIVE_STATES, Allocation, Notification, Sandbox, SandboxState, StopCause
 
 NEAR_QUOTA = 0.8  # a project using this share of a quota limit hears about it
@@ -21,7 +24,10 @@ NEAR_QUOTA = 0.8  # a project using this share of a quota limit hears about it
 
 def notify_owner(sandbox: Sandbox, kind: str, message: str) -> None:
     """By the owner's id: an action's locked sandbox does not load its owner's row."""
-    Notification.objects.create(user_id=sandbox.owner_id, sandbox=sandbox, kind=kind, message=message[:300])
+    note = Notification.objects.create(
+        user_id=sandbox.owner_id, sandbox=sandbox, kind=kind, message=message[:300]
+    )
+    emails.queue_after_commit([note.pk])
 
 
 def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
@@ -58,7 +64,7 @@ def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
 def on_first_waits(waits: list[tuple[int, int, str]]) -> None:
     """Owners hear why their sandbox waits, the first time it does: (sandbox id, owner id,
     reason) each, written at once (a burst of requests all start waiting in one cycle)."""
-    Notification.objects.bulk_create(
+    notes = Notification.objects.bulk_create(
         Notification(
             user_id=owner,
             sandbox_id=pk,
@@ -67,6 +73,7 @@ def on_first_waits(waits: list[tuple[int, int, str]]) -> None:
         )
         for pk, owner, reason in waits
     )
+    emails.queue_after_commit([note.pk for note in notes])  # ids returned by PostgreSQL and SQLite alike
 
 
 def on_request(sandbox: Sandbox) -> None:

@@ -139,6 +139,16 @@ def test_a_sandbox_of_every_sharing_mode_reaches_running(launcher: Launcher) -> 
                  f"{launcher.output()[-3000:]}", every=0.5)  # fmt: skip
 
 
+def test_the_control_worker_mails_the_starts_through_the_console_backend(launcher: Launcher) -> None:
+    """No EMAIL_HOST here: the notification mails alice gets by default (a start) are
+    written to the control worker's output, which is make run's terminal."""
+    wait_for(
+        lambda: "Subject: [gpushare] Started: Sandbox" in launcher.output(), 60,
+        lambda: f"a start's mail in the terminal:\n{launcher.output()[-3000:]}", every=0.5,
+    )  # fmt: skip
+    assert "To: alice@example.org" in launcher.output()
+
+
 def test_the_terminal_shows_transitions_not_per_task_chatter(launcher: Launcher) -> None:
     text = launcher.output()
     assert re.search(r"sandbox \d+: requested → queued", text), text[-3000:]

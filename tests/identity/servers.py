@@ -156,15 +156,9 @@ def running_directory(
 ) -> Iterator[Directory]:
     require_engine(shutil.which("slapd") is not None, "OpenLDAP's slapd (apt-get install slapd)")
     directory = Directory(folder, people, groups)
-    try:
+    with _stopped_after(directory, folder / "slapd.log"):
         directory.start()
         yield directory
-    except BaseException:
-        log = folder / "slapd.log"
-        sys.stderr.write(log.read_text(errors="replace")[-3000:] if log.exists() else "")
-        raise
-    finally:
-        directory.stop()
 
 
 class Provider:
@@ -237,11 +231,17 @@ def running_provider(folder: Path) -> Iterator[Provider]:
     first, so the portal can be started with ``settings_env`` before it)."""
     folder.mkdir(parents=True, exist_ok=True)
     provider = Provider(folder)
-    try:
+    with _stopped_after(provider, folder / "idp.log"):
         yield provider
+
+
+@contextmanager
+def _stopped_after(server: Directory | Provider, log: Path) -> Iterator[None]:
+    """Stop ``server`` at the end; on a failure, show the end of its log first."""
+    try:
+        yield
     except BaseException:
-        log = folder / "idp.log"
         sys.stderr.write(log.read_text(errors="replace")[-3000:] if log.exists() else "")
         raise
     finally:
-        provider.stop()
+        server.stop()

@@ -80,6 +80,9 @@ route(
     **signed_in((302, "elsewhere"), outsider=404, member=403, billing=403),
 )
 route("POST", "/notifications/", **signed_in((302, "elsewhere")))
+# Email choices: everyone signed in sets their own; the matrix's fields are not the page's (400).
+route("GET", "/account/notifications/", **signed_in(200))
+route("POST", "/account/notifications/", **signed_in(400))
 # A sandbox outside your projects does not exist for you (404, no hint).
 route("GET", "/sandboxes/{sandbox}/", **signed_in(200, outsider=404))
 route("GET", "/sandboxes/{sandbox}/status/", **signed_in(200, outsider=404))

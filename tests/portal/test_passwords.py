@@ -1,54 +1,20 @@
 """Password change and reset with Django's own views, the reset mail sent through a real SMTP
-server on loopback (aiosmtpd) by the real SMTP backend."""
+server on loopback (aiosmtpd: the ``smtp`` fixture, tests/portal/smtp.py) by the real SMTP
+backend."""
 
 from __future__ import annotations
 
 import re
-import socket
-from collections.abc import Iterator
-from email import message_from_bytes
 from typing import Any
 
 import pytest
-from aiosmtpd.controller import Controller
-from django.core.cache import cache
 from django.test import Client, override_settings
 
 from tests.portal.helpers import client_for
+from tests.portal.smtp import Inbox
 
 pytestmark = pytest.mark.django_db
 NEW_PASSWORD = "a-new-long-passphrase-42"
-
-
-class Inbox:
-    """aiosmtpd handler: keeps every message it is handed."""
-
-    def __init__(self) -> None:
-        self.messages: list[Any] = []
-
-    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
-        self.messages.append((envelope.rcpt_tos, message_from_bytes(envelope.content)))
-        return "250 OK"
-
-
-@pytest.fixture
-def smtp() -> Iterator[Inbox]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    inbox = Inbox()
-    controller = Controller(inbox, hostname="127.0.0.1", port=port)
-    controller.start()
-    cache.clear()
-    with override_settings(
-        EMAIL_BACKEND="django.core.mail.backends.smtp.EmailBackend",
-        EMAIL_HOST="127.0.0.1",
-        EMAIL_PORT=port,
-        DEFAULT_FROM_EMAIL="gpushare <noreply@gpus.example.test>",
-    ):
-        yield inbox
-    controller.stop()
-    cache.clear()
 
 
 def test_a_user_changes_their_password(people: Any) -> None:
@@ -75,7 +41,7 @@ def test_a_reset_link_arrives_by_smtp_and_sets_a_new_password(people: Any, smtp:
     assert asked.status_code == 302 and asked["Location"] == "/password-reset/sent/"
     [(recipients, mail)] = smtp.messages
     assert recipients == ["olivia@example.test"] and mail["Subject"] == "gpushare: reset your password"
-    link = re.search(r"http://testserver(/password-reset/\S+/\S+/)", mail.get_payload()).group(1)  # type: ignore[union-attr]
+    link = re.search(r"http://testserver(/password-reset/\S+/\S+/)", str(mail.get_payload())).group(1)  # type: ignore[union-attr]
     form = browser.get(link, follow=True)
     assert form.status_code == 200 and "Choose a new password" in form.content.decode()
     browser.post(form.redirect_chain[-1][0], {"new_password1": NEW_PASSWORD, "new_password2": NEW_PASSWORD})

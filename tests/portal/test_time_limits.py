@@ -79,10 +79,10 @@ def test_a_sandbox_is_warned_then_expires_at_its_limit(
     now = timezone.now()
     assert actions.do_expire_overdue(now) == [over.pk]
     assert actions.do_expire_overdue(now) == []  # stopping already: sent once
-    [warning] = Notification.objects.filter(sandbox=soon, kind="ended")
+    [warning] = Notification.objects.filter(sandbox=soon, kind="expiring")
     assert "reaches its time limit at" in warning.message and "extend it" in warning.message
     actions.do_expire_overdue(now)
-    assert Notification.objects.filter(sandbox=soon, kind="ended").count() == 1  # warned once
+    assert Notification.objects.filter(sandbox=soon, kind="expiring").count() == 1  # warned once
     actions.do_extend(soon.pk, people["owner"], timedelta(hours=1))
     assert Sandbox.objects.get(pk=soon.pk).expiry_warned_at is None  # a new limit, a new warning
 
