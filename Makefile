@@ -21,10 +21,14 @@ LIBVIRT_DOMAIN_TYPE ?= qemu
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: requirements/dev.lock
+# The command-line client (client/, its own package and lock) goes in too: `gpushare` on the
+# venv's PATH, editable, its dependencies from its lock (which agrees with dev.lock).
+$(VENV)/.installed: requirements/dev.lock client/requirements.lock client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
 	$(VENV)/bin/uv pip install -q -p $(PY) -r requirements/dev.lock
+	$(VENV)/bin/uv pip install -q -p $(PY) -r client/requirements.lock
+	$(VENV)/bin/uv pip install -q -p $(PY) --no-deps -e ./client
 	touch $@
 
 # The libvirt sandbox driver's binding (VM isolation): only hosts that run VMs need it, and
@@ -36,10 +40,6 @@ $(VENV)/.installed-libvirt: $(VENV)/.installed requirements/libvirt.lock
 	$(VENV)/bin/uv pip install -q -p $(PY) -r requirements/libvirt.lock
 	touch $@
 
-frontend: static/dist/app.js
-
-static/dist/app.js: package.json package-lock.json $(wildcard static/src/*.js)
-	npm ci --no-audit --no-fund --loglevel=error
 # Sign-in with a directory password (LDAP_SERVER_URI): python-ldap builds against OpenLDAP's
 # headers (Debian: libldap2-dev libsasl2-dev); a portal without LDAP does not need it.
 install-ldap: $(VENV)/.installed-ldap
@@ -49,6 +49,10 @@ $(VENV)/.installed-ldap: $(VENV)/.installed requirements/ldap.lock
 	$(VENV)/bin/uv pip install -q -p $(PY) -r requirements/ldap.lock
 	touch $@
 
+frontend: static/dist/app.js
+
+static/dist/app.js: package.json package-lock.json $(wildcard static/src/*.js)
+	npm ci --no-audit --no-fund --loglevel=error
 	npm run build --silent
 
 # The sandbox base image, a Debian minbase built locally (no registry pulls); needs Docker.

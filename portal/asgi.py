@@ -9,6 +9,9 @@ Two rules sit in front of both, decided here once for any ASGI server (uvicorn, 
   uvicorn's default, anyone on the machine's loopback could pick their address per request.
 - A WebSocket is accepted only from the page's own origin, compared by scheme, host and
   port (or from one of ``CSRF_TRUSTED_ORIGINS``), as Django's CSRF check compares forms.
+  A WebSocket with an ``Authorization`` header (an API token: the command-line client's
+  shell) is not a browser's, which cannot send one: it skips the origin check and takes no
+  session, only its token (``portal/accounts/socket_auth.py``), on the routes that take one.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from django.http.request import split_domain_port, validate_host  # noqa: E402
 from django.urls import re_path  # noqa: E402
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware  # noqa: E402
 
+from portal.accounts.socket_auth import BearerOrSession, TokenSocketAuth  # noqa: E402
 from portal.sandboxes.app_proxy import AppProxy  # noqa: E402
 from portal.sandboxes.app_websocket import AppWebSocket  # noqa: E402
-from portal.telemetry.routing import websocket_urlpatterns  # noqa: E402
+from portal.telemetry.routing import token_websocket_urlpatterns, websocket_urlpatterns  # noqa: E402
 
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
 
@@ -85,15 +89,18 @@ def build(trusted_proxies: list[str]) -> Any:
                     re_path(r"", django_asgi_app),  # type: ignore[arg-type]  # an ASGI app, as Channels routes
                 ]
             ),
-            "websocket": SameOriginValidator(
-                AuthMiddlewareStack(
-                    URLRouter(
-                        [
-                            re_path(r"^sandboxes/(?P<sandbox_id>\d+)/app/", AppWebSocket.as_asgi()),
-                            *websocket_urlpatterns,
-                        ]
+            "websocket": BearerOrSession(
+                token_app=TokenSocketAuth(URLRouter(token_websocket_urlpatterns)),
+                session_app=SameOriginValidator(
+                    AuthMiddlewareStack(
+                        URLRouter(
+                            [
+                                re_path(r"^sandboxes/(?P<sandbox_id>\d+)/app/", AppWebSocket.as_asgi()),
+                                *websocket_urlpatterns,
+                            ]
+                        )
                     )
-                )
+                ),
             ),
         }
     )

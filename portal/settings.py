@@ -185,7 +185,7 @@ LDAP_ENABLED: bool = _ldap.pop("LDAP_ENABLED")
 globals().update(_oidc)  # mozilla-django-oidc's and django-auth-ldap's own names
 globals().update(_ldap)
 LOCAL_SIGN_IN = env_choice("LOCAL_SIGN_IN", ("everyone", "staff"), "everyone")
-AUTHENTICATION_BACKENDS = authentication_backends(OIDC_ENABLED, LDAP_ENABLED)
+AUTHENTICATION_BACKENDS = authentication_backends(OIDC_ENABLED, LDAP_ENABLED, LOCAL_SIGN_IN)
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

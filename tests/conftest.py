@@ -307,3 +307,16 @@ def scenario_db(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
             connections.close_all()
             if created is not None:
                 teardown_databases(created, verbosity=0)
+
+
+# A scenario's shared fixtures (its steps are one class: ``steps`` below): the people and
+# catalog its platform serves, committed for the class, and what a step found that a later
+# one uses. A scenario needing more of either defines its own.
+@pytest.fixture(scope="class")
+def world(scenario_db: None) -> dict[str, Any]:
+    return {**make_people(), **make_catalog()}
+
+
+@pytest.fixture(scope="class")
+def state() -> dict[str, Any]:
+    return {}

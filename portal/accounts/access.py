@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from django.db.models import QuerySet
@@ -26,3 +27,17 @@ def can_manage_sandbox(user: Any, sandbox: Any) -> bool:
     return Membership.objects.filter(
         user=user, project_id=sandbox.project_id, role=Membership.Role.MANAGER
     ).exists()
+
+
+def can_manage_sandbox_by_token(user: Any, sandbox: Any, scopes: Collection[str]) -> bool:
+    """``can_manage_sandbox`` for a caller holding an API token with ``scopes`` (the API and
+    token-authenticated WebSockets): a staff user's token without the ``admin`` scope has the
+    rights of a plain member, so it reaches only their own and their managed projects' sandboxes."""
+    if not user.is_staff or "admin" in scopes:
+        return can_manage_sandbox(user, sandbox)
+    return (
+        sandbox.owner_id == user.pk
+        or Membership.objects.filter(
+            user=user, project_id=sandbox.project_id, role=Membership.Role.MANAGER
+        ).exists()
+    )

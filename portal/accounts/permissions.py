@@ -14,7 +14,7 @@ from django.db.models import QuerySet
 from rest_framework import permissions
 from rest_framework.request import Request
 
-from portal.accounts.access import can_manage_sandbox, visible_projects
+from portal.accounts.access import can_manage_sandbox, can_manage_sandbox_by_token, visible_projects
 from portal.accounts.models import ApiToken, Membership, Project
 
 Scope = ApiToken.Scope
@@ -57,15 +57,10 @@ def api_requestable_projects(request: Request) -> QuerySet[Project]:
 
 
 def api_can_manage_sandbox(request: Request, sandbox: Any) -> bool:
-    if _staff_rights(request) or not request.user.is_staff:
+    token = token_of(request)
+    if token is None:
         return can_manage_sandbox(request.user, sandbox)
-    # A staff user's token without the admin scope: the rights of a plain member.
-    return (
-        sandbox.owner_id == request.user.pk
-        or Membership.objects.filter(
-            user=request.user, project_id=sandbox.project_id, role=Membership.Role.MANAGER
-        ).exists()
-    )
+    return can_manage_sandbox_by_token(request.user, sandbox, token.scopes)
 
 
 class TokenScopes(permissions.BasePermission):

@@ -1,5 +1,6 @@
 """Asking again while a stream is open: a WebSocket's permission holds only while its reason
-to exist does (the sandbox runs, the user is still a member, still active, still signed in).
+to exist does (the sandbox runs, the user is still a member, still active, still signed in,
+the API token it was opened with still valid).
 
 A consumer checks at connect, then ``Recheck`` asks again every ``STREAM_RECHECK_S`` seconds
 with the user as the database has them now, and closes the socket the first time the answer
@@ -20,12 +21,22 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.sessions.backends.base import SessionBase
 
+from portal.accounts.models import ApiToken
+from portal.accounts.socket_auth import socket_token
+
 log = logging.getLogger(__name__)
 
 
 def current_user(scope: dict[str, Any]) -> Any:
     """The socket's user as the database has them now: None once they signed out (session
-    gone), were deactivated or deleted. Synchronous: call through database_sync_to_async."""
+    gone), were deactivated or deleted, or, for a socket opened with an API token, once the
+    token was revoked or expired. Synchronous: call through database_sync_to_async."""
+    token = socket_token(scope)
+    if token is not None:
+        row = ApiToken.objects.select_related("user").filter(pk=token.id).first()
+        if row is None or row.state != "active" or not row.user.is_active:
+            return None
+        return row.user
     user = scope.get("user")
     session: SessionBase | None = scope.get("session")
     if user is None or not user.is_authenticated or session is None or not session.session_key:

@@ -104,11 +104,18 @@ def ldap_settings() -> dict[str, Any]:
     }
 
 
-def authentication_backends(oidc: bool, ldap: bool) -> list[str]:
+def authentication_backends(oidc: bool, ldap: bool, local_sign_in: str = "everyone") -> list[str]:
     """Local accounts first (admins keep signing in when a provider is down), then LDAP
-    (same sign-in form), then OIDC (its own callback)."""
+    (same sign-in form), then OIDC (its own callback). Local accounts for everyone is
+    Django's own backend, by its own name: a session records its backend's dotted path, so
+    sessions made before single sign-on was set up keep working."""
+    local = (
+        "django.contrib.auth.backends.ModelBackend"
+        if local_sign_in == "everyone"
+        else "portal.identity.local.StaffOnlyPasswordBackend"
+    )
     return [
-        "portal.identity.local.LocalAccountBackend",
+        local,
         *(["portal.identity.ldap_backend.PortalLDAPBackend"] if ldap else []),
         *(["portal.identity.oidc_backend.PortalOIDCBackend"] if oidc else []),
     ]

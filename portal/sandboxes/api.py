@@ -1,8 +1,11 @@
-"""Self-service sandboxes over the API: list, get, create, stop, extend.
+"""Self-service sandboxes over the API: list, get, create, preview, stop, extend, and a
+sandbox's history (events) and batch output.
 
-Creation goes through the HTML request form (``SandboxRequestForm``), so the API checks
-exactly what the page checks (``actions.check_request_sandbox`` behind it) and names the
-field at fault the same way; this module only turns slugs into rows first.
+Creation and its preview go through the HTML request form (``SandboxRequestForm``), so the
+API checks exactly what the page checks (``actions.check_request_sandbox`` behind it) and
+names the field at fault the same way; this module only turns slugs into rows first. The
+preview is the form's live answer (``portal/sandboxes/preview.py``): starts now, or waits,
+why, and the earliest start.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from portal.accounts.permissions import api_can_manage_sandbox, api_projects, ap
 from portal.api import idempotency
 from portal.api.errors import errors
 from portal.api.filters import FILTERS, filter_by
-from portal.api.pagination import NewestRequestFirst
+from portal.api.pagination import CheckedPageSize, NewestRequestFirst
 from portal.api.schema import list_and_retrieve_schema
 from portal.api.strict import StrictSerializer, Text, WholeNumber, choices_message
 from portal.api.text import refuse_unexpected_fields
@@ -32,8 +35,9 @@ from portal.catalog.models import IsolationLevel, SandboxImage, SharingMode, Tie
 from portal.inputs import whole_number
 from portal.sandboxes import actions
 from portal.sandboxes.forms import EXTEND_CHOICES_H, MIG_PROFILES, SandboxRequestForm
-from portal.sandboxes.models import ENDED_STATES, Sandbox
+from portal.sandboxes.models import ENDED_STATES, Sandbox, SandboxEvent
 from portal.sandboxes.output import read_output
+from portal.sandboxes.preview import preview_request
 
 
 class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
@@ -44,6 +48,7 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
         slug_field="username", read_only=True
     )
     tier: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    image: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(slug_field="name", read_only=True)
     host: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
         slug_field="name", read_only=True, allow_null=True
     )
@@ -61,13 +66,17 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
         model = Sandbox
         fields = [
             "id",
+            "name",
             "project",
             "owner",
             "tier",
+            "image",
             "sharing_mode",
             "isolation",
             "state",
             "pending_reason",
+            "launch_progress",
+            "failure",
             "host",
             "gpu_count",
             "mig_profile",
@@ -81,6 +90,11 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
             "ended_at",
         ]
         read_only_fields = fields
+        extra_kwargs = {
+            "launch_progress": {"help_text": "While it starts: what its host is doing that takes time "
+                                "(pulling its image), else empty."},
+            "failure": {"help_text": "Why it failed, once it has; else empty."},
+        }  # fmt: skip
 
     def get_max_duration_hours(self, obj: Sandbox) -> float:
         return obj.max_duration.total_seconds() / 3600
@@ -124,6 +138,7 @@ class SandboxCreateSerializer(StrictSerializer):
         max_length=2000,
         help_text="Batch runs: the command, split like a shell.",
     )
+    name = Text(required=False, allow_blank=True, max_length=60, help_text="A label for your lists.")
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if attrs.get("command") and attrs.get("run") != "batch":
@@ -144,6 +159,50 @@ class OutputSerializer(serializers.Serializer[Any]):
 
 
 OUTPUT_LIMIT = 1024 * 1024
+
+
+class PreviewSerializer(serializers.Serializer[Any]):
+    verdict = serializers.ChoiceField(
+        choices=["now", "waits", "refused"],
+        help_text="now: it would start at once; waits: it would queue; refused: a rule it breaks "
+        "(rare here: a request the form refuses is a 400, as on create).",
+    )
+    message = serializers.CharField(help_text="Where it would start, or why it would wait or be refused.")
+    host = serializers.CharField(help_text="The host it would start on (verdict now), else empty.")
+    position = serializers.IntegerField(
+        help_text="Its place among the waiting requests, 1 first; 0 unless it waits."
+    )
+    earliest_start = serializers.DateTimeField(
+        allow_null=True,
+        help_text="When it could start at the earliest (running sandboxes reaching their time "
+        "limit), if it waits and that is known: an estimate, never a promise.",
+    )
+    alternatives = serializers.ListField(
+        child=serializers.CharField(), help_text="What could start now instead, in the same sharing mode."
+    )
+
+
+class SandboxEventSerializer(serializers.ModelSerializer[SandboxEvent]):
+    actor: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True, allow_null=True
+    )
+
+    class Meta:
+        model = SandboxEvent
+        fields = ["id", "at", "from_state", "to_state", "actor", "message"]
+        read_only_fields = fields
+
+
+class SandboxEventPage(serializers.Serializer[Any]):
+    next = serializers.URLField(allow_null=True, help_text="The next page, or null at the end.")
+    previous = serializers.URLField(allow_null=True)
+    results = SandboxEventSerializer(many=True)
+
+
+class OldestFirst(CheckedPageSize):
+    """A sandbox's history in the order it happened."""
+
+    ordering = ("at", "id")
 
 
 class ExtendSerializer(StrictSerializer):
@@ -224,6 +283,24 @@ def _form_data(request: Request, data: dict[str, Any]) -> dict[str, Any]:
     return form_data
 
 
+def _checked_request(request: Request, *, for_create: bool) -> actions.SandboxRequest:
+    """The body checked as the request form checks it (``for_create``: the quota is left to
+    ``do_request_sandbox``, under its lock); a 400 naming each field at fault."""
+    shape = SandboxCreateSerializer(data=request.data)
+    shape.is_valid(raise_exception=True)
+    form = SandboxRequestForm(
+        _form_data(request, dict(shape.validated_data)), user=request.user, for_create=for_create
+    )
+    if not form.is_valid() or form.request_obj is None:
+        raise exceptions.ValidationError(
+            {
+                ("non_field_errors" if k == "__all__" else k): [str(e) for e in v]
+                for k, v in form.errors.items()
+            }
+        )
+    return form.request_obj
+
+
 @list_and_retrieve_schema(
     listed="Sandboxes",
     description="Newest request first, cursor pages. Scope read:usage. `user` is the owner; the "
@@ -234,7 +311,7 @@ def _form_data(request: Request, data: dict[str, Any]) -> dict[str, Any]:
 class SandboxViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Sandbox]):
     serializer_class = SandboxSerializer
     pagination_class = NewestRequestFirst
-    action_parameters = {"output": ("offset", "limit")}
+    action_parameters = {"output": ("offset", "limit"), "events": ("cursor", "page_size")}
     filters = FILTERS
     queryset = Sandbox.objects.none()  # for the schema; get_queryset scopes it
 
@@ -242,7 +319,7 @@ class SandboxViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Sandbox]):
         qs = Sandbox.objects.filter(project__in=api_projects(self.request))
         if self.action == "list":
             qs = filter_by(self.request.query_params, qs, user_field="owner", time_field="requested_at")
-        return qs.select_related("project", "owner", "tier", "host")
+        return qs.select_related("project", "owner", "tier", "image", "host")
 
     def _managed(self) -> Sandbox:
         sandbox = self.get_object()  # 404 outside the caller's projects
@@ -267,23 +344,50 @@ class SandboxViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Sandbox]):
     )
     @idempotency.idempotent
     def create(self, request: Request) -> Response:
-        shape = SandboxCreateSerializer(data=request.data)
-        shape.is_valid(raise_exception=True)
-        form = SandboxRequestForm(
-            _form_data(request, dict(shape.validated_data)), user=request.user, for_create=True
-        )
-        if not form.is_valid() or form.request_obj is None:
-            raise exceptions.ValidationError(
-                {
-                    ("non_field_errors" if k == "__all__" else k): [str(e) for e in v]
-                    for k, v in form.errors.items()
-                }
-            )
+        req = _checked_request(request, for_create=True)
         try:
-            sandbox = actions.do_request_sandbox(request.user, form.request_obj)
+            sandbox = actions.do_request_sandbox(request.user, req)
         except actions.SandboxRequestError as exc:  # the quota, checked under the project's lock
             raise exceptions.ValidationError({exc.field: [exc.message]}) from exc
         return self._answer(sandbox.pk, status.HTTP_201_CREATED)
+
+    @extend_schema(
+        summary="Would a request start now?",
+        description="The request form's live answer for the same body as a create, which it "
+        "checks the same way (a 400 names each field at fault, the quota included); nothing is "
+        "written. Scope write:sandboxes.",
+        request=SandboxCreateSerializer,
+        examples=[CREATE_EXAMPLE],
+        responses={200: PreviewSerializer, **errors(400, 401, 403, 429)},
+    )
+    @action(detail=False, methods=["post"], url_path="preview", url_name="request-preview")
+    def preview(self, request: Request) -> Response:
+        answer = preview_request(request.user, _checked_request(request, for_create=False))
+        body = {
+            "verdict": answer.verdict, "message": answer.message, "host": answer.host,
+            "position": answer.position, "earliest_start": answer.eta, "alternatives": answer.alternatives,
+        }  # fmt: skip
+        return Response(PreviewSerializer(body).data)
+
+    @extend_schema(
+        summary="A sandbox's history",
+        description="Every transition (requested, queued, placing, starting, running, ...) and "
+        "what was done to it (terminals opened, time added), oldest first, cursor pages. Scope "
+        "read:usage.",
+        parameters=[
+            OpenApiParameter("cursor", OpenApiTypes.STR, description="The `next` of the page before."),
+            OpenApiParameter("page_size", OpenApiTypes.INT, description="Events per page, 1 to 1000."),
+        ],
+        responses={200: SandboxEventPage, **errors(400, 401, 403, 404, 429)},
+    )
+    @action(detail=True, methods=["get"])
+    def events(self, request: Request, pk: str | None = None) -> Response:
+        sandbox = self.get_object()  # 404 outside the caller's projects
+        pages = OldestFirst()
+        page = pages.paginate_queryset(
+            SandboxEvent.objects.filter(sandbox=sandbox).select_related("actor"), request, view=self
+        )
+        return pages.get_paginated_response(SandboxEventSerializer(page, many=True).data)
 
     @extend_schema(
         summary="A batch run's output",

@@ -3,7 +3,10 @@
 Checked at connect and again every ``STREAM_RECHECK_S`` while it is open
 (portal/accounts/streams.py): the user must be allowed to manage the sandbox (its owner, a
 manager of its project, an admin) and the sandbox must be a running container or process
-sandbox; once that stops being true, the terminal is closed. A refused connection is
+sandbox; once that stops being true, the terminal is closed. A socket opened with an API
+token (the command-line client's shell: portal/accounts/socket_auth.py) also needs the
+token's ``write:sandboxes`` (or ``admin``) scope, as typing into a sandbox changes it, and
+has the token's reach (a staff user's token without ``admin``: a member's). A refused connection is
 accepted, told why in a ``closed`` message, and closed with 4403 (not allowed) or 4409 (not
 possible now). Every opened terminal is recorded in the sandbox's history.
 
@@ -21,13 +24,17 @@ from typing import Any
 from channels.db import database_sync_to_async
 from django.utils import timezone
 
-from portal.accounts.access import can_manage_sandbox
+from portal.accounts.access import can_manage_sandbox, can_manage_sandbox_by_token
+from portal.accounts.models import ApiToken
+from portal.accounts.socket_auth import socket_has_scope, socket_token
 from portal.audit import trail
 from portal.sandboxes.models import Sandbox, SandboxEvent, SandboxState
 from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
 from workers.terminal_relay import StreamBroken
 
 FORBIDDEN, CONFLICT = 4403, 4409
+# What a token must hold to type into a sandbox: the scope that changes sandboxes (or admin).
+TOKEN_SCOPE = ApiToken.Scope.WRITE_SANDBOXES
 TERMINAL_ISOLATION = ("container", "process")  # a VM's console is its serial line, not a pty exec
 
 
@@ -50,10 +57,18 @@ class SandboxTerminal(TunnelWebSocket):
         await self._tunnel.open(host, "open_terminal", key, handle)
         self.stream(self._from_sandbox(self._tunnel), self._still_allowed, self._revoked)
 
+    def _may_manage(self, user: Any, sandbox: Sandbox) -> bool:
+        token = socket_token(self.scope)
+        if token is None:
+            return can_manage_sandbox(user, sandbox)
+        return socket_has_scope(self.scope, TOKEN_SCOPE) and can_manage_sandbox_by_token(
+            user, sandbox, token.scopes
+        )
+
     def _still_allowed(self, user: Any) -> bool:
         sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
         sandbox = Sandbox.objects.filter(pk=sandbox_id, state=SandboxState.RUNNING).first()
-        return sandbox is not None and can_manage_sandbox(user, sandbox)
+        return sandbox is not None and self._may_manage(user, sandbox)
 
     async def _revoked(self) -> None:
         reason = "The sandbox is no longer running, or you may no longer use its terminal."
@@ -63,11 +78,13 @@ class SandboxTerminal(TunnelWebSocket):
     def authorize(self, user: Any) -> Refusal | tuple[str, str, dict[str, Any] | None]:
         sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
         sandbox = Sandbox.objects.select_related("host").filter(pk=sandbox_id).first()
+        if not socket_has_scope(self.scope, TOKEN_SCOPE):
+            return Refusal(FORBIDDEN, f"This API token lacks the scope '{TOKEN_SCOPE}' a terminal needs.")
         if (
             user is None
             or not user.is_authenticated
             or sandbox is None
-            or not can_manage_sandbox(user, sandbox)
+            or not self._may_manage(user, sandbox)
         ):
             return Refusal(
                 FORBIDDEN,

@@ -76,6 +76,12 @@ class SandboxRequestForm(forms.Form):
         help_text="Run in the sandbox as its user, e.g. python train.py --epochs 3",
         widget=forms.TextInput(attrs={"placeholder": "python train.py --epochs 3"}),
     )
+    name = forms.CharField(
+        required=False,
+        max_length=60,
+        label="Name (optional)",
+        help_text="A label for your lists, e.g. resnet-sweep-3",
+    )
 
     def __init__(self, *args: Any, user: Any, for_create: bool = False, **kwargs: Any) -> None:
         """``for_create``: the request goes on to ``do_request_sandbox``, which checks the
@@ -117,6 +123,12 @@ class SandboxRequestForm(forms.Form):
             raise forms.ValidationError(problem)
         return command
 
+    def clean_name(self) -> str:
+        name: str = (self.cleaned_data.get("name") or "").strip()
+        if problem := text_problem(name, max_length=60):
+            raise forms.ValidationError(problem)
+        return name
+
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
         self._refuse_unexpected_fields()
@@ -141,6 +153,7 @@ class SandboxRequestForm(forms.Form):
             mps_memory_mib=(data.get("mps_memory_gib") or 0) * 1024,
             mps_thread_pct=data.get("mps_thread_pct") or 0,
             duration=timedelta(hours=data["duration_hours"]),
+            name=data.get("name") or "",
             command=command,
         )
         try:

@@ -118,7 +118,9 @@ def test_a_deactivated_user_cannot_sign_in_with_the_directory(ldap_portal: Any, 
 
 
 def test_local_sign_in_may_be_left_to_staff(ldap_portal: Any, people: Any) -> None:
-    with override_settings(LOCAL_SIGN_IN="staff"):
+    from portal.identity.config import authentication_backends
+
+    with override_settings(AUTHENTICATION_BACKENDS=authentication_backends(False, True, "staff")):
         assert sign_in("olivia", PASSWORD)[1].status_code == 200  # a local non-staff account
         assert sign_in("ada", PASSWORD)[1].status_code == 302  # a local admin
         assert sign_in("tom", PEOPLE["tom"])[1].status_code == 302  # the directory's people

@@ -14,7 +14,13 @@ def test_both_are_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     assert oidc_settings() == {"OIDC_ENABLED": False}
     assert ldap_settings() == {"LDAP_ENABLED": False}
-    assert authentication_backends(False, False) == ["portal.identity.local.LocalAccountBackend"]
+    # Django's own backend by its own name: sessions made before single sign-on still hold.
+    assert authentication_backends(False, False) == ["django.contrib.auth.backends.ModelBackend"]
+    assert authentication_backends(True, True, "staff") == [
+        "portal.identity.local.StaffOnlyPasswordBackend",
+        "portal.identity.ldap_backend.PortalLDAPBackend",
+        "portal.identity.oidc_backend.PortalOIDCBackend",
+    ]
 
 
 def test_an_oidc_client_without_its_endpoints_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

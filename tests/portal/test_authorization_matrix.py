@@ -136,6 +136,9 @@ route("GET", "/api/docs/", **signed_in(200, anonymous=200))
 # A batch's output: whoever may see the sandbox.
 route("GET", "/sandboxes/{sandbox}/output.txt", **signed_in(200, outsider=404))
 route("GET", "/api/v1/sandboxes/{sandbox}/output/", **signed_in(200, anonymous=401, outsider=404))
+# Its history likewise; a request's preview takes the create's fields (400 without them).
+route("GET", "/api/v1/sandboxes/{sandbox}/events/", **signed_in(200, anonymous=401, outsider=404))
+route("POST", "/api/v1/sandboxes/preview/", **signed_in(400, anonymous=401))
 # Accounts: your own password and tokens; a token is revoked by its owner (member) or staff,
 # and does not exist for anyone else. Resetting a password needs no sign-in.
 route("GET", "/account/password/", **signed_in(200))
