@@ -116,12 +116,17 @@ def test_an_ended_sandboxs_history_is_its_last_hour_not_the_clocks(people: Any, 
     """A sandbox that ended yesterday still shows what it recorded: its window ends at its
     end (the page's chart asked for the last 60 minutes of today and drew nothing)."""
     gpu = sandbox.allocations.get().gpu
+    now = this_minute()  # read once: a minute turning between readings would move the window
+
+    def ago(minutes: int) -> datetime:
+        return now - timedelta(minutes=minutes)
+
     for back in (26 * 60, 24 * 60 + 50, 24 * 60 + 5):
-        do_store_rollups([(gpu.host.name, minute_payload(this_minute(back), gpu.uuid, sandbox.pk))])
-    Sandbox.objects.filter(pk=sandbox.pk).update(state="stopped", ended_at=this_minute(24 * 60))
+        do_store_rollups([(gpu.host.name, minute_payload(ago(back), gpu.uuid, sandbox.pk))])
+    Sandbox.objects.filter(pk=sandbox.pk).update(state="stopped", ended_at=ago(24 * 60))
     member = client_for(people["member"])
     history = member.get(f"/telemetry/sandboxes/{sandbox.pk}/history/?minutes=60").json()
-    assert history["t"] == [int(this_minute(m).timestamp()) for m in (24 * 60 + 50, 24 * 60 + 5)]
+    assert history["t"] == [int(ago(m).timestamp()) for m in (24 * 60 + 50, 24 * 60 + 5)]
 
 
 def test_history_endpoints_follow_the_streams_permissions(people: Any, sandbox: Any) -> None:
@@ -179,7 +184,10 @@ def change(state: str, key: str, **extra: Any) -> dict[str, Any]:
 def test_the_sandbox_stream_adds_billings_running_cost_to_its_samples(people: Any, sandbox: Any) -> None:
     """Agents send no cost; the sandbox's socket adds the ledger's cost at each sample's time
     (a sample of an older agent, with a cost of its own, gets billing's too)."""
-    actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "c"}, this_minute(10))
+    # One reading of the clock: read twice, a minute turning in between made it 11 minutes.
+    now = this_minute()
+    started = now - timedelta(minutes=10)
+    actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "c"}, started)
     consumer = SandboxSamples()
     consumer.scope = {"url_route": {"kwargs": {"sandbox_id": sandbox.pk}}}
     consumer.init_stream()
@@ -188,7 +196,7 @@ def test_the_sandbox_stream_adds_billings_running_cost_to_its_samples(people: An
     price = sandbox.tier.price_per_gpu_hour_micros
     older_agents = {"mem_mib": 1024, "util_pct": None, "cost_micros": 7}
     for figures in ({"mem_mib": 1024, "util_pct": 50.0}, older_agents):
-        at_ms = int(this_minute(0).timestamp() * 1000)
+        at_ms = int(now.timestamp() * 1000)
         sample = {"type": "gpu.sample", "gpu": gpu, "t": at_ms, "sandboxes": {key: figures}}
         asyncio.run(consumer.gpu_sample(sample))
         [sent] = consumer._latest.values()
