@@ -260,20 +260,32 @@ def _fields_the_mode_does_not_take(data: dict[str, Any], mode: str) -> dict[str,
     }
 
 
+def _listed(names: QuerySet[Any], most: int = 20) -> str:
+    """``a, b, c`` (the first ``most``, then how many more), or ``none``."""
+    first = [str(name) for name in names[: most + 1]]
+    if not first:
+        return "none"
+    more = f" and {names.count() - most} more" if len(first) > most else ""
+    return ", ".join(first[:most]) + more
+
+
 def _form_data(request: Request, data: dict[str, Any]) -> dict[str, Any]:
     """The form's POST data, slugs turned into ids; an unknown slug is a 400 on its field."""
     project = api_requestable_projects(request).filter(slug=data["project"]).first()
     tier = Tier.objects.filter(slug=data["tier"], active=True).first()
     image = SandboxImage.objects.filter(name=data["image"], active=True).first()
-    problems = {
-        name: [message]
-        for name, found, message in (
-            ("project", project, "No such project among those you may start sandboxes in."),
-            ("tier", tier, "No such open tier."),
-            ("image", image, "No such allowed image."),
-        )
-        if found is None
-    }
+    # A refusal names what would do (a script or the command-line client has no form's
+    # drop-downs to look at); the lists are read only when something was not found.
+    problems: dict[str, list[str]] = {}
+    if project is None:
+        yours = _listed(api_requestable_projects(request).values_list("slug", flat=True))
+        problems["project"] = [f"No such project among those you may start sandboxes in. Yours: {yours}."]
+    if tier is None:
+        open_tiers = Tier.objects.filter(active=True).values_list("slug", flat=True)
+        problems["tier"] = [f"No such open tier. Open: {_listed(open_tiers)}."]
+    if image is None:
+        allowed = SandboxImage.objects.filter(active=True).order_by("name").values_list("name", flat=True)
+        problems["image"] = [f"No such allowed image. Allowed: {_listed(allowed)}."]
     if problems:
         raise exceptions.ValidationError(problems)
     if misplaced := _fields_the_mode_does_not_take(data, tier.sharing_mode):  # type: ignore[union-attr]

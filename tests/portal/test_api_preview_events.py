@@ -184,3 +184,13 @@ def test_the_schema_documents_preview_and_events() -> None:
     assert {p["name"] for p in events["parameters"]} == {"id", "cursor", "page_size"}
     assert "404" in events["responses"]
     assert "name" in schema["components"]["schemas"]["SandboxCreateRequest"]["properties"]
+
+
+def test_a_refusal_names_what_would_do(people: Any, catalog: Any, fleet: Any) -> None:
+    """A script has no drop-downs to look at: an unknown project, tier or image is refused
+    with the ones the caller may use."""
+    body = create_body(project="nlp", tier="gold", image="ubuntu:latest")
+    refused = post(api(people["owner"], ALL), "/api/v1/sandboxes/", body).json()
+    assert refused["project"] == ["No such project among those you may start sandboxes in. Yours: vision."]
+    assert refused["tier"] == ["No such open tier. Open: timeslice, mps, mig, dedicated."]
+    assert refused["image"] == ["No such allowed image. Allowed: busybox."]
