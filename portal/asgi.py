@@ -1,7 +1,9 @@
-"""ASGI entry point: Django for HTTP, Channels for WebSockets (origin and session checked)
-and for sandboxes' web apps (``/sandboxes/<id>/app/``, portal/sandboxes/app_proxy.py).
+"""ASGI entry point: Django for HTTP, Channels for WebSockets (origin and session checked),
+and, for any Host under ``APPS_DOMAIN``, sandboxes' web apps on their own origins
+(portal/sandboxes/app_proxy.py, app_websocket.py), which never reach Django or the portal's
+sockets: a request's Host decides, before any route.
 
-Two rules sit in front of both, decided here once for any ASGI server (uvicorn, daphne):
+Two rules sit in front of all of them, decided here once for any ASGI server (uvicorn, daphne):
 - The client's address and scheme come from ``X-Forwarded-For``/``X-Forwarded-Proto`` only
   when the connection comes from one of ``TRUSTED_PROXIES`` (uvicorn's own middleware, which
   takes the right-most address not a trusted proxy). Servers are started with their own
@@ -35,7 +37,6 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import WebsocketDenier  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.http.request import split_domain_port, validate_host  # noqa: E402
-from django.urls import re_path  # noqa: E402
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware  # noqa: E402
 
 from portal.accounts.socket_auth import BearerOrSession, TokenSocketAuth  # noqa: E402
@@ -80,26 +81,29 @@ class SameOriginValidator:
         return await self.application(scope, receive, send)
 
 
+class ByHost:
+    """Requests for a host under ``APPS_DOMAIN`` go to ``apps``, every other to ``portal``."""
+
+    def __init__(self, apps: Any, portal: Any) -> None:
+        self.apps = apps
+        self.portal = portal
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> Any:
+        domain = settings.APPS
+        host = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == b"host"), "")
+        app = self.apps if domain is not None and domain.holds(host) else self.portal
+        return await app(scope, receive, send)
+
+
 def build(trusted_proxies: list[str]) -> Any:
     router = ProtocolTypeRouter(
         {
-            "http": URLRouter(
-                [
-                    re_path(r"^sandboxes/(?P<sandbox_id>\d+)/app/", AuthMiddlewareStack(AppProxy.as_asgi())),
-                    re_path(r"", django_asgi_app),  # type: ignore[arg-type]  # an ASGI app, as Channels routes
-                ]
-            ),
-            "websocket": BearerOrSession(
-                token_app=TokenSocketAuth(URLRouter(token_websocket_urlpatterns)),
-                session_app=SameOriginValidator(
-                    AuthMiddlewareStack(
-                        URLRouter(
-                            [
-                                re_path(r"^sandboxes/(?P<sandbox_id>\d+)/app/", AppWebSocket.as_asgi()),
-                                *websocket_urlpatterns,
-                            ]
-                        )
-                    )
+            "http": ByHost(AppProxy.as_asgi(), django_asgi_app),
+            "websocket": ByHost(
+                AppWebSocket.as_asgi(),
+                BearerOrSession(
+                    token_app=TokenSocketAuth(URLRouter(token_websocket_urlpatterns)),
+                    session_app=SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
                 ),
             ),
         }

@@ -197,6 +197,13 @@ def main() -> int:
     bind = os.environ.get("BIND", "127.0.0.1")
     # Links in the mails the control worker sends lead to this server.
     os.environ.setdefault("PORTAL_URL", f"http://{'localhost' if bind == '127.0.0.1' else bind}:{port}")
+    # Sandboxes' apps on their own origins, <sandbox>-<key>.apps.localhost: browsers resolve
+    # names under localhost to loopback themselves, which only a local browser reaches.
+    if bind != "127.0.0.1" and "APPS_DOMAIN" not in os.environ:
+        print(
+            f"gpushare: apps are served at *.apps.localhost:{port}, which only this machine's "
+            "browsers reach: set APPS_DOMAIN to a wildcard name that resolves here (deploy/README.md)"
+        )
     config.ensure_embedded_redis()
     manage = [PY, "manage.py"]
     subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], check=True)  # noqa: S603 - fixed argv

@@ -14,6 +14,7 @@ from csp.constants import NONE, SELF, UNSAFE_INLINE
 
 from portal.env import ConfigError, env_bool, env_choice, env_int, env_list, env_str
 from portal.identity.config import authentication_backends, ldap_settings, oidc_settings
+from portal.sandboxes.app_origin import AppsDomain, AppsDomainError
 from scheduler.placement import DEFAULT_POLICY, POLICY_NAMES
 from workers import config as worker_config
 
@@ -168,6 +169,18 @@ PASSWORD_RESET_TIMEOUT = env_int("PASSWORD_RESET_TIMEOUT", 3 * 3600, minimum=300
 PORTAL_URL = env_str("PORTAL_URL", "http://localhost:8000").rstrip("/")
 if not PORTAL_URL.startswith(("http://", "https://")):
     raise ConfigError(f"PORTAL_URL must start with http:// or https://, not {PORTAL_URL!r}")
+# Sandboxes' web apps, each on an origin of its own, <sandbox>-<key>.APPS_DOMAIN, never the
+# portal's (portal/sandboxes/app_origin.py; wildcard DNS and certificate: deploy/README.md).
+# Unset in production: no app is served. make run's default: browsers resolve *.localhost
+# to loopback themselves.
+try:
+    APPS = AppsDomain.parse(env_str("APPS_DOMAIN", "apps.localhost" if DEBUG else ""), PORTAL_URL)
+except AppsDomainError as exc:
+    raise ConfigError(str(exc)) from exc
+# How long a grant the portal hands the browser may wait to be redeemed on the app's origin
+# (once), and how long the app session it buys lasts (while the portal session does).
+APP_GRANT_TTL_S = 60
+APP_SESSION_TTL_S = env_int("APP_SESSION_TTL_S", 12 * 3600, minimum=300)
 
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "sandbox-list"
@@ -361,6 +374,14 @@ X_FRAME_OPTIONS = "DENY"
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
 CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
+# Over HTTPS the portal's cookies carry the __Host- prefix: the browser then refuses any such
+# cookie set with a Domain, so an app on a sibling origin (apps.gpus.example.org beside
+# gpus.example.org: the same site) cannot plant a session or CSRF cookie on the portal with
+# document.cookie. (Renaming them signs everyone out once, at the upgrade.)
+SESSION_COOKIE_NAME = f"{'__Host-' if SESSION_COOKIE_SECURE else ''}sessionid"
+CSRF_COOKIE_NAME = f"{'__Host-' if CSRF_COOKIE_SECURE else ''}csrftoken"
+if APPS is not None and (_overlap := APPS.overlaps(ALLOWED_HOSTS, CSRF_TRUSTED_ORIGINS)):
+    raise ConfigError(f"APPS_DOMAIN {APPS.domain}: {_overlap}; apps must never be the portal's origin")
 SILENCED_SYSTEM_CHECKS = [] if SECURE_HSTS_PRELOAD else ["security.W021"]
 
 # Content-Security-Policy (django-csp; portal.security adds ws(s):// of the request's host to

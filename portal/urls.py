@@ -70,6 +70,8 @@ urlpatterns = [
     path("sandboxes/<int:pk>/stop/", sandboxes.sandbox_stop, name="sandbox-stop"),
     path("sandboxes/<int:pk>/extend/", sandboxes.sandbox_extend, name="sandbox-extend"),
     path("sandboxes/<int:pk>/output.txt", sandboxes.sandbox_output_download, name="sandbox-output"),
+    path("sandboxes/<int:pk>/app/", sandboxes.open_app, name="sandbox-app"),
+    path("sandboxes/<int:pk>/app/<path:path>", sandboxes.open_app),
     path("console/fleet/", console.fleet, name="console-fleet"),
     path("console/plans/", console.plans, name="console-plans"),
     path("console/queue/", console.queue, name="console-queue"),

@@ -1,11 +1,13 @@
-"""A sandbox's web app's WebSockets (Jupyter's kernels, terminals, events) through the portal.
+"""A sandbox's web app's WebSockets (Jupyter's kernels, terminals, events) on its own origin.
 
-The same way as its HTTP requests (``portal/sandboxes/app_proxy.py``): the owner only, one
-connection to the app's socket through the host agent, relayed through Redis. The
-app's handshake comes first, spoken with ``websockets``' sans-I/O client over that relay, so
-that the browser is accepted with the subprotocol the app chose (Jupyter's kernel protocol
+The same way as its HTTP requests (``portal/sandboxes/app_proxy.py``): the owner's app
+session only, from a page of the app's own origin (the Origin header, exactly), one
+connection to the app's socket through the host agent, relayed through Redis. The app's
+handshake comes first, spoken with ``websockets``' sans-I/O client over that relay, so that
+the browser is accepted with the subprotocol the app chose (Jupyter's kernel protocol
 depends on it); then frames go both ways, whole messages to the browser. While it is open,
-the owner's right is checked again every ``STREAM_RECHECK_S``.
+the app session, the portal session behind it and the owner's right are checked again every
+``STREAM_RECHECK_S``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from websockets.http11 import Response
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
-from portal.sandboxes.app_proxy import Target, authorize, without_portal_cookies
-from portal.sandboxes.models import Sandbox, SandboxState
+from portal.sandboxes import app_access
+from portal.sandboxes.app_access import Refusal
+from portal.sandboxes.app_origin import AppLabel
+from portal.sandboxes.app_proxy import app_cookie, request_headers, token_header, without_reserved_cookies
 from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
 from workers.terminal_relay import StreamBroken
 
@@ -32,17 +36,31 @@ class AppWebSocket(TunnelWebSocket):
     _app: ClientProtocol | None = None
     _partial: tuple[Opcode, list[bytes]] | None = None
 
+    _label: AppLabel | None = None
+    _cookie = ""
+
     async def connect(self) -> None:
-        headers = {k.lower(): v for k, v in self.scope["headers"]}
+        apps = app_access.apps_domain()
+        headers = request_headers(self.scope)
         host = headers.get(b"host", b"").decode("latin-1")
-        verdict = await database_sync_to_async(authorize)(self.scope.get("user"), self._sandbox_id(), host)
-        if not isinstance(verdict, Target):
+        label = apps.label(host) if apps is not None else None
+        origin = headers.get(b"origin", b"").decode("latin-1").lower()
+        if apps is None or label is None or origin != apps.origin(label.sandbox_id, label.allocation_key):
             await self.close(code=REFUSED)  # before accept(): the handshake is refused (403)
             return
+        self._label, self._cookie = label, app_cookie(headers)
+        verdict = await database_sync_to_async(app_access.admit)(self._cookie, label)
+        if verdict is None or isinstance(verdict, Refusal):
+            await self.close(code=REFUSED)
+            return
+        target, session = verdict
+        # What the recheck reads (streams.current_user): the portal session behind the app's.
+        self.scope["user"] = session.user
+        self.scope["session"] = await database_sync_to_async(app_access.session_store)(session.session_key)
         self._tunnel = Tunnel()
-        await self._tunnel.open(verdict.host, "open_app", verdict.allocation_key, verdict.handle)
+        await self._tunnel.open(target.host, "open_app", target.allocation_key, target.handle)
         try:
-            early = await self._handshake(self._tunnel, host, headers)
+            early = await self._handshake(self._tunnel, host, headers, token_header(target))
         except (TunnelClosed, StreamBroken):
             early = None
         if early is None:
@@ -53,10 +71,9 @@ class AppWebSocket(TunnelWebSocket):
             await self._to_browser(frame)
         self.stream(self._from_app(), self._still_allowed, self._revoked)
 
-    def _sandbox_id(self) -> int:
-        return int(self.scope["url_route"]["kwargs"]["sandbox_id"])
-
-    async def _handshake(self, tunnel: Tunnel, host: str, headers: dict[bytes, bytes]) -> list[Frame] | None:
+    async def _handshake(
+        self, tunnel: Tunnel, host: str, headers: dict[bytes, bytes], token: bytes
+    ) -> list[Frame] | None:
         """The app's answer to the browser's upgrade, asked over the agent's connection; the
         frames that came with it, or None when the app refused. TunnelClosed when it was
         not there."""
@@ -68,9 +85,10 @@ class AppWebSocket(TunnelWebSocket):
             parse_uri(f"ws://{host}{path}"), subprotocols=offered or None, max_size=MAX_MESSAGE
         )
         request = self._app.connect()
-        cookie = without_portal_cookies(headers.get(b"cookie", b""))
+        cookie = without_reserved_cookies(headers.get(b"cookie", b""))
         if cookie:
             request.headers["Cookie"] = cookie.decode("latin-1")
+        request.headers["Authorization"] = headers.get(b"authorization", token).decode("latin-1")
         if b"origin" in headers:  # Jupyter compares it with Host, as a browser sent them
             request.headers["Origin"] = headers[b"origin"].decode("latin-1")
         self._app.send_request(request)
@@ -133,8 +151,9 @@ class AppWebSocket(TunnelWebSocket):
             await self._tunnel.write(data)
 
     def _still_allowed(self, user: Any) -> bool:
-        sandbox = Sandbox.objects.filter(pk=self._sandbox_id(), state=SandboxState.RUNNING).first()
-        return sandbox is not None and sandbox.owner_id == user.pk
+        assert self._label is not None  # noqa: S101 - set by connect
+        verdict = app_access.admit(self._cookie, self._label)
+        return isinstance(verdict, tuple) and verdict[1].user.pk == user.pk
 
     async def _revoked(self) -> None:
         await self.close(code=REFUSED)

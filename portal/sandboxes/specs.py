@@ -5,7 +5,7 @@ from __future__ import annotations
 from portal.catalog.models import ImageRegistry
 from portal.catalog.storage import mounts_for
 from portal.fleet.models import GpuMode
-from portal.sandboxes.app_proxy import app_url
+from portal.sandboxes.app_access import app_token
 from portal.sandboxes.models import Allocation, Sandbox
 from workers.drivers.base import MpsShare, SandboxSpec
 
@@ -43,7 +43,13 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         env={
             "GPUSHARE_SANDBOX_ID": str(sandbox.pk),
             "GPUSHARE_PROJECT": sandbox.project.slug,
-            **({"GPUSHARE_APP_URL": app_url(sandbox.pk)} if sandbox.image.app else {}),
+            # The app is served at the root of an origin of its own; it asks for its token
+            # (the proxy sends it with every request the owner's app session lets through).
+            **(
+                {"GPUSHARE_APP_URL": "/", "GPUSHARE_APP_TOKEN": app_token(sandbox.allocation_key)}
+                if sandbox.image.app
+                else {}
+            ),
         },
         tier=tier.slug,
         batch=sandbox.batch,

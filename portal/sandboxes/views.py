@@ -19,7 +19,7 @@ from portal.billing.ledger import cost_by
 from portal.catalog.models import Tier
 from portal.catalog.storage import storage_lines
 from portal.inputs import whole_number
-from portal.sandboxes import actions
+from portal.sandboxes import actions, app_access
 from portal.sandboxes.consumers import TERMINAL_ISOLATION
 from portal.sandboxes.forms import EXTEND_CHOICES_H, SandboxRequestForm
 from portal.sandboxes.models import Notification, Sandbox
@@ -126,6 +126,7 @@ def _detail_context(sandbox: Sandbox) -> dict[str, object]:
         "allocations": sandbox.allocations.select_related("gpu", "mig_instance"),
         "usage": usage,
         "storage": storage_lines(sandbox.tier, sandbox.owner, sandbox.project),
+        "app_origin": app_access.app_origin(sandbox) if sandbox.image.app else None,
         "cost": f"{cost / 1_000_000:.4f} {sandbox.tier.currency}",
         "time_left": _whole_seconds(sandbox.started_at + sandbox.max_duration - now)
         if sandbox.started_at and sandbox.state == "running"
@@ -162,6 +163,26 @@ def sandbox_output_download(request: HttpRequest, pk: int) -> HttpResponse:
     response = HttpResponse(view.data, content_type="text/plain; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="sandbox-{sandbox.pk}-output.txt"'
     response["X-Content-Type-Options"] = "nosniff"
+    return response
+
+
+@login_required
+def open_app(request: HttpRequest, pk: int, path: str = "") -> HttpResponse:
+    """*Open JupyterLab*: the owner's browser goes to the app's own origin with a grant
+    (portal/sandboxes/app_access.py); ``path`` and the query go along, so an old link to
+    ``/sandboxes/<id>/app/lab`` still lands on the app's ``/lab``."""
+    _get_sandbox_for_user(request, pk)  # 404 for a sandbox the user may not see: no hint it exists
+    verdict = app_access.check_owner(request.user, pk)
+    if isinstance(verdict, app_access.Refusal):
+        context = {"reason": verdict.reason, "pk": pk}
+        return render(request, "sandboxes/app_refused.html", context, status=verdict.status)
+    if request.session.session_key is None:  # signed in, so saved; kept for the type checker
+        request.session.save()
+    query = request.META.get("QUERY_STRING", "")
+    target = f"/{path}" + (f"?{query}" if query else "")
+    grant = app_access.issue_grant(request.user, str(request.session.session_key), verdict, pk, target)
+    response = redirect(grant)
+    response["Cache-Control"] = "no-store"
     return response
 
 

@@ -1,9 +1,10 @@
 """A notebook through the portal, in Chromium against the real platform (web server, control
 worker, two agents with the Docker driver, the locally built JupyterLab image): issue 21's
 acceptance, step by step. A user starts a notebook sandbox, opens JupyterLab from its page
-through the portal, writes a file in their home, stops it, starts another on a different
-host and finds the file; another user gets 403 at the first one's notebook URL and a home
-of their own; the sandbox has no network. Screenshot: docs/screenshots/notebook-*.png."""
+on the app's own origin (``<sandbox>-<key>.apps.localhost``, issue 34), writes a file in
+their home, stops it, starts another on a different host and finds the file; another user
+is refused at the notebook's portal link and at its origin, and has a home of their own; the
+sandbox has no network. Screenshot: docs/screenshots/notebook-*.png."""
 
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ def start_notebook(page: Any, base: str) -> Sandbox:
     return Sandbox.objects.get(pk=sandbox_id)
 
 
+def app_origin(sandbox: Sandbox, platform: Any) -> str:
+    return f"http://{sandbox.pk}-{sandbox.allocation_key}.apps.localhost:{platform.port}"
+
+
 def open_lab(page: Any) -> Any:
     """Its page's *Open JupyterLab*, which opens a tab; JupyterLab's file browser in it."""
     page.locator("#open-app").wait_for(timeout=30_000)
@@ -82,10 +87,10 @@ def open_lab(page: Any) -> Any:
     return lab
 
 
-def contents(lab: Any, sandbox: Sandbox, name: str, text: str | None = None) -> Any:
+def contents(lab: Any, name: str, text: str | None = None) -> Any:
     """JupyterLab's contents API from inside its page (its own XSRF cookie): write ``text``
     into ``name`` in the home, or read it."""
-    url = f"/sandboxes/{sandbox.pk}/app/api/contents/{name}"
+    url = f"/api/contents/{name}"
     script = """async ([url, text]) => {
         const xsrf = document.cookie.split('; ').find(c => c.startsWith('_xsrf='))?.split('=')[1] || '';
         const headers = {'X-XSRFToken': xsrf, 'Content-Type': 'application/json'};
@@ -121,7 +126,7 @@ def test_a_notebook_through_the_portal_keeps_its_files_across_hosts(
         sign_in(page, base, "olivia", "/sandboxes/new/")
         first = start_notebook(page, base)
         lab = open_lab(page)
-        assert lab.url.startswith(f"{base}/sandboxes/{first.pk}/app/")
+        assert lab.url.startswith(f"{app_origin(first, platform)}/lab")  # its own origin, not the portal's
         # A kernel, through the app's WebSockets: code runs, and sees no network but loopback.
         lab.locator("#jupyterlab-splash").wait_for(state="detached", timeout=60_000)
         lab.locator('.jp-LauncherCard[data-category="Notebook"]').first.click()
@@ -137,7 +142,7 @@ def test_a_notebook_through_the_portal_keeps_its_files_across_hosts(
         lab.screenshot(path=str(SHOTS / "notebook-through-portal.png"))  # JupyterLab's page, not ours: no axe
 
         # Step 2: a file written in the home, through JupyterLab.
-        written = contents(lab, first, "notes.txt", "epoch 3: loss 0.031\n")
+        written = contents(lab, "notes.txt", "epoch 3: loss 0.031\n")
         assert written["status"] in (200, 201), written
         # Step 3: the sandbox has no network: its container is on Docker's "none" network.
         container = docker.from_env().containers.get(first.handle["ref"])  # type: ignore[index]
@@ -156,15 +161,19 @@ def test_a_notebook_through_the_portal_keeps_its_files_across_hosts(
         again = start_notebook(page, base)
         assert again.host is not None and again.host.name == second
         lab = open_lab(page)
-        read = contents(lab, again, "notes.txt")
+        read = contents(lab, "notes.txt")
         assert read["status"] == 200 and read["body"]["content"] == "epoch 3: loss 0.031\n", read
         shot(page, "notebook-sandbox-page")
 
-        # Step 5: another user: 403 at the notebook's URL, and a home without the file.
+        # Step 5: another user: 403 at the notebook's link in the portal, and at its own origin
+        # (no app session there: round the portal, which refuses), and a home without the file.
         page.context.clear_cookies()
         sign_in(page, base, "mark", "/sandboxes/")
         refused = page.goto(f"{base}/sandboxes/{again.pk}/app/lab")
         assert refused is not None and refused.status == 403
+        assert "Only the sandbox's owner" in page.content()
+        refused = page.goto(f"{app_origin(again, platform)}/lab")
+        assert refused is not None and refused.status == 403 and page.url.startswith(base)
         assert "Only the sandbox's owner" in page.content()
     homes = {p.name: p for p in (storage_root / "homes").iterdir()}
     assert list(homes) == [str(people["owner"].pk)]  # mark never ran a sandbox: no home was made

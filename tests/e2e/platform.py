@@ -152,8 +152,15 @@ class Platform:
             GPUSHARE_ROLE="control",
         )  # fmt: skip
 
-    def start_web(self) -> str:
+    def start_web(self, tls: tuple[Path, Path] | None = None, name: str = "127.0.0.1") -> str:
+        """The ASGI server on loopback; over HTTPS with ``tls`` (certificate, key), its users
+        reaching it as ``name`` (PORTAL_URL). Apps are served on their own origins, as make run
+        serves them (Chromium resolves <sandbox>-<key>.apps.localhost to loopback by itself),
+        unless the platform's environment names another APPS_DOMAIN."""
         self.port = free_port()
+        scheme = "https" if tls else "http"
+        defaults = {"PORTAL_URL": f"{scheme}://{name}:{self.port}", "APPS_DOMAIN": "apps.localhost"}
+        env = {k: v for k, v in defaults.items() if k not in self.extra_env}
         self.start(
             "web",
             [
@@ -166,19 +173,25 @@ class Platform:
                 "--port",
                 str(self.port),
                 "--no-proxy-headers",  # as every gpushare web server runs (portal/asgi.py)
+                *(("--ssl-certfile", str(tls[0]), "--ssl-keyfile", str(tls[1])) if tls else ()),
             ],
+            **env,
         )
+        import ssl
         import urllib.request
+
+        unverified = ssl._create_unverified_context()  # noqa: S323 - only asks whether it is up
 
         def up() -> bool:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
+                url = f"{scheme}://127.0.0.1:{self.port}/healthz"
+                with urllib.request.urlopen(url, timeout=2, context=unverified) as r:  # noqa: S310
                     return r.status in (200, 503)
             except OSError as exc:
                 return getattr(exc, "code", None) == 503
 
         wait_for(up, 30, "the web server")
-        return f"http://127.0.0.1:{self.port}"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     def kill(self, name: str) -> None:
         """SIGKILL a process and its children, as a crash or the OOM killer would."""

@@ -47,6 +47,7 @@ DEPLOY = ROOT / "deploy"
 UNITS = DEPLOY / "systemd"
 HOST = "gpus.example.test"
 ORIGIN = f"https://{HOST}"
+APPS_DOMAIN = f"apps.{HOST}"
 PROD_VENV, PROD_APP = "/opt/gpushare/venv", "/opt/gpushare/app"
 
 
@@ -202,6 +203,8 @@ def prod_env(tmp_path: Path, db_url: str, **extra: str) -> dict[str, str]:
         "REDIS_URL_FILE": str(secrets / "redis_url"),
         "ALLOWED_HOSTS": HOST,
         "CSRF_TRUSTED_ORIGINS": ORIGIN,
+        "PORTAL_URL": ORIGIN,
+        "APPS_DOMAIN": APPS_DOMAIN,
         "GPUSHARE_VAR_DIR": str(tmp_path / "var"),
         "DB_CONN_MAX_AGE": "0",  # the test database is dropped after the test
         **extra,
@@ -239,6 +242,7 @@ def render_nginx(tmp_path: Path, http_port: int, https_port: int, web_port: int)
         "listen [::]:443 ssl http2;": "",
         "server 127.0.0.1:8000;": f"server 127.0.0.1:{web_port};",
         "server_name gpus.example.org;": f"server_name {HOST};",
+        "server_name *.apps.gpus.example.org;": f"server_name *.{APPS_DOMAIN};",
         "/etc/ssl/gpushare/": f"{tmp_path}/tls/",
         "/var/lib/gpushare/staticfiles/": f"{tmp_path}/var/staticfiles/",
     }.items():
@@ -273,14 +277,19 @@ class Proxy:
         self.cookies: dict[str, str] = {}
 
     def request(
-        self, method: str, path: str, body: str | None = None, headers: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        body: str | None = None,
+        headers: dict[str, str] | None = None,
+        host: str = HOST,
     ) -> tuple[http.client.HTTPResponse, bytes]:
         # Connect to our port, present the production host name (SNI and Host).
-        conn = http.client.HTTPSConnection(HOST, self.port, context=self.tls, timeout=30)
+        conn = http.client.HTTPSConnection(host, self.port, context=self.tls, timeout=30)
         conn.sock = self.tls.wrap_socket(
-            socket.create_connection(("127.0.0.1", self.port), timeout=30), server_hostname=HOST
+            socket.create_connection(("127.0.0.1", self.port), timeout=30), server_hostname=host
         )
-        sent = {"Host": HOST, **(headers or {})}
+        sent = {"Host": host, **(headers or {})}
         if self.cookies:
             sent["Cookie"] = "; ".join(f"{k}={v}" for k, v in self.cookies.items())
         conn.request(method, path, body=body, headers=sent)
@@ -320,13 +329,15 @@ def stack(scenario_db: None, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     subprocess.run(
         [
             *(openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"),
-            *("-subj", f"/CN={HOST}", "-addext", f"subjectAltName=DNS:{HOST}"),
+            *("-subj", f"/CN={HOST}", "-addext", f"subjectAltName=DNS:{HOST},DNS:*.{APPS_DOMAIN}"),
             *("-keyout", str(tls / "privkey.pem"), "-out", str(tls / "fullchain.pem")),
         ],
         check=True,
         capture_output=True,
         timeout=60,
     )
+    for name in ("fullchain.pem", "privkey.pem"):  # the apps' wildcard: here the same certificate
+        shutil.copy(tls / name, tls / f"apps-{name}")
     from django.contrib.auth import get_user_model
 
     get_user_model().objects.create_user("deploy-admin", password="deploy-test-password-1", is_staff=True)
@@ -379,7 +390,9 @@ class TestThePortalBehindTheReverseProxy:
         # X-Forwarded-Proto reached Django: it knows the request is https (no redirect
         # loop, Secure cookies, HSTS) although uvicorn itself speaks plain HTTP.
         assert response.status == 200, body[:500]
-        assert "; Secure" in set_cookie(response, "csrftoken")
+        # __Host- cookies: Secure, Path=/, no Domain, so no app origin can set one.
+        csrf = set_cookie(response, "__Host-csrftoken")
+        assert "; Secure" in csrf and "Path=/" in csrf and "Domain" not in csrf
         assert response.headers["Strict-Transport-Security"].startswith("max-age=")
         assert len(response.headers.get_all("X-Frame-Options") or []) == 1  # not doubled by nginx
         state["login_page"] = body
@@ -423,7 +436,8 @@ class TestThePortalBehindTheReverseProxy:
             },
         )
         assert signed_in.status == 302, page[:1000]
-        assert "; Secure" in set_cookie(signed_in, "sessionid")
+        session = set_cookie(signed_in, "__Host-sessionid")
+        assert "; Secure" in session and "Domain" not in session
 
     def test_05_a_websocket_through_nginxs_upgrade_is_accepted(self, stack: Stack) -> None:
         """With the session cookie and the site's Origin."""
@@ -438,7 +452,7 @@ class TestThePortalBehindTheReverseProxy:
                 ssl=stack.proxy.tls,
                 server_hostname=HOST,
                 origin=Origin(ORIGIN),
-                additional_headers={"Cookie": f"sessionid={stack.proxy.cookies['sessionid']}"},
+                additional_headers={"Cookie": f"__Host-sessionid={stack.proxy.cookies['__Host-sessionid']}"},
                 open_timeout=20,
             ) as ws,
             # Accepted, and not closed with 4403 (refused subscription) within a second.
@@ -459,6 +473,17 @@ class TestThePortalBehindTheReverseProxy:
     def test_07_nginx_logged_the_websocket_upgrade(self, stack: Stack) -> None:
         access = (stack.tmp_path / "nginx" / "access.log").read_text()
         assert 'GET /ws/fleet/ HTTP/1.1" 101' in access, access
+
+    def test_08_an_apps_origin_is_served_by_its_own_server_and_never_the_portal(self, stack: Stack) -> None:
+        """The wildcard server (its certificate verified for the app's name) reaches the app
+        proxy: with no app session a page load goes round the portal; the portal's sign-in
+        page is not served there, with the portal's session cookie or without."""
+        app_host = f"1-{'0' * 32}.{APPS_DOMAIN}"
+        cookie = {"Cookie": f"__Host-sessionid={stack.proxy.cookies['__Host-sessionid']}"}
+        answer, body = stack.proxy.request("GET", "/login/", headers=cookie, host=app_host)
+        assert answer.status == 302, body[:500]
+        assert answer.headers["Location"] == f"{ORIGIN}/sandboxes/1/app/login/"
+        assert b"csrfmiddlewaretoken" not in body and answer.headers.get("Set-Cookie") is None
 
 
 # --- c. backup and restore; d. upgrade ---------------------------------------------------

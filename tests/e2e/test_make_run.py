@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,6 +148,23 @@ def test_the_control_worker_mails_the_starts_through_the_console_backend(launche
         lambda: f"a start's mail in the terminal:\n{launcher.output()[-3000:]}", every=0.5,
     )  # fmt: skip
     assert "To: alice@example.org" in launcher.output()
+
+
+def test_apps_have_origins_of_their_own_under_apps_localhost_with_no_dns_set_up(launcher: Launcher) -> None:
+    """A browser resolves <sandbox>-<key>.apps.localhost to loopback itself: the launcher's
+    server sends such a Host to the app proxy (no app session here: round the portal), and
+    never serves the portal's own pages there."""
+    host = f"1-{'0' * 32}.apps.localhost:{launcher.port}"
+    request = urllib.request.Request(f"http://127.0.0.1:{launcher.port}/login/", headers={"Host": host})
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any) -> None:
+            return None
+
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.build_opener(NoRedirect).open(request, timeout=10)
+    assert answer.value.code == 302
+    assert answer.value.headers["Location"] == f"http://localhost:{launcher.port}/sandboxes/1/app/login/"
 
 
 def test_the_terminal_shows_transitions_not_per_task_chatter(launcher: Launcher) -> None:

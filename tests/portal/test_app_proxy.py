@@ -1,7 +1,8 @@
-"""A sandbox's web app through the portal, end to end in one process: the ASGI route and
-its HTTP consumer, the Redis channel layer, and the agent's relay (``relay_stream`` with the
-drivers' unix-socket connection) to a real HTTP server on a unix socket. The real sandboxes
-(JupyterLab in a container, in Chromium) have their own tests."""
+"""A sandbox's web app on its own origin, end to end in one process: the ASGI application
+(the Host decides), the proxy's HTTP and WebSocket consumers, the Redis relay, and the
+agent's side (``relay_stream`` with the drivers' unix-socket connection) to a real HTTP
+server on a unix socket. Grants and app sessions: test_app_origin.py. The real sandboxes
+(JupyterLab in a container, a hostile app, in Chromium) have their own tests."""
 
 from __future__ import annotations
 
@@ -17,11 +18,17 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from channels.testing import HttpCommunicator, WebsocketCommunicator
+from django.conf import settings
+from django.test import override_settings
 
+from portal.accounts.throttle import DEVICE_COOKIE
 from portal.asgi import application
+from portal.sandboxes import app_access
+from portal.sandboxes.app_origin import AppLabel, AppsDomain
 from portal.sandboxes.models import Sandbox
 from tests.factories import ImageFactory
 from tests.portal.helpers import client_for
@@ -35,30 +42,57 @@ BIG = 3 * 1024 * 1024
 
 
 class App(BaseHTTPRequestHandler):
-    """What an app in a sandbox would answer: what it was asked, and cookies of its own."""
+    """What an app in a sandbox would answer: what it was asked, and headers that would reach
+    past its origin (a service worker's scope, cookies for the portal and its parent domain,
+    Clear-Site-Data)."""
 
     def do_GET(self) -> None:
         if self.path.endswith("/big"):
             self._answer(b"x" * BIG)
             return
-        seen = {"path": self.path, "cookie": self.headers.get("cookie", ""), "host": self.headers.get("host")}
-        self._answer(json.dumps(seen).encode(), cookies=["sessionid=planted; Path=/", "_xsrf=abc; Path=/"])
+        seen = {
+            "path": self.path,
+            "cookie": self.headers.get("cookie", ""),
+            "host": self.headers.get("host"),
+            "authorization": self.headers.get("authorization", ""),
+        }
+        self._answer(json.dumps(seen).encode(), cookies=PLANTED, extra=HOSTILE)
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["content-length"]))
         self._answer(b"got " + body)
 
-    def _answer(self, body: bytes, cookies: tuple[str, ...] | list[str] = ()) -> None:
+    def _answer(
+        self, body: bytes, cookies: tuple[str, ...] = (), extra: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         self.send_response(200)
         self.send_header("content-type", "application/octet-stream")
         self.send_header("content-length", str(len(body)))
         for cookie in cookies:
             self.send_header("set-cookie", cookie)
+        for name, value in extra:
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
     def log_message(self, *args: Any) -> None:
         pass
+
+
+PLANTED = (
+    "sessionid=planted; Path=/",
+    "__Host-sessionid=planted; Path=/; Secure",
+    f"{DEVICE_COOKIE}=planted; Path=/",
+    "gpushare_app=planted; Path=/",
+    "wide=1; Domain=gpus.test; Path=/",
+    "_xsrf=abc; Path=/",
+)
+HOSTILE = (
+    ("Service-Worker-Allowed", "/"),
+    ("Clear-Site-Data", '"cookies", "storage"'),
+    ("Strict-Transport-Security", "max-age=1"),
+    ("X-Kept", "yes"),
+)
 
 
 class UnixHttpServer(socketserver.ThreadingUnixStreamServer):
@@ -88,25 +122,67 @@ def with_app(sandbox: Sandbox) -> Sandbox:
     return sandbox
 
 
+APPS = AppsDomain.parse("apps.gpus.test", "http://gpus.test")
+
+
+@pytest.fixture(autouse=True)
+def _apps_on_their_own_origins() -> Iterator[None]:
+    with override_settings(APPS=APPS, PORTAL_URL="http://gpus.test"):
+        yield
+
+
+def app_host(sandbox: Sandbox) -> bytes:
+    """The Host header of the sandbox's app origin."""
+    assert APPS is not None
+    return APPS.origin(sandbox.pk, sandbox.allocation_key).removeprefix("http://").encode()
+
+
+def app_session_for(user: Any, sandbox: Sandbox) -> str:
+    """The owner's app session cookie, as a grant redeemed on the app's origin makes it."""
+    session = client_for(user).session.session_key or ""
+    target = app_access.Target(sandbox.host.name, sandbox.allocation_key, sandbox.handle)  # type: ignore[union-attr]
+    url = app_access.issue_grant(user, session, target, sandbox.pk, "/")
+    code = parse_qs(urlsplit(url).query)["code"][0]
+    value = app_access.redeem_grant(code, AppLabel(sandbox.pk, sandbox.allocation_key))
+    assert value is not None
+    return value
+
+
 def fetch(
-    user: Any, path: str, method: str = "GET", body: bytes = b"", root: Path | None = None, sent: Any = None
+    user: Any,
+    sandbox: Sandbox,
+    path: str,
+    method: str = "GET",
+    body: bytes = b"",
+    root: Path | None = None,
+    sent: Any = None,
+    extra: list[tuple[bytes, bytes]] | None = None,
 ) -> dict[str, Any]:
-    """The portal's answer to ``user``'s request, the agent's part played by ``relay_stream``
-    on the host's side of ``root`` (when the portal asks for a connection)."""
-    return fetch_all(user, [(path, method, body)], root, sent)[0]
+    """The app origin's answer to ``user``'s request, the agent's part played by
+    ``relay_stream`` on the host's side of ``root`` (when the proxy asks for a connection)."""
+    return fetch_all(user, sandbox, [(path, method, body)], root, sent, extra)[0]
 
 
 def fetch_all(
-    user: Any, requests: list[tuple[str, str, bytes]], root: Path | None = None, sent: Any = None
+    user: Any,
+    sandbox: Sandbox,
+    requests: list[tuple[str, str, bytes]],
+    root: Path | None = None,
+    sent: Any = None,
+    extra: list[tuple[bytes, bytes]] | None = None,
 ) -> list[dict[str, Any]]:
     """Several requests in one event loop: the channel layer's locks belong to the loop that
-    made them, so a second ``asyncio.run`` would meet the first one's."""
-    cookie = f"sessionid={client_for(user).cookies['sessionid'].value}; _xsrf=abc".encode()
+    made them, so a second ``asyncio.run`` would meet the first one's. The browser sends the
+    app session, and (were they sent, as a same-site portal's might be) the portal's cookies."""
+    portal_session = client_for(user).cookies[settings.SESSION_COOKIE_NAME].value
+    cookie = (
+        f"{settings.SESSION_COOKIE_NAME}={portal_session}; {DEVICE_COOKIE}=d1; _xsrf=abc; "
+        f"{app_access.cookie_name()}={app_session_for(user, sandbox)}"
+    ).encode()
 
     async def one(path: str, method: str, body: bytes) -> dict[str, Any]:
-        comm = HttpCommunicator(
-            application, method, path, body=body, headers=[(b"host", b"localhost"), (b"cookie", cookie)]
-        )
+        headers = [(b"host", app_host(sandbox)), (b"cookie", cookie), *(extra or [])]
+        comm = HttpCommunicator(application, method, path, body=body, headers=headers)
         answer = asyncio.create_task(comm.get_response(timeout=WAIT_S))
         deadline = time.monotonic() + WAIT_S
         while not answer.done() and time.monotonic() < deadline:
@@ -130,28 +206,30 @@ def headers(answer: dict[str, Any], name: bytes) -> list[bytes]:
     return [v for k, v in answer["headers"] if k.lower() == name]
 
 
-def test_the_owner_reaches_the_app_without_the_portals_cookies(
+def test_the_owner_reaches_the_app_and_nothing_crosses_its_origin(
     people: Any, catalog: Any, fleet: Any, sent_tasks: Any, app_root: Path
 ) -> None:
     sandbox = with_app(running_sandbox(people, catalog))
     server = serve_app(app_root, sandbox)
     try:
-        base = f"/sandboxes/{sandbox.pk}/app"
         answer, big, posted = fetch_all(
             people["owner"],
-            [
-                (f"{base}/lab?reset=1", "GET", b""),
-                (f"{base}/big", "GET", b""),
-                (f"{base}/api", "POST", b'{"cell": 1}'),
-            ],
+            sandbox,
+            [("/lab?reset=1", "GET", b""), ("/big", "GET", b""), ("/api", "POST", b'{"cell": 1}')],
             app_root,
             sent_tasks,
         )
         assert answer["status"] == 200, answer
         seen = json.loads(answer["body"])
-        assert seen["path"] == f"{base}/lab?reset=1" and seen["host"] == "localhost"
-        assert seen["cookie"] == "_xsrf=abc"  # the portal's session never reaches the app
-        assert headers(answer, b"set-cookie") == [b"_xsrf=abc; Path=/"]  # nor may it set one
+        assert seen["path"] == "/lab?reset=1" and seen["host"] == app_host(sandbox).decode()
+        # Neither the portal's cookies nor the app session reach the app; its own token does.
+        assert seen["cookie"] == "_xsrf=abc"
+        assert seen["authorization"] == f"token {app_access.app_token(sandbox.allocation_key)}"
+        # It may not set the portal's cookies or the app session, nor one for a parent domain.
+        assert headers(answer, b"set-cookie") == [b"wide=1; Path=/", b"_xsrf=abc; Path=/"]
+        assert headers(answer, b"service-worker-allowed") == headers(answer, b"clear-site-data") == []
+        assert headers(answer, b"strict-transport-security") == []
+        assert headers(answer, b"x-kept") == [b"yes"]
 
         assert big["status"] == 200 and big["body"] == b"x" * BIG
         assert posted["body"] == b'got {"cell": 1}'
@@ -164,17 +242,54 @@ def test_an_app_not_listening_yet_is_a_page_that_tries_again(
     people: Any, catalog: Any, fleet: Any, sent_tasks: Any, app_root: Path
 ) -> None:
     sandbox = with_app(running_sandbox(people, catalog))
-    answer = fetch(people["owner"], f"/sandboxes/{sandbox.pk}/app/lab", root=app_root, sent=sent_tasks)
+    answer = fetch(people["owner"], sandbox, "/lab", root=app_root, sent=sent_tasks)
     assert answer["status"] == 503 and b"is starting" in answer["body"]
     assert headers(answer, b"refresh") == [b"2"]
 
 
 @pytest.mark.parametrize(
+    ("extra", "method", "says"),
+    [
+        # Another site's script (another sandbox's app, same site under APPS_DOMAIN) fetching it.
+        ([(b"sec-fetch-site", b"same-site"), (b"sec-fetch-mode", b"cors")], "GET", b"another site's page"),
+        ([(b"sec-fetch-site", b"cross-site"), (b"sec-fetch-mode", b"no-cors")], "GET", b"another site"),
+        # A form another site's page posts, as a top-level navigation.
+        ([(b"sec-fetch-site", b"same-site"), (b"sec-fetch-mode", b"navigate")], "POST", b"another site"),
+        # Framed by another site.
+        (
+            [
+                (b"sec-fetch-site", b"cross-site"),
+                (b"sec-fetch-mode", b"navigate"),
+                (b"sec-fetch-dest", b"iframe"),
+            ],
+            "GET",
+            b"another site",
+        ),
+        # A browser without Fetch Metadata: the Origin of a change.
+        ([(b"origin", b"http://7-" + b"0" * 32 + b".apps.gpus.test")], "POST", b"changes that another site"),
+    ],
+)
+def test_what_another_sites_page_asks_of_the_app_is_refused_before_it(
+    people: Any,
+    catalog: Any,
+    fleet: Any,
+    sent_tasks: Any,
+    extra: list[tuple[bytes, bytes]],
+    method: str,
+    says: bytes,
+) -> None:
+    sandbox = with_app(running_sandbox(people, catalog))
+    answer = fetch(people["owner"], sandbox, "/api/kernels", method, b"{}", extra=extra)
+    assert answer["status"] == 403 and says in answer["body"], answer
+    assert not [t for t in sent_tasks if t[1] == "open_app"]  # the host was never asked
+
+
+@pytest.mark.parametrize(
     ("persona", "change", "status", "says"),
     [
-        ("outsider", "", 403, b"Only the sandbox's owner"),
-        ("member", "", 403, b"Only the sandbox's owner"),
-        ("admin", "", 403, b"Only the sandbox's owner"),  # the app's scripts would run as the admin
+        ("outsider", "", 404, b"Not Found"),  # not theirs to see: no hint it exists
+        ("member", "", 403, b"Only the sandbox&#x27;s owner"),
+        ("admin", "", 403, b"Only the sandbox&#x27;s owner"),  # the app's scripts would run as the admin
         ("owner", "stopped", 409, b"not running"),
         ("owner", "no app", 404, b"serves no app"),
     ],
@@ -189,22 +304,25 @@ def test_who_may_open_an_app(
     status: int,
     says: bytes,
 ) -> None:
+    """The portal's *Open* link grants the owner alone, and only while the app can answer."""
     sandbox = running_sandbox(people, catalog)
     if change != "no app":
         with_app(sandbox)
     if change == "stopped":
         Sandbox.objects.filter(pk=sandbox.pk).update(state="stopped")
-    answer = fetch(people[persona], f"/sandboxes/{sandbox.pk}/app/lab")
-    assert answer["status"] == status and says in answer["body"]
+    answer = client_for(people[persona]).get(f"/sandboxes/{sandbox.pk}/app/lab")
+    assert answer.status_code == status and says in answer.content
     assert not [t for t in sent_tasks if t[1] == "open_app"]  # the host was never asked
 
 
 def ws_app(root: Path, sandbox: Sandbox) -> Any:
-    """An app's WebSocket on its socket: echoes each message, and says which subprotocol it took."""
+    """An app's WebSocket on its socket: echoes each message, and says which subprotocol it
+    took and which token it was sent."""
     from websockets.sync.server import unix_serve
 
     def echo(connection: Any) -> None:
-        connection.send(f"hello over {connection.subprotocol}")
+        token = connection.request.headers.get("Authorization", "")
+        connection.send(f"hello over {connection.subprotocol} with {token[:6]}")
         for message in connection:
             connection.send(message)
 
@@ -215,12 +333,15 @@ def ws_app(root: Path, sandbox: Sandbox) -> Any:
     return server
 
 
-def ws_communicator(user: Any, path: str) -> WebsocketCommunicator:
-    cookie = f"sessionid={client_for(user).cookies['sessionid'].value}; _xsrf=abc".encode()
+def ws_communicator(
+    user: Any, sandbox: Sandbox, path: str, origin: bytes | None = None
+) -> WebsocketCommunicator:
+    own = b"http://" + app_host(sandbox)
+    cookie = f"{app_access.cookie_name()}={app_session_for(user, sandbox)}; _xsrf=abc".encode()
     return WebsocketCommunicator(
         application,
         path,
-        headers=[(b"host", b"localhost"), (b"origin", b"http://localhost"), (b"cookie", cookie)],
+        headers=[(b"host", app_host(sandbox)), (b"origin", origin or own), (b"cookie", cookie)],
         subprotocols=["v1.kernel.websocket.jupyter.org"],
     )
 
@@ -242,7 +363,7 @@ def test_the_apps_websockets_go_both_ways_with_the_subprotocol_it_chose(
 ) -> None:
     sandbox = with_app(running_sandbox(people, catalog))
     server = ws_app(app_root, sandbox)
-    comm = ws_communicator(people["owner"], f"/sandboxes/{sandbox.pk}/app/api/kernels/k1/channels")
+    comm = ws_communicator(people["owner"], sandbox, "/api/kernels/k1/channels")
 
     async def run() -> tuple[Any, list[Any]]:
         connecting = asyncio.create_task(comm.connect(timeout=WAIT_S))
@@ -262,16 +383,24 @@ def test_the_apps_websockets_go_both_ways_with_the_subprotocol_it_chose(
     finally:
         server.shutdown()
     assert connected == (True, "v1.kernel.websocket.jupyter.org")
-    assert got[0] == "hello over v1.kernel.websocket.jupyter.org"
+    assert got[0] == "hello over v1.kernel.websocket.jupyter.org with token "
     assert got[1] == '{"msg_type": "execute_request"}'
     assert got[2]["bytes"] == b"\x00\x01" * 40_000
 
 
-def test_another_user_cannot_open_the_apps_websocket(
-    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+@pytest.mark.parametrize("who", ["member", "another origin", "portal origin"])
+def test_only_the_owners_pages_on_the_apps_origin_open_its_websockets(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any, who: str
 ) -> None:
     sandbox = with_app(running_sandbox(people, catalog))
-    comm = ws_communicator(people["member"], f"/sandboxes/{sandbox.pk}/app/api/events/subscribe")
+    path = "/api/events/subscribe"
+    if who == "member":
+        comm = ws_communicator(people["member"], sandbox, path)
+    else:
+        origin = (
+            b"http://gpus.test" if who == "portal origin" else b"http://9-" + b"0" * 32 + b".apps.gpus.test"
+        )
+        comm = ws_communicator(people["owner"], sandbox, path, origin=origin)
     connected, code = asyncio.run(comm.connect(timeout=WAIT_S))
     assert (connected, code) == (False, 4403)
     assert not [t for t in sent_tasks if t[1] == "open_app"]

@@ -135,6 +135,9 @@ route("GET", "/api/schema/", **signed_in(200, anonymous=200))
 route("GET", "/api/docs/", **signed_in(200, anonymous=200))
 # A batch's output: whoever may see the sandbox.
 route("GET", "/sandboxes/{sandbox}/output.txt", **signed_in(200, outsider=404))
+# Its app (none here: 404 for its owner), which only its owner may open, on the app's origin.
+route("GET", "/sandboxes/{sandbox}/app/", **signed_in(403, outsider=404, member=404))
+route("GET", "/sandboxes/{sandbox}/app/lab/tree", **signed_in(403, outsider=404, member=404))
 route("GET", "/api/v1/sandboxes/{sandbox}/output/", **signed_in(200, anonymous=401, outsider=404))
 # Its history likewise; a request's preview takes the create's fields (400 without them).
 route("GET", "/api/v1/sandboxes/{sandbox}/events/", **signed_in(200, anonymous=401, outsider=404))
@@ -260,6 +263,7 @@ def test_every_route_is_in_the_matrix() -> None:
         .replace("{invoice}", "<int:pk>")
         .replace("{token}", "<int:pk>")
         .replace("{reset}", "<uidb64>/<token>")
+        .replace("app/lab/tree", "app/<path:path>")
         .replace("{gpu}", "<str:uuid>")
         .replace("catalog/tiers/new", "catalog/<str:kind>/new")
         .replace("catalog/quotas/new", "catalog/<str:kind>/new")

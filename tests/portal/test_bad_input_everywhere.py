@@ -55,6 +55,7 @@ FORM_FIELDS = [
 KWARGS = {
     "pk": "{sandbox}", "slug": "vision", "uuid": "{gpu}", "kind": "tier",
     "uidb64": "MQ", "token": "set-password",  # a reset link's parts (Django's own view)
+    "path": "lab/tree",  # a path under a sandbox's app (the grant's next page)
 }  # fmt: skip
 POSTED = {
     "sandbox-new", "sandbox-preview", "project-members", "sandbox-stop", "sandbox-extend",

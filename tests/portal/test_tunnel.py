@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 from channels.testing import ApplicationCommunicator
 from django.conf import settings
+from django.test import override_settings
 from redis.asyncio import Redis
 
 from portal.asgi import application
+from portal.sandboxes import app_access
 from portal.sandboxes.tunnel import Tunnel, TunnelClosed
-from tests.portal.helpers import client_for
-from tests.portal.test_app_proxy import with_app
+from tests.portal.test_app_proxy import APPS, app_host, app_session_for, with_app
 from tests.portal.test_terminal import WAIT_S, running_sandbox
 from workers.terminal_relay import WINDOW, InOrder, StreamBroken, out_stream, post, relay
 
@@ -110,13 +111,19 @@ def test_a_piece_out_of_order_is_a_broken_stream() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_an_answer_that_loses_a_piece_is_broken_off_not_passed_on_as_whole(
-    people: Any, catalog: Any, fleet: Any, sent_tasks: Any, caplog: pytest.LogCaptureFixture
+    people: Any,
+    catalog: Any,
+    fleet: Any,
+    sent_tasks: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     sandbox = with_app(running_sandbox(people, catalog))
-    cookie = f"sessionid={client_for(people['owner']).cookies['sessionid'].value}".encode()
+    apps_on = override_settings(APPS=APPS, PORTAL_URL="http://gpus.test")
+    apps_on.enable()
+    cookie = f"{app_access.cookie_name()}={app_session_for(people['owner'], sandbox)}".encode()
     scope = {
-        "type": "http", "method": "GET", "path": f"/sandboxes/{sandbox.pk}/app/big.js", "query_string": b"",
-        "headers": [(b"host", b"localhost"), (b"cookie", cookie)], "scheme": "http",
+        "type": "http", "method": "GET", "path": "/big.js", "query_string": b"",
+        "headers": [(b"host", app_host(sandbox)), (b"cookie", cookie)], "scheme": "http",
         "client": ("127.0.0.1", 1),
     }  # fmt: skip
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/javascript\r\ncontent-length: 8\r\n\r\n"
@@ -140,8 +147,11 @@ def test_an_answer_that_loses_a_piece_is_broken_off_not_passed_on_as_whole(
         assert await comm.receive_nothing()  # ...without ending the body: the server drops the connection
         return sent
 
-    with caplog.at_level(logging.WARNING, logger="portal.sandboxes.app_proxy"):
-        start, body = asyncio.run(run())
+    try:
+        with caplog.at_level(logging.WARNING, logger="portal.sandboxes.app_proxy"):
+            start, body = asyncio.run(run())
+    finally:
+        apps_on.disable()
     assert start["type"] == "http.response.start" and start["status"] == 200
     assert body == {"type": "http.response.body", "body": b"abc", "more_body": True}
     assert "piece 2 of the stream was lost" in caplog.text
