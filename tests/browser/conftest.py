@@ -18,7 +18,7 @@ from tests.workers.engines import require_engine
 
 
 @contextmanager
-def chromium_page() -> Iterator[tuple[Any, list[str]]]:
+def chromium_page(extra_args: tuple[str, ...] = ()) -> Iterator[tuple[Any, list[str]]]:
     """A page, and the list of what the Content-Security-Policy blocked on it so far."""
     require_engine(os.path.exists(CHROMIUM), "Chromium at /usr/bin/chromium")
     from playwright.sync_api import sync_playwright
@@ -27,7 +27,7 @@ def chromium_page() -> Iterator[tuple[Any, list[str]]]:
     # are still plain synchronous ones.
     with pytest.MonkeyPatch.context() as monkeypatch, sync_playwright() as p:
         monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, *extra_args])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.on("dialog", accept_dialog)
         # The pages allow scripts from their own origin only, so axe-core comes as one of
