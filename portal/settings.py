@@ -164,7 +164,8 @@ if EMAIL_USE_TLS and EMAIL_USE_SSL:
     )
 PASSWORD_RESET_TIMEOUT = env_int("PASSWORD_RESET_TIMEOUT", 3 * 3600, minimum=300)
 # The portal's address as its users open it (scheme, host, optional path prefix): links in
-# the mails the workers send (notification emails), which have no request to take it from.
+# the mails the workers send (notification emails), which have no request to take it from,
+# and in password-reset mails, whose request's Host header is the asker's to choose.
 PORTAL_URL = env_str("PORTAL_URL", "http://localhost:8000").rstrip("/")
 if not PORTAL_URL.startswith(("http://", "https://")):
     raise ConfigError(f"PORTAL_URL must start with http:// or https://, not {PORTAL_URL!r}")
