@@ -126,7 +126,9 @@ def lockout_message() -> str:
 
 
 class ThrottledAuthenticationForm(AuthenticationForm):
-    """Refuses before authenticate() while locked out; counts each refusal of credentials."""
+    """Refuses before authenticate() while locked out; counts each wrong password. A right
+    password refused for another reason (a non-staff user at the admin's sign-in) is no
+    guess: counted, five visits to /admin/login/ locked its owner out of /login/."""
 
     def clean(self) -> dict[str, Any]:
         request = self.request
@@ -138,7 +140,9 @@ class ThrottledAuthenticationForm(AuthenticationForm):
         try:
             return super().clean()
         except ValidationError:
-            if username and self.cleaned_data.get("password"):
+            # user_cache is set once authenticate() accepted the password, before
+            # confirm_login_allowed() refuses the user.
+            if username and self.cleaned_data.get("password") and self.user_cache is None:
                 record_failure(request, username)
             raise
 
