@@ -121,8 +121,12 @@ def remember_device(response: HttpResponse, username: str) -> None:
     )
 
 
+def lockout_minutes() -> int:
+    return max(1, round(settings.LOGIN_LOCKOUT_SECONDS / 60))
+
+
 def lockout_message() -> str:
-    return LOCKED_OUT.format(minutes=max(1, round(settings.LOGIN_LOCKOUT_SECONDS / 60)))
+    return LOCKED_OUT.format(minutes=lockout_minutes())
 
 
 class ThrottledAuthenticationForm(AuthenticationForm):
