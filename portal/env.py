@@ -7,6 +7,7 @@ Both at once is an error, not a silent precedence, so a stale variable cannot wi
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,3 +80,18 @@ def env_list(name: str, default: Sequence[str]) -> list[str]:
     if value is None or value.strip() == "":
         return list(default)
     return [item.strip() for item in value.split(",") if item.strip()]
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def env_networks(name: str) -> tuple[IPNetwork, ...]:
+    """A comma-separated list of addresses or CIDR networks (``10.0.0.0/8, fd00::/8``).
+    A network with host bits set (``10.0.0.1/8``) is an error, not silently widened."""
+    networks = []
+    for item in env_list(name, []):
+        try:
+            networks.append(ipaddress.ip_network(item))
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {item!r} is not an address or network ({exc})") from None
+    return tuple(networks)

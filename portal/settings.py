@@ -12,7 +12,7 @@ from pathlib import Path
 import dj_database_url
 from csp.constants import NONE, SELF, UNSAFE_INLINE
 
-from portal.env import ConfigError, env_bool, env_choice, env_int, env_list, env_str
+from portal.env import ConfigError, env_bool, env_choice, env_int, env_list, env_networks, env_str
 from portal.identity.config import authentication_backends, ldap_settings, oidc_settings
 from portal.sandboxes.app_origin import AppsDomain, AppsDomainError
 from scheduler.placement import DEFAULT_POLICY, POLICY_NAMES
@@ -165,7 +165,8 @@ if EMAIL_USE_TLS and EMAIL_USE_SSL:
     )
 PASSWORD_RESET_TIMEOUT = env_int("PASSWORD_RESET_TIMEOUT", 3 * 3600, minimum=300)
 # The portal's address as its users open it (scheme, host, optional path prefix): links in
-# the mails the workers send (notification emails), which have no request to take it from.
+# the mails the workers send (notification emails), which have no request to take it from,
+# and in password-reset mails, whose request's Host header is the asker's to choose.
 PORTAL_URL = env_str("PORTAL_URL", "http://localhost:8000").rstrip("/")
 if not PORTAL_URL.startswith(("http://", "https://")):
     raise ConfigError(f"PORTAL_URL must start with http:// or https://, not {PORTAL_URL!r}")
@@ -343,6 +344,12 @@ INVOICE_DRAFT_REFRESH_SECONDS = env_int("INVOICE_DRAFT_REFRESH_SECONDS", 600, mi
 # an endpoint a new one and keeps signing with the old one as well for this many hours, so
 # its receiver can switch over (0: the old secret stops at once).
 WEBHOOK_SECRET_GRACE_HOURS = env_int("WEBHOOK_SECRET_GRACE_HOURS", 24, minimum=0)
+# Webhooks go to public addresses only: an endpoint on loopback, a private or link-local
+# network (the cloud metadata service at 169.254.169.254), unique-local, multicast or
+# unspecified addresses is refused when saved and again at each delivery, for the address
+# actually connected to. These networks (CIDR, comma-separated) are let through: a receiver
+# on the operator's own network. Empty: none.
+WEBHOOK_ALLOWED_NETWORKS = env_networks("WEBHOOK_ALLOWED_NETWORKS")
 # Alert webhooks were once a URL on the alert policy signed with this one global secret.
 # It is read only by the migration that turns those URLs into webhook endpoints (telemetry
 # 0004, run once on upgrade): their secret is this key as whsec_<base64> (the same key

@@ -1,17 +1,26 @@
-"""DRF authentication by hashed API token: ``Authorization: Bearer gps_...``."""
+"""DRF authentication by hashed API token: ``Authorization: Bearer gps_...``, checked by
+``tokens.check_api_token`` as token WebSockets are."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.conf import settings
-from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
-from portal.accounts import throttle
+from portal.accounts import tokens
 from portal.accounts.models import ApiToken
+
+
+class LockedOut(exceptions.Throttled):
+    """429 with the token check's reason, which says how long already (DRF would add its own
+    "Expected available in ..." to it); Retry-After still tells a client in seconds."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(detail=reason)
+        self.wait: float | None = settings.LOGIN_LOCKOUT_SECONDS
 
 
 class ApiTokenAuthentication(authentication.BaseAuthentication):
@@ -23,20 +32,12 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
             return None
         if len(header) != 2:
             raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <token>'.")
-        key = header[1].decode(errors="replace")
-        # Checked before the lookup, so guessing on from a blocked address learns nothing.
-        if throttle.is_blocked(request, scope="api-token"):
-            raise exceptions.Throttled(settings.LOGIN_LOCKOUT_SECONDS, "Too many invalid API tokens.")
-        token = ApiToken.find(key)
-        if token is None or not token.user.is_active or token.state == "revoked":
-            throttle.record_failure(request, scope="api-token")
-            raise exceptions.AuthenticationFailed("Invalid or revoked API token.")
-        if token.state == "expired":
-            throttle.record_failure(request, scope="api-token")
-            when = token.expires_at.strftime("%Y-%m-%d %H:%M UTC") if token.expires_at else ""
-            raise exceptions.AuthenticationFailed(f"This API token expired on {when}: make a new one.")
-        ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
-        return token.user, token
+        verdict = tokens.check_api_token(header[1].decode(errors="replace"), request)
+        if isinstance(verdict, tokens.TokenRefusal) and verdict.throttled:
+            raise LockedOut(verdict.reason)
+        if isinstance(verdict, tokens.TokenRefusal):
+            raise exceptions.AuthenticationFailed(verdict.reason)
+        return verdict.user, verdict
 
     def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="api"'

@@ -6,10 +6,10 @@ was not opened by a page on another site: it needs no Origin check (``portal.asg
 that check for every cookie-authenticated socket). It gets no session either: a token
 socket is its token's user with the token's scopes, and nothing a cookie says.
 
-The token is checked as the API checks it (``authentication.ApiTokenAuthentication``):
-refused while its address is throttled, and each invalid, revoked or expired token counted
-against that address. ``streams.current_user`` asks again every ``STREAM_RECHECK_S``, so a
-token revoked or expired while its socket is open (or its user deactivated) closes it.
+The token is checked by the API's own check (``tokens.check_api_token``): refused while its
+address is throttled, and each invalid, revoked or expired token counted against that
+address. ``streams.current_user`` asks the same check again every ``STREAM_RECHECK_S``, so
+a token revoked or expired while its socket is open (or its user deactivated) closes it.
 
 Only routes listed for tokens take them (``portal.telemetry.routing``); a refusal is
 accepted, told why in a ``closed`` message, and closed with a 44xx code, as the terminal
@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from channels.db import database_sync_to_async
-from django.conf import settings
 from django.http import HttpRequest
-from django.utils import timezone
 
-from portal.accounts import throttle
+from portal.accounts import tokens
 from portal.accounts.models import ApiToken
 
 SCOPE_KEY = "api_token"  # the ASGI scope's entry for a token socket: a SocketToken
@@ -37,9 +35,9 @@ _KEYWORDS = ("bearer", "token")  # as ApiTokenAuthentication takes them
 
 @dataclass(frozen=True)
 class SocketToken:
-    """The token a socket was opened with (its id: the recheck reads it again)."""
+    """The scopes of the token a socket was opened with (the recheck finds the token again
+    by the handshake's key: ``socket_key``)."""
 
-    id: int
     scopes: tuple[str, ...]
 
 
@@ -49,6 +47,18 @@ def authorization(scope: dict[str, Any]) -> str | None:
         if name.lower() == b"authorization":
             return str(value.decode("latin-1"))
     return None
+
+
+def bearer_key(header: str) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header (None: not that form)."""
+    words = header.split()
+    return words[1] if len(words) == 2 and words[0].lower() in _KEYWORDS else None
+
+
+def socket_key(scope: dict[str, Any]) -> str | None:
+    """The API key a socket's handshake carried (None: none, or not as a bearer token)."""
+    header = authorization(scope)
+    return None if header is None else bearer_key(header)
 
 
 def socket_token(scope: dict[str, Any]) -> SocketToken | None:
@@ -79,23 +89,13 @@ class Refusal:
 
 def authenticate(header: str, scope: dict[str, Any]) -> tuple[Any, SocketToken] | Refusal:
     """The token's user and scopes, or why the socket is refused. Synchronous (it queries)."""
-    words = header.split()
-    if len(words) != 2 or words[0].lower() not in _KEYWORDS:
+    key = bearer_key(header)
+    if key is None:
         return Refusal(UNAUTHORIZED, "The Authorization header must be 'Bearer <token>'.")
-    request = _address_of(scope)
-    # Checked before the lookup, so guessing on from a blocked address learns nothing.
-    if throttle.is_blocked(request, scope="api-token"):
-        minutes = max(1, round(settings.LOGIN_LOCKOUT_SECONDS / 60))
-        return Refusal(THROTTLED, f"Too many invalid API tokens from here: wait {minutes} minutes.")
-    token = ApiToken.find(words[1])
-    if token is None or not token.user.is_active or token.state != "active":
-        throttle.record_failure(request, scope="api-token")
-        if token is not None and token.state == "expired" and token.expires_at is not None:
-            when = token.expires_at.strftime("%Y-%m-%d %H:%M UTC")
-            return Refusal(UNAUTHORIZED, f"This API token expired on {when}: make a new one.")
-        return Refusal(UNAUTHORIZED, "Invalid or revoked API token.")
-    ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
-    return token.user, SocketToken(token.pk, tuple(token.scopes))
+    verdict = tokens.check_api_token(key, _address_of(scope))
+    if isinstance(verdict, tokens.TokenRefusal):
+        return Refusal(THROTTLED if verdict.throttled else UNAUTHORIZED, verdict.reason)
+    return verdict.user, SocketToken(tuple(verdict.scopes))
 
 
 async def refuse(receive: Any, send: Any, refusal: Refusal) -> None:

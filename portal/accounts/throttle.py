@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib.admin.forms import AdminAuthenticationForm
@@ -120,12 +121,18 @@ def remember_device(response: HttpResponse, username: str) -> None:
     )
 
 
+def lockout_minutes() -> int:
+    return max(1, round(settings.LOGIN_LOCKOUT_SECONDS / 60))
+
+
 def lockout_message() -> str:
-    return LOCKED_OUT.format(minutes=max(1, round(settings.LOGIN_LOCKOUT_SECONDS / 60)))
+    return LOCKED_OUT.format(minutes=lockout_minutes())
 
 
 class ThrottledAuthenticationForm(AuthenticationForm):
-    """Refuses before authenticate() while locked out; counts each refusal of credentials."""
+    """Refuses before authenticate() while locked out; counts each wrong password. A right
+    password refused for another reason (a non-staff user at the admin's sign-in) is no
+    guess: counted, five visits to /admin/login/ locked its owner out of /login/."""
 
     def clean(self) -> dict[str, Any]:
         request = self.request
@@ -137,7 +144,9 @@ class ThrottledAuthenticationForm(AuthenticationForm):
         try:
             return super().clean()
         except ValidationError:
-            if username and self.cleaned_data.get("password"):
+            # user_cache is set once authenticate() accepted the password, before
+            # confirm_login_allowed() refuses the user.
+            if username and self.cleaned_data.get("password") and self.user_cache is None:
                 record_failure(request, username)
             raise
 
@@ -146,10 +155,24 @@ class ThrottledAdminAuthenticationForm(ThrottledAuthenticationForm, AdminAuthent
     """The admin's sign-in form (staff only) with the same throttle."""
 
 
+class PortalPasswordResetForm(PasswordResetForm):
+    """The reset mail's link on ``PORTAL_URL``'s scheme, host and port, never the request's:
+    a Host header names any port on the portal's name (ALLOWED_HOSTS ignores ports), and a
+    link built from it would send the reset token wherever the asker pointed it. The path
+    still comes from ``{% url %}``, which carries the request's script prefix."""
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        portal = urlsplit(settings.PORTAL_URL)
+        kwargs.update(domain_override=portal.netloc, use_https=portal.scheme == "https")
+        super().save(*args, **kwargs)
+
+
 class ThrottledPasswordResetView(PasswordResetView):
     """Django's reset: the same page whether the address is known or not (no account is
     revealed), and at most PASSWORD_RESET_LIMIT mails per client address in the window, so
     the form cannot be used to flood an inbox or probe the mail server."""
+
+    form_class = PortalPasswordResetForm
 
     def form_valid(self, form: PasswordResetForm) -> HttpResponse:
         if is_blocked(self.request, scope="password-reset"):

@@ -1,19 +1,26 @@
-"""API tokens, self-service: every token is made and revoked here, and both are audited.
+"""API tokens, self-service: every token is made, checked and revoked here; making and
+revoking are audited.
 
 ``check_issue_token`` says what a user may ask for (``admin`` scope for staff only, an
 expiry from the offered choices); ``do_issue_token`` makes the token and returns its key,
 which is then shown once and never stored; ``do_revoke_token`` ends one (its owner, or
-staff for anyone's).
+staff for anyone's). ``check_api_token`` is the one check of a presented key, for the API
+(``authentication.py``), a token WebSocket (``socket_auth.py``) and the recheck of an open
+one (``streams.py``).
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import UTC, timedelta
 from typing import Any
 
 from django.db import transaction
+from django.http import HttpRequest
 from django.utils import timezone
+from rest_framework.request import Request
 
+from portal.accounts import throttle
 from portal.accounts.models import ApiToken
 from portal.audit import trail
 
@@ -89,3 +96,47 @@ def do_revoke_token(actor: Any, token_id: int) -> ApiToken | None:
             f"{actor.get_username()} revoked {owner}'s API token {token.key_prefix}…",
         )
     return token
+
+
+INVALID = "Invalid or revoked API token."
+
+
+@dataclass(frozen=True)
+class TokenRefusal:
+    """Why a key was refused. ``throttled``: its client's address is locked out, so the key
+    was not even looked up (429 on the API, 4429 on a socket); otherwise it is no valid
+    token (401, 4401), and, for a new request, was counted against the address."""
+
+    reason: str
+    throttled: bool = False
+
+
+def check_api_token(key: str, request: HttpRequest | Request | None) -> ApiToken | TokenRefusal:
+    """The token ``key`` belongs to (its user loaded) if it may be used now, else why not.
+
+    With ``request`` (a new API request or socket: its client's address), the key is a guess
+    like a password: refused unread while the address is locked out, counted against it when
+    refused (``throttle``, scope ``api-token``), its last use recorded when accepted. Without
+    (an open socket asking again), none of that: no new guess was made, and another client's
+    guessing behind the same address must not close it.
+
+    A deactivated user's token says no more than an unknown key, expired or not.
+    """
+    if request is not None and throttle.is_blocked(request, scope="api-token"):
+        minutes = throttle.lockout_minutes()
+        return TokenRefusal(f"Too many invalid API tokens from here: wait {minutes} minutes.", throttled=True)
+    token = ApiToken.find(key)
+    if token is None or not token.user.is_active or token.state == "revoked":
+        return _refused(INVALID, request)
+    if token.state == "expired" and token.expires_at is not None:
+        when = token.expires_at.astimezone(UTC)
+        return _refused(f"This API token expired on {when:%Y-%m-%d %H:%M} UTC: make a new one.", request)
+    if request is not None:
+        ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
+    return token
+
+
+def _refused(reason: str, request: HttpRequest | Request | None) -> TokenRefusal:
+    if request is not None:
+        throttle.record_failure(request, scope="api-token")
+    return TokenRefusal(reason)

@@ -412,12 +412,11 @@ def do_mark_running(allocation_key: str, handle: dict[str, Any], started_at: dat
             return  # a duplicate report, or the sandbox was stopped meanwhile
         sandbox.handle = handle
         sandbox.started_at = started_at
-        transition(
-            sandbox,
-            S.RUNNING,
-            message=f"running ({handle.get('driver')} {handle.get('ref', '')[:12]})",
-            also=("handle", "started_at"),
-        )
+        # The driver only: the handle's ref is the host's pid for the process driver (a
+        # container or VM id for the others), host detail the tenant reading the timeline
+        # has no use for. Staff find the whole handle on the sandbox in the admin.
+        said = f"running ({handle.get('driver')})"
+        transition(sandbox, S.RUNNING, message=said, also=("handle", "started_at"))
         ledger.open_interval(sandbox, started_at)
 
 

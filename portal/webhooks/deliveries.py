@@ -7,7 +7,9 @@ that makes the fact true: one ``WebhookDelivery`` per matching endpoint, and
 ``workers.control.deliver_webhook`` enqueued after commit. The task calls
 ``attempt_delivery()``: one signed POST, recorded on the row whatever the outcome, and on
 failure the delay until the next try (exponential backoff with jitter, MAX_ATTEMPTS in
-all, about an hour), which the task turns into a Celery retry. ``webhook_tick()`` re-sends
+all, about an hour), which the task turns into a Celery retry. A redirect is such a failure
+(never followed); a URL leading where webhooks may not go (``destinations``: loopback,
+private networks, the metadata service) is given up at once. ``webhook_tick()`` re-sends
 what is overdue (a retry lost with a worker); ``do_redeliver()`` sends one again.
 
 The body::
@@ -33,8 +35,6 @@ import json
 import logging
 import random
 import time
-import urllib.error
-import urllib.request
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -44,6 +44,7 @@ from django.db.models import Q
 from django.utils import timezone
 from standardwebhooks import Webhook
 
+from portal.webhooks import destinations
 from portal.webhooks.models import WebhookDelivery, WebhookEndpoint, WebhookEvent, new_secret, secret_key
 from workers import dispatch
 
@@ -124,17 +125,18 @@ def signature_headers(secrets: list[str], msg_id: str, data: bytes, at: datetime
 
 
 def post(url: str, data: bytes, headers: dict[str, str]) -> tuple[int | None, str]:
-    """The one HTTP client of webhooks: POST ``data``; (HTTP status or None, error text)."""
-    if not url.startswith(("http://", "https://")):
-        return None, f"not an http(s) URL: {url}"
-    request = urllib.request.Request(url, data=data, headers=headers, method="POST")  # noqa: S310 - scheme checked
+    """The one HTTP client of webhooks: POST ``data``; (HTTP status or None, error text).
+    A redirect is an error like a 4xx: it is not followed (see ``destinations``).
+    RefusedDestination when the URL leads where webhooks may not go."""
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:  # noqa: S310 - scheme checked
-            return response.status, ""
-    except urllib.error.HTTPError as exc:
-        return exc.code, f"HTTP {exc.code}"
-    except (urllib.error.URLError, OSError) as exc:
-        return None, str(getattr(exc, "reason", exc))[:300]
+        status = destinations.post(url, data, headers, TIMEOUT_S)
+    except OSError as exc:
+        return None, str(exc)[:300]
+    if 200 <= status < 300:
+        return status, ""
+    if 300 <= status < 400:
+        return status, f"HTTP {status}: redirects are not followed"
+    return status, f"HTTP {status}"
 
 
 def attempt_delivery(delivery_id: int, now: datetime | None = None) -> float | None:
@@ -181,7 +183,13 @@ def attempt_delivery(delivery_id: int, now: datetime | None = None) -> float | N
             **signed,
         }
         started = time.monotonic()
-        status, error = post(endpoint.url, data, headers)
+        refused = False
+        try:
+            status, error = post(endpoint.url, data, headers)
+        except destinations.RefusedDestination as exc:
+            # Not sent at all. No retry: the same checks would refuse it again (a redelivery,
+            # after the endpoint or WEBHOOK_ALLOWED_NETWORKS changed, tries anew).
+            status, error, refused = None, f"refused: {exc}"[:300], True
         elapsed_ms = int((time.monotonic() - started) * 1000)
         ok = status is not None and 200 <= status < 300
         delivery.attempts += 1
@@ -192,10 +200,14 @@ def attempt_delivery(delivery_id: int, now: datetime | None = None) -> float | N
         delay: float | None = None
         if ok:
             delivery.delivered_at, delivery.next_attempt_at = now, None
-        elif delivery.attempts >= MAX_ATTEMPTS:
+        elif refused or delivery.attempts >= MAX_ATTEMPTS:
             delivery.next_attempt_at = None
             log.warning(
-                "webhook %s to %s given up after %d attempts", delivery.event_id, endpoint.url, MAX_ATTEMPTS
+                "webhook %s to %s given up after %d attempts: %s",
+                delivery.event_id,
+                endpoint.url,
+                delivery.attempts,
+                delivery.last_error,
             )
         else:
             delay = backoff_seconds(delivery.attempts)

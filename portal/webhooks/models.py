@@ -16,6 +16,7 @@ from django.db import models
 from django.utils import timezone
 
 from portal.accounts.models import Project
+from portal.webhooks import destinations
 
 SECRET_PREFIX = "whsec_"  # noqa: S105 - Standard Webhooks: whsec_<base64 of the key>
 SECRET_BYTES = 32
@@ -92,6 +93,9 @@ class WebhookEndpoint(models.Model):
             secret_key(self.secret)
         except ValueError as exc:
             errors["secret"] = str(exc)
+        # Said here, on the form's URL field; every delivery checks the address again.
+        if self.url and (problem := destinations.url_problem(self.url)):
+            errors["url"] = problem
         if errors:
             raise ValidationError(errors)
 

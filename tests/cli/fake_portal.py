@@ -38,7 +38,7 @@ EVENTS = [
     {"id": 2, "at": "2026-11-28T10:00:01Z", "from_state": "requested", "to_state": "queued",
      "actor": "olivia", "message": "waiting for the scheduler"},
     {"id": 3, "at": "2026-11-28T10:00:02Z", "from_state": "queued", "to_state": "running", "actor": None,
-     "message": "running (docker 1234)"},
+     "message": "running (docker)"},
 ]  # fmt: skip
 USAGE = {
     "id": 1, "sandbox": 7, "allocation_key": "k", "project": "vision", "user": "olivia", "tier": "dedicated",

@@ -5,18 +5,22 @@ failure. Strict input (a 400 naming the field, never a 500) and another tenant's
 
 from __future__ import annotations
 
+import importlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from django.core.cache import cache
 from django.test import Client
+from django.urls import reverse
 from django.utils import timezone
 from drf_spectacular.generators import SchemaGenerator
 
+from portal.control import tasks
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox, SandboxEvent
-from tests.portal.helpers import place_all, request
+from tests.portal.helpers import client_for, place_all, request
 from tests.portal.test_api import ALL, READ, WRITE, api, create_body, post
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
@@ -150,6 +154,49 @@ def test_events_are_the_sandboxes_history_oldest_first_in_pages(
     assert events[0]["actor"] == "olivia" and events[0]["message"].startswith("requested 1 GPU on ")
     assert len({e["id"] for e in events}) == 5 == SandboxEvent.objects.filter(sandbox=sandbox).count()
     assert set(events[0]) == {"id", "at", "from_state", "to_state", "actor", "message"}
+
+
+HOST_PID = "4194301"  # what the process (bubblewrap) driver's handle carries as its ref
+
+
+def test_no_host_pid_reaches_the_tenant(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> None:
+    """Outside review: the running event said "running (process <host pid>)", on the sandbox's
+    timeline and through the events API. It names the driver only; staff keep the handle."""
+    sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+    place_all()
+    sandbox.refresh_from_db()
+    handle = {"driver": "process", "allocation_id": sandbox.allocation_key, "ref": HOST_PID}
+    tasks.sandbox_launched(sandbox.allocation_key, handle, int(timezone.now().timestamp() * 1000))
+    assert sandbox.events.get(to_state="running").message == "running (process)"
+    events = api(people["owner"], [READ]).get(f"/api/v1/sandboxes/{sandbox.pk}/events/")
+    page = client_for(people["owner"]).get(reverse("sandbox-detail", args=[sandbox.pk]))
+    assert events.status_code == page.status_code == 200
+    assert HOST_PID not in events.content.decode() and HOST_PID not in page.content.decode()
+    sandbox.refresh_from_db()
+    assert sandbox.handle == handle  # kept for staff (admin) and for the agent's later orders
+
+
+def test_running_events_from_before_lose_their_refs(people: Any, catalog: Any, fleet: Any) -> None:
+    """sandboxes 0016 on the events written before: the pid (and container or VM id) goes."""
+    from django.apps import apps
+    from django.db import connection
+
+    migration = importlib.import_module("portal.sandboxes.migrations.0016_running_events_without_handle_refs")
+    sandbox = running(people, catalog)
+    old = SandboxEvent.objects.get(sandbox=sandbox, to_state="running")
+    SandboxEvent.objects.filter(pk=old.pk).update(message=f"running (process {HOST_PID})")
+    docker = SandboxEvent.objects.create(
+        sandbox=sandbox, to_state="running", message="running (docker 0123456789ab)"
+    )
+    other = SandboxEvent.objects.create(
+        sandbox=sandbox, to_state="stopped", message="running (process 1) said"
+    )
+    migration.drop_refs(apps, SimpleNamespace(connection=connection))
+    old.refresh_from_db()
+    docker.refresh_from_db()
+    other.refresh_from_db()
+    assert (old.message, docker.message) == ("running (process)", "running (docker)")
+    assert other.message == "running (process 1) said"  # not a running event: left alone
 
 
 def test_events_of_another_tenant_are_404_and_bad_parameters_400(

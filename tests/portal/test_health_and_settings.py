@@ -14,7 +14,7 @@ from django.conf import settings
 from django.test import Client
 from django.utils import timezone
 
-from portal.env import ConfigError, env_bool, env_choice, env_int, env_str
+from portal.env import ConfigError, env_bool, env_choice, env_int, env_networks, env_str
 from portal.fleet.models import Host
 from workers.config import CONTROL_HEARTBEAT_KEY
 
@@ -48,6 +48,11 @@ def test_env_helpers_name_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("X_CHOICE", "gpu")
     with pytest.raises(ConfigError, match="X_CHOICE='gpu' is not one of: a, b"):
         env_choice("X_CHOICE", ("a", "b"), "a")
+    monkeypatch.setenv("X_NETS", "10.0.0.0/8, 127.0.0.1,fd00::/8")
+    assert [str(n) for n in env_networks("X_NETS")] == ["10.0.0.0/8", "127.0.0.1/32", "fd00::/8"]
+    monkeypatch.setenv("X_NETS", "10.0.0.0/8,10.0.0.1/8")  # host bits set: which one was meant?
+    with pytest.raises(ConfigError, match=r"X_NETS: '10\.0\.0\.1/8' is not an address or network"):
+        env_networks("X_NETS")
     secret = tmp_path / "secret"
     secret.write_text("from-a-file\n")
     monkeypatch.setenv("X_SECRET_FILE", str(secret))
@@ -65,6 +70,7 @@ def test_env_helpers_name_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path
         ("DEBUG", "perhaps", "DEBUG='perhaps' is not a boolean"),
         ("REDIS_URL", "http://x", "REDIS_URL='http://x' must start with redis://"),
         ("DATABASE_URL", "nosuch://x", "DATABASE_URL is not a database URL"),
+        ("WEBHOOK_ALLOWED_NETWORKS", "localhost", "WEBHOOK_ALLOWED_NETWORKS: 'localhost' is not an address"),
     ],
 )
 def test_bad_value_stops_startup_with_its_name(variable: str, value: str, message: str) -> None:

@@ -41,7 +41,7 @@ def test_a_reset_link_arrives_by_smtp_and_sets_a_new_password(people: Any, smtp:
     assert asked.status_code == 302 and asked["Location"] == "/password-reset/sent/"
     [(recipients, mail)] = smtp.messages
     assert recipients == ["olivia@example.test"] and mail["Subject"] == "gpushare: reset your password"
-    link = re.search(r"http://testserver(/password-reset/\S+/\S+/)", str(mail.get_payload())).group(1)  # type: ignore[union-attr]
+    link = re.search(r"http://localhost:8000(/password-reset/\S+/\S+/)", str(mail.get_payload())).group(1)  # type: ignore[union-attr]
     form = browser.get(link, follow=True)
     assert form.status_code == 200 and "Choose a new password" in form.content.decode()
     browser.post(form.redirect_chain[-1][0], {"new_password1": NEW_PASSWORD, "new_password2": NEW_PASSWORD})
@@ -49,6 +49,24 @@ def test_a_reset_link_arrives_by_smtp_and_sets_a_new_password(people: Any, smtp:
     assert people["owner"].check_password(NEW_PASSWORD)
     again = browser.get(link, follow=True)
     assert "no longer works" in again.content.decode()  # a link works once
+
+
+def test_the_reset_link_is_on_portal_url_whatever_the_host_header(
+    people: Any, smtp: Inbox, settings: Any
+) -> None:
+    """Outside review: the link took the request's Host, and ALLOWED_HOSTS lets any port on
+    the portal's name through, so an asker could point a victim's reset token at a port they
+    listen on. The link's scheme, host and port are PORTAL_URL's."""
+    settings.PORTAL_URL = "https://gpus.example.test:8443"
+    people["owner"].email = "olivia@example.test"
+    people["owner"].save()
+    asked = Client().post("/password-reset/", {"email": "olivia@example.test"}, HTTP_HOST="testserver:4444")
+    assert asked.status_code == 302
+    [(_recipients, mail)] = smtp.messages
+    body = str(mail.get_payload())
+    link = re.compile(r"^https://gpus\.example\.test:8443/password-reset/\S+/\S+/\r?$", re.MULTILINE)
+    assert link.search(body), body
+    assert "4444" not in body and "testserver" not in body and "http://" not in body
 
 
 def test_a_reset_does_not_say_whether_an_account_exists(people: Any, smtp: Inbox) -> None:

@@ -119,6 +119,22 @@ def test_the_admin_login_is_throttled_too(guesser: Any) -> None:
     assert "Too many failed sign-in attempts" in locked.content.decode()
 
 
+def test_a_right_password_at_the_admin_login_is_no_failed_guess(guesser: Any) -> None:
+    """Outside review: a non-staff user signing in at /admin/login/ with their right password
+    (refused there: not staff) was counted as guessing, and five such visits locked them out
+    of /login/. Wrong passwords at the admin still count against /login/."""
+    admin_page = Client(REMOTE_ADDR=ATTACKER)
+    right = {"username": "oscar", "password": PASSWORD}
+    for _ in range(5):
+        refused = admin_page.post("/admin/login/", right).content.decode()
+        assert "Too many failed sign-in attempts" not in refused
+        assert "staff account" in refused  # the admin's own refusal of a non-staff user
+    assert _sign_in("oscar", PASSWORD).status_code == 302
+    for _ in range(3):
+        admin_page.post("/admin/login/", {"username": "oscar", "password": "guess"})
+    assert _sign_in("oscar", PASSWORD).status_code == 429
+
+
 def test_invalid_api_tokens_are_throttled_per_address(guesser: Any) -> None:
     _token, key = ApiToken.issue(guesser, "ci", ["read:usage"])
     api = Client(REMOTE_ADDR="203.0.113.9")

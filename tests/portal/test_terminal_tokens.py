@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -22,8 +22,9 @@ from django.test import Client
 from django.utils import timezone
 from redis.asyncio import Redis
 
-from portal.accounts import tokens
+from portal.accounts import socket_auth, tokens
 from portal.accounts.models import ApiToken
+from portal.accounts.streams import current_user
 from portal.asgi import application
 from tests.portal.helpers import client_for
 from tests.portal.test_terminal import WAIT_S, EchoShell, running_sandbox
@@ -204,6 +205,67 @@ def test_invalid_socket_tokens_count_with_the_apis_and_lock_the_address_out(
     assert code == 4429 and reason.startswith("Too many invalid API tokens from here")
     assert api.get("/api/v1/usage/", HTTP_AUTHORIZATION=f"Bearer {key}").status_code == 429
     assert not any(t[1] == "open_terminal" for t in sent_tasks)
+
+
+EXPIRED_AT = datetime(2026, 1, 2, 3, 4, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("unknown", "Invalid or revoked API token."),
+        ("revoked", "Invalid or revoked API token."),
+        ("expired", "This API token expired on 2026-01-02 03:04 UTC: make a new one."),
+        # The socket said "expired on ..." of a deactivated user's token; the API said no
+        # more than of an unknown key, the stricter answer, which both give now.
+        ("expired, user deactivated", "Invalid or revoked API token."),
+    ],
+)
+def test_the_api_and_a_socket_refuse_a_token_in_the_same_words(
+    people: Any, sent_tasks: Any, case: str, says: str
+) -> None:
+    """One check (tokens.check_api_token) behind the API, a token socket and the recheck of
+    an open one, where three copies had drifted apart."""
+    key = token_for(people["owner"], ALL)
+    open_socket = opened_with(key)  # while the token was good
+    if case == "revoked":
+        ApiToken.objects.filter(key_prefix=key[:12]).update(revoked_at=timezone.now())
+    if case.startswith("expired"):
+        ApiToken.objects.filter(key_prefix=key[:12]).update(expires_at=EXPIRED_AT)
+    if case.endswith("deactivated"):
+        people["owner"].is_active = False
+        people["owner"].save(update_fields=["is_active"])
+    presented = "gps_unknown" if case == "unknown" else key
+    over_http = Client(REMOTE_ADDR=ADDRESS).get("/api/v1/usage/", HTTP_AUTHORIZATION=f"Bearer {presented}")
+    assert over_http.status_code == 401 and over_http.json()["detail"] == says
+    assert asyncio.run(refusal(token_socket(1, f"Bearer {presented}"))) == (says, 4401)
+    if case != "unknown":
+        assert current_user(open_socket) is None  # the socket opened with it is closed
+
+
+def opened_with(key: str) -> dict[str, Any]:
+    """The scope of a token socket opened with ``key``, as its consumer holds it."""
+    handshake = {"headers": [(b"authorization", f"Bearer {key}".encode())], "client": (ADDRESS, 50000)}
+    verdict = socket_auth.authenticate(f"Bearer {key}", handshake)
+    assert not isinstance(verdict, socket_auth.Refusal), verdict
+    user, token = verdict
+    return {**handshake, "user": user, socket_auth.SCOPE_KEY: token}
+
+
+def test_a_locked_out_address_hears_the_same_on_the_api_and_a_socket(
+    people: Any, sent_tasks: Any, settings: Any
+) -> None:
+    settings.LOGIN_IP_FAILURE_LIMIT, settings.LOGIN_LOCKOUT_SECONDS = 1, 600
+    key = token_for(people["owner"], ALL)
+    open_socket = opened_with(key)
+    api = Client(REMOTE_ADDR=ADDRESS)
+    assert api.get("/api/v1/usage/", HTTP_AUTHORIZATION="Bearer gps_guess").status_code == 401
+    locked = api.get("/api/v1/usage/", HTTP_AUTHORIZATION=f"Bearer {key}")
+    says = "Too many invalid API tokens from here: wait 10 minutes."
+    assert locked.status_code == 429 and locked["Retry-After"] == "600" and locked.json()["detail"] == says
+    assert asyncio.run(refusal(token_socket(1, f"Bearer {key}"))) == (says, 4429)
+    # An open socket's recheck is no guess: the lockout of its address does not close it.
+    assert current_user(open_socket) == people["owner"]
 
 
 @pytest.mark.parametrize("how", ["revoked", "expired", "deactivated"])

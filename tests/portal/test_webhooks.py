@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import importlib
+import ipaddress
 import itertools
 import json
 import socket
@@ -61,7 +62,14 @@ class Receiver:
 
 
 @pytest.fixture
-def receiver() -> Iterator[Receiver]:
+def loopback_allowed(settings: Any) -> None:
+    """The receivers here listen on loopback, which webhooks reach only when the operator
+    allows it (tests/portal/test_webhook_destinations.py: refused by default)."""
+    settings.WEBHOOK_ALLOWED_NETWORKS = (ipaddress.ip_network("127.0.0.0/8"),)
+
+
+@pytest.fixture
+def receiver(loopback_allowed: None) -> Iterator[Receiver]:
     r = Receiver()
     yield r
     r.server.shutdown()
@@ -274,6 +282,7 @@ def test_failure_then_success_records_every_attempt(sandbox: Any, receiver: Rece
     verified(endpoint.secret, second_headers, second)
 
 
+@pytest.mark.usefixtures("loopback_allowed")
 def test_unreachable_endpoint_backs_off_then_gives_up(sandbox: Any) -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -78,6 +78,31 @@ def output_of(driver: SandboxDriver, handle: SandboxHandle, text: str, timeout_s
     raise AssertionError(f"{text!r} not in the sandbox's output: {out!r}")
 
 
+def driver_for(kind: str, host: str, storage_dir: Path, state_dir: Path) -> tuple[SandboxDriver, str]:
+    """A real driver of ``kind`` (process, docker, libvirt) on ``storage_dir``, and the image
+    its sandboxes run; skips (fails in CI) without its engine."""
+    if kind == "process":
+        from workers.drivers.process import ProcessDriver, bwrap_available
+
+        require_engine(bwrap_available(), "bubblewrap (bwrap) with user namespaces")
+        return ProcessDriver(state_dir, host=host, storage_dir=storage_dir), ""
+    if kind == "docker":
+        from workers.drivers.docker import DockerDriver, docker_available
+
+        require_engine(docker_available(), "Docker engine")
+        script = REPO / "scripts" / "build-sandbox-image.sh"
+        built = subprocess.run([script], capture_output=True, check=False)
+        require_engine(built.returncode == 0, "the sandbox image")
+        return DockerDriver(host=host, storage_dir=storage_dir), "gpushare/sandbox-base:1"
+    require_module("libvirt", "libvirt-python (make install-libvirt)")
+    from workers.drivers.libvirt import GuestImage, LibvirtDriver, libvirt_available
+
+    require_engine(libvirt_available(), "libvirtd (LIBVIRT_URI or qemu:///system)")
+    guest = GuestImage.from_env()
+    require_engine(not guest.missing(), "the VM guest image (scripts/build-vm-image.sh)")
+    return LibvirtDriver(host, image=guest, storage_dir=storage_dir), ""
+
+
 @pytest.fixture(
     params=[
         pytest.param("process", marks=pytest.mark.bwrap),
@@ -88,30 +113,7 @@ def output_of(driver: SandboxDriver, handle: SandboxHandle, text: str, timeout_s
 def make(request: pytest.FixtureRequest, storage_dir: Path, tmp_path: Path) -> Iterator[tuple[object, ...]]:
     """(the driver, a function making a spec for it)."""
     host = f"test-{uuid.uuid4().hex[:8]}"
-    driver: SandboxDriver
-    image = ""
-    if request.param == "process":
-        from workers.drivers.process import ProcessDriver, bwrap_available
-
-        require_engine(bwrap_available(), "bubblewrap (bwrap) with user namespaces")
-        driver = ProcessDriver(tmp_path / "state", host=host, storage_dir=storage_dir)
-    elif request.param == "docker":
-        from workers.drivers.docker import DockerDriver, docker_available
-
-        require_engine(docker_available(), "Docker engine")
-        script = REPO / "scripts" / "build-sandbox-image.sh"
-        built = subprocess.run([script], capture_output=True, check=False)
-        require_engine(built.returncode == 0, "the sandbox image")
-        driver = DockerDriver(host=host, storage_dir=storage_dir)
-        image = "gpushare/sandbox-base:1"
-    else:
-        require_module("libvirt", "libvirt-python (make install-libvirt)")
-        from workers.drivers.libvirt import GuestImage, LibvirtDriver, libvirt_available
-
-        require_engine(libvirt_available(), "libvirtd (LIBVIRT_URI or qemu:///system)")
-        guest = GuestImage.from_env()
-        require_engine(not guest.missing(), "the VM guest image (scripts/build-vm-image.sh)")
-        driver = LibvirtDriver(host, image=guest, storage_dir=storage_dir)
+    driver, image = driver_for(request.param, host, storage_dir, tmp_path / "state")
 
     def spec(sandbox_id: int, script: str, **overrides: object) -> SandboxSpec:
         return make_spec(host, sandbox_id, script, image, **overrides)

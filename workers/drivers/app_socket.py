@@ -7,6 +7,11 @@ bytes to the portal through Redis (``workers/terminal_relay.py``, as a
 terminal's pty), where ``portal/sandboxes/app_proxy.py`` speaks HTTP to it for the owner's
 browser. Nobody else on the host can reach the socket: only root and the sandbox's uid may
 enter its directory.
+
+The directory is the tenant's: whatever is named ``app.sock`` there may be a symlink to any
+socket on the host (Docker's, another sandbox's through ``/proc/<pid>/root``), a hard link,
+a FIFO or a socket of another uid. The agent, root in the host's mount namespace, connects
+only to a socket that is the directory's own (``connect``: workers/drivers/tenant_paths.py).
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import contextlib
 import os
 import re
 import select
-import shutil
 import socket
+import stat
 from pathlib import Path
 
+from workers.drivers import tenant_paths
 from workers.drivers.base import DriverError
 from workers.drivers.storage import check_reachable
 
@@ -43,29 +49,30 @@ def make_dir(root: Path, allocation_id: str, uid: int, *, bound_by_sandbox: bool
     if os.geteuid() == 0 and bound_by_sandbox:
         check_reachable(str(root.resolve()), "the app sockets' directory")
         os.chmod(root, 0o711)  # noqa: S103 - search only: no listing, each sandbox's own folder is 0700
-    shutil.rmtree(path, ignore_errors=True)  # a stale socket of a previous launch
+    remove_dir(root, allocation_id)  # a stale one of a previous launch, with what it held
     path.mkdir(mode=0o700)
     if os.geteuid() == 0:
-        os.chown(path, uid, uid)
+        os.chown(path, uid, uid)  # just made, in a folder only root writes: nothing to swap
     return path
 
 
 def remove_dir(root: Path, allocation_id: str) -> None:
-    shutil.rmtree(host_dir(root, allocation_id), ignore_errors=True)
+    """The app directory and what its tenant left there, removed without following a link
+    (shutil.rmtree opens each subfolder following symlinks before it checks what it got)."""
+    tenant_paths.remove_tree(root, host_dir(root, allocation_id).name)
 
 
 def connect(root: Path, allocation_id: str, timeout_s: float = 5.0) -> SocketStream:
-    folder = host_dir(root, allocation_id)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
-        # Through the directory's descriptor: a socket's path may hold 107 bytes at most, and
-        # a deep var dir with a 32-character allocation id can take more.
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        app = _open_socket(host_dir(root, allocation_id))
         try:
-            sock.connect(f"/proc/self/fd/{fd}/app.sock")
+            # Through the descriptor of the very socket checked, never by its name again: a
+            # socket's path may hold 107 bytes at most besides (a deep var dir would not fit).
+            sock.connect(f"/proc/self/fd/{app}")
         finally:
-            os.close(fd)
+            os.close(app)
     except OSError as exc:
         sock.close()
         raise DriverError(
@@ -73,6 +80,25 @@ def connect(root: Path, allocation_id: str, timeout_s: float = 5.0) -> SocketStr
         ) from exc
     sock.settimeout(None)
     return SocketStream(sock)
+
+
+def _open_socket(folder: Path) -> int:
+    """An ``O_PATH`` descriptor of ``app.sock`` in ``folder``, when it is a socket the
+    sandbox's uid made there: not a link (symlink or hard link), not a FIFO, nor anyone
+    else's socket. The folder's owner is the sandbox's uid (``make_dir``), which the tenant
+    cannot change; connecting to ``/proc/self/fd/N`` then reaches that inode's listener."""
+    folder_fd = tenant_paths.open_folder(folder)
+    try:
+        owner = os.fstat(folder_fd).st_uid
+        app = tenant_paths.open_beneath(folder_fd, "app.sock", os.O_PATH | os.O_NOFOLLOW)
+    finally:
+        os.close(folder_fd)
+    try:
+        tenant_paths.require(app, APP_SOCKET, stat.S_IFSOCK, owner=owner, single_link=True)
+    except OSError:
+        os.close(app)
+        raise
+    return app
 
 
 class SocketStream:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from workers.drivers import tenant_paths
 from workers.drivers.output import OutputChunk
 
 LABEL_PREFIX = "io.gpushare"
@@ -200,30 +201,51 @@ def require_mps_pipe(path: str, uid: int, *, real_gpu: bool, socket_wait_s: floa
     deadline = time.monotonic() + (MPS_SOCKET_WAIT_S if socket_wait_s is None else socket_wait_s)
     # Waited for until it is connectable, not only there: a daemon binds its socket, then
     # widens its mode, and a launch looking in between would be refused.
-    while not _connectable(control, uid) and time.monotonic() < deadline:
+    while not _connectable(path, uid) and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
-        sock = os.stat(control)
-    except OSError as exc:
+        sock = _control_socket(path)
+    except FileNotFoundError as exc:
         raise DriverError(
             f"{control} is missing ({exc.strerror}): the GPU's MPS daemon is not running; refusing "
             "to start a share that would run without MPS"
         ) from exc
-    if not _connectable(control, uid, sock):
+    except OSError as exc:  # a tenant of the GPU planted a link or its own socket there
+        raise DriverError(
+            f"{control} is not the MPS daemon's socket ({exc.strerror or exc}): its CUDA would "
+            "silently run without MPS"
+        ) from exc
+    if not _connectable(path, uid, sock):
         raise DriverError(
             f"{control} is not a socket the sandbox's uid {uid} can connect to: its CUDA would "
             "silently run without MPS"
         )
 
 
-def _connectable(path: str, uid: int, info: os.stat_result | None = None) -> bool:
-    """Whether ``path`` is a socket ``uid`` may connect() to (write permission on it)."""
+def _control_socket(pipe_dir: str) -> os.stat_result:
+    """The daemon's control socket in ``pipe_dir``, where its clients (tenants) write too:
+    looked at without following a link, and only as the daemon makes it, a socket of the
+    agent's own uid (root's daemon, or a non-root agent's)."""
+    folder = tenant_paths.open_folder(pipe_dir)
+    try:
+        control = tenant_paths.open_beneath(folder, MPS_CONTROL_SOCKET, os.O_PATH | os.O_NOFOLLOW)
+    finally:
+        os.close(folder)
+    try:
+        return tenant_paths.require(control, MPS_CONTROL_SOCKET, stat.S_IFSOCK, owner=os.geteuid())
+    finally:
+        os.close(control)
+
+
+def _connectable(pipe_dir: str, uid: int, info: os.stat_result | None = None) -> bool:
+    """Whether the daemon's socket in ``pipe_dir`` is one ``uid`` may connect() to (write
+    permission on it)."""
     if info is None:
         try:
-            info = os.stat(path)
+            info = _control_socket(pipe_dir)
         except OSError:
             return False
-    return stat.S_ISSOCK(info.st_mode) and _grants(info, uid, 2)
+    return _grants(info, uid, 2)
 
 
 @dataclass(frozen=True)

@@ -271,12 +271,16 @@ class DockerDriver:
     name = "docker"
 
     def __init__(
-        self, client: docker.DockerClient | None = None, host: str = "", storage_dir: Path | None = None
+        self,
+        client: docker.DockerClient | None = None,
+        host: str = "",
+        storage_dir: Path | None = None,
+        apps_dir: Path | None = None,
     ) -> None:
         self._client = client
         self.host = host
         self.storage_dir = storage_root() if storage_dir is None else storage_dir
-        self.apps_dir = apps_root()
+        self.apps_dir = apps_root() if apps_dir is None else apps_dir
         self._logs = ContainerLogReader()
 
     @property

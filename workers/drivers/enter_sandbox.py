@@ -6,8 +6,8 @@ a user namespace hands the caller a full bounding set (the kernel's ``set_cred_u
 and nsenter sets neither NO_NEW_PRIVS nor a seccomp filter. This helper does what bwrap
 does for the batch, in the same order: join the sandbox's cgroups, enter its namespaces
 (its own user namespace last), drop every capability from the bounding set while it
-still holds them there, become the sandbox's user, set NO_NEW_PRIVS, load the seccomp
-filter (workers/drivers/seccomp.py), and fork into the sandbox's pid namespace to exec the
+still holds them there, become the sandbox's user, go to its home, set NO_NEW_PRIVS, load
+the seccomp filter (workers/drivers/seccomp.py), and fork into the sandbox's pid namespace to exec the
 command on the pty it was given (a session leader with it as controlling terminal).
 
 Usage (the agent, as root): ``python -I enter_sandbox.py PID UID GID GROUPS CWD PROCS... -- CMD...``
@@ -66,11 +66,17 @@ def enter(
     for name, fd in zip(NAMESPACES, fds, strict=True):
         _check(_libc.setns(fd, 0), f"entering the sandbox's {name} namespace")
         os.close(fd)
-    os.chdir(cwd)
     for cap in range(last_cap + 1):
         _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"dropping capability {cap}")
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)  # every capability goes with root
+    # As the sandbox's user, not root: the tenant may have made its home a symlink to a
+    # root-only folder of its view (the host's /etc/ssl/private), which root's uid would
+    # enter by its owner bits and hand to the shell as its working directory.
+    try:
+        os.chdir(cwd)
+    except OSError:
+        os.chdir("/")  # the sandbox's root, where setns left us
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "setting no_new_privs")
     seccomp.load()  # type: ignore[attr-defined]
     child = os.fork()  # the child is the first of ours inside the sandbox's pid namespace

@@ -15,6 +15,13 @@ everything created inside whatever umask the program set. Every sandbox that mou
 volume runs with that gid as a supplementary group, so its owner's next sandbox, on any
 host and under any uid (an MPS share's included), can go on with the files. Datasets are
 bound read-only and need no group.
+
+Tenants write inside their volumes, never above them: every directory between the root and a
+volume (``homes/``...) must be writable by its owner alone, an owner no sandbox runs as,
+else a sandbox could swap it for a symlink after the agent checked the path and before
+Docker, libvirt or bubblewrap bind it by name. The agent itself reaches a volume component
+by component without following a link (workers/drivers/tenant_paths.py), sets its group,
+mode and ACL through that descriptor, and measures it the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.drivers import tenant_paths, uids
 from workers.drivers.base import DriverError, StorageMount
 
 log = logging.getLogger(__name__)
@@ -96,13 +104,14 @@ def resolve(
         if target in targets:
             raise DriverError(f"two storage mounts at {target}")
         targets.add(target)
-        path = os.path.join(real_root, checked_source(mount.source))
-        if not mount.read_only:
-            _make_volume(Path(real_root), path, mount.gid)
-        if os.path.realpath(path) != path:  # a symlink on the way: it could lead anywhere
-            raise DriverError(f"storage {mount.name}: {mount.source} leads out of the storage root")
-        if not os.path.isdir(path):
-            raise DriverError(f"storage {mount.name}: {mount.source} is missing under {real_root} here")
+        source = checked_source(mount.source)
+        volume = _open_volume(real_root, source, mount.name, make=not mount.read_only)
+        try:
+            if not mount.read_only:
+                _prepare_volume(volume, os.path.join(real_root, source), mount.gid)
+        finally:
+            os.close(volume)
+        path = os.path.join(real_root, source)  # safe to bind by name: nothing above it moves
         gid = 0 if mount.read_only else mount.gid
         bound.append(BoundStorage(path, target, mount.read_only, gid, mount.volume))
     return bound
@@ -126,38 +135,81 @@ def check_reachable(root: str, what: str = "storage root") -> None:
             )
 
 
-def _make_volume(root: Path, path: str, gid: int) -> None:
+def _open_volume(root: str, source: str, name: str, *, make: bool) -> int:
+    """A descriptor of the directory ``source`` under ``root``, reached one component at a time
+    without following a symlink (made 0755, the volume itself 2770, when ``make``); each
+    directory above it checked to be one no sandbox can write."""
     try:
-        root.mkdir(mode=0o755, parents=True, exist_ok=True)
-        # Component by component, never through a symlink: nothing is made outside the root.
-        here = str(root)
-        for part in os.path.relpath(path, root).split("/"):
-            here = os.path.join(here, part)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(here, VOLUME_MODE if here == path else 0o755)  # parents (homes/): root's
-            if os.path.islink(here) or not os.path.isdir(here):
-                raise DriverError(f"storage path {here} is not a directory of the storage root")
+        if make:
+            os.makedirs(root, mode=0o755, exist_ok=True)
+        here = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DriverError(f"storage {name}: cannot open the storage root {root}: {exc.strerror}") from exc
+    parts = source.split("/")
+    try:
+        for depth, part in enumerate(parts, 1):
+            last = depth == len(parts)
+            at = "/".join(parts[:depth])
+            if make:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, VOLUME_MODE if last else 0o755, dir_fd=here)  # parents: root's
+            try:
+                step = tenant_paths.open_beneath(here, part, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError as exc:
+                raise DriverError(_unreachable(name, source, at, root, exc)) from exc
+            os.close(here)
+            here = step
+            if not last:
+                _check_host_only(os.fstat(here), name, os.path.join(root, at))
+    except BaseException:
+        os.close(here)
+        raise
+    return here
+
+
+def _unreachable(name: str, source: str, at: str, root: str, exc: OSError) -> str:
+    if exc.errno in (errno.ELOOP, errno.EXDEV):  # a symlink or a mount on the way: could lead anywhere
+        return f"storage {name}: {source} leads out of the storage root ({at} is a link or a mount point)"
+    if exc.errno == errno.ENOENT:
+        return f"storage {name}: {source} is missing under {root} here"
+    if exc.errno == errno.ENOTDIR:
+        return f"storage {name}: {at} is not a directory of the storage root"
+    return f"cannot prepare storage {os.path.join(root, source)}: {exc.strerror or exc}"
+
+
+def _check_host_only(info: os.stat_result, name: str, path: str) -> None:
+    """A directory above a volume: writable by its owner only, an owner that is no sandbox's uid."""
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or uids.in_sandbox_range(info.st_uid):
+        raise DriverError(
+            f"storage {name}: {path} (mode {stat.S_IMODE(info.st_mode):o}, owner {info.st_uid}) can be "
+            "written by sandboxes or a group: a volume may only lie below directories only the host writes"
+        )
+
+
+def _prepare_volume(volume: int, path: str, gid: int) -> None:
+    """The volume's group, mode and default ACL, set through its descriptor."""
+    try:
         if os.geteuid() == 0 and gid:
             # The top directory only, at every launch: cheap, and it mends a mode or group an
             # admin's copy disturbed. What is inside keeps the group by set-group-id.
-            info = os.lstat(path)
+            info = os.fstat(volume)
             if info.st_gid != gid or info.st_uid != 0:
-                os.chown(path, 0, gid)
+                os.chown(volume, 0, gid)
             if stat.S_IMODE(info.st_mode) != VOLUME_MODE:
-                os.chmod(path, VOLUME_MODE)
-        _set_default_acl(path)
+                os.chmod(volume, VOLUME_MODE)
+        _set_default_acl(volume, path)
     except OSError as exc:
         raise DriverError(f"cannot prepare storage {path}: {exc.strerror or exc}") from exc
 
 
-def _set_default_acl(path: str) -> None:
+def _set_default_acl(volume: int, path: str) -> None:
     try:
-        if os.getxattr(path, "system.posix_acl_default") == DEFAULT_ACL:
+        if os.getxattr(volume, "system.posix_acl_default") == DEFAULT_ACL:
             return
     except OSError:
         pass
     try:
-        os.setxattr(path, "system.posix_acl_default", DEFAULT_ACL)
+        os.setxattr(volume, "system.posix_acl_default", DEFAULT_ACL)
     except OSError as exc:
         if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
             raise
@@ -166,24 +218,30 @@ def _set_default_acl(path: str) -> None:
         log.warning("storage %s: the file system takes no POSIX ACLs; the umask applies", path)
 
 
-def measure(path: str, deadline_s: float = 60.0) -> tuple[int, bool]:
-    """Bytes ``path`` takes on disk (allocated blocks, each hard-linked file once), and
-    whether the walk finished before ``deadline_s``: a partial figure is a lower bound."""
+def measure(root: Path, source: str, deadline_s: float = 60.0) -> tuple[int, bool] | None:
+    """Bytes the volume ``source`` under ``root`` takes on disk (allocated blocks, each
+    hard-linked file once), and whether the walk finished before ``deadline_s``: a partial
+    figure is a lower bound. None when it is not there (or not a directory reached without
+    a link). The tenant writes in it while it is walked: nothing is followed
+    (``tenant_paths.walk``)."""
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        volume = tenant_paths.open_beneath(root_fd, checked_source(source), os.O_RDONLY | os.O_DIRECTORY)
+    except (OSError, DriverError):
+        return None
+    finally:
+        os.close(root_fd)
     total = 0
     seen: set[tuple[int, int]] = set()
-    stack = [path]
     ends = time.monotonic() + deadline_s
-    while stack:
-        if time.monotonic() > ends:
-            return total, False
-        try:
-            entries = list(os.scandir(stack.pop()))
-        except OSError:
-            continue  # gone meanwhile, or unreadable: counted as nothing
-        for entry in entries:
-            try:
-                info = entry.stat(follow_symlinks=False)
-            except OSError:
+    try:
+        for _, _, info in tenant_paths.walk(volume):
+            if time.monotonic() > ends:
+                return total, False
+            if info is None:
                 continue
             if info.st_nlink > 1:
                 key = (info.st_dev, info.st_ino)
@@ -191,6 +249,8 @@ def measure(path: str, deadline_s: float = 60.0) -> tuple[int, bool]:
                     continue
                 seen.add(key)
             total += info.st_blocks * 512
-            if stat.S_ISDIR(info.st_mode):
-                stack.append(entry.path)
+    except OSError:  # a folder moved while we were in it, or one we may not read
+        return total, False
+    finally:
+        os.close(volume)
     return total, True

@@ -57,6 +57,11 @@ def mps_uid(device_uuid: str) -> int:
     return SANDBOX_UID_BASE + SPAN + zlib.crc32(device_uuid.encode()) % SPAN
 
 
+def in_sandbox_range(host_id: int) -> bool:
+    """Whether a host uid or gid is one the sandboxes run as (any of the ranges above)."""
+    return SANDBOX_UID_BASE <= host_id < SANDBOX_UID_BASE + 4 * SPAN
+
+
 def _ranges(path: Path) -> list[tuple[str, int, int]]:
     """(who, first, last) of each entry of a passwd or subuid file."""
     found = []

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from workers.drivers import uids
+from workers.drivers import tenant_paths, uids
 from workers.drivers.base import MpsShare
 
 log = logging.getLogger(__name__)
@@ -228,8 +228,10 @@ class MpsManager:
                     "shorter directory (the default for a root agent is /run/gpushare/mps)"
                 )
             self._make_dirs(device_uuid)
-            # A pid file left by a daemon that died (host crash, kill -9) would hide the new one.
-            (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
+            # Emptied: a pid file left by a daemon that died (host crash, kill -9) would hide
+            # the new one, and whatever the device's tenants left there (they write in it) could
+            # stand where the daemon makes its socket and pid file.
+            self._clear_pipe_dir(device_uuid)
             self._exclusive(device_uuid)  # before the daemon, as NVIDIA's recipe has it
             try:
                 self._spawn_daemon(device_uuid)
@@ -282,7 +284,8 @@ class MpsManager:
                         f"MPS daemon {pid} for {device_uuid} did not quit in {STOP_TIMEOUT_S:.0f} s"
                     )
                 time.sleep(0.05)
-            (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # unlink follows nothing; a planted folder stays
+                (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
             self._known.discard(device_uuid)
             log.info("stopped MPS control daemon for %s", device_uuid)
             self._restore_mode(device_uuid)  # MpsError: the next sandbox must not meet it
@@ -411,15 +414,28 @@ class MpsManager:
         return self.pipe_dir(device_uuid), self.log_dir(device_uuid)
 
     def _daemon_pid(self, device_uuid: str) -> int | None:
+        """The pid the daemon wrote in its pipe directory, where the device's tenants write too:
+        read only from a file the agent's uid (the daemon's) made, never through a link, and
+        never waiting on a FIFO planted in its place."""
         try:
-            text = (self.pipe_dir(device_uuid) / PID_FILE).read_text().strip()
-        except (FileNotFoundError, NotADirectoryError):
+            folder = tenant_paths.open_folder(self.pipe_dir(device_uuid))
+        except OSError:
             return None
         try:
-            pid = int(text)
-        except ValueError:
-            return None  # being written, or garbage: not a daemon we can talk to
-        return pid if _alive(pid) else None
+            text = tenant_paths.read_file(folder, PID_FILE, PID_FILE, owner=os.geteuid(), limit=32)
+            pid = int(text.strip())
+        except (OSError, ValueError):
+            return None  # none, being written, garbage or planted: not a daemon we can talk to
+        finally:
+            os.close(folder)
+        return pid if pid > 0 and _alive(pid) else None
+
+    def _clear_pipe_dir(self, device_uuid: str) -> None:
+        folder = tenant_paths.open_folder(self.pipe_dir(device_uuid))
+        try:
+            tenant_paths.remove_contents(folder)
+        finally:
+            os.close(folder)
 
     def _spawn_daemon(self, device_uuid: str) -> None:
         """Run ``<control> -d``, its output into ``start.log`` in the log directory.
@@ -574,7 +590,9 @@ def _claim_key(directory: Path, device_uuid: str) -> None:
 
 
 def _make_dir(path: Path, mode: int) -> None:
-    """Create ``path`` with ``mode`` (the umask cannot narrow it), or set it on one that exists."""
+    """Create ``path`` with ``mode`` (the umask cannot narrow it), or set it on one that exists.
+    By name, safely: every one of these lies in a directory only the agent writes (the pipe
+    directory is the tenants', but its own name is in the device's 0711 directory)."""
     path.mkdir(mode=mode, exist_ok=True)
     os.chmod(path, mode)
 

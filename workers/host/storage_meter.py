@@ -36,12 +36,15 @@ class StorageMeter:
         measured = {} if measured is None else measured
         usage = {}
         for mount in spec.mounts:
-            path = root / mount.source
-            if mount.read_only or not mount.volume or not path.is_dir():
+            if mount.read_only or not mount.volume:
                 continue
             if mount.volume not in measured:
-                used, complete = measure(str(path), self.settings.storage_measure_s)
-                measured[mount.volume] = [used, complete]
+                # By the root and the relative path: the tenant writes in the volume while it
+                # is walked, and nothing there is followed (storage.measure).
+                found = measure(root, mount.source, self.settings.storage_measure_s)
+                if found is None:  # not on this host
+                    continue
+                measured[mount.volume] = list(found)
             usage[str(mount.volume)] = measured[mount.volume]
         if usage:
             dispatch.to_control("storage_usage", spec.sandbox_id, usage)
