@@ -387,6 +387,7 @@ CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
 # document.cookie. (Renaming them signs everyone out once, at the upgrade.)
 SESSION_COOKIE_NAME = f"{'__Host-' if SESSION_COOKIE_SECURE else ''}sessionid"
 CSRF_COOKIE_NAME = f"{'__Host-' if CSRF_COOKIE_SECURE else ''}csrftoken"
+DEVICE_COOKIE_NAME = f"{'__Host-' if SESSION_COOKIE_SECURE else ''}gpushare_device"  # sign-in throttle
 if APPS is not None and (_overlap := APPS.overlaps(ALLOWED_HOSTS, CSRF_TRUSTED_ORIGINS)):
     raise ConfigError(f"APPS_DOMAIN {APPS.domain}: {_overlap}; apps must never be the portal's origin")
 SILENCED_SYSTEM_CHECKS = [] if SECURE_HSTS_PRELOAD else ["security.W021"]

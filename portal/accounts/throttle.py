@@ -39,7 +39,6 @@ from django.http import HttpRequest, HttpResponse
 from rest_framework.request import Request
 
 LOCKED_OUT = "Too many failed sign-in attempts. Wait {minutes} minutes and try again."
-DEVICE_COOKIE = "gpushare_device"
 DEVICE_COOKIE_AGE = 365 * 24 * 3600
 _DEVICE_SALT = "portal.accounts.throttle.device"
 
@@ -58,7 +57,7 @@ def _key(kind: str, *values: str) -> str:
 
 def _device(request: HttpRequest | Request, username: str) -> str | None:
     """The device cookie's id when it was issued to this browser for ``username``."""
-    raw = request.COOKIES.get(DEVICE_COOKIE, "")
+    raw = request.COOKIES.get(settings.DEVICE_COOKIE_NAME, "")
     try:
         signed = signing.loads(raw, salt=_DEVICE_SALT, max_age=DEVICE_COOKIE_AGE)
     except signing.BadSignature:
@@ -112,7 +111,7 @@ def remember_device(response: HttpResponse, username: str) -> None:
     """Mark the browser that signed in as ``username``: its later attempts are its own."""
     device = secrets.token_hex(12)
     response.set_cookie(
-        DEVICE_COOKIE,
+        settings.DEVICE_COOKIE_NAME,  # __Host- over HTTPS, as the session's
         signing.dumps({"user": username.casefold(), "device": device}, salt=_DEVICE_SALT),
         max_age=DEVICE_COOKIE_AGE,
         secure=settings.SESSION_COOKIE_SECURE,

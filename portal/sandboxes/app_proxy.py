@@ -34,7 +34,6 @@ from channels.db import database_sync_to_async
 from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 
-from portal.accounts.throttle import DEVICE_COOKIE
 from portal.sandboxes import app_access
 from portal.sandboxes.app_access import Refusal, Target
 from portal.sandboxes.app_origin import GRANT_PATH, AppLabel
@@ -57,7 +56,12 @@ _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 def reserved_cookie_names() -> frozenset[str]:
     """Cookies the app may neither read nor set: the app session's and the portal's (their
     plain and __Host- names alike, whatever this server's scheme)."""
-    names = {settings.SESSION_COOKIE_NAME, settings.CSRF_COOKIE_NAME, DEVICE_COOKIE, app_access.cookie_name()}
+    names = {
+        settings.SESSION_COOKIE_NAME,
+        settings.CSRF_COOKIE_NAME,
+        settings.DEVICE_COOKIE_NAME,
+        app_access.cookie_name(),
+    }
     return frozenset(names | {n.removeprefix("__Host-") for n in names} | {f"__Host-{n}" for n in names})
 
 

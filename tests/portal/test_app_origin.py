@@ -231,9 +231,8 @@ def test_a_portal_that_would_answer_on_its_apps_origins_does_not_start(
 def test_over_https_the_portals_cookies_cannot_be_planted_from_a_sibling_origin() -> None:
     """``__Host-`` names: a browser refuses such a cookie set with a Domain, as an app's
     document.cookie on apps.gpus.test would set one for the whole site."""
-    script = (
-        "from django.conf import settings; print(settings.SESSION_COOKIE_NAME, settings.CSRF_COOKIE_NAME)"
-    )
+    names = "SESSION_COOKIE_NAME", "CSRF_COOKIE_NAME", "DEVICE_COOKIE_NAME"
+    script = f"from django.conf import settings as s; print({', '.join(f's.{n}' for n in names)})"
     env = {**os.environ, "SESSION_COOKIE_SECURE": "true", "CSRF_COOKIE_SECURE": "true"}
     result = subprocess.run(
         [sys.executable, "manage.py", "shell", "-v", "0", "-c", script],
@@ -243,4 +242,6 @@ def test_over_https_the_portals_cookies_cannot_be_planted_from_a_sibling_origin(
         text=True,
         timeout=60,
     )
-    assert result.stdout.split() == ["__Host-sessionid", "__Host-csrftoken"], result.stderr
+    assert result.stdout.split() == ["__Host-sessionid", "__Host-csrftoken", "__Host-gpushare_device"], (
+        result.stderr
+    )

@@ -25,7 +25,6 @@ from channels.testing import HttpCommunicator, WebsocketCommunicator
 from django.conf import settings
 from django.test import override_settings
 
-from portal.accounts.throttle import DEVICE_COOKIE
 from portal.asgi import application
 from portal.sandboxes import app_access
 from portal.sandboxes.app_origin import AppLabel, AppsDomain
@@ -82,7 +81,7 @@ class App(BaseHTTPRequestHandler):
 PLANTED = (
     "sessionid=planted; Path=/",
     "__Host-sessionid=planted; Path=/; Secure",
-    f"{DEVICE_COOKIE}=planted; Path=/",
+    f"{settings.DEVICE_COOKIE_NAME}=planted; Path=/",
     "gpushare_app=planted; Path=/",
     "wide=1; Domain=gpus.test; Path=/",
     "_xsrf=abc; Path=/",
@@ -176,7 +175,7 @@ def fetch_all(
     app session, and (were they sent, as a same-site portal's might be) the portal's cookies."""
     portal_session = client_for(user).cookies[settings.SESSION_COOKIE_NAME].value
     cookie = (
-        f"{settings.SESSION_COOKIE_NAME}={portal_session}; {DEVICE_COOKIE}=d1; _xsrf=abc; "
+        f"{settings.SESSION_COOKIE_NAME}={portal_session}; {settings.DEVICE_COOKIE_NAME}=d1; _xsrf=abc; "
         f"{app_access.cookie_name()}={app_session_for(user, sandbox)}"
     ).encode()
 

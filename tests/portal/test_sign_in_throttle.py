@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 from channels.testing import ApplicationCommunicator
+from django.conf import settings as django_settings
 from django.core.cache import cache
 from django.test import Client, override_settings
 
 from portal.accounts.models import ApiToken
-from portal.accounts.throttle import DEVICE_COOKIE
 
 PASSWORD = "correct horse battery staple"
 ATTACKER, OWNER_HOME = "203.0.113.7", "198.51.100.9"
@@ -61,7 +61,7 @@ def test_an_outsider_cannot_lock_the_owner_out(guesser: Any) -> None:
 def test_a_browser_that_signed_in_before_keeps_signing_in_whatever_others_try(guesser: Any) -> None:
     owner = Client(REMOTE_ADDR=ATTACKER)  # even behind the attacker's own address (a shared NAT)
     first = _sign_in("oscar", PASSWORD, client=owner)
-    assert first.status_code == 302 and DEVICE_COOKIE in first.cookies
+    assert first.status_code == 302 and django_settings.DEVICE_COOKIE_NAME in first.cookies
     owner.post("/logout/")
     for n in range(4):  # from many addresses: the account's name is being guessed
         _sign_in("oscar", "guess", address=f"192.0.2.{n}")
@@ -85,7 +85,7 @@ def test_a_forged_device_cookie_is_no_cookie(guesser: Any) -> None:
     for _ in range(3):
         _sign_in("oscar", "guess")
     forged = Client(REMOTE_ADDR=ATTACKER)
-    forged.cookies[DEVICE_COOKIE] = "oscar"
+    forged.cookies[django_settings.DEVICE_COOKIE_NAME] = "oscar"
     assert _sign_in("oscar", PASSWORD, client=forged).status_code == 429
 
 
