@@ -23,6 +23,7 @@ Who gets through: the owner's browser with a live app session (``app_access``), 
 
 from __future__ import annotations
 
+import html
 import logging
 from collections.abc import Iterable
 from http.cookies import SimpleCookie
@@ -222,7 +223,7 @@ class AppProxy(AsyncHttpConsumer):
             return
         except TunnelClosed as closed:
             if NOT_LISTENING in closed.reason:  # just started: its app has not opened its socket yet
-                await self._starting()
+                await self._starting(closed.reason[closed.reason.index(NOT_LISTENING) :])
             else:
                 await self._refuse(502, f"The sandbox's app cannot be reached: {closed.reason}")
             return
@@ -299,11 +300,14 @@ class AppProxy(AsyncHttpConsumer):
         ]
         return headers
 
-    async def _starting(self) -> None:
-        """A page that says so and tries again by itself (the Refresh header), as a 503."""
+    async def _starting(self, why: str) -> None:
+        """A page that says so, with what the host found (no socket yet; or a link, a FIFO,
+        someone else's socket where its socket goes, which the agent never follows), and
+        tries again by itself (the Refresh header), as a 503."""
         page = (
             "<!doctype html><html lang=en><head><meta charset=utf-8><title>Starting…</title></head>"
-            "<body><p>The sandbox's app is starting: this page tries again every 2 seconds.</p></body></html>"
+            "<body><p>The sandbox's app is starting: this page tries again every 2 seconds.</p>"
+            f"<p><small>The host says: {html.escape(why)}.</small></p></body></html>"
         )
         await self.send_response(
             503,

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import json
 import shutil
+import socket
 import socketserver
 import tempfile
 import threading
@@ -243,7 +244,36 @@ def test_an_app_not_listening_yet_is_a_page_that_tries_again(
     sandbox = with_app(running_sandbox(people, catalog))
     answer = fetch(people["owner"], sandbox, "/lab", root=app_root, sent=sent_tasks)
     assert answer["status"] == 503 and b"is starting" in answer["body"]
+    assert b"its app is not listening on /run/gpushare/app.sock" in answer["body"]
     assert headers(answer, b"refresh") == [b"2"]
+
+
+def test_an_app_socket_planted_as_a_link_to_a_root_only_socket_reaches_nothing(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any, app_root: Path
+) -> None:
+    """The review's probe, end to end through the proxy: ``app.sock`` a symlink to a 0600
+    socket of root's on the host. The listener sees no connection; the owner is told the
+    app is not listening, and why. (The drivers' own tests plant it from inside real process
+    and Docker sandboxes: tests/workers/test_app_socket_paths.py.)"""
+    sandbox = with_app(running_sandbox(people, catalog))
+    private = app_root / "root-only"
+    private.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(private / "probe.sock"))
+    (private / "probe.sock").chmod(0o600)
+    listener.listen(1)
+    listener.setblocking(False)
+    folder = app_root / sandbox.allocation_key
+    folder.mkdir()
+    (folder / "app.sock").symlink_to(private / "probe.sock")
+    try:
+        answer = fetch(people["owner"], sandbox, "/lab", root=app_root, sent=sent_tasks)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody came
+    finally:
+        listener.close()
+    assert answer["status"] == 503 and b"its app is not listening" in answer["body"]
+    assert b"app.sock is a symlink, not a socket" in answer["body"], answer["body"]
 
 
 @pytest.mark.parametrize(
