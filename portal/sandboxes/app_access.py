@@ -86,9 +86,14 @@ def app_token(allocation_key: str) -> str:
 
 def check_owner(user: Any, sandbox_id: int) -> Target | Refusal:
     """Where the app is, or why ``user`` may not open it (an HTTP status and a sentence)."""
+    sandbox = Sandbox.objects.select_related("host", "image").filter(pk=sandbox_id).first()
+    return owner_verdict(user, sandbox)
+
+
+def owner_verdict(user: Any, sandbox: Sandbox | None) -> Target | Refusal:
+    """``check_owner`` for a sandbox already read (with its host and image)."""
     if user is None or not user.is_authenticated or not user.is_active:
         return Refusal(403, "Sign in to open a sandbox's app.")
-    sandbox = Sandbox.objects.select_related("host", "image").filter(pk=sandbox_id).first()
     if sandbox is None or sandbox.owner_id != user.pk:
         return Refusal(403, "Only the sandbox's owner can open its app.")
     if not sandbox.image.app:
@@ -167,10 +172,6 @@ def admit(value: str, label: AppLabel) -> tuple[Target, AppSession] | Refusal | 
     if verdict.allocation_key != label.allocation_key:
         return Refusal(410, "This address was an earlier run of the sandbox's: open its app from its page.")
     return verdict, session
-
-
-def end_app_session(value: str) -> None:
-    cache.delete(_SESSION + _digest(value))
 
 
 def portal_session_holds(session_key: str, user: Any) -> bool:

@@ -171,8 +171,8 @@ def open_app(request: HttpRequest, pk: int, path: str = "") -> HttpResponse:
     """*Open JupyterLab*: the owner's browser goes to the app's own origin with a grant
     (portal/sandboxes/app_access.py); ``path`` and the query go along, so an old link to
     ``/sandboxes/<id>/app/lab`` still lands on the app's ``/lab``."""
-    _get_sandbox_for_user(request, pk)  # 404 for a sandbox the user may not see: no hint it exists
-    verdict = app_access.check_owner(request.user, pk)
+    sandbox = _get_sandbox_for_user(request, pk)  # 404 for one the user may not see: no hint it exists
+    verdict = app_access.owner_verdict(request.user, sandbox)
     if isinstance(verdict, app_access.Refusal):
         context = {"reason": verdict.reason, "pk": pk}
         return render(request, "sandboxes/app_refused.html", context, status=verdict.status)
