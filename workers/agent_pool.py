@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
-from portal.env import ConfigError
-from workers import config, dispatch
-from workers.config import AgentSettings
+from wire import config, dispatch
+from wire.env import ConfigError
+from workers.agent_settings import AgentSettings
 from workers.gpu.simulated import parse_sim_spec
 from workers.host.reports import send_beats
 from workers.telemetry import make_layer

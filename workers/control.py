@@ -1,7 +1,7 @@
 """Tasks on the ``control`` queue: the only worker that changes fleet state (uses the ORM).
 
 The Celery entry point into ``portal.control`` (``portal/control/tasks.py``): each task is
-named for the agents and the portal that send it (``workers/dispatch.py``) and makes one
+named for the agents and the portal that send it (``wire/dispatch.py``) and makes one
 call there. Agents report here; every task takes plain JSON, returns quietly when its row
 is gone, and is idempotent because the actions it calls are.
 """
@@ -22,8 +22,8 @@ from django.utils import timezone  # noqa: E402
 from portal.control import tasks  # noqa: E402
 from portal.sandboxes.emails import send_notification_emails  # noqa: E402
 from portal.webhooks.deliveries import attempt_delivery, webhook_tick  # noqa: E402
-from workers.celery import app  # noqa: E402
-from workers.liveness import Beat  # noqa: E402
+from wire.celery import app  # noqa: E402
+from wire.liveness import Beat  # noqa: E402
 
 log = logging.getLogger(__name__)
 

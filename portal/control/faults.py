@@ -7,7 +7,7 @@ event and logs an error; only an admin undrains it. The fault's one alert is the
 (``portal.telemetry.alerts``: stored, webhooks, owners told); undraining closes it. Every
 call is one transaction and idempotent: a second report of the same fault changes nothing.
 
-An application XID (workers.gpu.xids: 13, 31, 43, 45, 68, 109, a tenant's own kernel
+An application XID (wire.xids: 13, 31, 43, 45, 68, 109, a tenant's own kernel
 fault) never drains: the GPU is healthy, and on MIG it would take every tenant's
 instance out of scheduling for one tenant's bug. It is recorded as an ``info`` fleet
 event; the agent raises its alert for the sandboxes on the device, whose owners hear of
@@ -28,7 +28,7 @@ from portal.fleet.models import FleetEvent, Gpu
 from portal.sandboxes.models import Allocation, Notification
 from portal.sandboxes.notify import notify_owner
 from portal.telemetry.models import Alert
-from workers.gpu.xids import classify, describe
+from wire.xids import classify, describe
 
 log = logging.getLogger(__name__)
 # Fault kinds from the agents (workers.gpu.base.FaultEvent.kind) that drain a GPU.

@@ -67,7 +67,7 @@ from scheduler.defrag import (
     plan_mig,
 )
 from scheduler.defrag import MigInstance as PlannedMigInstance
-from workers import dispatch
+from wire import dispatch
 
 log = logging.getLogger(__name__)
 S = SandboxState
@@ -88,7 +88,7 @@ def _live_allocations(gpus: list[Gpu]) -> list[Allocation]:
 
 
 def _stop_order(sandbox: Sandbox) -> dict[str, Any]:
-    return {"allocation_id": sandbox.allocation_key, "sandbox_id": sandbox.pk, "handle": sandbox.handle}
+    return {"allocation_key": sandbox.allocation_key, "sandbox_id": sandbox.pk, "handle": sandbox.handle}
 
 
 def _begin_moves(plan: FleetPlan, sandbox_ids: list[int]) -> list[Sandbox]:

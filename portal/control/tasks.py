@@ -1,5 +1,5 @@
 """One function per task on the ``control`` queue; ``workers/control.py`` names them for
-Celery (the names agents send, through ``workers/dispatch.py``) and calls these.
+Celery (the names agents send, through ``wire/dispatch.py``) and calls these.
 
 Every task takes plain JSON (times in epoch milliseconds), returns quietly when its row is
 gone, and is idempotent because the actions it calls are.
@@ -33,8 +33,8 @@ from portal.sandboxes.output import do_store_output
 from portal.sandboxes.storage_usage import do_record_storage_usage
 from portal.telemetry.alerts import do_close_host_alerts, do_record_alerts
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
-from workers.config import CONTROL_HEARTBEAT_KEY
-from workers.liveness import Beat
+from wire.config import CONTROL_HEARTBEAT_KEY
+from wire.liveness import Beat
 
 log = logging.getLogger(__name__)
 TELEMETRY_PURGED_KEY = "gpushare:telemetry:purged"

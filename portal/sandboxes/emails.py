@@ -38,7 +38,7 @@ from django.utils import timezone
 
 from portal.sandboxes.models import EmailChoice, Notification
 from portal.webhooks.deliveries import backoff_seconds
-from workers import dispatch
+from wire import dispatch
 
 log = logging.getLogger(__name__)
 K = Notification.Kind

@@ -17,7 +17,7 @@ import redis
 from django.conf import settings
 from django.db import transaction
 
-from workers import dispatch
+from wire import dispatch
 
 log = logging.getLogger(__name__)
 ASKED = "gpushare:cycle:asked"

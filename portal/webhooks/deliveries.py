@@ -46,7 +46,7 @@ from standardwebhooks import Webhook
 
 from portal.webhooks import destinations
 from portal.webhooks.models import WebhookDelivery, WebhookEndpoint, WebhookEvent, new_secret, secret_key
-from workers import dispatch
+from wire import dispatch
 
 log = logging.getLogger(__name__)
 

@@ -165,7 +165,7 @@ def test_no_host_pid_reaches_the_tenant(people: Any, catalog: Any, fleet: Any, s
     sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
     place_all()
     sandbox.refresh_from_db()
-    handle = {"driver": "process", "allocation_id": sandbox.allocation_key, "ref": HOST_PID}
+    handle = {"driver": "process", "allocation_key": sandbox.allocation_key, "ref": HOST_PID}
     tasks.sandbox_launched(sandbox.allocation_key, handle, int(timezone.now().timestamp() * 1000))
     assert sandbox.events.get(to_state="running").message == "running (process)"
     events = api(people["owner"], [READ]).get(f"/api/v1/sandboxes/{sandbox.pk}/events/")

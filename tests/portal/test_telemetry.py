@@ -23,7 +23,7 @@ from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
 from portal.webhooks.models import WebhookDelivery, WebhookEndpoint
 from tests.factories import beat
 from tests.portal.helpers import client_for, place_all, request
-from workers.telemetry import sandbox_group
+from wire.telemetry import sandbox_group
 
 
 @pytest.fixture

@@ -46,8 +46,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from workers.drivers import tenant_paths, uids
-from workers.drivers.base import MpsShare
+from wire import uids
+from wire.spec import MpsShare
+from workers.drivers import tenant_paths
 
 log = logging.getLogger(__name__)
 

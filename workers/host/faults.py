@@ -17,13 +17,13 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from workers import dispatch
+from wire import dispatch
+from wire.spec import SandboxSpec
+from wire.telemetry import AlertMessage
+from wire.xids import describe, is_application
 from workers.alerts import AlertTracker
-from workers.drivers.base import SandboxSpec
 from workers.gpu.base import GpuBackend
-from workers.gpu.xids import describe, is_application
 from workers.host.inventory import HostInventory
-from workers.telemetry import AlertMessage
 
 log = logging.getLogger(__name__)
 # Fault event kind -> the alert kind that tells of it.
@@ -32,7 +32,7 @@ ALERT_KIND = {"xid": "xid", "app_xid": "xid", "ecc_dbe": "ecc", "gpu_lost": "gpu
 
 def is_application_fault(event: dict[str, Any]) -> bool:
     """The backend names an application XID ``app_xid``; an ``xid`` is classified again,
-    so no path drains for one (workers.gpu.xids)."""
+    so no path drains for one (wire.xids)."""
     kind, xid = event.get("kind"), int(event.get("xid") or 0)
     return kind == "app_xid" or (kind == "xid" and is_application(xid))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from workers import dispatch
-from workers.config import AgentSettings
+from wire import dispatch
+from workers.agent_settings import AgentSettings
 from workers.drivers.base import SandboxDriver
 from workers.gpu.base import GpuBackend, GpuInfo
 

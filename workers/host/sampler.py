@@ -13,10 +13,19 @@ from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
 
-from workers import config, dispatch
+from wire import config, dispatch
+from wire.spec import SandboxSpec
+from wire.telemetry import (
+    FLEET_GROUP,
+    AlertMessage,
+    GpuSampleMessage,
+    SandboxFigures,
+    fleet_message,
+    gpu_group,
+    sandbox_group,
+)
 from workers.alerts import AlertTracker
 from workers.batch_output import OutputPump
-from workers.drivers.base import SandboxSpec
 from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost, GpuSample
 from workers.host.faults import GpuFaults
 from workers.host.inventory import HostInventory
@@ -25,19 +34,7 @@ from workers.host.reports import HostReports
 from workers.host.sandboxes import HostSandboxes
 from workers.host.utilization import UtilizationWindows
 from workers.rollups import MinuteRollups
-from workers.telemetry import (
-    FLEET_GROUP,
-    AlertMessage,
-    GpuSampleMessage,
-    SandboxFigures,
-    fleet_message,
-    gpu_group,
-    make_layer,
-    publish,
-    sample_message,
-    sandbox_group,
-    store_latest,
-)
+from workers.telemetry import make_layer, publish, sample_message, store_latest
 
 log = logging.getLogger(__name__)
 FLEET_EVERY = 5  # the fleet group gets one sample in five

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from workers import dispatch
-from workers.config import AgentSettings
-from workers.drivers.base import SandboxDriver, SandboxSpec
+from wire import dispatch
+from wire.spec import SandboxSpec
+from workers.agent_settings import AgentSettings
+from workers.drivers.base import SandboxDriver
 from workers.drivers.storage import measure
 from workers.host.sandboxes import HostSandboxes
 
