@@ -462,7 +462,7 @@ class NvmlBackend:
                     return None
             return event_set
 
-    def health_events(self) -> list[FaultEvent]:
+    def fault_events(self) -> list[FaultEvent]:
         """Events since the last call: NVML's event set, drained without waiting, and losses."""
         with self._lock:
             while self._event_set is not None:
