@@ -30,7 +30,7 @@ from django.db import connection
 from portal.control import tasks
 from portal.fleet.models import Host
 from portal.sandboxes.models import Sandbox
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from tests.bench.openb_fleet import OPENB_BENCH, WRITES, percentile, seed_openb
 from wire.liveness import Beat
 from workers.host.reports import ReportGate

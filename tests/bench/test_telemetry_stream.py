@@ -24,7 +24,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from tests.e2e.platform import Platform, wait_for
 from tests.portal.helpers import client_for
 from wire.env import env_int

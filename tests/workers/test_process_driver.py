@@ -24,9 +24,10 @@ from wire.spec import MpsShare, SandboxHandle, SandboxSpec
 from workers.drivers import DriverUnavailable, base, make_driver
 from workers.drivers.base import DriverError, require_mps_pipe
 from workers.drivers.cgroups import cgroup_mounts
-from workers.drivers.gpu_nodes import DeviceIds, GpuNodes
+from workers.drivers.gpu_nodes import GpuNodes
 from workers.drivers.process import ProcessDriver, bwrap_available, bwrap_problem
 from workers.drivers.process_terminal import ProcessTerminal
+from workers.gpu.nvml_session import DeviceIds
 
 READY = "READY"
 

@@ -122,9 +122,9 @@ class GpuBackend(Protocol):
 
     def destroy_mig(self, uuid: str, mig_uuid: str) -> None: ...
 
-    def health_events(self) -> list[FaultEvent]:
-        """The device faults (XIDs, ECC, a lost GPU) since the last call: DESIGN's seam name, which
-        outside checks (../shared/gpu-checks) call."""
+    def fault_events(self) -> list[FaultEvent]:
+        """The device faults (XIDs, ECC, a lost GPU) since the last call. What goes wrong
+        with a GPU is a fault: "health" is only the portal's ``/healthz``."""
         ...
 
     def note_load(self, owner: str, device_uuids: list[str], mem_mib: int, util_pct: float) -> None:

@@ -63,7 +63,7 @@ class GpuFaults:
         """This tick's faults: the device faults to the control worker (it drains), one
         alert per fault. ``alert_changes`` are this tick's rule alerts: a GPU's raised
         temperature alert is a fault (its own alert already)."""
-        events = [dataclasses.asdict(e) for e in self.backend.health_events()]
+        events = [dataclasses.asdict(e) for e in self.backend.fault_events()]
         for change in alert_changes:
             if change["kind"] == "temperature" and change["state"] == "raised" and change["sandbox"] is None:
                 events.append(
