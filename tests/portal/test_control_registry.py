@@ -12,9 +12,10 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 from wire.celery import app
-from wire.messages import control_task_names
+from wire.messages import control_task_names, to_control
 
 PROBE = """
 import json
@@ -29,7 +30,7 @@ print(json.dumps({
 
 def registered_in_a_control_worker() -> dict[str, dict[str, int | None]]:
     env = {**os.environ, "GPUSHARE_ROLE": "control"}
-    done = subprocess.run(  # noqa: S603 - our own interpreter on our own probe
+    done = subprocess.run(
         [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True, timeout=120
     )
     tasks: dict[str, dict[str, int | None]] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -53,13 +54,12 @@ def test_the_control_worker_registers_every_declared_task_and_only_those() -> No
     } <= declared
     # The mail and webhook tasks keep their own retry count and time limits.
     assert registered["workers.control.deliver_webhook"] == {"max_retries": None, "soft": 30, "hard": 40}
-    assert registered["workers.control.email_notifications"] == {"max_retries": None, "soft": 100, "hard": 120}
+    mail = registered["workers.control.email_notifications"]
+    assert mail == {"max_retries": None, "soft": 100, "hard": 120}
     assert registered["workers.control.invoice_tick"]["hard"] == 300
 
 
-def test_each_typed_send_goes_by_the_tasks_name(sent_tasks: list[tuple[str, str, tuple[object, ...]]]) -> None:
-    from wire.messages import to_control
-
+def test_each_typed_send_goes_by_the_tasks_name(sent_tasks: list[tuple[str, str, tuple[Any, ...]]]) -> None:
     to_control.sandbox_stopped("key-1", 1_700_000_000_000)
     to_control.schedule_cycle()
     assert sent_tasks == [
