@@ -9,7 +9,7 @@ host reports it and the portal keeps it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from wire.storage import StorageMount
 
@@ -122,6 +122,15 @@ class SandboxSpec:
                 f"{i}={self.mps.memory_mib}M" for i in range(max(1, len(self.device_uuids)))
             )
         return env
+
+
+class HandleJson(TypedDict):
+    """A ``SandboxHandle`` as JSON: in the agents' reports, kept by the portal, sent back to stop."""
+
+    driver: str
+    allocation_key: str
+    sandbox_id: int
+    ref: str
 
 
 @dataclass(frozen=True)

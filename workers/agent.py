@@ -18,14 +18,15 @@ import logging
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from celery import Task, signals
 from kombu import Queue
 
-from wire import config, dispatch
+from wire import config
 from wire.celery import app, host_queue
 from wire.env import ConfigError
+from wire.messages import MigStepReport, MoveReport, PlanInventory, to_control
 from wire.spec import SandboxHandle, SandboxSpec
 from workers import moves, selftest
 from workers.agent_pool import REPORT_BUILDERS, AgentPool, SimulatedHost, read_hosts_file
@@ -153,12 +154,12 @@ class Agent:
         results, steps, error = outcome.report()
         inventory = None
         if mig_plan is not None:
-            inventory = {
-                "backend": self.backend.name,
-                "driver": self.driver.name,
-                "gpus": self.inventory.refresh(),
-            }
-        dispatch.to_control("plan_executed", plan_id, self.host, results, steps, error, inventory)
+            inventory = PlanInventory(
+                backend=self.backend.name, driver=self.driver.name, gpus=self.inventory.refresh()
+            )
+        # cast: until PlanOutcome.report() returns the reports it builds
+        moved, changed = cast(list[MoveReport], results), cast(list[MigStepReport], steps)
+        to_control.plan_executed(plan_id, self.host, moved, changed, error, inventory)
 
     def gpu_mode(self, gpu_uuid: str, mode: str) -> None:
         """An admin pinned the GPU (or let it follow demand): only a pin to MPS keeps its
@@ -181,7 +182,7 @@ class Agent:
         self.inventory.report()
         self._make_device_nodes()
         # Alerts this host raised before a restart can no longer clear themselves.
-        dispatch.to_control("telemetry_agent_started", self.host)
+        to_control.telemetry_agent_started(self.host)
         loop = self.sampler.sample_forever(self.settings.sample_interval_s, self.settings.heartbeat_s)
         threading.Thread(target=asyncio.run, args=(loop,), name="agent-sampler", daemon=True).start()
         if self.driver.storage_dir is not None:

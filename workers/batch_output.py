@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from wire import dispatch
+from wire.messages import to_control
 from wire.spec import SandboxHandle, SandboxSpec
 from wire.telemetry import OutputMessage
 from workers.drivers.base import DriverError, SandboxDriver
@@ -83,8 +83,8 @@ class OutputPump:
 
     @staticmethod
     def _send(sandbox_id: int, allocation_key: str, offset: int, chunk: OutputChunk) -> OutputMessage:
-        dispatch.to_control(
-            "sandbox_output", allocation_key, chunk.start, base64.b64encode(chunk.data).decode(), chunk.total
+        to_control.sandbox_output(
+            allocation_key, chunk.start, base64.b64encode(chunk.data).decode(), chunk.total
         )
         return OutputMessage(
             type="sandbox.output",

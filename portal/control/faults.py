@@ -28,6 +28,7 @@ from portal.fleet.models import FleetEvent, Gpu
 from portal.sandboxes.models import Allocation, Notification
 from portal.sandboxes.notify import notify_owner
 from portal.telemetry.models import Alert
+from wire.messages import FaultReport
 from wire.xids import classify, describe
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def do_undrain_gpu(uuid: str, actor: Any) -> bool:
     return True
 
 
-def do_fault_event(host_name: str, event: dict[str, Any]) -> bool:
+def do_fault_event(host_name: str, event: FaultReport) -> bool:
     """Apply one fault event from an agent: drain the GPU (or the MIG device's parent)
     with an alert. Returns True when it drained a GPU."""
     kind = event.get("kind", "")
@@ -112,7 +113,7 @@ def _xid(value: Any) -> int | None:
         return None
 
 
-def _note_app_xid(host_name: str, event: dict[str, Any], xid: int | None) -> bool:
+def _note_app_xid(host_name: str, event: FaultReport, xid: int | None) -> bool:
     """An application XID: recorded for the GPU, never drained. Returns False."""
     uuid = str(event.get("uuid", ""))
     what = describe(xid) if xid is not None else "application XID"

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from django.utils import timezone
@@ -35,6 +35,7 @@ from scheduler.cluster import DeviceGrant
 from scheduler.defrag import MigPlan, apply_mig_plan
 from scheduler.gpus import CATALOG, check_layout
 from tests.portal.helpers import client_for, request
+from wire.messages import HostFacts
 from wire.spec import SandboxHandle, SandboxSpec
 from workers.agent import Agent
 from workers.agent_settings import AgentSettings
@@ -85,7 +86,7 @@ def pump(sent: list[Any], agents: dict[str, Agent]) -> None:
     while sent:
         queue, task, args = sent.pop(0)
         if queue == "control":
-            getattr(control, task)(*args)
+            control.TASKS[task](*args)
             continue
         agent = agents[queue.removeprefix("host.")]
         if task == "launch_sandbox":
@@ -105,7 +106,9 @@ def simulated_host(name: str, configs: list[SimulatedGpuConfig], tmp_path: Path)
     # does) under the test's own directory, not a root agent's /run/gpushare.
     settings = AgentSettings(host=name, mps_dir=str(tmp_path / "mps"))
     agent = Agent(name, SimulatedBackend(name, configs), MemoryDriver(), tmp_path / name, settings)  # type: ignore[arg-type]
-    do_sync_inventory(name, "simulated", "memory", agent.inventory.refresh(), agent.inventory.facts())
+    do_sync_inventory(
+        name, "simulated", "memory", agent.inventory.refresh(), cast(HostFacts, agent.inventory.facts())
+    )
     return agent
 
 

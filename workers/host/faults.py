@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
-from wire import dispatch
+from wire.messages import FaultReport, to_control
 from wire.spec import SandboxSpec
 from wire.telemetry import AlertMessage
 from wire.xids import describe, is_application
@@ -79,7 +79,7 @@ class GpuFaults:
         drains = [e for e in events if not is_application_fault(e)]
         if drains:
             log.error("GPU faults on %s: %s", self.host, drains)
-            dispatch.to_control("gpu_faults", self.host, drains)
+            to_control.gpu_faults(self.host, cast(list[FaultReport], drains))  # cast: until events are typed
         changes: list[AlertMessage] = []
         for event in events:
             device = event["uuid"]

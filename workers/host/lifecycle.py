@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
-from wire import dispatch
-from wire.spec import DRIVER_ISOLATION, SandboxHandle, SandboxSpec
+from wire.messages import to_control
+from wire.spec import DRIVER_ISOLATION, HandleJson, SandboxHandle, SandboxSpec
 from workers.agent_settings import AgentSettings
 from workers.batch_output import OutputPump
 from workers.checkpoint import run_checkpoint_hook
@@ -75,9 +75,7 @@ class SandboxLifecycle:
         with box.lock:
             box.launching[spec.allocation_key] = spec.sandbox_id
         try:
-            self.driver.prepare(
-                spec, lambda line: dispatch.to_control("launch_progress", spec.allocation_key, line)
-            )
+            self.driver.prepare(spec, lambda line: to_control.launch_progress(spec.allocation_key, line))
             handle = self.driver.launch(spec)
         except BaseException as exc:  # a refusal (reported) or a bug (the task fails)
             with box.lock:
@@ -102,12 +100,12 @@ class SandboxLifecycle:
         if spec.device_uuids:  # a CPU-only sandbox loads no GPU
             mem, util = self._simulated_load(spec)
             self.backend.note_load(spec.allocation_key, list(spec.device_uuids), mem, util)
-        dispatch.to_control("sandbox_launched", spec.allocation_key, handle.to_json(), started)
+        to_control.sandbox_launched(spec.allocation_key, cast(HandleJson, handle.to_json()), started)
 
     def stop(self, allocation_key: str, handle_json: dict[str, Any] | None) -> None:
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_key)
         spec = self.stop_quietly(allocation_key, handle)
-        dispatch.to_control("sandbox_stopped", allocation_key, now_ms())
+        to_control.sandbox_stopped(allocation_key, now_ms())
         if spec is not None:  # what its volumes hold now: after the stop's report, never delaying it
             self.meter.report(spec)
 
@@ -118,7 +116,7 @@ class SandboxLifecycle:
         warning (SIGTERM). Reports what was done."""
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_key)
         if handle is None:
-            dispatch.to_control("sandbox_warned", allocation_key, "no such sandbox on the host")
+            to_control.sandbox_warned(allocation_key, "no such sandbox on the host")
             return
         left = max(0.0, stop_at - time.time())
         timeout = max(1.0, min(float(self.settings.checkpoint_timeout_s), left / 2))
@@ -133,7 +131,7 @@ class SandboxLifecycle:
         except DriverError as exc:
             signalled = f"could not signal it: {exc}"
         said = "no checkpoint hook" if hook is None else hook[1]
-        dispatch.to_control("sandbox_warned", allocation_key, f"{said}; {signalled}")
+        to_control.sandbox_warned(allocation_key, f"{said}; {signalled}")
 
     def stop_quietly(self, allocation_key: str, handle: SandboxHandle | None) -> SandboxSpec | None:
         """Stop a sandbox and forget it, reporting nothing: ``stop`` reports the stop, a fleet
@@ -159,7 +157,7 @@ class SandboxLifecycle:
         return next((h for h in self.driver.list_owned() if h.allocation_key == allocation_key), None)
 
     def _failed(self, spec: SandboxSpec, message: str) -> None:
-        dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_key, message)
+        to_control.sandbox_launch_failed(spec.sandbox_id, spec.allocation_key, message)
 
     def _simulated_load(self, spec: SandboxSpec) -> tuple[int, float]:
         """What a sandbox puts on a simulated GPU; real backends measure it instead."""

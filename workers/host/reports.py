@@ -16,8 +16,9 @@ from typing import Any
 
 import redis
 
-from wire import config, dispatch, liveness
+from wire import config, liveness
 from wire.liveness import Beat
+from wire.messages import to_control
 from wire.spec import SandboxHandle
 from workers.agent_settings import AgentSettings
 from workers.drivers.base import DriverError, SandboxDriver
@@ -49,7 +50,7 @@ def send_beats(client: redis.Redis, beats: list[Beat]) -> None:
     except redis.RedisError as exc:  # the beats below still go (or fail) on their own
         log.warning("liveness not written: %s", exc)
     for start in range(0, len(beats), BEATS_PER_MESSAGE):
-        dispatch.to_control("agent_heartbeats", beats[start : start + BEATS_PER_MESSAGE])
+        to_control.agent_heartbeats(beats[start : start + BEATS_PER_MESSAGE])
 
 
 class HostReports:

@@ -9,11 +9,12 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis as AsyncRedis
 
-from wire import config, dispatch
+from wire import config
+from wire.messages import MinuteRollup, to_control
 from wire.spec import SandboxSpec
 from wire.telemetry import (
     FLEET_GROUP,
@@ -81,9 +82,8 @@ class Sampler:
             try:
                 closed = self.close_minute()
                 if closed is not None:
-                    await asyncio.to_thread(
-                        dispatch.to_control, "telemetry_host_rollups", [(self.host, closed)]
-                    )
+                    rollup = cast(MinuteRollup, closed)  # until workers/rollups.py returns one
+                    await asyncio.to_thread(to_control.telemetry_host_rollups, [(self.host, rollup)])
                 await self.publish_all(layer, tick, latest)
             except Exception:  # a bug must not stop the stream for good
                 log.exception("sampling failed")
@@ -199,7 +199,7 @@ class Sampler:
             for group in groups:
                 await publish(layer, group, change)
         log.warning("alerts on %s: %s", self.host, [(c["state"], c["message"]) for c in changes])
-        await asyncio.to_thread(dispatch.to_control, "telemetry_alerts", self.host, changes)
+        await asyncio.to_thread(to_control.telemetry_alerts, self.host, changes)
 
 
 class TickSamples:
