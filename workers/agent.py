@@ -27,11 +27,6 @@ from wire import config, dispatch
 from wire.celery import app, host_queue
 from wire.env import ConfigError
 from wire.spec import SandboxHandle, SandboxSpec
-from workers import moves, selftest
-from workers.agent_pool import REPORT_BUILDERS, AgentPool, SimulatedHost, read_hosts_file
-from workers.agent_settings import AgentSettings
-from workers.alerts import AlertTracker
-from workers.batch_output import OutputPump
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.base import SandboxDriver
 from workers.drivers.gpu_nodes import GpuNodes
@@ -40,6 +35,11 @@ from workers.gpu.base import GpuBackend
 from workers.gpu.mig import MigManager
 from workers.gpu.mps import MpsManager, SimulatedMps, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
+from workers.host import moves, selftest
+from workers.host.agent_pool import REPORT_BUILDERS, AgentPool, SimulatedHost, read_hosts_file
+from workers.host.agent_settings import AgentSettings
+from workers.host.alerts import AlertTracker
+from workers.host.batch_output import OutputPump
 from workers.host.faults import GpuFaults
 from workers.host.inventory import HostInventory
 from workers.host.lifecycle import SandboxLifecycle
@@ -99,7 +99,7 @@ class Agent:
             self.utilization, self.output,
         )  # fmt: skip
 
-    # What the tasks and a fleet plan (workers.moves) call.
+    # What the tasks and a fleet plan (workers.host.moves) call.
 
     def launch(self, spec: SandboxSpec) -> None:
         self.lifecycle.launch(spec)

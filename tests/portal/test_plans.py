@@ -37,9 +37,9 @@ from scheduler.gpus import CATALOG, check_layout
 from tests.portal.helpers import client_for, request
 from wire.spec import SandboxHandle, SandboxSpec
 from workers.agent import Agent
-from workers.agent_settings import AgentSettings
 from workers.drivers.base import SandboxStatus
 from workers.gpu.simulated import SimulatedBackend, SimulatedGpuConfig, parse_sim_spec
+from workers.host.agent_settings import AgentSettings
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 

@@ -13,11 +13,11 @@ import pytest
 from wire.spec import MpsShare, SandboxHandle, SandboxSpec
 from wire.storage import StorageMount
 from workers.agent import Agent
-from workers.agent_settings import AgentSettings
 from workers.drivers.base import SandboxStatus
 from workers.gpu.mps import MpsError, device_key, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+from workers.host.agent_settings import AgentSettings
 
 
 class RecordingDriver:

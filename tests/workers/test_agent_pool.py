@@ -1,4 +1,4 @@
-"""One agent process serving many simulated hosts (workers/agent_pool.py): the hosts file,
+"""One agent process serving many simulated hosts (workers/host/agent_pool.py): the hosts file,
 a task routed to the host whose queue it came in on, and a round of beats sent together."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from django.conf import settings
 from wire import liveness
 from wire.env import ConfigError
 from workers import agent as agent_module
-from workers.agent_pool import AgentPool, read_hosts_file
-from workers.agent_settings import AgentSettings
+from workers.host.agent_pool import AgentPool, read_hosts_file
+from workers.host.agent_settings import AgentSettings
 
 HOSTS = "name,gpus,cpus,memory_gib\nnode-a,V100M32:8,96,512\nnode-b,T4:2,32,128\ncpu-c,,64,256\n"
 

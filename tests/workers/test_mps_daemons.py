@@ -39,14 +39,14 @@ from hypothesis.stateful import (
 from scheduler.defrag import DESTROY, MigMove, MigPlan
 from wire import dispatch
 from wire.spec import MpsShare, SandboxHandle, SandboxSpec
-from workers import moves
 from workers.agent import Agent
-from workers.agent_settings import AgentSettings
 from workers.drivers.base import DriverError, SandboxStatus
 from workers.drivers.output import OutputChunk
 from workers.gpu.mps import MpsError, SimulatedMps
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+from workers.host import moves
+from workers.host.agent_settings import AgentSettings
 
 GPUS = 4
 REPLICAS = 4

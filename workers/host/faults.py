@@ -21,8 +21,8 @@ from wire import dispatch
 from wire.spec import SandboxSpec
 from wire.telemetry import AlertMessage
 from wire.xids import describe, is_application
-from workers.alerts import AlertTracker
 from workers.gpu.base import GpuBackend
+from workers.host.alerts import AlertTracker
 from workers.host.inventory import HostInventory
 
 log = logging.getLogger(__name__)

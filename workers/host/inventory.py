@@ -6,9 +6,9 @@ import os
 from typing import Any
 
 from wire import dispatch
-from workers.agent_settings import AgentSettings
 from workers.drivers.base import SandboxDriver
 from workers.gpu.base import GpuBackend, GpuInfo
+from workers.host.agent_settings import AgentSettings
 
 
 class HostInventory:

@@ -9,12 +9,12 @@ from typing import Any
 
 from wire import dispatch
 from wire.spec import DRIVER_ISOLATION, SandboxHandle, SandboxSpec
-from workers.agent_settings import AgentSettings
-from workers.batch_output import OutputPump
-from workers.checkpoint import run_checkpoint_hook
 from workers.drivers.base import DriverError, SandboxDriver
 from workers.gpu.base import GpuBackend
 from workers.gpu.mps_daemons import MpsDaemons
+from workers.host.agent_settings import AgentSettings
+from workers.host.batch_output import OutputPump
+from workers.host.checkpoint import run_checkpoint_hook
 from workers.host.inventory import HostInventory
 from workers.host.sandboxes import HostSandboxes
 from workers.host.storage_meter import StorageMeter

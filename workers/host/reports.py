@@ -19,10 +19,10 @@ import redis
 from wire import config, dispatch, liveness
 from wire.liveness import Beat
 from wire.spec import SandboxHandle
-from workers.agent_settings import AgentSettings
 from workers.drivers.base import DriverError, SandboxDriver
 from workers.gpu.base import GpuBackend, GpuSample
 from workers.gpu.mps_daemons import MpsDaemons
+from workers.host.agent_settings import AgentSettings
 from workers.host.inventory import HostInventory
 from workers.host.lifecycle import now_ms
 from workers.host.sandboxes import HostSandboxes
@@ -75,7 +75,7 @@ class HostReports:
         self.alert_version = alert_version
         self._redis: redis.Redis | None = None  # liveness key, written with each heartbeat
         self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
-        # Its own thread, or a few a process serving many hosts shares (workers.agent_pool).
+        # Its own thread, or a few a process serving many hosts shares (workers.host.agent_pool).
         self._own_builder = builder is None
         self._builder = builder or ThreadPoolExecutor(1, thread_name_prefix="agent-report")
         self._job: Future[None] | None = None

@@ -24,17 +24,17 @@ from wire.telemetry import (
     gpu_group,
     sandbox_group,
 )
-from workers.alerts import AlertTracker
-from workers.batch_output import OutputPump
 from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost, GpuSample
+from workers.host.alerts import AlertTracker
+from workers.host.batch_output import OutputPump
 from workers.host.faults import GpuFaults
 from workers.host.inventory import HostInventory
 from workers.host.lifecycle import now_ms
 from workers.host.reports import HostReports
+from workers.host.rollups import MinuteRollups
 from workers.host.sandboxes import HostSandboxes
+from workers.host.telemetry import make_layer, publish, sample_message, store_latest
 from workers.host.utilization import UtilizationWindows
-from workers.rollups import MinuteRollups
-from workers.telemetry import make_layer, publish, sample_message, store_latest
 
 log = logging.getLogger(__name__)
 FLEET_EVERY = 5  # the fleet group gets one sample in five

@@ -14,9 +14,9 @@ import threading
 
 from wire import dispatch
 from wire.spec import SandboxSpec
-from workers.agent_settings import AgentSettings
 from workers.drivers.base import SandboxDriver
 from workers.drivers.storage import measure
+from workers.host.agent_settings import AgentSettings
 from workers.host.sandboxes import HostSandboxes
 
 log = logging.getLogger(__name__)

@@ -31,10 +31,10 @@ from redis.asyncio import Redis as AsyncRedis
 
 from wire import config, dispatch
 from wire.env import ConfigError
-from workers.agent_settings import AgentSettings
 from workers.gpu.simulated import parse_sim_spec
+from workers.host.agent_settings import AgentSettings
 from workers.host.reports import send_beats
-from workers.telemetry import make_layer
+from workers.host.telemetry import make_layer
 
 if TYPE_CHECKING:
     from workers.agent import Agent

@@ -5,7 +5,7 @@ for a MIG re-layout, the plan itself. The agent answers with one ``plan_executed
 the control worker relaunches the sandboxes on their new slots. Nothing here touches the
 database.
 
-Before a sandbox is stopped the operator's checkpoint hook runs (workers/checkpoint.py,
+Before a sandbox is stopped the operator's checkpoint hook runs (workers/host/checkpoint.py,
 with ``GPUSHARE_PLAN_ID``). A hook that fails or outlasts ``SANDBOX_CHECKPOINT_TIMEOUT_S``
 leaves that sandbox running; in a MIG re-layout it also calls the whole re-layout off,
 since the plan's layout needs the sandbox out of its instance.
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.defrag import DESTROY, MIGRATE, MigPlan
 from wire.spec import SandboxHandle, renamed
-from workers.checkpoint import run_checkpoint_hook
 from workers.drivers.base import DriverError
 from workers.gpu.mig import MigError, MigStep
 from workers.gpu.mps import MpsError
+from workers.host.checkpoint import run_checkpoint_hook
 
 if TYPE_CHECKING:
     from workers.agent import Agent
