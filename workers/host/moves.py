@@ -16,17 +16,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from scheduler.defrag import DESTROY, MIGRATE, MigPlan
 from wire.spec import SandboxHandle, renamed
 from workers.drivers.base import DriverError
-from workers.gpu.mig import MigError, MigStep
+from workers.gpu.mig import MigError, MigManager, MigStep
 from workers.gpu.mps import MpsError
 from workers.host.checkpoint import run_checkpoint_hook
-
-if TYPE_CHECKING:
-    from workers.agent import Agent
+from workers.host.context import HostContext
+from workers.host.lifecycle import SandboxLifecycle
 
 log = logging.getLogger(__name__)
 
@@ -52,77 +51,86 @@ class PlanOutcome:
         return [asdict(r) for r in self.results], [asdict(s) for s in self.mig_steps], self.error
 
 
-def retire_mps(agent: Agent, plan: MigPlan, busy: dict[str, str]) -> None:
-    """Quit the MPS daemon of each free instance the plan destroys, before the destroy: an MPS
-    server outlives its last client and keeps the instance in use, so NVML would refuse the
-    destroy part-way through the re-layout (review §2.2). Busy instances are left to the MIG
-    manager, which refuses the plan for them before changing anything."""
-    for move in plan.moves:
-        if move.kind in (DESTROY, MIGRATE) and move.instance and move.instance not in busy:
-            try:
-                agent.mps_daemons.retire(move.instance)
-            except (MpsError, OSError) as exc:
-                raise MigError(
-                    f"MPS daemon of {move.instance} did not stop before its destroy: {exc}"
-                ) from exc
+class FleetPlans:
+    """This host's part of fleet plans. It owns the MIG manager: nothing else on the host
+    changes the MIG layout."""
 
+    def __init__(self, context: HostContext, lifecycle: SandboxLifecycle) -> None:
+        self.context = context
+        self.lifecycle = lifecycle
+        self.mig = MigManager(context.backend)
 
-def execute_plan(
-    agent: Agent,
-    plan_id: int,
-    stops: list[dict[str, Any]],
-    mig_plan: dict[str, Any] | None,
-    busy: dict[str, str],
-) -> PlanOutcome:
-    """Checkpoint and stop each sandbox in ``stops``, then apply ``mig_plan`` (if any).
+    def execute(
+        self, plan_id: int, stops: list[dict[str, Any]], mig_plan: dict[str, Any] | None, busy: dict[str, str]
+    ) -> PlanOutcome:
+        """Checkpoint and stop each sandbox in ``stops``, then apply ``mig_plan`` (if any).
 
-    Idempotent: a sandbox already gone counts as stopped, and the MIG manager skips work
-    already done, so a redelivered message repeats nothing harmful.
-    """
-    outcome = PlanOutcome()
-    called_off = ""
-    for order in map(renamed, stops):  # a portal not yet upgraded says allocation_id
-        key, sandbox_id = order["allocation_key"], int(order["sandbox_id"])
-        result = MoveResult(sandbox_id, key)
-        outcome.results.append(result)
-        if called_off:
-            result.message = f"not stopped: {called_off}"
-            continue
-        handle = SandboxHandle.from_json(order["handle"]) if order.get("handle") else agent.find(key)
-        if handle is not None:
-            result.checkpoint = run_checkpoint_hook(
-                handle,
-                agent.settings.checkpoint_hook,
-                agent.settings.checkpoint_timeout_s,
-                {"GPUSHARE_CHECKPOINT_REASON": "move", "GPUSHARE_PLAN_ID": str(plan_id)},
-            )
-            if result.checkpoint is not None and not result.checkpoint[0]:
-                result.message = result.checkpoint[1]
-                if mig_plan is not None:
-                    called_off = (
-                        f"the re-layout was called off: sandbox {sandbox_id}'s {result.checkpoint[1]}"
-                    )
+        Idempotent: a sandbox already gone counts as stopped, and the MIG manager skips work
+        already done, so a redelivered message repeats nothing harmful.
+        """
+        settings = self.context.settings
+        outcome = PlanOutcome()
+        called_off = ""
+        for order in map(renamed, stops):  # a portal not yet upgraded says allocation_id
+            key, sandbox_id = order["allocation_key"], int(order["sandbox_id"])
+            result = MoveResult(sandbox_id, key)
+            outcome.results.append(result)
+            if called_off:
+                result.message = f"not stopped: {called_off}"
                 continue
-        try:
-            agent.stop_quietly(key, handle)
-        except DriverError as exc:
-            result.message = f"stop failed: {exc}"
-            if mig_plan is not None:
-                called_off = f"the re-layout was called off: sandbox {sandbox_id} did not stop ({exc})"
-            continue
-        result.stopped_ms = int(time.time() * 1000)
-    if mig_plan is not None:
-        if called_off:
-            outcome.error = called_off
-        else:
-            # The control plane's busy set, and what this agent itself still runs on MIG
-            # instances: never destroy an instance under a live sandbox.
-            still = {**busy, **agent.mig_instances_in_use()}
-            plan = MigPlan.from_json(mig_plan)
+            handle = (
+                SandboxHandle.from_json(order["handle"]) if order.get("handle") else self.lifecycle.find(key)
+            )
+            if handle is not None:
+                result.checkpoint = run_checkpoint_hook(
+                    handle,
+                    settings.checkpoint_hook,
+                    settings.checkpoint_timeout_s,
+                    {"GPUSHARE_CHECKPOINT_REASON": "move", "GPUSHARE_PLAN_ID": str(plan_id)},
+                )
+                if result.checkpoint is not None and not result.checkpoint[0]:
+                    result.message = result.checkpoint[1]
+                    if mig_plan is not None:
+                        called_off = (
+                            f"the re-layout was called off: sandbox {sandbox_id}'s {result.checkpoint[1]}"
+                        )
+                    continue
             try:
-                retire_mps(agent, plan, still)
-                outcome.mig_steps = agent.mig.execute_plan(plan, still)
-            except MigError as exc:
-                outcome.error, outcome.mig_steps = str(exc), exc.steps
-                log.error("fleet plan %s: MIG re-layout failed: %s", plan_id, exc)
-    return outcome
+                self.lifecycle.stop_quietly(key, handle)
+            except DriverError as exc:
+                result.message = f"stop failed: {exc}"
+                if mig_plan is not None:
+                    called_off = f"the re-layout was called off: sandbox {sandbox_id} did not stop ({exc})"
+                continue
+            result.stopped_ms = int(time.time() * 1000)
+        if mig_plan is not None:
+            if called_off:
+                outcome.error = called_off
+            else:
+                self._relayout(plan_id, MigPlan.from_json(mig_plan), busy, outcome)
+        return outcome
+
+    def _relayout(self, plan_id: int, plan: MigPlan, busy: dict[str, str], outcome: PlanOutcome) -> None:
+        # The control plane's busy set, and what this agent itself still runs on MIG
+        # instances: never destroy an instance under a live sandbox.
+        still = {**busy, **self.context.sandboxes.mig_instances_in_use()}
+        try:
+            self.retire_mps(plan, still)
+            outcome.mig_steps = self.mig.execute_plan(plan, still)
+        except MigError as exc:
+            outcome.error, outcome.mig_steps = str(exc), exc.steps
+            log.error("fleet plan %s: MIG re-layout failed: %s", plan_id, exc)
+
+    def retire_mps(self, plan: MigPlan, busy: dict[str, str]) -> None:
+        """Quit the MPS daemon of each free instance the plan destroys, before the destroy: an
+        MPS server outlives its last client and keeps the instance in use, so NVML would refuse
+        the destroy part-way through the re-layout (review §2.2). Busy instances are left to
+        the MIG manager, which refuses the plan for them before changing anything."""
+        for move in plan.moves:
+            if move.kind in (DESTROY, MIGRATE) and move.instance and move.instance not in busy:
+                try:
+                    self.context.mps_daemons.retire(move.instance)
+                except (MpsError, OSError) as exc:
+                    raise MigError(
+                        f"MPS daemon of {move.instance} did not stop before its destroy: {exc}"
+                    ) from exc
