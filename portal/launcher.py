@@ -19,8 +19,8 @@ from pathlib import Path
 
 from portal.demo import DEMO_HOSTS, DEMO_USERS
 from wire import config, embedded_redis
-from workers import selftest
-from workers.selftest import SelfTest
+from workers.host import selftest
+from workers.host.selftest import SelfTest
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

@@ -80,3 +80,66 @@ def test_the_scheduler_never_imports_its_research() -> None:
                 f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.startswith("scheduler.research")
             ]
     assert product and not found, "the scheduler imports its research:\n" + "\n".join(found)
+
+
+def _module_imports(top: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``top`` it imports anywhere in its file: at the top, in a
+    function, under ``if TYPE_CHECKING:`` (an annotation-only import still ties the two
+    together for a reader). ``from pkg import submodule`` counts as the submodule."""
+    paths = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted((ROOT / top).rglob("*.py"))
+    }
+    edges: dict[str, set[str]] = {module: set() for module in paths}
+    for module, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                subs = {f"{node.module}.{alias.name}" for alias in node.names} & paths.keys()
+                names = subs | ({node.module} if len(subs) < len(node.names) else set())
+            elif isinstance(node, ast.Import):
+                names = {alias.name for alias in node.names}
+            else:
+                continue
+            edges[module] |= {n for n in names if n in paths and n != module}
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in edges[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while (top := stack.pop()) != module:
+                component.append(top)
+            if component:
+                found.append(sorted([module, *component]))
+
+    for module in edges:
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_module_of_the_host_side_or_the_wire_imports_itself_round_a_cycle() -> None:
+    """import-linter leaves TYPE_CHECKING imports out and checks no cycle inside
+    ``workers``; the agent, its pool and fleet plans once imported each other that way."""
+    for top in ("workers", "wire"):
+        edges = _module_imports(top)
+        assert len(edges) > 10 and not _cycles(edges), (top, _cycles(edges))
+
+
+def test_the_cycle_scan_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -3,7 +3,7 @@ broker, the channel layer's options.
 
 Pure Python (no Django) so that a host agent needs nothing but these variables and the
 broker: REDIS_URL, GPU_BACKEND, SANDBOX_DRIVER, GPUSHARE_HOST, GPUSHARE_SIM_GPUS. What only
-an agent reads is ``workers.agent_settings``.
+an agent reads is ``workers.host.agent_settings``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def celery_broker_url(url: str) -> str:
 
 
 def hosts_file() -> Path | None:
-    """GPUSHARE_HOSTS_FILE: the simulated hosts one agent process serves (workers.agent_pool)."""
+    """GPUSHARE_HOSTS_FILE: the simulated hosts one agent process serves (workers.host.agent_pool)."""
     value = os.environ.get("GPUSHARE_HOSTS_FILE", "").strip()
     return Path(value) if value else None
 

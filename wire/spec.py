@@ -8,6 +8,7 @@ host reports it and the portal keeps it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypedDict
 
@@ -28,7 +29,7 @@ RENAMED_FIELDS = {"allocation_id": "allocation_key"}
 DRIVER_ISOLATION = {"docker": "container", "process": "process", "libvirt": "vm", "simulated": "container"}
 
 
-def renamed(data: dict[str, Any]) -> dict[str, Any]:
+def renamed(data: Mapping[str, Any]) -> dict[str, Any]:
     """``data`` with every field under its current name."""
     return {RENAMED_FIELDS.get(k, k): v for k, v in data.items()}
 
@@ -140,9 +141,11 @@ class SandboxHandle:
     sandbox_id: int
     ref: str  # container id, pid, domain uuid
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> HandleJson:
+        return HandleJson(
+            driver=self.driver, allocation_key=self.allocation_key, sandbox_id=self.sandbox_id, ref=self.ref
+        )
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SandboxHandle:
+    def from_json(cls, data: Mapping[str, Any]) -> SandboxHandle:
         return cls(**renamed(data))

@@ -62,7 +62,7 @@ def fleet_message(host: str, t_ms: int, samples: list[GpuSampleMessage]) -> Flee
 
 
 class AlertMessage(TypedDict):
-    """An alert raised or cleared by an agent's rules (workers/alerts.py), sent live to the
+    """An alert raised or cleared by an agent's rules (workers/host/alerts.py), sent live to the
     subject's groups and to ``fleet``, and to the control worker which stores it."""
 
     type: str  # "alert.changed"

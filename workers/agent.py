@@ -5,20 +5,21 @@ channel layer and reports everything else to the control queue. Run it with
 ``GPUSHARE_ROLE=agent GPUSHARE_HOST=<name> celery -A workers worker -Q host.<name> -P threads``
 (threads: the tasks and the sampler share one backend and one picture of the host).
 
-``Agent`` only puts together the parts in ``workers.host``, each with one job, and gives
-the Celery tasks below one object to call; its settings are read once, at start-up
-(``AgentSettings.from_env`` in ``get_agent``).
+This module is the agent's Celery entry, as ``workers.control`` is the control worker's:
+the tasks (named ``workers.agent.<task>``, as ``wire.dispatch`` sends them), the signals
+that self-test, start and stop it, and which agent a message is for. ``Agent``
+(``workers.host.agent``) puts together the parts in ``workers.host``, each with one job;
+its settings are read once, at start-up (``AgentSettings.from_env`` in ``get_agent``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import threading
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from celery import Task, signals
 from kombu import Queue
@@ -26,177 +27,17 @@ from kombu import Queue
 from wire import config
 from wire.celery import app, host_queue
 from wire.env import ConfigError
-from wire.messages import MigStepReport, MoveReport, PlanInventory, to_control
-from wire.spec import SandboxHandle, SandboxSpec
-from workers import moves, selftest
-from workers.agent_pool import REPORT_BUILDERS, AgentPool, SimulatedHost, read_hosts_file
-from workers.agent_settings import AgentSettings
-from workers.alerts import AlertTracker
-from workers.batch_output import OutputPump
+from wire.spec import SandboxSpec
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.base import SandboxDriver
-from workers.drivers.gpu_nodes import GpuNodes
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend
-from workers.gpu.mig import MigManager
-from workers.gpu.mps import MpsManager, SimulatedMps, mps_root
-from workers.gpu.mps_daemons import MpsDaemons
-from workers.host.faults import GpuFaults
-from workers.host.inventory import HostInventory
-from workers.host.lifecycle import SandboxLifecycle
-from workers.host.reports import HostReports
-from workers.host.sampler import Sampler
-from workers.host.sandboxes import HostSandboxes
-from workers.host.storage_meter import StorageMeter
-from workers.host.terminals import relay_stream
-from workers.host.utilization import UtilizationWindows
+from workers.host import selftest
+from workers.host.agent import Agent
+from workers.host.agent_pool import REPORT_BUILDERS, AgentPool, SimulatedHost, read_hosts_file
+from workers.host.agent_settings import AgentSettings
 
 log = logging.getLogger(__name__)
-
-
-class Agent:
-    """One host's agent: its parts, wired once."""
-
-    def __init__(
-        self,
-        host: str,
-        backend: GpuBackend,
-        driver: SandboxDriver,
-        var_dir: Path,
-        settings: AgentSettings | None = None,
-        report_builder: Executor | None = None,
-    ) -> None:
-        self.settings = settings or AgentSettings(host=host)
-        self.host, self.backend, self.driver = host, backend, driver
-        root = mps_root(var_dir, self.settings.mps_dir)
-        # Each GPU's MPS daemon up exactly while MPS shares (or an admin's MPS pin) hold it.
-        self.mps_daemons = MpsDaemons(
-            SimulatedMps(root)
-            if backend.simulated
-            else MpsManager(root, exclusive_process=self.settings.mps_exclusive_process)
-        )
-        self.mig = MigManager(backend)
-        self.sandboxes = HostSandboxes()
-        self.inventory = HostInventory(self.settings, backend, driver)
-        self.alerts = AlertTracker(host)
-        self.utilization = UtilizationWindows(self.settings.util_window_s)
-        self.output = OutputPump(driver, self.sandboxes.handles.get)
-        self.meter = StorageMeter(self.settings, driver, self.sandboxes)
-        self.lifecycle = SandboxLifecycle(
-            self.settings, backend, driver, self.sandboxes, self.inventory, self.mps_daemons,
-            self.utilization, self.output, self.meter,
-        )  # fmt: skip
-        self.reports = HostReports(
-            self.settings, backend, driver, self.sandboxes, self.inventory, self.mps_daemons,
-            self.utilization, lambda: self.alerts.version, report_builder,
-        )  # fmt: skip
-        self.faults = GpuFaults(host, backend, self.inventory, self.alerts)
-        # Real GPUs: the device nodes a sandbox binds (MIG caps nodes exist only once asked
-        # for, /dev/nvidia-uvm once something loaded the module) are made at start and after
-        # each MIG change, as libcuda would make them on the host.
-        self.device_nodes = None if backend.simulated else GpuNodes()
-        self.sampler = Sampler(
-            host, backend, self.sandboxes, self.inventory, self.reports, self.faults, self.alerts,
-            self.utilization, self.output,
-        )  # fmt: skip
-
-    # What the tasks and a fleet plan (workers.moves) call.
-
-    def launch(self, spec: SandboxSpec) -> None:
-        self.lifecycle.launch(spec)
-
-    def stop(self, allocation_key: str, handle_json: dict[str, Any] | None) -> None:
-        self.lifecycle.stop(allocation_key, handle_json)
-
-    def stop_quietly(self, allocation_key: str, handle: SandboxHandle | None) -> None:
-        self.lifecycle.stop_quietly(allocation_key, handle)
-
-    def warn(self, allocation_key: str, handle_json: dict[str, Any] | None, stop_at: float) -> None:
-        self.lifecycle.warn(allocation_key, handle_json, stop_at)
-
-    def find(self, allocation_key: str) -> SandboxHandle | None:
-        return self.lifecycle.find(allocation_key)
-
-    def mig_instances_in_use(self) -> dict[str, str]:
-        return self.sandboxes.mig_instances_in_use()
-
-    def report_inventory(self) -> None:
-        self.inventory.report()
-
-    def open_terminal(self, session: str, allocation_key: str, handle_json: dict[str, Any] | None) -> None:
-        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_key)
-        relay_stream(
-            self.driver.exec_terminal,
-            self.host,
-            session,
-            allocation_key,
-            handle,
-            self.settings.terminal_idle_s,
-            "terminal",
-        )
-
-    def open_app(self, session: str, allocation_key: str, handle_json: dict[str, Any] | None) -> None:
-        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_key)
-        relay_stream(
-            self.driver.open_app,
-            self.host,
-            session,
-            allocation_key,
-            handle,
-            self.settings.terminal_idle_s,
-            "app",
-        )
-
-    def execute_plan(
-        self, plan_id: int, stops: list[dict[str, Any]], mig_plan: dict[str, Any] | None, busy: dict[str, str]
-    ) -> None:
-        outcome = moves.execute_plan(self, plan_id, stops, mig_plan, busy)
-        results, steps, error = outcome.report()
-        inventory = None
-        if mig_plan is not None:
-            inventory = PlanInventory(
-                backend=self.backend.name, driver=self.driver.name, gpus=self.inventory.refresh()
-            )
-        # cast: until PlanOutcome.report() returns the reports it builds
-        moved, changed = cast(list[MoveReport], results), cast(list[MigStepReport], steps)
-        to_control.plan_executed(plan_id, self.host, moved, changed, error, inventory)
-
-    def gpu_mode(self, gpu_uuid: str, mode: str) -> None:
-        """An admin pinned the GPU (or let it follow demand): only a pin to MPS keeps its
-        daemon up between shares."""
-        self.mps_daemons.set_pinned(gpu_uuid, mode == "mps")
-
-    def set_alert_policy(self, policy: dict[str, Any]) -> None:
-        with self.sandboxes.lock:
-            self.alerts.set_policy(policy)
-        log.info("agent %s: alert policy %s", self.host, self.alerts.version)
-
-    def _make_device_nodes(self) -> None:
-        if self.device_nodes is not None:
-            gpus = self.inventory.gpus
-            self.device_nodes.create_missing(
-                [g.uuid for g in gpus] + [m.uuid for g in gpus for m in g.mig_devices]
-            )
-
-    def start(self) -> None:
-        self.inventory.report()
-        self._make_device_nodes()
-        # Alerts this host raised before a restart can no longer clear themselves.
-        to_control.telemetry_agent_started(self.host)
-        loop = self.sampler.sample_forever(self.settings.sample_interval_s, self.settings.heartbeat_s)
-        threading.Thread(target=asyncio.run, args=(loop,), name="agent-sampler", daemon=True).start()
-        if self.driver.storage_dir is not None:
-            threading.Thread(
-                target=self.meter.run_forever,
-                args=(self.sampler.stopping,),
-                name="agent-storage",
-                daemon=True,
-            ).start()
-
-    def shutdown(self) -> None:
-        self.sampler.stopping.set()
-        self.reports.shutdown()
-        self.backend.close()
 
 
 def refuse_state_only_on_real_gpus(backend: GpuBackend, driver: SandboxDriver) -> None:
@@ -366,9 +207,9 @@ def _self_test(**_: Any) -> None:
     except DriverUnavailable as exc:
         log.error("agent cannot start: %s\n    to fix: %s", exc, exc.remedy)
         raise SystemExit(EXIT_CANNOT_LAUNCH) from exc
-    if not agent.settings.self_test:
+    if not agent.context.settings.self_test:
         return
-    result = selftest.try_driver(agent.driver, agent.host)
+    result = selftest.try_driver(agent.context.driver, agent.host)
     if not result.ok:
         log.error("agent %s cannot start: %s", agent.host, result.describe())
         raise SystemExit(EXIT_CANNOT_LAUNCH)

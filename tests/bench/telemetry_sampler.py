@@ -25,9 +25,9 @@ from typing import Any
 
 from channels_redis.core import RedisChannelLayer
 
-from workers.agent import Agent
 from workers.drivers.process import ProcessDriver
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+from workers.host.agent import Agent
 
 SENT: list[tuple[str, str, int, int]] = []
 _group_send = RedisChannelLayer.group_send
@@ -49,7 +49,8 @@ async def main(host: str, spec: str, interval_s: float, out: Path) -> None:
     # Never launches anything: the process driver only needs a folder to list (empty).
     driver = ProcessDriver(Path(tempfile.mkdtemp(prefix="bench-sampler-")), host=host)
     agent = Agent(host, backend, driver, Path(tempfile.mkdtemp(prefix="bench-agent-")))
-    agent.inventory.refresh()  # what the worker's start() does, without reporting it to a control queue
+    # What the worker's start() does, without reporting it to a control queue.
+    agent.context.inventory.refresh()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, agent.shutdown)
     # One heartbeat at the first tick (to a control queue nobody reads), none after.
     await agent.sampler.sample_forever(interval_s, heartbeat_s=86_400)

@@ -32,7 +32,7 @@ from tests.bench.openb_fleet import OPENB_BENCH, seed_openb
 from tests.portal.helpers import client_for
 from tests.portal.test_metrics import TOKEN, message
 from wire.telemetry import SandboxFigures
-from workers.telemetry import store_latest
+from workers.host.telemetry import store_latest
 
 pytestmark = OPENB_BENCH
 ROOT = Path(__file__).resolve().parents[2]

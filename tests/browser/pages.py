@@ -78,8 +78,8 @@ def sign_in(page: Any, base: str, username: str, then: str) -> None:
 def publish(group: str, message: dict[str, Any]) -> None:
     """Send a message to a channel-layer group as an agent would. In a thread of its own:
     Playwright's sync API keeps an event loop in this one."""
-    from workers.telemetry import make_layer
-    from workers.telemetry import publish as send
+    from workers.host.telemetry import make_layer
+    from workers.host.telemetry import publish as send
 
     failure: list[BaseException] = []
 

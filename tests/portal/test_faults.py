@@ -16,9 +16,9 @@ from portal.telemetry.models import Alert
 from tests.portal.helpers import place_all, request
 from wire.messages import FaultReport
 from wire.telemetry import AlertMessage
-from workers.agent import Agent
 from workers.drivers.process import ProcessDriver
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+from workers.host.agent import Agent
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
@@ -153,11 +153,11 @@ def test_console_drain_needs_staff_and_a_reason(people: Any, fleet: Any) -> None
 def test_agent_keeps_a_utilization_window_per_sandbox(tmp_path: Path) -> None:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     agent = Agent("h", backend, ProcessDriver(tmp_path / "sandboxes", host="h"), tmp_path)
-    agent.utilization.window_s = 60
-    assert agent.utilization.over_window("a1") is None
+    agent.context.utilization.window_s = 60
+    assert agent.context.utilization.over_window("a1") is None
     for second, util in enumerate([90.0] * 30 + [0.0] * 90):
-        agent.utilization.note("a1", second * 1000, util)
+        agent.context.utilization.note("a1", second * 1000, util)
     # Only the last 60 s count: the busy start has left the window.
-    assert agent.utilization.over_window("a1") == (0.0, 60.0)
-    agent.utilization.note("a1", 121_000, 60.0)
-    assert agent.utilization.over_window("a1") == (1.0, 60.0)
+    assert agent.context.utilization.over_window("a1") == (0.0, 60.0)
+    agent.context.utilization.note("a1", 121_000, 60.0)
+    assert agent.context.utilization.over_window("a1") == (1.0, 60.0)

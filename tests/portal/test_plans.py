@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from django.utils import timezone
@@ -35,12 +35,11 @@ from scheduler.cluster import DeviceGrant
 from scheduler.defrag import MigPlan, apply_mig_plan
 from scheduler.gpus import CATALOG, check_layout
 from tests.portal.helpers import client_for, request
-from wire.messages import HostFacts
 from wire.spec import SandboxHandle, SandboxSpec
-from workers.agent import Agent
-from workers.agent_settings import AgentSettings
 from workers.drivers.base import SandboxStatus
 from workers.gpu.simulated import SimulatedBackend, SimulatedGpuConfig, parse_sim_spec
+from workers.host.agent import Agent
+from workers.host.agent_settings import AgentSettings
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
@@ -107,7 +106,7 @@ def simulated_host(name: str, configs: list[SimulatedGpuConfig], tmp_path: Path)
     settings = AgentSettings(host=name, mps_dir=str(tmp_path / "mps"))
     agent = Agent(name, SimulatedBackend(name, configs), MemoryDriver(), tmp_path / name, settings)  # type: ignore[arg-type]
     do_sync_inventory(
-        name, "simulated", "memory", agent.inventory.refresh(), cast(HostFacts, agent.inventory.facts())
+        name, "simulated", "memory", agent.context.inventory.refresh(), agent.context.inventory.facts()
     )
     return agent
 
@@ -142,7 +141,9 @@ def mig_grant(m: MigInstance) -> DeviceGrant:
 
 
 def layouts(agent: Agent) -> dict[str, list[tuple[str, int]]]:
-    return {g.uuid: sorted((m.profile, m.start) for m in g.mig_devices) for g in agent.backend.list_gpus()}
+    return {
+        g.uuid: sorted((m.profile, m.start) for m in g.mig_devices) for g in agent.context.backend.list_gpus()
+    }
 
 
 @pytest.fixture
@@ -187,7 +188,7 @@ def test_a_mig_relayout_runs_on_the_simulated_backend_and_matches_its_plan(
     assert plan.state == "done", plan.error
     expected = {g.uuid: sorted(g.layout()) for g in apply_mig_plan(before, planned)}
     assert layouts(mig_host) == expected  # the backend holds exactly the planned layout
-    for gpu in mig_host.backend.list_gpus():
+    for gpu in mig_host.context.backend.list_gpus():
         assert check_layout(CATALOG[gpu.model], [(m.profile, m.start) for m in gpu.mig_devices]) == []
         in_db = sorted(MigInstance.objects.filter(gpu__uuid=gpu.uuid).values_list("profile", "start"))
         assert in_db == expected[gpu.uuid]
@@ -231,7 +232,7 @@ def test_a_failing_checkpoint_hook_calls_the_relayout_off(
     hook = tmp_path / "hook"
     hook.write_text('#!/bin/sh\necho "cannot save job $GPUSHARE_SANDBOX_ID" >&2\nexit 3\n')
     hook.chmod(0o755)
-    mig_host.settings = replace(mig_host.settings, checkpoint_hook=str(hook))
+    mig_host.context.settings = replace(mig_host.context.settings, checkpoint_hook=str(hook))
     layout_before = layouts(mig_host)
 
     plan = do_start_mig_plan("mig1", "4g.40gb", max_disturbed=7)
@@ -259,7 +260,7 @@ def test_a_checkpoint_hook_runs_before_the_stop(
     hook = tmp_path / "hook"
     hook.write_text(f'#!/bin/sh\necho "$1 $GPUSHARE_SANDBOX_ID $GPUSHARE_PLAN_ID" >> {seen}\necho saved\n')
     hook.chmod(0o755)
-    mig_host.settings = replace(mig_host.settings, checkpoint_hook=str(hook))
+    mig_host.context.settings = replace(mig_host.context.settings, checkpoint_hook=str(hook))
     plan = do_start_mig_plan("mig1", "4g.40gb", max_disturbed=7)
     pump(sent_tasks, agents)
     plan.refresh_from_db()
@@ -299,7 +300,7 @@ def test_owner_stop_during_a_move_ends_the_sandbox_and_reconcile_leaves_movers_a
     mig_host.execute_plan(*execute[2])
     report = [m for m in sent_tasks if m[1] == "plan_executed"]
     sent_tasks.clear()
-    owned = mig_host.reports.owned(mig_host.driver.list_owned())
+    owned = mig_host.reports.owned(mig_host.context.driver.list_owned())
     repairs = do_reconcile_host("mig1", timezone.now(), owned)
     assert not repairs
     moved = [s for s in (a, b) if str(s.pk) in MigPlan.from_json(plan.plan).disturbed]

@@ -22,7 +22,7 @@ from portal.telemetry.consumers import GpuSamples
 from tests.e2e.platform import Platform
 from tests.factories import UserFactory
 from wire.telemetry import FLEET_GROUP
-from workers.telemetry import make_layer
+from workers.host.telemetry import make_layer
 
 
 def gpu_sample(uuid: str, t: int, padding: int = 0) -> dict[str, Any]:

@@ -12,12 +12,12 @@ import pytest
 
 from wire.spec import MpsShare, SandboxHandle, SandboxSpec
 from wire.storage import StorageMount
-from workers.agent import Agent
-from workers.agent_settings import AgentSettings
 from workers.drivers.base import SandboxStatus
 from workers.gpu.mps import MpsError, device_key, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+from workers.host.agent import Agent
+from workers.host.agent_settings import AgentSettings
 
 
 class RecordingDriver:
@@ -74,7 +74,7 @@ def agent(tmp_path: Path) -> tuple[Agent, RecordingDriver, str]:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     driver = RecordingDriver()
     a = Agent("h", backend, driver, tmp_path, AgentSettings(host="h", mps_dir=str(tmp_path / "mps")))  # type: ignore[arg-type]
-    a.inventory.refresh()
+    a.context.inventory.refresh()
     return a, driver, backend.list_gpus()[0].uuid
 
 
@@ -111,13 +111,13 @@ def test_real_gpu_starts_the_daemon_or_fails_the_launch(
     tmp_path: Path, sent_tasks: Any, monkeypatch: Any
 ) -> None:
     a, driver, device = agent(tmp_path)
-    monkeypatch.setattr(a.backend, "simulated", False)
+    monkeypatch.setattr(a.context.backend, "simulated", False)
     fake = FakeMps(tmp_path / "mps")
-    a.mps_daemons = a.lifecycle.mps_daemons = MpsDaemons(fake)  # type: ignore[arg-type]
+    a.context.mps_daemons = MpsDaemons(fake)  # type: ignore[arg-type]
     a.launch(spec(device))
     assert fake.started == [device] and len(driver.launched) == 1
     assert fake.limits == {device: (30, 4096)}  # the server's, before the sandbox starts
-    a.mps_daemons = a.lifecycle.mps_daemons = MpsDaemons(FakeMps(tmp_path / "mps", fail=True))  # type: ignore[arg-type]
+    a.context.mps_daemons = MpsDaemons(FakeMps(tmp_path / "mps", fail=True))  # type: ignore[arg-type]
     a.launch(replace(spec(device), allocation_key="a2"))
     assert len(driver.launched) == 1
     [(_, _task, (sandbox_id, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
@@ -126,7 +126,7 @@ def test_real_gpu_starts_the_daemon_or_fails_the_launch(
 
 def test_memory_reported_by_pid_is_summed_per_sandbox(tmp_path: Path) -> None:
     a, _, device = agent(tmp_path)
-    sample = a.backend.sample(device)
+    sample = a.context.backend.sample(device)
     sample = replace(sample, mem_by_owner={"pid:10": 100, "pid:11": 50, "pid:12": 7, "pid:99": 1})
     a.reports._pid_owner = {"pid:10": "a1", "pid:11": "a1", "pid:12": "a2"}
     assert (
@@ -148,7 +148,7 @@ def test_a_preemption_warning_runs_the_hook_then_signals_and_reports(tmp_path: P
         "echo saved to /ckpt\n"
     )
     hook.chmod(0o755)
-    a.settings = a.lifecycle.settings = replace(a.settings, checkpoint_hook=str(hook))
+    a.context.settings = replace(a.context.settings, checkpoint_hook=str(hook))
     warned: list[str] = []
 
     def warn(handle: SandboxHandle) -> str:
@@ -202,7 +202,7 @@ def test_a_report_taken_during_a_launch_says_the_sandbox_is_coming(tmp_path: Pat
     driver = SlowListingDriver()
     a = Agent("h", backend, driver, tmp_path, AgentSettings(host="h", mps_dir=str(tmp_path / "mps")))  # type: ignore[arg-type]
     driver.agent = a
-    a.inventory.refresh()
+    a.context.inventory.refresh()
     a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))
     assert driver.report_mid_launch == [
         {"allocation_key": "a1", "sandbox_id": 7, "state": "created", "tracked": True}
@@ -223,11 +223,11 @@ def test_a_launch_that_crashes_is_no_longer_reported_as_coming(tmp_path: Path) -
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     settings = AgentSettings(host="h", mps_dir=str(tmp_path / "mps"))
     a = Agent("h", backend, CrashingDriver(), tmp_path, settings)  # type: ignore[arg-type]
-    a.inventory.refresh()
+    a.context.inventory.refresh()
     with pytest.raises(OSError):
         a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))
     a.reports.build()
-    assert a.sandboxes.launching == {} and a.reports.ready is not None and a.reports.ready[0] == []
+    assert a.context.sandboxes.launching == {} and a.reports.ready is not None and a.reports.ready[0] == []
 
 
 def test_a_launch_reports_what_its_driver_prepares_then_launches(tmp_path: Path, sent_tasks: Any) -> None:
@@ -239,7 +239,7 @@ def test_a_launch_reports_what_its_driver_prepares_then_launches(tmp_path: Path,
     settings = AgentSettings(host="h", mps_dir=str(tmp_path / "mps"))
     driver = PullingDriver()
     a = Agent("h", backend, driver, tmp_path, settings)  # type: ignore[arg-type]
-    a.inventory.refresh()
+    a.context.inventory.refresh()
     launched = replace(spec(backend.list_gpus()[0].uuid), mps=None)
     a.launch(launched)
     tasks = [(task, args) for _, task, args in sent_tasks if task in ("launch_progress", "sandbox_launched")]

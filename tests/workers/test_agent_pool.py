@@ -1,4 +1,4 @@
-"""One agent process serving many simulated hosts (workers/agent_pool.py): the hosts file,
+"""One agent process serving many simulated hosts (workers/host/agent_pool.py): the hosts file,
 a task routed to the host whose queue it came in on, and a round of beats sent together."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from django.conf import settings
 from wire import liveness
 from wire.env import ConfigError
 from workers import agent as agent_module
-from workers.agent_pool import AgentPool, read_hosts_file
-from workers.agent_settings import AgentSettings
+from workers.host.agent_pool import AgentPool, read_hosts_file
+from workers.host.agent_settings import AgentSettings
 
 HOSTS = "name,gpus,cpus,memory_gib\nnode-a,V100M32:8,96,512\nnode-b,T4:2,32,128\ncpu-c,,64,256\n"
 
@@ -63,10 +63,14 @@ def test_a_missing_hosts_file_says_so(tmp_path: Path) -> None:
 
 def test_each_host_is_its_own_agent_with_simulated_gpus_and_the_state_only_driver(pool: AgentPool) -> None:
     a, b, c = (pool.agents[name] for name in ("node-a", "node-b", "cpu-c"))
-    assert len(a.backend.list_gpus()) == 8 and len(b.backend.list_gpus()) == 2 and c.backend.list_gpus() == []
-    assert {agent.driver.name for agent in pool.agents.values()} == {"simulated"}
-    assert a.settings.sim_host_cpus == 96 and c.settings.sim_host_memory_mib == 256 * 1024
-    assert a.settings.full_report_s == 60  # reports only when changed, and a full one a minute
+    assert (
+        len(a.context.backend.list_gpus()) == 8
+        and len(b.context.backend.list_gpus()) == 2
+        and c.context.backend.list_gpus() == []
+    )
+    assert {agent.context.driver.name for agent in pool.agents.values()} == {"simulated"}
+    assert a.context.settings.sim_host_cpus == 96 and c.context.settings.sim_host_memory_mib == 256 * 1024
+    assert a.context.settings.full_report_s == 60  # reports only when changed, and a full one a minute
 
 
 def test_a_task_goes_to_the_host_whose_queue_it_came_in_on(

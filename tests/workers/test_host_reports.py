@@ -31,7 +31,7 @@ class ListingDriver(RecordingDriver):
 
 def beats(tmp_path: Path, listing: Any) -> Any:
     a, _, _ = agent(tmp_path)
-    a.reports.driver = ListingDriver(listing)  # type: ignore[assignment]
+    a.context.driver = ListingDriver(listing)  # type: ignore[assignment]
     return a.reports
 
 

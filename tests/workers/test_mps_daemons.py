@@ -39,14 +39,13 @@ from hypothesis.stateful import (
 from scheduler.defrag import DESTROY, MigMove, MigPlan
 from wire import dispatch
 from wire.spec import MpsShare, SandboxHandle, SandboxSpec
-from workers import moves
-from workers.agent import Agent
-from workers.agent_settings import AgentSettings
 from workers.drivers.base import DriverError, SandboxStatus
 from workers.drivers.output import OutputChunk
 from workers.gpu.mps import MpsError, SimulatedMps
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
+from workers.host.agent import Agent
+from workers.host.agent_settings import AgentSettings
 
 GPUS = 4
 REPLICAS = 4
@@ -160,9 +159,9 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
     def _start_agent(self) -> Agent:
         settings = AgentSettings(host="h", mps_dir=str(self.tmp / "mps"))
         agent = Agent("h", self.backend, self.driver, self.tmp, settings)  # type: ignore[arg-type]
-        agent.mps_daemons.handover_s = 0  # a conflicting launch is refused at once, not waited for
-        agent.inventory.refresh()
-        self.driver.daemons = agent.mps_daemons
+        agent.context.mps_daemons.handover_s = 0  # a conflicting launch is refused at once, not waited for
+        agent.context.inventory.refresh()
+        self.driver.daemons = agent.context.mps_daemons
         return agent
 
     # --- the fleet as the control plane sees it --------------------------------------------
@@ -276,7 +275,7 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
         self.agent.reports.build()  # untracked sandboxes: nothing may be swept yet
         for gpu in self.gpus:
             if any(self.kind[k] == "mps" for k in self.on(gpu)):
-                assert self.agent.mps_daemons.control.running(gpu), (
+                assert self.agent.context.mps_daemons.control.running(gpu), (
                     f"{gpu}: unadopted shares lost their daemon"
                 )
         for key, stop in zip(sorted(self.driver.live), stop_first, strict=False):
@@ -296,7 +295,7 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
     def daemons_run_exactly_where_shares_are(self) -> None:
         """Right after each step, not only after a heartbeat's sweep."""
         assert not self.driver.violations, self.driver.violations
-        control = self.agent.mps_daemons.control
+        control = self.agent.context.mps_daemons.control
         for gpu in self.gpus:
             kinds = {self.kind[k] for k in self.on(gpu)}
             up = control.running(gpu)
@@ -340,8 +339,8 @@ def test_the_mps_daemon_follows_the_gpus_mode() -> None:
 def _agent(tmp_path: Path, driver: CheckingDriver) -> tuple[Agent, str]:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1"))
     agent = Agent("h", backend, driver, tmp_path, AgentSettings(host="h", mps_dir=str(tmp_path / "mps")))  # type: ignore[arg-type]
-    agent.inventory.refresh()
-    driver.daemons = agent.mps_daemons
+    agent.context.inventory.refresh()
+    driver.daemons = agent.context.mps_daemons
     return agent, backend.list_gpus()[0].uuid
 
 
@@ -373,9 +372,9 @@ def test_a_share_launched_while_the_last_one_stops_never_runs_without_its_daemon
         for thread in threads:
             thread.join()
         assert not driver.violations, driver.violations
-        assert set(driver.live) == {second} and agent.mps_daemons.control.running(gpu)
+        assert set(driver.live) == {second} and agent.context.mps_daemons.control.running(gpu)
         agent.stop(second, driver.handle(second).to_json())
-        assert not agent.mps_daemons.control.running(gpu)  # following demand: idle, no daemon
+        assert not agent.context.mps_daemons.control.running(gpu)  # following demand: idle, no daemon
 
 
 def test_a_whole_gpu_waits_for_the_last_share_to_stop_then_runs_without_the_daemon(
@@ -393,15 +392,15 @@ def test_a_whole_gpu_waits_for_the_last_share_to_stop_then_runs_without_the_daem
     agent.launch(_spec("a2", (gpu,), "dedicated"))
     stopping.join()
     assert set(driver.live) == {"a2"} and not driver.violations
-    assert not agent.mps_daemons.control.running(gpu)
-    history = agent.mps_daemons.control.history  # type: ignore[attr-defined]
+    assert not agent.context.mps_daemons.control.running(gpu)
+    history = agent.context.mps_daemons.control.history  # type: ignore[attr-defined]
     assert history == [("start", gpu), ("stop", gpu)]
 
-    agent.mps_daemons.handover_s = 0.1  # a share whose stop never comes: refused, and said why
+    agent.context.mps_daemons.handover_s = 0.1  # a share whose stop never comes: refused, and said why
     agent.launch(_spec("a3", (gpu,), "mps"))
     [(_, _task, (_, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
     assert key == "a3" and "still runs a dedicated or time-slice sandbox" in message
-    assert "a3" not in driver.live and not agent.mps_daemons.control.running(gpu)
+    assert "a3" not in driver.live and not agent.context.mps_daemons.control.running(gpu)
 
 
 def test_a_resent_launch_that_fails_leaves_the_first_copys_claim(tmp_path: Path, sent_tasks: Any) -> None:
@@ -432,9 +431,11 @@ def test_a_resent_launch_that_fails_leaves_the_first_copys_claim(tmp_path: Path,
     for copy in [stopping, *copies]:
         copy.join()
     assert calls == ["s2", "s2"] and set(driver.live) == {"s2"}
-    assert agent.mps_daemons.control.running(gpu), "the failed copy released the running share's daemon"
+    assert agent.context.mps_daemons.control.running(gpu), (
+        "the failed copy released the running share's daemon"
+    )
     agent.stop("s2", driver.handle("s2").to_json())
-    assert not agent.mps_daemons.control.running(gpu) and not driver.violations
+    assert not agent.context.mps_daemons.control.running(gpu) and not driver.violations
 
 
 def test_a_gpu_pinned_to_mps_keeps_its_daemon_until_it_is_unpinned(tmp_path: Path, sent_tasks: Any) -> None:
@@ -442,11 +443,11 @@ def test_a_gpu_pinned_to_mps_keeps_its_daemon_until_it_is_unpinned(tmp_path: Pat
     agent, gpu = _agent(tmp_path, driver)
     agent.launch(_spec("a1", (gpu,), "mps", pinned=True))
     agent.stop("a1", driver.handle("a1").to_json())
-    assert agent.mps_daemons.control.running(gpu)  # pinned: it stays up between shares
+    assert agent.context.mps_daemons.control.running(gpu)  # pinned: it stays up between shares
     agent.reports.build()  # and the heartbeat's sweep leaves it
-    assert agent.mps_daemons.control.running(gpu)
+    assert agent.context.mps_daemons.control.running(gpu)
     agent.gpu_mode(gpu, "auto")  # the admin lets it follow demand
-    assert not agent.mps_daemons.control.running(gpu)
+    assert not agent.context.mps_daemons.control.running(gpu)
 
 
 def test_a_daemon_left_up_by_an_agent_that_died_is_stopped_once_nothing_is_left_to_adopt(
@@ -457,12 +458,12 @@ def test_a_daemon_left_up_by_an_agent_that_died_is_stopped_once_nothing_is_left_
     agent.launch(_spec("a1", (gpu,), "mps"))
     restarted, _ = _agent(tmp_path, driver)  # the daemon's marker survives, like its pid file
     restarted.reports.build()  # a1 runs, untracked: its daemon must stay
-    assert restarted.mps_daemons.control.running(gpu)
+    assert restarted.context.mps_daemons.control.running(gpu)
     restarted.stop("a1", driver.handle("a1").to_json())  # an orphan's stop: it was never adopted
     restarted.reports.build()  # nothing runs and nothing is left to adopt: the daemon goes
-    assert not restarted.mps_daemons.control.running(gpu)
-    assert isinstance(restarted.mps_daemons.control, SimulatedMps)
-    assert restarted.mps_daemons.control.history == [("stop", gpu)]
+    assert not restarted.context.mps_daemons.control.running(gpu)
+    assert isinstance(restarted.context.mps_daemons.control, SimulatedMps)
+    assert restarted.context.mps_daemons.control.history == [("stop", gpu)]
 
 
 def test_a_cpu_only_sandbox_claims_no_gpu(tmp_path: Path, sent_tasks: Any) -> None:
@@ -472,7 +473,7 @@ def test_a_cpu_only_sandbox_claims_no_gpu(tmp_path: Path, sent_tasks: Any) -> No
     agent.launch(_spec("a2", (gpu,), "mps"))
     assert set(driver.live) == {"a1", "a2"} and not driver.violations
     agent.stop("a1", driver.handle("a1").to_json())
-    assert agent.mps_daemons.control.running(gpu)  # the share still holds it
+    assert agent.context.mps_daemons.control.running(gpu)  # the share still holds it
 
 
 def test_the_server_holds_every_share_to_the_largest_one_on_its_gpu(tmp_path: Path, sent_tasks: Any) -> None:
@@ -481,7 +482,7 @@ def test_the_server_holds_every_share_to_the_largest_one_on_its_gpu(tmp_path: Pa
     environment gets no more than the largest grant on the GPU."""
     driver = CheckingDriver()
     agent, gpu = _agent(tmp_path, driver)
-    control = agent.mps_daemons.control
+    control = agent.context.mps_daemons.control
     assert isinstance(control, SimulatedMps)
     agent.launch(_spec("a1", (gpu,), "mps"))  # 20 %, 2 GiB
     assert control.limits(gpu) == (20, 2048)
@@ -505,11 +506,11 @@ def test_a_share_whose_limits_the_daemon_refuses_does_not_run(
     def refuse(device: str, thread_pct: int, memory_mib: int) -> None:
         raise MpsError("Unrecognized command")
 
-    monkeypatch.setattr(agent.mps_daemons.control, "set_server_limits", refuse)
+    monkeypatch.setattr(agent.context.mps_daemons.control, "set_server_limits", refuse)
     agent.launch(_spec("a1", (gpu,), "mps"))
     [(_, _task, (_, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
     assert key == "a1" and "Unrecognized command" in message
-    assert not driver.live and not agent.mps_daemons.control.running(gpu)  # not left up idle
+    assert not driver.live and not agent.context.mps_daemons.control.running(gpu)  # not left up idle
 
 
 def test_a_mig_re_layout_quits_the_instances_mps_daemon_before_destroying_it(
@@ -521,13 +522,13 @@ def test_a_mig_re_layout_quits_the_instances_mps_daemon_before_destroying_it(
     driver = CheckingDriver()
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:1:mig=0"))
     agent = Agent("h", backend, driver, tmp_path, AgentSettings(host="h", mps_dir=str(tmp_path / "mps")))  # type: ignore[arg-type]
-    agent.inventory.refresh()
-    driver.daemons = agent.mps_daemons
+    agent.context.inventory.refresh()
+    driver.daemons = agent.context.mps_daemons
     gpu = backend.list_gpus()[0].uuid
     doomed, *_ = backend.mig_layout(gpu)
     agent.launch(_spec("a1", (doomed.uuid,), "mps", pinned=True))
     agent.stop("a1", driver.handle("a1").to_json())
-    control = agent.mps_daemons.control
+    control = agent.context.mps_daemons.control
     assert control.running(doomed.uuid)  # pinned: up between shares, as its server would be
     destroy = backend.destroy_mig
     held: list[bool] = []
@@ -539,7 +540,7 @@ def test_a_mig_re_layout_quits_the_instances_mps_daemon_before_destroying_it(
     monkeypatch.setattr(backend, "destroy_mig", destroy_unless_held)
     move = MigMove(DESTROY, gpu, doomed.profile, doomed.start, instance=doomed.uuid)
     plan = MigPlan(doomed.profile, gpu, doomed.start, (move,), ())
-    outcome = moves.execute_plan(agent, 9, [], plan.to_json(), {})
+    outcome = agent.plans.execute(9, [], plan.to_json(), {})
     assert outcome.error == "" and held == [False]
     assert doomed.uuid not in {m.uuid for m in backend.mig_layout(gpu)}
 
@@ -547,9 +548,9 @@ def test_a_mig_re_layout_quits_the_instances_mps_daemon_before_destroying_it(
     survivor, *_ = backend.mig_layout(gpu)
     agent.launch(_spec("a2", (survivor.uuid,), "mps"))
     move = MigMove(DESTROY, gpu, survivor.profile, survivor.start, instance=survivor.uuid)
-    outcome = moves.execute_plan(agent, 10, [], MigPlan(survivor.profile, gpu, 0, (move,), ()).to_json(), {})
+    outcome = agent.plans.execute(10, [], MigPlan(survivor.profile, gpu, 0, (move,), ()).to_json(), {})
     assert "it holds sandbox 2; stop the sandbox first" in outcome.error
     assert control.running(survivor.uuid) and held == [False]
     with pytest.raises(MpsError, match="MPS shares still run on"):  # asked directly, it says so too
-        agent.mps_daemons.retire(survivor.uuid)
+        agent.context.mps_daemons.retire(survivor.uuid)
     assert control.running(survivor.uuid)

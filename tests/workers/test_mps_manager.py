@@ -30,9 +30,9 @@ import pytest
 
 from wire import uids
 from wire.spec import MpsShare, SandboxSpec
-from workers.agent_settings import AgentSettings
 from workers.gpu import mps
 from workers.gpu.mps import PID_FILE, MpsError, MpsManager, SimulatedMps, _alive, device_key, mps_root
+from workers.host.agent_settings import AgentSettings
 
 GPU_A = "GPU-0d6bde6e-8b1e-4a4a-9a64-6a3c2c2f5a10"
 GPU_B = "GPU-5b3f0b83-2f5e-4b63-a3a8-9a0b5f1c7e22"

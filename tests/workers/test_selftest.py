@@ -13,10 +13,10 @@ import pytest
 from portal import launcher
 from tests.workers.engines import require_engine
 from wire.celery import CHATTY_LOGGERS, _quiet_task_lines
-from workers import selftest
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.process import bwrap_available
-from workers.selftest import SelfTest
+from workers.host import selftest
+from workers.host.selftest import SelfTest
 
 ROOT = Path(__file__).resolve().parents[2]
 

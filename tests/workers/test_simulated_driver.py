@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 
 from wire.spec import DRIVER_ISOLATION, SandboxSpec
-from workers import selftest
 from workers.agent import refuse_state_only_on_real_gpus
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.base import DriverError
 from workers.drivers.simulated import SimulatedDriver
+from workers.host import selftest
 
 
 def spec(allocation: str, sandbox: int) -> SandboxSpec:

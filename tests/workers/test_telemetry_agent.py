@@ -14,12 +14,12 @@ from redis.asyncio import Redis as AsyncRedis
 
 from wire.spec import SandboxSpec
 from wire.telemetry import GpuSampleMessage, SandboxFigures, read_latest
-from workers.agent import Agent
-from workers.alerts import XID_QUIET_S, AlertTracker
 from workers.drivers.process import ProcessDriver
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 from workers.host import sampler as sampler_module
-from workers.rollups import MinuteRollups
+from workers.host.agent import Agent
+from workers.host.alerts import XID_QUIET_S, AlertTracker
+from workers.host.rollups import MinuteRollups
 
 
 def sample(t_ms: int = 0, **values: Any) -> GpuSampleMessage:
@@ -195,13 +195,13 @@ def test_a_tick_streams_rolls_up_raises_and_stores(
 ) -> None:
     backend = SimulatedBackend("h", parse_sim_spec("H100-80GB:2:mig=1"))
     agent = Agent("h", backend, ProcessDriver(tmp_path / "sandboxes", host="h"), tmp_path)
-    agent.inventory.refresh()
+    agent.context.inventory.refresh()
     plain, mig_gpu = backend.list_gpus()
     device = mig_gpu.mig_devices[0].uuid
-    agent.sandboxes.running["a1"] = SandboxSpec(
+    agent.context.sandboxes.running["a1"] = SandboxSpec(
         "a1", 7, "h", "vision", "olivia", "img", (), (plain.uuid,), False, tier="dedicated"
     )
-    agent.sandboxes.running["a2"] = SandboxSpec(
+    agent.context.sandboxes.running["a2"] = SandboxSpec(
         "a2", 8, "h", "vision", "olivia", "img", (), (device,), False, tier="mig"
     )
     backend.inject_overheat(plain.uuid, 95.0)
@@ -209,7 +209,7 @@ def test_a_tick_streams_rolls_up_raises_and_stores(
     clock = {"now": 60_000}
     monkeypatch.setattr(sampler_module, "now_ms", lambda: clock["now"])
 
-    closed: list[dict[str, Any]] = []
+    closed: list[Any] = []
 
     async def ticks(n: int) -> None:
         client = AsyncRedis.from_url(settings.REDIS_URL)
@@ -253,4 +253,4 @@ def test_heartbeat_carries_the_alert_policy_version(tmp_path: Path, sent_tasks: 
     agent.set_alert_policy({"version": "abc", "fleet": {"temp_high_c": 70, "temp_clear_c": 60}})
     agent.reports.heartbeat()
     [(_q, _t, ([sent],))] = [t for t in sent_tasks if t[1] == "agent_heartbeats"]
-    assert sent["alerts_version"] == "abc" and agent.alerts.fleet["temp_high_c"] == 70
+    assert sent["alerts_version"] == "abc" and agent.context.alerts.fleet["temp_high_c"] == 70

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 from workers.drivers.base import SandboxDriver
+from workers.drivers.unavailable import DriverUnavailable, install_command
+
+__all__ = ["DRIVER_KINDS", "DriverUnavailable", "install_command", "make_driver"]
 
 DRIVER_KINDS = ("docker", "process", "libvirt", "simulated", "auto")
-# The isolation level each driver gives a sandbox: a host runs one driver, so it serves
-# only requests for that level (a VM request must never get a container). The state-only
-# driver of simulated hosts stands in for containers, the level most requests ask for.
-DRIVER_ISOLATION = {"docker": "container", "process": "process", "libvirt": "vm", "simulated": "container"}
+# The isolation level each gives a sandbox is wire.spec.DRIVER_ISOLATION (the portal places by it).
 
 
 USERNS_REMEDY = (
@@ -21,30 +20,6 @@ USERNS_REMEDY = (
     "kernel.apparmor_restrict_unprivileged_userns=0); elsewhere sysctl -w "
     "kernel.unprivileged_userns_clone=1 user.max_user_namespaces=15000"
 )
-
-
-class DriverUnavailable(RuntimeError):
-    """The driver cannot be used on this host at all: what is missing, and how to get it."""
-
-    def __init__(self, driver: str, reason: str, remedy: str) -> None:
-        super().__init__(f"{driver}: {reason}")
-        self.driver = driver
-        self.reason = reason
-        self.remedy = remedy
-
-
-def install_command(package: str) -> str:
-    """The command that installs a distribution package here (with sudo unless root)."""
-    sudo = "" if os.geteuid() == 0 else "sudo "
-    for tool, command in (
-        ("apt-get", f"apt-get install -y {package}"),
-        ("dnf", f"dnf install -y {package}"),
-        ("zypper", f"zypper install -y {package}"),
-        ("pacman", f"pacman -S --noconfirm {package}"),
-    ):
-        if shutil.which(tool):
-            return sudo + command
-    return f"install the '{package}' package with your distribution's package manager"
 
 
 def make_driver(kind: str, host: str, state_dir: Path) -> SandboxDriver:

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from wire import uids
-from workers.drivers import DriverUnavailable, install_command, storage
+from workers.drivers import storage
 
 try:
     import libvirt
@@ -63,6 +63,7 @@ from wire.spec import LABEL_PREFIX, SandboxHandle, SandboxSpec
 from workers.drivers.base import DriverError, SandboxStatus
 from workers.drivers.output import OutputChunk
 from workers.drivers.storage import BoundStorage
+from workers.drivers.unavailable import DriverUnavailable, install_command
 
 log = logging.getLogger(__name__)
 

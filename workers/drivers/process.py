@@ -74,7 +74,7 @@ from typing import Any
 from wire import uids
 from wire.config import apps_root, storage_root
 from wire.spec import SandboxHandle, SandboxSpec
-from workers.drivers import DriverUnavailable, app_socket, output, procfs, seccomp, storage
+from workers.drivers import app_socket, output, procfs, seccomp, storage
 from workers.drivers.base import (
     PROTECTED_HOST_PATHS,
     DriverError,
@@ -85,6 +85,7 @@ from workers.drivers.base import (
 from workers.drivers.cgroups import Limits, make_cgroups, oom_kills, remove_cgroups, rlimits
 from workers.drivers.gpu_nodes import GpuNodes, Node
 from workers.drivers.process_terminal import ProcessTerminal
+from workers.drivers.unavailable import DriverUnavailable
 
 log = logging.getLogger(__name__)
 

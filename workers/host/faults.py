@@ -21,9 +21,7 @@ from wire.messages import FaultReport, to_control
 from wire.spec import SandboxSpec
 from wire.telemetry import AlertMessage
 from wire.xids import describe, is_application
-from workers.alerts import AlertTracker
-from workers.gpu.base import GpuBackend
-from workers.host.inventory import HostInventory
+from workers.host.context import HostContext
 
 log = logging.getLogger(__name__)
 # Fault event kind -> the alert kind that tells of it.
@@ -38,13 +36,9 @@ def is_application_fault(event: dict[str, Any]) -> bool:
 
 
 class GpuFaults:
-    def __init__(
-        self, host: str, backend: GpuBackend, inventory: HostInventory, alerts: AlertTracker
-    ) -> None:
-        self.host = host
-        self.backend = backend
-        self.inventory = inventory
-        self.alerts = alerts
+    def __init__(self, context: HostContext) -> None:
+        self.context = context
+        self.host = context.host
         self.last_xid: dict[str, int] = {}  # GPU uuid -> the last XID it reported (for /metrics)
         self.lost: set[str] = set()  # GPUs that stopped answering: their alerts stay open
 
@@ -55,7 +49,7 @@ class GpuFaults:
             return
         log.error("GPU %s on %s stopped answering: no longer sampled", uuid, self.host)
         self.lost.add(uuid)
-        self.inventory.drop(uuid)
+        self.context.inventory.drop(uuid)
 
     def report(
         self, running: dict[str, SandboxSpec], alert_changes: list[AlertMessage], parent_of: dict[str, str]
@@ -63,7 +57,7 @@ class GpuFaults:
         """This tick's faults: the device faults to the control worker (it drains), one
         alert per fault. ``alert_changes`` are this tick's rule alerts: a GPU's raised
         temperature alert is a fault (its own alert already)."""
-        events = [dataclasses.asdict(e) for e in self.backend.fault_events()]
+        events = [dataclasses.asdict(e) for e in self.context.backend.fault_events()]
         for change in alert_changes:
             if change["kind"] == "temperature" and change["state"] == "raised" and change["sandbox"] is None:
                 events.append(
@@ -106,13 +100,13 @@ class GpuFaults:
         if not is_application_fault(event):
             value = float(event.get("xid") or 0)
             text = detail or (describe(int(event["xid"])) if kind == "xid" else event["kind"])
-            return self.alerts.note_fault(gpu_uuid, kind, value, text, t_ms)
+            return self.context.alerts.note_fault(gpu_uuid, kind, value, text, t_ms)
         on_device = sandboxes_hit(device, {s.sandbox_id: s.device_uuids for s in running.values()}, parent_of)
         if not on_device:
             log.warning("application XID %s on %s with no sandbox on it: %s", event["xid"], device, detail)
             return []
         text = f"{detail or describe(int(event['xid']))}, from a program in the sandbox; the GPU is fine"
-        return self.alerts.note_fault(gpu_uuid, kind, float(event["xid"]), text, t_ms, on_device)
+        return self.context.alerts.note_fault(gpu_uuid, kind, float(event["xid"]), text, t_ms, on_device)
 
 
 def sandboxes_hit(

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any, cast
+from typing import Any
 
 from wire.messages import HostFacts, to_control
-from workers.agent_settings import AgentSettings
 from workers.drivers.base import SandboxDriver
 from workers.gpu.base import GpuBackend, GpuInfo
+from workers.host.agent_settings import AgentSettings
 
 
 class HostInventory:
@@ -36,7 +36,7 @@ class HostInventory:
         sizes.update({m.uuid: m.memory_mib for g in self.gpus for m in g.mig_devices})
         return sizes.get(uuid, default)
 
-    def facts(self) -> dict[str, int]:
+    def facts(self) -> HostFacts:
         """CPU and memory this host offers sandboxes. A simulated host reports the size
         GPUSHARE_SIM_HOST gives it (default 64 cores, 512 GiB), not the machine's own."""
         if self.backend.simulated:
@@ -45,7 +45,6 @@ class HostInventory:
         return {"cpu_cores": os.cpu_count() or 1, "memory_mib": pages // 2**20}
 
     def report(self) -> None:
-        facts = cast(HostFacts, self.facts())  # cast: until facts() returns the HostFacts it builds
         to_control.agent_inventory(
-            self.settings.host, self.backend.name, self.driver.name, self.refresh(), facts
+            self.settings.host, self.backend.name, self.driver.name, self.refresh(), self.facts()
         )

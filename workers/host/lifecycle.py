@@ -5,20 +5,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import Any
 
 from wire.messages import to_control
-from wire.spec import DRIVER_ISOLATION, HandleJson, SandboxHandle, SandboxSpec
-from workers.agent_settings import AgentSettings
-from workers.batch_output import OutputPump
-from workers.checkpoint import run_checkpoint_hook
-from workers.drivers.base import DriverError, SandboxDriver
-from workers.gpu.base import GpuBackend
-from workers.gpu.mps_daemons import MpsDaemons
-from workers.host.inventory import HostInventory
-from workers.host.sandboxes import HostSandboxes
+from wire.spec import DRIVER_ISOLATION, SandboxHandle, SandboxSpec
+from workers.drivers.base import DriverError
+from workers.host.checkpoint import run_checkpoint_hook
+from workers.host.context import HostContext
 from workers.host.storage_meter import StorageMeter
-from workers.host.utilization import UtilizationWindows
 
 log = logging.getLogger(__name__)
 
@@ -28,65 +23,52 @@ def now_ms() -> int:
 
 
 class SandboxLifecycle:
-    def __init__(
-        self,
-        settings: AgentSettings,
-        backend: GpuBackend,
-        driver: SandboxDriver,
-        sandboxes: HostSandboxes,
-        inventory: HostInventory,
-        mps_daemons: MpsDaemons,
-        utilization: UtilizationWindows,
-        output: OutputPump,
-        meter: StorageMeter,
-    ) -> None:
-        self.settings = settings
-        self.backend = backend
-        self.driver = driver
-        self.sandboxes = sandboxes
-        self.inventory = inventory
-        self.mps_daemons = mps_daemons
-        self.utilization = utilization
-        self.output = output
+    """Launches and stops the sandboxes of one host; after a stop, its storage meter
+    reports what the sandbox's volumes hold."""
+
+    def __init__(self, context: HostContext, meter: StorageMeter) -> None:
+        self.context = context
         self.meter = meter
 
     def launch(self, spec: SandboxSpec) -> None:
-        box = self.sandboxes
+        box = self.context.sandboxes
         with box.lock:
             if spec.allocation_key in box.stopped:
                 log.info("launch of %s ignored: it was stopped already", spec.allocation_key)
                 return
-        gives = DRIVER_ISOLATION.get(self.driver.name)
+        gives = DRIVER_ISOLATION.get(self.context.driver.name)
         if spec.isolation and gives and spec.isolation != gives:
             # The scheduler places by isolation level; a mismatch means a stale or forged
             # message, and running it anyway would give weaker isolation than was asked for.
-            self._failed(spec, f"host {self.settings.host} runs {gives} sandboxes, not {spec.isolation}")
+            self._failed(spec, f"host {self.context.host} runs {gives} sandboxes, not {spec.isolation}")
             return
         # Before the driver: its GPU's MPS daemon up for a share, down for anything else. A
         # repeated launch of what runs or is being launched claims nothing (``claim.new``), so
         # its failure leaves the first copy's claim alone.
-        claim = self.mps_daemons.claim(spec)
+        claim = self.context.mps_daemons.claim(spec)
         if claim.refusal:
             self._failed(spec, claim.refusal)
             return
         if spec.mps is not None and not spec.mps.pipe_dir and spec.device_uuids:
-            pipe = self.mps_daemons.control.pipe_dir(spec.device_uuids[0])
+            pipe = self.context.mps_daemons.control.pipe_dir(spec.device_uuids[0])
             spec = dataclasses.replace(spec, mps=dataclasses.replace(spec.mps, pipe_dir=str(pipe)))
         with box.lock:
             box.launching[spec.allocation_key] = spec.sandbox_id
         try:
-            self.driver.prepare(spec, lambda line: to_control.launch_progress(spec.allocation_key, line))
-            handle = self.driver.launch(spec)
+            self.context.driver.prepare(
+                spec, lambda line: to_control.launch_progress(spec.allocation_key, line)
+            )
+            handle = self.context.driver.launch(spec)
         except BaseException as exc:  # a refusal (reported) or a bug (the task fails)
             with box.lock:
                 box.launching.pop(spec.allocation_key, None)
             if claim.new:
-                self.mps_daemons.release(spec.allocation_key)
+                self.context.mps_daemons.release(spec.allocation_key)
             if not isinstance(exc, DriverError):
                 raise
             self._failed(spec, str(exc))
             return
-        started = self.driver.status(handle).started_at_ms or now_ms()
+        started = self.context.driver.status(handle).started_at_ms or now_ms()
         with box.lock:
             box.launching.pop(spec.allocation_key, None)  # the driver lists it from now on
             stopped_meanwhile = spec.allocation_key in box.stopped
@@ -94,22 +76,22 @@ class SandboxLifecycle:
                 box.running[spec.allocation_key] = spec
                 box.handles[spec.allocation_key] = handle
         if stopped_meanwhile:  # the stop overtook this launch: undo it, report nothing
-            self.driver.stop(handle, grace_s=0)
-            self.mps_daemons.release(spec.allocation_key)
+            self.context.driver.stop(handle, grace_s=0)
+            self.context.mps_daemons.release(spec.allocation_key)
             return
         if spec.device_uuids:  # a CPU-only sandbox loads no GPU
             mem, util = self._simulated_load(spec)
-            self.backend.note_load(spec.allocation_key, list(spec.device_uuids), mem, util)
-        to_control.sandbox_launched(spec.allocation_key, cast(HandleJson, handle.to_json()), started)
+            self.context.backend.note_load(spec.allocation_key, list(spec.device_uuids), mem, util)
+        to_control.sandbox_launched(spec.allocation_key, handle.to_json(), started)
 
-    def stop(self, allocation_key: str, handle_json: dict[str, Any] | None) -> None:
+    def stop(self, allocation_key: str, handle_json: Mapping[str, Any] | None) -> None:
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_key)
         spec = self.stop_quietly(allocation_key, handle)
         to_control.sandbox_stopped(allocation_key, now_ms())
         if spec is not None:  # what its volumes hold now: after the stop's report, never delaying it
             self.meter.report(spec)
 
-    def warn(self, allocation_key: str, handle_json: dict[str, Any] | None, stop_at: float) -> None:
+    def warn(self, allocation_key: str, handle_json: Mapping[str, Any] | None, stop_at: float) -> None:
         """A preemption's warning, before the stop the control worker sends at ``stop_at``
         (epoch seconds): the checkpoint hook first, while the job is whole, given at most half
         the time left so the job still has the rest after its SIGTERM; then the driver's
@@ -119,15 +101,15 @@ class SandboxLifecycle:
             to_control.sandbox_warned(allocation_key, "no such sandbox on the host")
             return
         left = max(0.0, stop_at - time.time())
-        timeout = max(1.0, min(float(self.settings.checkpoint_timeout_s), left / 2))
+        timeout = max(1.0, min(float(self.context.settings.checkpoint_timeout_s), left / 2))
         why = {
             "GPUSHARE_CHECKPOINT_REASON": "preemption",
             "GPUSHARE_STOP_AT": str(int(stop_at)),
             "GPUSHARE_STOP_IN_S": str(int(left)),
         }
-        hook = run_checkpoint_hook(handle, self.settings.checkpoint_hook, timeout, why)
+        hook = run_checkpoint_hook(handle, self.context.settings.checkpoint_hook, timeout, why)
         try:
-            signalled = self.driver.warn(handle)
+            signalled = self.context.driver.warn(handle)
         except DriverError as exc:
             signalled = f"could not signal it: {exc}"
         said = "no checkpoint hook" if hook is None else hook[1]
@@ -137,24 +119,24 @@ class SandboxLifecycle:
         """Stop a sandbox and forget it, reporting nothing: ``stop`` reports the stop, a fleet
         plan's report says it stopped (and the control plane relaunches it elsewhere). Returns
         its spec, when this agent launched it."""
-        box = self.sandboxes
+        box = self.context.sandboxes
         with box.lock:
             box.stopped.add(allocation_key)  # a late launch must not revive it
             spec = box.running.get(allocation_key)
         if handle is not None:
-            self.output.flush(spec, handle)  # a batch's last lines, before its files go
-            self.driver.stop(handle, grace_s=self.settings.stop_grace_s)
+            self.context.output.flush(spec, handle)  # a batch's last lines, before its files go
+            self.context.driver.stop(handle, grace_s=self.context.settings.stop_grace_s)
         # Its processes are gone: the last share on a GPU that follows demand stops its daemon.
-        self.mps_daemons.release(allocation_key)
-        self.backend.forget_load(allocation_key)
+        self.context.mps_daemons.release(allocation_key)
+        self.context.backend.forget_load(allocation_key)
         with box.lock:
             box.running.pop(allocation_key, None)
             box.handles.pop(allocation_key, None)
-        self.utilization.forget(allocation_key)
+        self.context.utilization.forget(allocation_key)
         return spec
 
     def find(self, allocation_key: str) -> SandboxHandle | None:
-        return next((h for h in self.driver.list_owned() if h.allocation_key == allocation_key), None)
+        return next((h for h in self.context.driver.list_owned() if h.allocation_key == allocation_key), None)
 
     def _failed(self, spec: SandboxSpec, message: str) -> None:
         to_control.sandbox_launch_failed(spec.sandbox_id, spec.allocation_key, message)
@@ -163,4 +145,4 @@ class SandboxLifecycle:
         """What a sandbox puts on a simulated GPU; real backends measure it instead."""
         if spec.mps is not None:  # most of its pinned-memory limit, not all of it: no alert
             return int(spec.mps.memory_mib * 0.8), float(spec.mps.thread_pct) * 0.9
-        return int(self.inventory.device_memory_mib(spec.device_uuids[0]) * 0.4), 85.0
+        return int(self.context.inventory.device_memory_mib(spec.device_uuids[0]) * 0.4), 85.0

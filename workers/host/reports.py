@@ -20,14 +20,10 @@ from wire import config, liveness
 from wire.liveness import Beat
 from wire.messages import to_control
 from wire.spec import SandboxHandle
-from workers.agent_settings import AgentSettings
-from workers.drivers.base import DriverError, SandboxDriver
-from workers.gpu.base import GpuBackend, GpuSample
-from workers.gpu.mps_daemons import MpsDaemons
-from workers.host.inventory import HostInventory
+from workers.drivers.base import DriverError
+from workers.gpu.base import GpuSample
+from workers.host.context import HostContext
 from workers.host.lifecycle import now_ms
-from workers.host.sandboxes import HostSandboxes
-from workers.host.utilization import UtilizationWindows
 
 log = logging.getLogger(__name__)
 # A report still being built after this long is logged with where it is stuck: meanwhile
@@ -54,29 +50,13 @@ def send_beats(client: redis.Redis, beats: list[Beat]) -> None:
 
 
 class HostReports:
-    def __init__(
-        self,
-        settings: AgentSettings,
-        backend: GpuBackend,
-        driver: SandboxDriver,
-        sandboxes: HostSandboxes,
-        inventory: HostInventory,
-        mps_daemons: MpsDaemons,
-        utilization: UtilizationWindows,
-        alert_version: Callable[[], str],
-        builder: Executor | None = None,
-    ) -> None:
-        self.settings = settings
-        self.backend = backend
-        self.driver = driver
-        self.sandboxes = sandboxes
-        self.inventory = inventory
-        self.mps_daemons = mps_daemons
-        self.utilization = utilization
-        self.alert_version = alert_version
+    """This host's heartbeat and the report of what it runs, built on a thread of its own."""
+
+    def __init__(self, context: HostContext, builder: Executor | None = None) -> None:
+        self.context = context
         self._redis: redis.Redis | None = None  # liveness key, written with each heartbeat
         self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
-        # Its own thread, or a few a process serving many hosts shares (workers.agent_pool).
+        # Its own thread, or a few a process serving many hosts shares (workers.host.agent_pool).
         self._own_builder = builder is None
         self._builder = builder or ThreadPoolExecutor(1, thread_name_prefix="agent-report")
         self._job: Future[None] | None = None
@@ -85,7 +65,7 @@ class HostReports:
         self._stuck_logged = False
         self._job_lock = threading.Lock()
         self.ready: tuple[list[dict[str, Any]], int] | None = None
-        self.gate = ReportGate(settings.host, settings.full_report_s)
+        self.gate = ReportGate(context.host, context.settings.full_report_s)
 
     def heartbeat(self) -> None:
         """Beat: this host's liveness in Redis, and its beat to the control queue."""
@@ -115,13 +95,13 @@ class HostReports:
         if owned is not None and not self.gate.passes(owned):
             owned, owned_ms = None, None
         return Beat(
-            host=self.settings.host,
+            host=self.context.host,
             t_ms=now_ms(),
-            backend=self.backend.name,
-            driver=self.driver.name,
+            backend=self.context.backend.name,
+            driver=self.context.driver.name,
             owned=owned,
             owned_ms=owned_ms,
-            alerts_version=self.alert_version(),
+            alerts_version=self.context.alerts.version,
         )
 
     def _liveness_redis(self) -> redis.Redis:
@@ -137,10 +117,12 @@ class HostReports:
     def build(self) -> None:
         self._job_thread = threading.get_ident()
         taken_ms = now_ms()
-        with self.sandboxes.lock:  # before listing: a launch leaves this only once the driver lists it
-            launching = dict(self.sandboxes.launching)
+        with (
+            self.context.sandboxes.lock
+        ):  # before listing: a launch leaves this only once the driver lists it
+            launching = dict(self.context.sandboxes.launching)
         try:
-            handles = self.driver.list_owned()  # listed once, for all uses
+            handles = self.context.driver.list_owned()  # listed once, for all uses
             self.refresh_pid_owners(handles)
             owned = self.owned(handles, launching)
         except DriverError as exc:  # the engine is down: beat anyway, reconcile next time
@@ -149,18 +131,18 @@ class HostReports:
         if all(entry.get("tracked") for entry in owned):
             # Everything that runs here is registered with the daemons (none left to adopt
             # after a restart): a daemon no share holds was left up, and goes.
-            self.mps_daemons.sweep(g.uuid for g in self.inventory.gpus)
+            self.context.mps_daemons.sweep(g.uuid for g in self.context.inventory.gpus)
         with self._job_lock:
             self.ready = (owned, taken_ms)
 
     def refresh_pid_owners(self, handles: list[SandboxHandle]) -> None:
         """Which sandbox each host pid belongs to, for backends (NVML) that report GPU memory
         by process. Drivers without ``pids`` (or failing) leave the memory unattributed."""
-        pids_of = getattr(self.driver, "pids", None)
-        if pids_of is None or self.backend.simulated:
+        pids_of = getattr(self.context.driver, "pids", None)
+        if pids_of is None or self.context.backend.simulated:
             return
         owners: dict[str, str] = {}
-        running = set(self.sandboxes.specs())
+        running = set(self.context.sandboxes.specs())
         for handle in handles:
             if handle.allocation_key in running:
                 with contextlib.suppress(DriverError):
@@ -182,11 +164,11 @@ class HostReports:
         tracks it; and those still being launched (``launching``), as ``created``: without
         them a report taken during a launch and read once the sandbox runs would call it
         vanished (the driver's start time precedes the report, its listing does not)."""
-        tracked = set(self.sandboxes.specs())
-        self.utilization.keep_only(tracked)
+        tracked = set(self.context.sandboxes.specs())
+        self.context.utilization.keep_only(tracked)
         report = []
         for handle in handles:
-            status = self.driver.status(handle)
+            status = self.context.driver.status(handle)
             if status.state == "missing":
                 continue
             report.append(
@@ -199,7 +181,7 @@ class HostReports:
                     "started_at_ms": status.started_at_ms,
                     "handle": handle.to_json(),
                     "tracked": handle.allocation_key in tracked,
-                    "util": self.utilization.over_window(handle.allocation_key),
+                    "util": self.context.utilization.over_window(handle.allocation_key),
                 }
             )
         listed = {entry["allocation_key"] for entry in report}

@@ -8,8 +8,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
 
@@ -25,87 +25,99 @@ from wire.telemetry import (
     gpu_group,
     sandbox_group,
 )
-from workers.alerts import AlertTracker
-from workers.batch_output import OutputPump
 from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost, GpuSample
+from workers.host.context import HostContext
 from workers.host.faults import GpuFaults
-from workers.host.inventory import HostInventory
 from workers.host.lifecycle import now_ms
 from workers.host.reports import HostReports
-from workers.host.sandboxes import HostSandboxes
-from workers.host.utilization import UtilizationWindows
-from workers.rollups import MinuteRollups
-from workers.telemetry import make_layer, publish, sample_message, store_latest
+from workers.host.rollups import MinuteRollups
+from workers.host.telemetry import make_layer, publish, sample_message, store_latest
 
 log = logging.getLogger(__name__)
 FLEET_EVERY = 5  # the fleet group gets one sample in five
+ROLLUPS_PER_MESSAGE = 250  # a minute's rollups of every host of a pool, in a few messages
+
+
+async def tick_forever(
+    samplers: Sequence[Sampler],
+    interval_s: float,
+    stopping: threading.Event,
+    beat: Callable[[], None] | None = None,
+    heartbeat_s: float = 0.0,
+) -> None:
+    """The telemetry loop of one host's agent or of a pool of them: every ``interval_s``,
+    close each host's minute of rollups and send those that ended (a pool's together, in
+    messages of ``ROLLUPS_PER_MESSAGE``), then sample and publish each host. A one-host
+    agent also ``beat``s from here every ``heartbeat_s``; a pool beats on its own thread,
+    one round for all its hosts."""
+    layer = make_layer(config.redis_url())
+    latest = AsyncRedis.from_url(config.redis_url())
+    tick = 0
+    next_beat = 0.0
+    while not stopping.is_set():
+        started = time.monotonic()
+        if beat is not None and started >= next_beat:
+            next_beat = started + heartbeat_s
+            try:
+                await asyncio.to_thread(beat)
+            except Exception:  # the broker refused it: the next beat tries again
+                log.exception("heartbeat not sent")
+        closed: list[tuple[str, MinuteRollup]] = []
+        for sampler in samplers:
+            try:
+                minute = sampler.close_minute()
+            except Exception:  # one host's bug must not stop the others' streams
+                log.exception("closing the minute of %s failed", sampler.host)
+                continue
+            if minute is not None:
+                closed.append((sampler.host, minute))
+        try:
+            for start in range(0, len(closed), ROLLUPS_PER_MESSAGE):
+                rollups = closed[start : start + ROLLUPS_PER_MESSAGE]
+                await asyncio.to_thread(to_control.telemetry_host_rollups, rollups)
+        except Exception:  # the broker refused them: the live streams still go
+            log.exception("rollups not sent")
+        for sampler in samplers:
+            try:
+                await sampler.publish_all(layer, tick, latest)
+            except Exception:  # a bug must not stop the stream for good, nor the others'
+                log.exception("sampling %s failed", sampler.host)
+        tick += 1
+        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
 
 class Sampler:
-    def __init__(
-        self,
-        host: str,
-        backend: GpuBackend,
-        sandboxes: HostSandboxes,
-        inventory: HostInventory,
-        reports: HostReports,
-        faults: GpuFaults,
-        alerts: AlertTracker,
-        utilization: UtilizationWindows,
-        output: OutputPump,
-    ) -> None:
-        self.host = host
-        self.backend = backend
-        self.sandboxes = sandboxes
-        self.inventory = inventory
+    """One host's telemetry: its samples streamed, folded into rollups, judged by the alert
+    rules and the fault checks each tick (``tick_forever`` drives it)."""
+
+    def __init__(self, context: HostContext, reports: HostReports, faults: GpuFaults) -> None:
+        self.context = context
+        self.host = context.host
         self.reports = reports
         self.faults = faults
-        self.alerts = alerts
-        self.utilization = utilization
-        self.output = output
         self.rollups = MinuteRollups()
         self.stopping = threading.Event()
 
     async def sample_forever(self, interval_s: float, heartbeat_s: float) -> None:
-        layer = make_layer(config.redis_url())
-        latest = AsyncRedis.from_url(config.redis_url())
-        tick = 0
-        next_beat = 0.0
-        while not self.stopping.is_set():
-            started = time.monotonic()
-            if started >= next_beat:
-                next_beat = started + heartbeat_s
-                try:
-                    await asyncio.to_thread(self.reports.heartbeat)
-                except Exception:  # the broker refused it: the next beat tries again
-                    log.exception("heartbeat not sent")
-            try:
-                closed = self.close_minute()
-                if closed is not None:
-                    rollup = cast(MinuteRollup, closed)  # until workers/rollups.py returns one
-                    await asyncio.to_thread(to_control.telemetry_host_rollups, [(self.host, rollup)])
-                await self.publish_all(layer, tick, latest)
-            except Exception:  # a bug must not stop the stream for good
-                log.exception("sampling failed")
-            tick += 1
-            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+        """This host alone, beating every ``heartbeat_s``."""
+        await tick_forever([self], interval_s, self.stopping, self.reports.heartbeat, heartbeat_s)
 
-    def close_minute(self) -> dict[str, Any] | None:
+    def close_minute(self) -> MinuteRollup | None:
         """Before each tick's samples: the minute of rollups that ended, if one did, for the
         caller to send (a process serving many hosts sends a round of them together)."""
         return self.rollups.roll(now_ms())
 
     async def publish_all(self, layer: Any, tick: int, latest: Any) -> None:
-        running = self.sandboxes.specs()
+        running = self.context.sandboxes.specs()
         t_ms = now_ms()
-        parent_of = self.inventory.parent_of()
+        parent_of = self.context.inventory.parent_of()
         # Every GPU and every sandbox's device, each once (a dedicated sandbox's device is
         # its GPU), each on its own: a lost GPU stops neither the others nor the fault
         # report that says it is lost.
-        samples = TickSamples(self.backend, parent_of)
+        samples = TickSamples(self.context.backend, parent_of)
         newest: list[GpuSampleMessage] = []
         changes: list[AlertMessage] = []
-        for gpu in list(self.inventory.gpus):
+        for gpu in list(self.context.inventory.gpus):
             sample = samples.get(gpu.uuid)
             if sample is None:
                 continue  # lost or failed this tick
@@ -118,12 +130,16 @@ class Sampler:
                 if set(spec.device_uuids) & devices
             }
             message = sample_message(
-                sample, self.host, self.backend.simulated, figures, self.faults.last_xid.get(gpu.uuid, 0)
+                sample,
+                self.host,
+                self.context.backend.simulated,
+                figures,
+                self.faults.last_xid.get(gpu.uuid, 0),
             )
             await publish(layer, gpu_group(gpu.uuid), message)
             newest.append(message)
             self.rollups.add_gpu(message)
-            changes += self.alerts.observe_gpu(message, t_ms)
+            changes += self.context.alerts.observe_gpu(message, t_ms)
         self._drop_lost(samples)
         if tick % FLEET_EVERY == 0 and newest:
             # The fleet gets the host's GPUs as one message: a burst of one per GPU would queue
@@ -132,11 +148,11 @@ class Sampler:
         changes += await asyncio.to_thread(self.faults.report, running, changes, parent_of)
         changes += await self._publish_sandboxes(layer, running, samples, parent_of, newest, t_ms)
         self._drop_lost(samples)
-        live = {f"gpu:{g.uuid}" for g in self.inventory.gpus} | {f"gpu:{u}" for u in self.faults.lost}
+        live = {f"gpu:{g.uuid}" for g in self.context.inventory.gpus} | {f"gpu:{u}" for u in self.faults.lost}
         live |= {f"sandbox:{s.sandbox_id}" for s in running.values()}
-        changes += self.alerts.forget(live, t_ms)
+        changes += self.context.alerts.forget(live, t_ms)
         await store_latest(latest, self.host, newest)
-        for piece in await asyncio.to_thread(self.output.collect, running):
+        for piece in await asyncio.to_thread(self.context.output.collect, running):
             await publish(layer, sandbox_group(piece["sandbox"]), piece)
         if changes:
             await self._publish_alerts(layer, changes)
@@ -162,14 +178,14 @@ class Sampler:
             if device_sample is None:
                 continue  # its GPU is lost, or its sample failed this tick
             for key, spec in holders:
-                self.utilization.note(key, t_ms, device_sample.util_pct)
+                self.context.utilization.note(key, t_ms, device_sample.util_pct)
                 own_figures = SandboxFigures(
                     mem_mib=self.reports.memory_of(device_sample, key), util_pct=device_sample.util_pct
                 )
                 own = sample_message(
                     device_sample,
                     self.host,
-                    self.backend.simulated,
+                    self.context.backend.simulated,
                     {str(spec.sandbox_id): own_figures},
                     self.faults.last_xid.get(gpu_uuid, 0),
                     parent_of.get(device, ""),
@@ -179,7 +195,7 @@ class Sampler:
                     continue  # a multi-GPU sandbox is rolled up and judged by its first GPU
                 self.rollups.add_sandbox(str(spec.sandbox_id), own_figures, own)
                 limit = spec.mps.memory_mib if spec.mps else device_sample.mem_total_mib
-                changes += self.alerts.observe_sandbox(
+                changes += self.context.alerts.observe_sandbox(
                     spec.sandbox_id, spec.tier, gpu_uuid, own, own_figures["mem_mib"], limit, t_ms
                 )
                 if device in parent_of:

@@ -14,24 +14,20 @@ import threading
 
 from wire.messages import to_control
 from wire.spec import SandboxSpec
-from workers.agent_settings import AgentSettings
-from workers.drivers.base import SandboxDriver
 from workers.drivers.storage import measure
-from workers.host.sandboxes import HostSandboxes
+from workers.host.context import HostContext
 
 log = logging.getLogger(__name__)
 
 
 class StorageMeter:
-    def __init__(self, settings: AgentSettings, driver: SandboxDriver, sandboxes: HostSandboxes) -> None:
-        self.settings = settings
-        self.driver = driver
-        self.sandboxes = sandboxes
+    def __init__(self, context: HostContext) -> None:
+        self.context = context
 
     def report(self, spec: SandboxSpec, measured: dict[int, list[object]] | None = None) -> None:
         """Measure ``spec``'s read-write volumes (reusing this round's ``measured`` ones) and
         send what they hold: {volume id: [bytes, whether the walk finished]}."""
-        root = self.driver.storage_dir
+        root = self.context.driver.storage_dir
         if root is None:  # a driver that mounts nothing (simulated hosts)
             return
         measured = {} if measured is None else measured
@@ -42,7 +38,7 @@ class StorageMeter:
             if mount.volume not in measured:
                 # By the root and the relative path: the tenant writes in the volume while it
                 # is walked, and nothing there is followed (storage.measure).
-                found = measure(root, mount.source, self.settings.storage_measure_s)
+                found = measure(root, mount.source, self.context.settings.storage_measure_s)
                 if found is None:  # not on this host
                     continue
                 measured[mount.volume] = list(found)
@@ -53,12 +49,12 @@ class StorageMeter:
     def round(self) -> None:
         """Every running sandbox's volumes, each walked once."""
         measured: dict[int, list[object]] = {}
-        for spec in self.sandboxes.specs().values():
+        for spec in self.context.sandboxes.specs().values():
             try:
                 self.report(spec, measured)
             except Exception:  # one volume's trouble must not stop the others' reports
                 log.exception("measuring the storage of sandbox %s failed", spec.sandbox_id)
 
     def run_forever(self, stopping: threading.Event) -> None:
-        while not stopping.wait(self.settings.storage_interval_s):
+        while not stopping.wait(self.context.settings.storage_interval_s):
             self.round()

@@ -8,8 +8,8 @@ twice (a redelivered task) is stored once, a minute lost with a dying agent is a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from wire.messages import MinuteRollup
 from wire.telemetry import GpuSampleMessage, SandboxFigures
 
 # Clock reasons that mean the GPU is being held back, not merely idle or capped by choice.
@@ -67,7 +67,7 @@ class MinuteRollups:
         self._gpus: dict[str, _GpuMinute] = {}
         self._sandboxes: dict[str, _SandboxMinute] = {}
 
-    def roll(self, now_ms: int) -> dict[str, Any] | None:
+    def roll(self, now_ms: int) -> MinuteRollup | None:
         """Call before each tick's samples: when ``now_ms`` is in a later minute than the one
         being folded, that minute is closed and returned as the control message's payload."""
         minute_s = now_ms // 60_000 * 60
@@ -96,7 +96,7 @@ class MinuteRollups:
         box.temp.add(device["temp_c"])
         box.power.add(device["power_w"])
 
-    def _payload(self, minute_s: int) -> dict[str, Any]:
+    def _payload(self, minute_s: int) -> MinuteRollup:
         gpus = {
             uuid: {
                 "samples": g.temp.n,
@@ -120,4 +120,4 @@ class MinuteRollups:
             }
             for sid, b in self._sandboxes.items()
         }
-        return {"minute": minute_s, "gpus": gpus, "sandboxes": sandboxes}
+        return MinuteRollup(minute=minute_s, gpus=gpus, sandboxes=sandboxes)

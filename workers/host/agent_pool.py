@@ -15,7 +15,6 @@ The hosts file is a CSV with a header: ``name,gpus,cpus,memory_gib``, where ``gp
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import dataclasses
 import logging
@@ -24,24 +23,18 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
 
 import redis
-from redis.asyncio import Redis as AsyncRedis
 
 from wire import config
 from wire.env import ConfigError
-from wire.messages import MinuteRollup, to_control
-from workers.agent_settings import AgentSettings
 from workers.gpu.simulated import parse_sim_spec
+from workers.host.agent import Agent, run_loop
+from workers.host.agent_settings import AgentSettings
 from workers.host.reports import send_beats
-from workers.telemetry import make_layer
-
-if TYPE_CHECKING:
-    from workers.agent import Agent
+from workers.host.sampler import tick_forever
 
 log = logging.getLogger(__name__)
-ROLLUPS_PER_MESSAGE = 250  # a minute's rollups of every host, in a few messages
 REPORT_BUILDERS = 4  # threads building the hosts' reports (listing the state-only driver is quick)
 # A full report every minute: a changed one goes at once (BENCHMARKS.md, heartbeats).
 POOL_FULL_REPORT_S = 60.0
@@ -112,12 +105,10 @@ class AgentPool:
 
     def start(self) -> None:
         for agent in self.agents.values():
-            agent.report_inventory()
-            to_control.telemetry_agent_started(agent.host)
+            agent.announce()
         threading.Thread(target=self._beat_forever, name="pool-beats", daemon=True).start()
-        sampler = threading.Thread(target=asyncio.run, args=(self._sample_forever(),), name="pool-sampler")
-        sampler.daemon = True
-        sampler.start()
+        samplers = [agent.sampler for agent in self.agents.values()]
+        run_loop(tick_forever(samplers, self.settings.sample_interval_s, self.stopping), "pool-sampler")
         log.info("agent pool: %d simulated hosts started", len(self.agents))
 
     def beat_round(self) -> None:
@@ -136,31 +127,6 @@ class AgentPool:
             if took > interval:
                 log.warning("a round of %d beats took %.1f s (> %s s)", len(self.agents), took, interval)
             self.stopping.wait(max(0.0, interval - took))
-
-    async def _sample_forever(self) -> None:
-        layer = make_layer(config.redis_url())
-        latest = AsyncRedis.from_url(config.redis_url())
-        interval = self.settings.sample_interval_s
-        tick = 0
-        while not self.stopping.is_set():
-            started = time.monotonic()
-            closed: list[tuple[str, dict[str, Any]]] = []
-            for agent in self.agents.values():
-                try:
-                    minute = agent.sampler.close_minute()
-                    if minute is not None:
-                        closed.append((agent.host, minute))
-                    await agent.sampler.publish_all(layer, tick, latest)
-                except Exception:  # one host's bug must not stop the others' streams
-                    log.exception("sampling %s failed", agent.host)
-            for start in range(0, len(closed), ROLLUPS_PER_MESSAGE):
-                rollups = closed[start : start + ROLLUPS_PER_MESSAGE]
-                # cast: until workers/rollups.py returns the MinuteRollup it builds
-                await asyncio.to_thread(
-                    to_control.telemetry_host_rollups, cast(list[tuple[str, MinuteRollup]], rollups)
-                )
-            tick += 1
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     def shutdown(self) -> None:
         self.stopping.set()

@@ -4,7 +4,7 @@ A host whose driver cannot launch must not take sandboxes: every request placed 
 would end ``failed`` with the same message (bubblewrap missing, the Docker engine down, no
 libvirt). So an agent tests its driver before it consumes a single task and refuses to
 start when the test fails, saying why and what to do; ``make run`` runs the same test
-before it starts the demo agents. ``python -m workers.selftest`` runs it from a shell with
+before it starts the demo agents. ``python -m workers.host.selftest`` runs it from a shell with
 the agent's environment (SANDBOX_DRIVER, GPUSHARE_HOST, GPUSHARE_VAR_DIR).
 """
 

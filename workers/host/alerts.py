@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wire.telemetry import AlertMessage, GpuSampleMessage
-from workers.rollups import THROTTLING
+from workers.host.rollups import THROTTLING
 
 XID_QUIET_S = 600  # an XID alert clears after this long without another XID
 DEFAULT_RULES: dict[str, Any] = {

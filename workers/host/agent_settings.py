@@ -30,7 +30,7 @@ class AgentSettings:
     self_test: bool = True
     mps_dir: str = ""  # MPS_DIR: "" for the default (workers.gpu.mps.mps_root)
     mps_exclusive_process: bool = False  # EXCLUSIVE_PROCESS compute mode while a GPU runs MPS
-    checkpoint_hook: str = "-"  # "-": none (workers.moves)
+    checkpoint_hook: str = "-"  # "-": none (workers.host.moves)
     checkpoint_timeout_s: int = 300
     storage_measure_s: float = 20.0  # the longest walk measuring one volume
     storage_interval_s: float = 600.0  # how often running sandboxes' volumes are measured

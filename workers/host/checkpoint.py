@@ -1,5 +1,5 @@
 """The operator's checkpoint hook, run before a sandbox is stopped for a fleet plan's move
-(workers/moves.py) or warned of its preemption (workers/host/lifecycle.py).
+(workers/host/moves.py) or warned of its preemption (workers/host/lifecycle.py).
 
 ``SANDBOX_CHECKPOINT_HOOK`` names an executable run as ``<hook> checkpoint`` with the
 sandbox in its environment (``GPUSHARE_SANDBOX_ID``, ``GPUSHARE_ALLOCATION_KEY``,
