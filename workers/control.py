@@ -20,7 +20,7 @@ django.setup()
 from django.utils import timezone  # noqa: E402
 
 from portal.control import tasks  # noqa: E402
-from portal.sandboxes.emails import send_notification_emails  # noqa: E402
+from portal.notifications.emails import send_notification_emails  # noqa: E402
 from portal.webhooks.deliveries import attempt_delivery, webhook_tick  # noqa: E402
 from workers.celery import app  # noqa: E402
 from workers.liveness import Beat  # noqa: E402
@@ -168,7 +168,7 @@ def deliver_webhook(self: Any, delivery_id: int) -> None:
     time_limit=120,
 )
 def email_notifications(self: Any, notification_ids: list[int]) -> None:
-    """Mail the notifications whose users chose their kind by email (portal.sandboxes.emails);
+    """Mail the notifications whose users chose their kind by email (portal.notifications.emails);
     those the mail server did not take are retried with backoff, about an hour in all."""
     retry = send_notification_emails(notification_ids, attempt=self.request.retries + 1)
     if retry is not None:

@@ -13,7 +13,7 @@ For a request that waits it also lists what could start now instead, in the same
 free MIG slices of other profiles, the largest MPS share free, free time-slice replicas,
 or how many whole GPUs are free on one host.
 
-It is answered from the state the last scheduling cycle left (``portal/sandboxes/digest.py``):
+It is answered from the state the last scheduling cycle left (``portal/scheduling/digest.py``):
 the fleet after that cycle's placements, its waiting requests and the devices it reserved
 for the queue head. The requests that waited then could not start on what is left, so the
 new request needs one placement attempt there, not a whole cycle: its place in the fair
@@ -35,10 +35,10 @@ from typing import Any
 from django.conf import settings
 
 from portal.gc_pause import collection_paused
-from portal.sandboxes import digest
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
-from portal.sandboxes.policy import new_policy, warm, workload_of
-from portal.sandboxes.snapshot import build_fairshare, build_queue, build_snapshot, scheduler_request
+from portal.scheduling import digest
+from portal.scheduling.policy import new_policy, warm, workload_of
+from portal.scheduling.snapshot import build_fairshare, build_queue, build_snapshot, scheduler_request
 from scheduler.cluster import (
     DEDICATED,
     MIG,

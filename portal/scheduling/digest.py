@@ -15,7 +15,7 @@ a digest of the state its committed decisions left:
 
 The web server decodes it once per publication, brings its ``Mirror`` of the fleet up to
 date host by host, and answers each preview with one placement attempt on that mirror
-(``portal/sandboxes/preview.py``). A digest older than
+(``portal/scheduling/preview.py``). A digest older than
 ``max_age_s()`` (the control worker is down or stuck) is not used: the preview falls back
 to reading the database. An empty queue gives the cycle nothing to decide, yet capacity
 frees as sandboxes stop, so an idle cycle refreshes the digest every ``IDLE_REFRESH_S``.
