@@ -34,6 +34,7 @@ from typing import Any
 
 from django.conf import settings
 
+from portal.durations import duration_text
 from portal.gc_pause import collection_paused
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
 from portal.scheduling import digest
@@ -197,7 +198,7 @@ def _verdict(
                     "now",
                     f"starts on {decision.host} once {victims} preemptible sandbox(es) have stopped"
                     + (
-                        f", within {_duration(warning_s)} (their warning before the stop)"
+                        f", within {duration_text(warning_s)} (their warning before the stop)"
                         if warning_s
                         else ""
                     ),
@@ -215,10 +216,6 @@ def _verdict(
                 alternatives=instead,
             )
     return Preview("waits", "the scheduler gave no answer for it", position=waiting_ahead + 1)
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 60:g} min" if seconds >= 60 and seconds % 60 == 0 else f"{seconds:g} s"
 
 
 def _eta(
