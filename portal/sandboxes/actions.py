@@ -590,8 +590,9 @@ def do_extend(sandbox_id: int, actor: Any, extra: timedelta) -> timedelta:
             left = tier.max_duration - sandbox.max_duration
             raise SandboxRequestError(
                 "duration",
-                f"The tier {tier.name} allows at most {tier.max_duration_display} per sandbox; this one "
-                f"has {duration_text(sandbox.max_duration)}, so it can get at most {duration_text(left)} more.",
+                f"The tier {tier.name} allows at most {tier.max_duration_display} per sandbox; this "
+                f"one has {duration_text(sandbox.max_duration)}, so it can get at most "
+                f"{duration_text(left)} more.",
             )
         if getattr(actor, "is_authenticated", False) and actor.pk != sandbox.owner_id:
             trail.record(
