@@ -25,7 +25,7 @@ def duration_text(length: timedelta | float) -> str:
         if seconds % size == 0 and seconds // size < ROUND_BELOW:
             return f"{int(seconds // size)} {name}"
     rest = int(seconds)
-    parts = []
+    parts: list[tuple[int, str]] = []
     for name, size in _UNITS:
         count, rest = divmod(rest, size)
         if count or parts:  # from the largest unit that is not zero, two units in all
