@@ -1,6 +1,6 @@
 """ASGI entry point: Django for HTTP, Channels for WebSockets (origin and session checked),
 and, for any Host under ``APPS_DOMAIN``, sandboxes' web apps on their own origins
-(portal/sandboxes/app_proxy.py, app_websocket.py), which never reach Django or the portal's
+(portal/tunnels/app_proxy.py, app_websocket.py), which never reach Django or the portal's
 sockets: a request's Host decides, before any route.
 
 Two rules sit in front of all of them, decided here once for any ASGI server (uvicorn, daphne):
@@ -40,9 +40,9 @@ from django.http.request import split_domain_port, validate_host  # noqa: E402
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware  # noqa: E402
 
 from portal.accounts.socket_auth import BearerOrSession, TokenSocketAuth  # noqa: E402
-from portal.sandboxes.app_proxy import AppProxy  # noqa: E402
-from portal.sandboxes.app_websocket import AppWebSocket  # noqa: E402
-from portal.telemetry.routing import token_websocket_urlpatterns, websocket_urlpatterns  # noqa: E402
+from portal.routing import token_websocket_urlpatterns, websocket_urlpatterns  # noqa: E402
+from portal.tunnels.app_proxy import AppProxy  # noqa: E402
+from portal.tunnels.app_websocket import AppWebSocket  # noqa: E402
 
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
 

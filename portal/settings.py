@@ -13,7 +13,7 @@ import dj_database_url
 from csp.constants import NONE, SELF, UNSAFE_INLINE
 
 from portal.identity.config import authentication_backends, ldap_settings, oidc_settings
-from portal.sandboxes.app_origin import AppsDomain, AppsDomainError
+from portal.tunnels.app_origin import AppsDomain, AppsDomainError
 from scheduler.placement import DEFAULT_POLICY, POLICY_NAMES
 from wire import config as worker_config
 from wire.env import ConfigError, env_bool, env_choice, env_int, env_list, env_networks, env_str
@@ -66,6 +66,9 @@ INSTALLED_APPS = [
     "portal.fleet",
     "portal.quotas",
     "portal.sandboxes",
+    "portal.scheduling",
+    "portal.notifications",
+    "portal.tunnels",
     "portal.billing",
     "portal.webhooks",
     "portal.telemetry",
@@ -171,7 +174,7 @@ PORTAL_URL = env_str("PORTAL_URL", "http://localhost:8000").rstrip("/")
 if not PORTAL_URL.startswith(("http://", "https://")):
     raise ConfigError(f"PORTAL_URL must start with http:// or https://, not {PORTAL_URL!r}")
 # Sandboxes' web apps, each on an origin of its own, <sandbox>-<key>.APPS_DOMAIN, never the
-# portal's (portal/sandboxes/app_origin.py; wildcard DNS and certificate: deploy/README.md).
+# portal's (portal/tunnels/app_origin.py; wildcard DNS and certificate: deploy/README.md).
 # Unset in production: no app is served. make run's default: browsers resolve *.localhost
 # to loopback themselves.
 try:

@@ -64,7 +64,7 @@ def _scheduling_state_of_this_test_only() -> Iterator[None]:
     """The control worker's kept policy and the state it publishes for previews describe one
     test's database: a later test must neither place with what it learned nor preview
     against its fleet, nor find its cycle already asked for or its thresholds already sent."""
-    from portal.sandboxes import digest, policy, preview
+    from portal.scheduling import digest, policy, preview
 
     policy.forget()
     from portal.control import hosts

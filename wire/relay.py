@@ -2,7 +2,7 @@
 agent and the portal.
 
 The portal never reaches a GPU host directly (docs/architecture.md: agents only share the
-broker and Redis). The portal's end (``portal/sandboxes/tunnel.py``) mints a session id
+broker and Redis). The portal's end (``portal/tunnels/tunnel.py``) mints a session id
 nobody else knows and asks the sandbox's agent, through its Celery queue, to open the
 stream (``open_terminal``, ``open_app``). The agent opens it (the driver's
 ``exec_terminal`` or ``open_app``) and relays, through two Redis streams named after the

@@ -1,7 +1,7 @@
 """``gpushare shell``: a sandbox's terminal over the portal's WebSocket
 (``/ws/sandboxes/<id>/terminal/``, the API token in the Authorization header).
 
-The protocol is the web terminal's (portal/sandboxes/consumers.py): JSON ``input`` and
+The protocol is the web terminal's (portal/tunnels/consumers.py): JSON ``input`` and
 ``resize`` messages up; the pty's bytes as binary frames down, and JSON ``opened`` /
 ``closed`` (with the reason). A refusal is a ``closed`` message and a 44xx close code.
 
@@ -41,7 +41,7 @@ from gpushare_client.config import Credentials
 from gpushare_client.exits import ClientError, Exit
 from gpushare_client.routes import TERMINAL_SOCKET
 
-# The terminal's refusals (portal/sandboxes/consumers.py, portal/accounts/socket_auth.py).
+# The terminal's refusals (portal/tunnels/consumers.py, portal/accounts/socket_auth.py).
 CLOSE_EXIT = {
     4401: Exit.AUTH,
     4403: Exit.REFUSED,

@@ -11,7 +11,7 @@ address is throttled, and each invalid, revoked or expired token counted against
 address. ``streams.current_user`` asks the same check again every ``STREAM_RECHECK_S``, so
 a token revoked or expired while its socket is open (or its user deactivated) closes it.
 
-Only routes listed for tokens take them (``portal.telemetry.routing``); a refusal is
+Only routes listed for tokens take them (``portal.routing``); a refusal is
 accepted, told why in a ``closed`` message, and closed with a 44xx code, as the terminal
 refuses: 4401 no valid token, 4404 no such route for tokens, 4429 throttled.
 """

@@ -11,6 +11,7 @@ from django.utils import timezone
 from portal.accounts.models import Project
 from portal.billing.pricing import MICROS_PER_UNIT, cost_micros, format_money
 from portal.catalog.models import Tier
+from portal.durations import duration_text
 
 __all__ = [
     "MICROS_PER_UNIT",
@@ -82,17 +83,8 @@ class UsageRecord(models.Model):
 
     @property
     def duration_display(self) -> str:
-        """Readable length: "3.4 s", "12 min 5 s", "2 h 03 min"."""
-        if self.duration is None:
-            return "running"
-        seconds = self.duration.total_seconds()
-        if seconds < 60:
-            return f"{seconds:.1f} s"
-        minutes, secs = divmod(int(seconds), 60)
-        if minutes < 60:
-            return f"{minutes} min {secs} s"
-        hours, minutes = divmod(minutes, 60)
-        return f"{hours} h {minutes:02d} min"
+        """Readable length: "3.4 s", "12 min 5 s", "2 h 3 min"."""
+        return "running" if self.duration is None else duration_text(self.duration)
 
     @property
     def cost_display(self) -> str:

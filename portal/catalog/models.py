@@ -10,6 +10,7 @@ from django.core.exceptions import ValidationError
 from django.db import models
 
 from portal.catalog import registries
+from portal.durations import duration_text
 from wire import uids
 from wire.storage import StorageMount, StorageRefused, checked_source, checked_target
 
@@ -146,9 +147,7 @@ class Tier(models.Model):
 
     @property
     def max_duration_display(self) -> str:
-        hours = int(self.max_duration.total_seconds() // 3600)
-        minutes = int(self.max_duration.total_seconds() % 3600 // 60)
-        return f"{hours} h" + (f" {minutes} min" if minutes else "") if hours else f"{minutes} min"
+        return duration_text(self.max_duration)
 
     @property
     def idle_rule(self) -> str:
@@ -166,10 +165,10 @@ class Tier(models.Model):
         if not self.priority_class.preemptible:
             return ""
         rule = "preemptible" + (
-            f" after {_minutes(self.preempt_after)} of running" if self.preempt_after else ""
+            f" after {duration_text(self.preempt_after)} of running" if self.preempt_after else ""
         )
         rule += (
-            f", warned {_minutes(self.preempt_grace)} before the stop"
+            f", warned {duration_text(self.preempt_grace)} before the stop"
             if self.preempt_grace
             else ", stopped without warning"
         )
@@ -377,8 +376,3 @@ class StorageVolume(models.Model):
             uids.storage_gid(self.pk),
             self.pk,
         )
-
-
-def _minutes(delta: timedelta) -> str:
-    seconds = int(delta.total_seconds())
-    return f"{seconds // 60} min" if seconds % 60 == 0 else f"{seconds} s"

@@ -46,7 +46,7 @@ from portal.identity.models import GroupRule
 from portal.inputs import plain_text
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes.models import Allocation, Sandbox
-from portal.sandboxes.snapshot import build_fairshare, build_queue, build_snapshot
+from portal.scheduling.snapshot import build_fairshare, build_queue, build_snapshot
 from scheduler.fairshare import FairOrder
 
 

@@ -27,7 +27,7 @@ from portal.fleet.inventory import do_heartbeats
 from portal.fleet.models import Host
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox, SandboxState
-from portal.sandboxes.snapshot import HOLDING
+from portal.scheduling.snapshot import HOLDING
 from portal.telemetry import control_figures
 from portal.telemetry.alerts import alert_policy
 from wire import dispatch, liveness

@@ -51,7 +51,7 @@ from portal.fleet.models import FleetPlan, Gpu, GpuMode, Host, MigInstance, Plan
 from portal.fleet.modes import serving
 from portal.sandboxes import actions, nudge
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
-from portal.sandboxes.snapshot import build_snapshot
+from portal.scheduling.snapshot import build_snapshot
 from scheduler.cluster import DeviceGrant
 from scheduler.defrag import (
     CREATE,

@@ -8,13 +8,13 @@ an advisory lock (see ``_claim_cycle``); elsewhere (SQLite, the embedded deploym
 Built to hold at the openb cluster's size (1,213 hosts, 6,212 GPUs, ~7,000 sandboxes
 running, 1,000 waiting; tests/bench/test_portal_cycle.py):
 
-- **reading** is plain ``values_list`` queries (``portal.sandboxes.snapshot``);
-- **deciding** uses a placement policy kept between cycles (``portal/sandboxes/policy.py``):
+- **reading** is plain ``values_list`` queries (``portal.scheduling.snapshot``);
+- **deciding** uses a placement policy kept between cycles (``portal/scheduling/policy.py``):
   its memoised scores survive the tick and its workload model learns from recent requests;
 - **writing** is only what changed: a pending reason is written when it differs from the
   stored one, so a cycle in which nothing changed writes nothing;
 - after commit the cycle **publishes** the state its decisions left
-  (``portal/sandboxes/digest.py``), from which the request form's preview answers.
+  (``portal/scheduling/digest.py``), from which the request form's preview answers.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from django.db.models import Count, Sum
 from portal.control.redis_client import client as redis_client
 from portal.fleet.models import Gpu, Host, MigInstance, running_plan_gpus
 from portal.gc_pause import collection_paused
-from portal.sandboxes import actions, digest, nudge, policy, preemption
+from portal.sandboxes import actions, nudge, preemption
 from portal.sandboxes.models import PENDING_REASON_MAX, Allocation, Sandbox
-from portal.sandboxes.snapshot import HOLDING, Queued, build_fairshare, build_snapshot, read_queue
+from portal.scheduling import digest, policy
+from portal.scheduling.snapshot import HOLDING, Queued, build_fairshare, build_snapshot, read_queue
 from portal.telemetry import control_figures
 from scheduler.cluster import Decision, Pending, Place, Preempt, Request, Reserve, Running, Snapshot
 from scheduler.cycle import revert, run_cycle

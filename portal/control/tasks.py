@@ -32,8 +32,8 @@ from portal.control.reconcile import from_ms
 from portal.control.redis_client import client as redis_client
 from portal.control.scheduling import schedule_cycle as run_schedule_cycle
 from portal.fleet.inventory import do_heartbeats, do_sync_inventory
+from portal.notifications.emails import send_notification_emails
 from portal.sandboxes import actions, preemption
-from portal.sandboxes.emails import send_notification_emails
 from portal.sandboxes.models import Sandbox, SandboxState
 from portal.sandboxes.output import do_store_output
 from portal.sandboxes.storage_usage import do_record_storage_usage
@@ -208,7 +208,7 @@ def purge_idempotency_keys() -> None:
     delete_expired_keys()
 
 
-# --- Webhooks, billing and alerts alike (portal.webhooks), and mail (portal.sandboxes.emails):
+# --- Webhooks, billing and alerts alike (portal.webhooks), and mail (portal.notifications.emails):
 # the attempt and its record live there.
 
 

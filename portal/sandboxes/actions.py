@@ -25,6 +25,7 @@ from portal.audit import trail
 from portal.billing import ledger
 from portal.catalog.models import SandboxImage, SharingMode, Tier
 from portal.catalog.storage import storage_refusal
+from portal.durations import duration_text
 from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 from portal.fleet.modes import KIND_MODE
 from portal.quotas.models import QuotaPolicy
@@ -589,8 +590,9 @@ def do_extend(sandbox_id: int, actor: Any, extra: timedelta) -> timedelta:
             left = tier.max_duration - sandbox.max_duration
             raise SandboxRequestError(
                 "duration",
-                f"The tier {tier.name} allows at most {tier.max_duration_display} per sandbox; this one "
-                f"has {_hours(sandbox.max_duration)}, so it can get at most {_hours(left)} more.",
+                f"The tier {tier.name} allows at most {tier.max_duration_display} per sandbox; this "
+                f"one has {duration_text(sandbox.max_duration)}, so it can get at most "
+                f"{duration_text(left)} more.",
             )
         if getattr(actor, "is_authenticated", False) and actor.pk != sandbox.owner_id:
             trail.record(
@@ -603,13 +605,9 @@ def do_extend(sandbox_id: int, actor: Any, extra: timedelta) -> timedelta:
         SandboxEvent.objects.create(
             sandbox=sandbox, from_state=sandbox.state, to_state=sandbox.state,
             actor=actor if getattr(actor, "is_authenticated", False) else None,
-            message=f"time limit extended by {_hours(extra)} to {_hours(wanted)}",
+            message=f"time limit extended by {duration_text(extra)} to {duration_text(wanted)}",
         )  # fmt: skip
         return wanted
-
-
-def _hours(delta: timedelta) -> str:
-    return f"{delta.total_seconds() / 3600:g} h"
 
 
 def do_expire_overdue(now: datetime, warn_before: timedelta = timedelta(minutes=15)) -> list[int]:

@@ -1,10 +1,11 @@
-"""Self-service sandboxes over the API: list, get, create, preview, stop, extend, and a
-sandbox's history (events) and batch output.
+"""Self-service sandboxes over the API: list, get, create, stop, extend, and a sandbox's
+history (events) and batch output. The preview of a request is the scheduling app's
+(``portal/scheduling/api.py``), checked by ``checked_request`` here.
 
 Creation and its preview go through the HTML request form (``SandboxRequestForm``), so the
 API checks exactly what the page checks (``actions.check_request_sandbox`` behind it) and
 names the field at fault the same way; this module only turns slugs into rows first. The
-preview is the form's live answer (``portal/sandboxes/preview.py``): starts now, or waits,
+preview is the form's live answer (``portal/scheduling/preview.py``): starts now, or waits,
 why, and the earliest start.
 """
 
@@ -37,7 +38,6 @@ from portal.sandboxes import actions
 from portal.sandboxes.forms import EXTEND_CHOICES_H, MIG_PROFILES, SandboxRequestForm
 from portal.sandboxes.models import ENDED_STATES, Sandbox, SandboxEvent
 from portal.sandboxes.output import read_output
-from portal.sandboxes.preview import preview_request
 
 
 class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
@@ -161,27 +161,6 @@ class OutputSerializer(serializers.Serializer[Any]):
 OUTPUT_LIMIT = 1024 * 1024
 
 
-class PreviewSerializer(serializers.Serializer[Any]):
-    verdict = serializers.ChoiceField(
-        choices=["now", "waits", "refused"],
-        help_text="now: it would start at once; waits: it would queue; refused: a rule it breaks "
-        "(rare here: a request the form refuses is a 400, as on create).",
-    )
-    message = serializers.CharField(help_text="Where it would start, or why it would wait or be refused.")
-    host = serializers.CharField(help_text="The host it would start on (verdict now), else empty.")
-    position = serializers.IntegerField(
-        help_text="Its place among the waiting requests, 1 first; 0 unless it waits."
-    )
-    earliest_start = serializers.DateTimeField(
-        allow_null=True,
-        help_text="When it could start at the earliest (running sandboxes reaching their time "
-        "limit), if it waits and that is known: an estimate, never a promise.",
-    )
-    alternatives = serializers.ListField(
-        child=serializers.CharField(), help_text="What could start now instead, in the same sharing mode."
-    )
-
-
 class SandboxEventSerializer(serializers.ModelSerializer[SandboxEvent]):
     actor: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
         slug_field="username", read_only=True, allow_null=True
@@ -295,7 +274,7 @@ def _form_data(request: Request, data: dict[str, Any]) -> dict[str, Any]:
     return form_data
 
 
-def _checked_request(request: Request, *, for_create: bool) -> actions.SandboxRequest:
+def checked_request(request: Request, *, for_create: bool) -> actions.SandboxRequest:
     """The body checked as the request form checks it (``for_create``: the quota is left to
     ``do_request_sandbox``, under its lock); a 400 naming each field at fault."""
     shape = SandboxCreateSerializer(data=request.data)
@@ -356,30 +335,12 @@ class SandboxViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Sandbox]):
     )
     @idempotency.idempotent
     def create(self, request: Request) -> Response:
-        req = _checked_request(request, for_create=True)
+        req = checked_request(request, for_create=True)
         try:
             sandbox = actions.do_request_sandbox(request.user, req)
         except actions.SandboxRequestError as exc:  # the quota, checked under the project's lock
             raise exceptions.ValidationError({exc.field: [exc.message]}) from exc
         return self._answer(sandbox.pk, status.HTTP_201_CREATED)
-
-    @extend_schema(
-        summary="Would a request start now?",
-        description="The request form's live answer for the same body as a create, which it "
-        "checks the same way (a 400 names each field at fault, the quota included); nothing is "
-        "written. Scope write:sandboxes.",
-        request=SandboxCreateSerializer,
-        examples=[CREATE_EXAMPLE],
-        responses={200: PreviewSerializer, **errors(400, 401, 403, 429)},
-    )
-    @action(detail=False, methods=["post"], url_path="preview", url_name="request-preview")
-    def preview(self, request: Request) -> Response:
-        answer = preview_request(request.user, _checked_request(request, for_create=False))
-        body = {
-            "verdict": answer.verdict, "message": answer.message, "host": answer.host,
-            "position": answer.position, "earliest_start": answer.eta, "alternatives": answer.alternatives,
-        }  # fmt: skip
-        return Response(PreviewSerializer(body).data)
 
     @extend_schema(
         summary="A sandbox's history",

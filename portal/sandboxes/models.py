@@ -287,7 +287,7 @@ class Notification(models.Model):
     read_at = models.DateTimeField(null=True, blank=True)
     # Set when a worker takes its mail to send (a conditional UPDATE, so two never both do),
     # and kept once the SMTP server accepted it; null again when the send failed. Null for
-    # notifications nobody asked to have mailed (``portal.sandboxes.emails``).
+    # notifications nobody asked to have mailed (``portal.notifications.emails``).
     emailed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -306,7 +306,7 @@ class Notification(models.Model):
 
 class EmailChoice(models.Model):
     """Whether one kind of notification also arrives by email for one user. A kind without a
-    row takes its default (``portal.sandboxes.emails.DEFAULT_EMAIL_KINDS``); the settings
+    row takes its default (``portal.notifications.emails.DEFAULT_EMAIL_KINDS``); the settings
     page writes a row for every kind it shows, so a later change of defaults leaves what a
     user chose alone."""
 

@@ -4,22 +4,26 @@ Written inside the transaction of the change they report (so a rolled-back chang
 notifies), by ``actions`` on transitions and by the few places that know more: the
 scheduling cycle (a request starts waiting), culling (idle warnings), drains. Each is also
 handed, after that commit, to the mail task, which mails those of the kinds their user
-chose (``portal.sandboxes.emails``).
+chose (``portal.notifications.emails``, which sits above this app: the handing over is here,
+so the actions that write a notification never import the mail).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+from django.db import transaction
 from django.db.models import Sum
 from django.utils import timezone
 
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
-from portal.sandboxes import emails
 from portal.sandboxes.models import LIVE_STATES, Allocation, Notification, Sandbox, SandboxState, StopCause
+from wire import dispatch
 
 NEAR_QUOTA = 0.8  # a project using this share of a quota limit hears about it
+MAX_PER_MESSAGE = 100  # notifications per task message: a burst of 1,000 waits is 10 messages
 
 
 def notify_owner(sandbox: Sandbox, kind: str, message: str) -> None:
@@ -27,7 +31,7 @@ def notify_owner(sandbox: Sandbox, kind: str, message: str) -> None:
     note = Notification.objects.create(
         user_id=sandbox.owner_id, sandbox=sandbox, kind=kind, message=message[:300]
     )
-    emails.queue_after_commit([note.pk])
+    queue_after_commit([note.pk])
 
 
 def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
@@ -73,7 +77,7 @@ def on_first_waits(waits: list[tuple[int, int, str]]) -> None:
         )
         for pk, owner, reason in waits
     )
-    emails.queue_after_commit([note.pk for note in notes])  # ids returned by PostgreSQL and SQLite alike
+    queue_after_commit([note.pk for note in notes])  # ids returned by PostgreSQL and SQLite alike
 
 
 def on_request(sandbox: Sandbox) -> None:
@@ -101,3 +105,15 @@ def on_request(sandbox: Sandbox) -> None:
     if notes:
         message = f"Project {sandbox.project.name} uses {' and '.join(notes)}."
         notify_owner(sandbox, Notification.Kind.QUOTA, message)
+
+
+def queue_after_commit(notification_ids: list[int]) -> None:
+    """Hand these notifications to the mail task once the current transaction commits
+    (at once outside one; never if it rolls back). ``robust``: a broker that cannot be
+    reached costs the mails, logged, never the change that was committed."""
+    ids = [pk for pk in notification_ids if pk is not None]
+    for start in range(0, len(ids), MAX_PER_MESSAGE):
+        chunk = ids[start : start + MAX_PER_MESSAGE]
+        transaction.on_commit(
+            functools.partial(dispatch.to_control, "email_notifications", chunk), robust=True
+        )

@@ -5,8 +5,8 @@ from __future__ import annotations
 from portal.catalog.models import ImageRegistry
 from portal.catalog.storage import mounts_for
 from portal.fleet.models import GpuMode
-from portal.sandboxes.app_access import app_token
 from portal.sandboxes.models import Allocation, Sandbox
+from portal.sandboxes.reach import app_token
 from wire.spec import MpsShare, SandboxSpec
 
 

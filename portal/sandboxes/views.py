@@ -19,12 +19,11 @@ from portal.billing.ledger import cost_by
 from portal.catalog.models import Tier
 from portal.catalog.storage import storage_lines
 from portal.inputs import whole_number
-from portal.sandboxes import actions, app_access
-from portal.sandboxes.consumers import TERMINAL_ISOLATION
+from portal.sandboxes import actions
 from portal.sandboxes.forms import EXTEND_CHOICES_H, SandboxRequestForm
 from portal.sandboxes.models import Notification, Sandbox
 from portal.sandboxes.output import read_output
-from portal.sandboxes.preview import Preview, preview_request
+from portal.sandboxes.reach import TERMINAL_ISOLATION, app_origin
 
 
 def _sandboxes_for_user(user: object) -> QuerySet[Sandbox]:
@@ -33,7 +32,7 @@ def _sandboxes_for_user(user: object) -> QuerySet[Sandbox]:
     )
 
 
-def _get_sandbox_for_user(request: HttpRequest, pk: int) -> Sandbox:
+def get_sandbox_for_user(request: HttpRequest, pk: int) -> Sandbox:
     """The sandbox, or 404 for anything the user may not see (no hint it exists)."""
     sandbox = _sandboxes_for_user(request.user).filter(pk=pk).first()
     if sandbox is None:
@@ -77,40 +76,6 @@ def notifications(request: HttpRequest) -> HttpResponse:
     return render(request, "sandboxes/notifications.html", {"notifications": mine[:100]})
 
 
-@login_required
-@require_POST
-def sandbox_preview(request: HttpRequest) -> HttpResponse:
-    """The request form's live answer (htmx): would it start now, or wait, and why."""
-    form = SandboxRequestForm(request.POST, user=request.user)
-    tier_id = whole_number(request.POST.get("tier"))
-    tier = Tier.objects.filter(pk=tier_id, active=True).first() if tier_id is not None else None
-    if form.is_valid() and form.request_obj is not None:
-        answer = preview_request(request.user, form.request_obj)
-    elif unchosen := [form[n].label.lower() for n in CHOICES_FIRST if form.has_error(n, code="required")]:
-        # A form not filled in yet (the preview also runs when the page loads) is not refused.
-        answer = Preview("incomplete", f"Choose {_listed(unchosen)} to see whether it would start now.")
-    else:
-        problems = [
-            f"{form[name].label}: {error}" if name in form.fields else str(error)
-            for name, errors in form.errors.items()
-            for error in errors
-        ]
-        answer = Preview("refused", "; ".join(problems))
-    # The storage it would mount, with its usage: only for one of the user's own projects.
-    project = getattr(form, "cleaned_data", {}).get("project")
-    storage = storage_lines(tier, request.user, project) if tier is not None and project is not None else []
-    return render(request, "sandboxes/_preview.html", {"preview": answer, "tier": tier, "storage": storage})
-
-
-CHOICES_FIRST = ("project", "tier", "image")
-
-
-def _listed(words: list[str]) -> str:
-    """ "a project, a tier and an image" """
-    named = [f"{'an' if w[0] in 'aeiou' else 'a'} {w}" for w in words]
-    return ", ".join(named[:-1]) + (" and " if len(named) > 1 else "") + named[-1]
-
-
 def _whole_seconds(delta: timedelta) -> timedelta:
     return timedelta(seconds=max(0, int(delta.total_seconds())))
 
@@ -126,7 +91,7 @@ def _detail_context(sandbox: Sandbox) -> dict[str, object]:
         "allocations": sandbox.allocations.select_related("gpu", "mig_instance"),
         "usage": usage,
         "storage": storage_lines(sandbox.tier, sandbox.owner, sandbox.project),
-        "app_origin": app_access.app_origin(sandbox) if sandbox.image.app else None,
+        "app_origin": app_origin(sandbox) if sandbox.image.app else None,
         "cost": f"{cost / 1_000_000:.4f} {sandbox.tier.currency}",
         "time_left": _whole_seconds(sandbox.started_at + sandbox.max_duration - now)
         if sandbox.started_at and sandbox.state == "running"
@@ -136,7 +101,7 @@ def _detail_context(sandbox: Sandbox) -> dict[str, object]:
 
 @login_required
 def sandbox_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    sandbox = _get_sandbox_for_user(request, pk)
+    sandbox = get_sandbox_for_user(request, pk)
     context = _detail_context(sandbox)
     context["can_manage"] = can_manage_sandbox(request.user, sandbox)
     # Shown while it lives (the page is loaded before it runs); the socket itself refuses a
@@ -158,7 +123,7 @@ PAGE_OUTPUT_BYTES = 64 * 1024
 @login_required
 def sandbox_output_download(request: HttpRequest, pk: int) -> HttpResponse:
     """All the kept output of a batch, as a text file (its bytes as the run printed them)."""
-    sandbox = _get_sandbox_for_user(request, pk)
+    sandbox = get_sandbox_for_user(request, pk)
     view = read_output(sandbox, 0, settings.BATCH_OUTPUT_MAX_BYTES * 2)
     response = HttpResponse(view.data, content_type="text/plain; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="sandbox-{sandbox.pk}-output.txt"'
@@ -167,29 +132,9 @@ def sandbox_output_download(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 @login_required
-def open_app(request: HttpRequest, pk: int, path: str = "") -> HttpResponse:
-    """*Open JupyterLab*: the owner's browser goes to the app's own origin with a grant
-    (portal/sandboxes/app_access.py); ``path`` and the query go along, so an old link to
-    ``/sandboxes/<id>/app/lab`` still lands on the app's ``/lab``."""
-    sandbox = _get_sandbox_for_user(request, pk)  # 404 for one the user may not see: no hint it exists
-    verdict = app_access.owner_verdict(request.user, sandbox)
-    if isinstance(verdict, app_access.Refusal):
-        context = {"reason": verdict.reason, "pk": pk}
-        return render(request, "sandboxes/app_refused.html", context, status=verdict.status)
-    if request.session.session_key is None:  # signed in, so saved; kept for the type checker
-        request.session.save()
-    query = request.META.get("QUERY_STRING", "")
-    target = f"/{path}" + (f"?{query}" if query else "")
-    grant = app_access.issue_grant(request.user, str(request.session.session_key), verdict, pk, target)
-    response = redirect(grant)
-    response["Cache-Control"] = "no-store"
-    return response
-
-
-@login_required
 def sandbox_status(request: HttpRequest, pk: int, extend_error: str = "") -> HttpResponse:
     """The htmx-polled part of the detail page: state, events, usage."""
-    sandbox = _get_sandbox_for_user(request, pk)
+    sandbox = get_sandbox_for_user(request, pk)
     context = _detail_context(sandbox)
     context["extend_error"] = extend_error
     context["can_manage"] = can_manage_sandbox(request.user, sandbox)
@@ -199,7 +144,7 @@ def sandbox_status(request: HttpRequest, pk: int, extend_error: str = "") -> Htt
 @login_required
 @require_POST
 def sandbox_extend(request: HttpRequest, pk: int) -> HttpResponse:
-    sandbox = _get_sandbox_for_user(request, pk)
+    sandbox = get_sandbox_for_user(request, pk)
     if not can_manage_sandbox(request.user, sandbox):
         raise PermissionDenied("Only the owner, a project manager or an admin can extend this sandbox.")
     hours = whole_number(request.POST.get("hours"))
@@ -223,7 +168,7 @@ def sandbox_extend(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_POST
 def sandbox_stop(request: HttpRequest, pk: int) -> HttpResponse:
-    sandbox = _get_sandbox_for_user(request, pk)
+    sandbox = get_sandbox_for_user(request, pk)
     if not can_manage_sandbox(request.user, sandbox):
         raise PermissionDenied("Only the owner, a project manager or an admin can stop this sandbox.")
     actions.do_request_stop(sandbox.pk, request.user)

@@ -17,7 +17,7 @@ from django.db.models import Count
 
 from portal.fleet.models import FleetPlan
 from portal.sandboxes.models import Allocation, Sandbox
-from portal.sandboxes.snapshot import HOLDING
+from portal.scheduling.snapshot import HOLDING
 from portal.telemetry.models import GpuRollup
 from scheduler.research.trace import NodeSpec
 

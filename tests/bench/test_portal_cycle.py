@@ -37,8 +37,9 @@ from django.utils import timezone
 
 from portal.accounts.models import Membership
 from portal.control import scheduling
-from portal.sandboxes import actions, digest, policy
+from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
+from portal.scheduling import digest, policy
 from scheduler.research.bench_markdown import write_section
 from tests.bench.openb_fleet import OPENB_BENCH, WRITES, Seeded, percentile, seed_openb
 

@@ -1,5 +1,5 @@
 """A stand-in for the portal's terminal WebSocket, for the client's shell tests: the same
-protocol (portal/sandboxes/consumers.py) in front of a real ``/bin/sh`` on a real pty, as
+protocol (portal/tunnels/consumers.py) in front of a real ``/bin/sh`` on a real pty, as
 the agent's Docker exec gives one. The e2e test runs the client against the real portal
 and a real container."""
 

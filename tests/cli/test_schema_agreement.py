@@ -12,7 +12,7 @@ import pytest
 from drf_spectacular.generators import SchemaGenerator
 from gpushare_client.routes import REQUEST_COMPONENT, REQUEST_FIELDS, ROUTES, TERMINAL_SOCKET
 
-from portal.telemetry.routing import token_websocket_urlpatterns
+from portal.routing import token_websocket_urlpatterns
 from tests.cli.schema_check import mismatches
 
 

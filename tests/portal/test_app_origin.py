@@ -1,6 +1,6 @@
 """Sandboxes' apps on origins of their own: the portal's grant, the app session it buys on the
 app's origin, what ends that session, and the Host rule that keeps the portal and the apps
-apart (portal/sandboxes/app_origin.py, app_access.py, portal/asgi.py). The relay itself:
+apart (portal/tunnels/app_origin.py, app_access.py, portal/asgi.py). The relay itself:
 test_app_proxy.py; in Chromium: tests/browser/test_app_origin_browser.py."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from channels.testing import HttpCommunicator, WebsocketCommunicator
 from django.test import override_settings
 
 from portal.asgi import application
-from portal.sandboxes import app_access
-from portal.sandboxes.app_origin import GRANT_PATH, AppLabel, AppsDomain, AppsDomainError
 from portal.sandboxes.models import Sandbox
+from portal.tunnels import app_access
+from portal.tunnels.app_origin import GRANT_PATH, AppLabel, AppsDomain, AppsDomainError
 from tests.portal.helpers import client_for
 from tests.portal.test_app_proxy import APPS, app_host, app_session_for, with_app
 from tests.portal.test_terminal import WAIT_S, running_sandbox

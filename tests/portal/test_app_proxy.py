@@ -27,9 +27,10 @@ from django.conf import settings
 from django.test import override_settings
 
 from portal.asgi import application
-from portal.sandboxes import app_access
-from portal.sandboxes.app_origin import AppLabel, AppsDomain
+from portal.sandboxes import reach
 from portal.sandboxes.models import Sandbox
+from portal.tunnels import app_access
+from portal.tunnels.app_origin import AppLabel, AppsDomain
 from tests.factories import ImageFactory
 from tests.portal.helpers import client_for
 from tests.portal.test_terminal import WAIT_S, running_sandbox
@@ -224,7 +225,7 @@ def test_the_owner_reaches_the_app_and_nothing_crosses_its_origin(
         assert seen["path"] == "/lab?reset=1" and seen["host"] == app_host(sandbox).decode()
         # Neither the portal's cookies nor the app session reach the app; its own token does.
         assert seen["cookie"] == "_xsrf=abc"
-        assert seen["authorization"] == f"token {app_access.app_token(sandbox.allocation_key)}"
+        assert seen["authorization"] == f"token {reach.app_token(sandbox.allocation_key)}"
         # It may not set the portal's cookies or the app session, nor one for a parent domain.
         assert headers(answer, b"set-cookie") == [b"wide=1; Path=/", b"_xsrf=abc; Path=/"]
         assert headers(answer, b"service-worker-allowed") == headers(answer, b"clear-site-data") == []

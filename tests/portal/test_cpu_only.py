@@ -21,8 +21,8 @@ from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
-from portal.sandboxes.snapshot import build_fairshare, build_queue, build_snapshot
 from portal.sandboxes.specs import launch_spec
+from portal.scheduling.snapshot import build_fairshare, build_queue, build_snapshot
 from scheduler.cluster import CPU_ONLY
 from tests.factories import TierFactory
 from tests.portal.helpers import client_for, place_all, request, request_form

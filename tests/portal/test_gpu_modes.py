@@ -16,7 +16,7 @@ from portal.fleet.models import FleetEvent, Gpu, GpuMode
 from portal.fleet.modes import GpuModeError, do_set_gpu_mode
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox
-from portal.sandboxes.snapshot import build_snapshot
+from portal.scheduling.snapshot import build_snapshot
 from scheduler.cluster import AUTO, DeviceGrant
 from tests.portal.helpers import client_for, place_all, request
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec

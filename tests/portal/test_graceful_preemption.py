@@ -15,8 +15,8 @@ from django.utils import timezone
 from portal.catalog.models import Storage
 from portal.sandboxes import actions, preemption
 from portal.sandboxes.models import Notification, Sandbox
-from portal.sandboxes.preview import preview_request
-from portal.sandboxes.snapshot import build_queue, build_snapshot
+from portal.scheduling.preview import preview_request
+from portal.scheduling.snapshot import build_queue, build_snapshot
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import client_for, place_all, request
 from wire.spec import SandboxSpec

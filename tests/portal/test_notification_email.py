@@ -1,4 +1,4 @@
-"""Notifications by email (portal.sandboxes.emails): each kind a user chose arrives at a real
+"""Notifications by email (portal.notifications.emails): each kind a user chose arrives at a real
 SMTP server on loopback (aiosmtpd), made by the code path that makes that notification
 and sent by the control worker's real task after commit; kinds not chosen, users without
 an address and changes rolled back send nothing; a server that refuses is retried and
@@ -18,8 +18,9 @@ from django.test import Client, override_settings
 from django.utils import timezone
 
 from portal.control import tasks
+from portal.notifications import emails
 from portal.quotas.models import QuotaPolicy
-from portal.sandboxes import actions, emails, notify
+from portal.sandboxes import actions, notify
 from portal.sandboxes.models import EmailChoice, Notification, Sandbox
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import client_for, place_all, request
@@ -289,7 +290,7 @@ def test_a_server_that_is_not_there_is_given_up_with_a_line_naming_the_problem(
     sent_tasks.clear()
     from workers import control
 
-    with mail_settings(free_port()), caplog.at_level(logging.INFO, logger="portal.sandboxes.emails"):
+    with mail_settings(free_port()), caplog.at_level(logging.INFO, logger="portal.notifications.emails"):
         control.TASKS["email_notifications"].apply(
             args=([note.pk],)
         ).get()  # every retry refused a connection
@@ -310,7 +311,7 @@ def test_an_address_refused_for_good_is_not_retried(
     smtp.refused[OWNER] = "550 5.1.1 No such user here"
     running(people, catalog)
     [note] = Notification.objects.filter(kind="started")
-    with caplog.at_level(logging.WARNING, logger="portal.sandboxes.emails"):
+    with caplog.at_level(logging.WARNING, logger="portal.notifications.emails"):
         assert emails.send_notification_emails([note.pk]) is None
     assert smtp.refusals == 1 and smtp.messages == []
     assert f"email to {OWNER} given up: {OWNER} refused: 550 5.1.1 No such user here" in caplog.text
@@ -327,7 +328,7 @@ def test_an_address_that_cannot_be_written_is_given_up_and_the_rest_still_sent(
     theirs = Sandbox.objects.get(owner=people["outsider"])
     tasks.sandbox_launched(theirs.allocation_key, handle(theirs, "d"), int(time.time() * 1000))
     ids = sorted(Notification.objects.filter(kind="started").values_list("pk", flat=True))
-    with caplog.at_level(logging.WARNING, logger="portal.sandboxes.emails"):
+    with caplog.at_level(logging.WARNING, logger="portal.notifications.emails"):
         assert emails.send_notification_emails(ids) is None
     assert [recipients for recipients, _ in smtp.messages] == [[OWNER]]
     assert "email to 'oscar@example.org\\nBcc: everyone@example.org' given up" in caplog.text

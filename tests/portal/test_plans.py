@@ -30,7 +30,7 @@ from portal.fleet.inventory import do_sync_inventory
 from portal.fleet.models import FleetPlan, Gpu, Host, MigInstance
 from portal.sandboxes import actions, nudge
 from portal.sandboxes.models import Allocation, Sandbox
-from portal.sandboxes.snapshot import build_snapshot
+from portal.scheduling.snapshot import build_snapshot
 from scheduler.cluster import DeviceGrant
 from scheduler.defrag import MigPlan, apply_mig_plan
 from scheduler.gpus import CATALOG, check_layout

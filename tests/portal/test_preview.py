@@ -11,9 +11,10 @@ import pytest
 from django.utils import timezone
 
 from portal.quotas.models import QuotaPolicy
-from portal.sandboxes import actions, digest, preview
+from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
-from portal.sandboxes.preview import Preview, preview_request
+from portal.scheduling import digest, preview
+from portal.scheduling.preview import Preview, preview_request
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import client_for, place_all, request, request_form
 

@@ -11,7 +11,7 @@ from django.utils import timezone
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
-from portal.sandboxes.snapshot import build_queue, build_snapshot
+from portal.scheduling.snapshot import build_queue, build_snapshot
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import place_all, request
 

@@ -17,9 +17,10 @@ from django.utils import timezone
 from portal.control import scheduling
 from portal.control.scheduling import schedule_once
 from portal.fleet.models import Gpu, Host, MigInstance
-from portal.sandboxes import actions, digest, policy
+from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox
-from portal.sandboxes.snapshot import build_snapshot, read_queue
+from portal.scheduling import digest, policy
+from portal.scheduling.snapshot import build_snapshot, read_queue
 from scheduler.cluster import AUTO, Running
 from scheduler.placement import workload
 from scheduler.placement.workload import WorkloadModel

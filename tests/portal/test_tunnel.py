@@ -1,5 +1,5 @@
 """The relay's Redis streams (``wire/relay.py``, the portal's end in
-``portal/sandboxes/tunnel.py``): a slow reader gets every piece while the agent waits for
+``portal/tunnels/tunnel.py``): a slow reader gets every piece while the agent waits for
 it, reads cancelled halfway lose nothing, and a piece missing all the same ends the stream
 instead of corrupting it."""
 
@@ -17,8 +17,8 @@ from django.test import override_settings
 from redis.asyncio import Redis
 
 from portal.asgi import application
-from portal.sandboxes import app_access
-from portal.sandboxes.tunnel import Tunnel, TunnelClosed
+from portal.tunnels import app_access
+from portal.tunnels.tunnel import Tunnel, TunnelClosed
 from tests.portal.test_app_proxy import APPS, app_host, app_session_for, with_app
 from tests.portal.test_terminal import WAIT_S, running_sandbox
 from wire.relay import WINDOW, InOrder, StreamBroken, out_stream, post, relay
@@ -148,7 +148,7 @@ def test_an_answer_that_loses_a_piece_is_broken_off_not_passed_on_as_whole(
         return sent
 
     try:
-        with caplog.at_level(logging.WARNING, logger="portal.sandboxes.app_proxy"):
+        with caplog.at_level(logging.WARNING, logger="portal.tunnels.app_proxy"):
             start, body = asyncio.run(run())
     finally:
         apps_on.disable()

@@ -4,7 +4,7 @@ Sandboxes have no network, so an app inside one listens on a unix socket instead
 ``GPUSHARE_APP_SOCKET`` (in ``APP_DIR``, a directory the driver binds from the host, the
 sandbox's own and mode 0700). The agent connects to it on the host side and relays the
 bytes to the portal through Redis (``wire/relay.py``, as a
-terminal's pty), where ``portal/sandboxes/app_proxy.py`` speaks HTTP to it for the owner's
+terminal's pty), where ``portal/tunnels/app_proxy.py`` speaks HTTP to it for the owner's
 browser. Nobody else on the host can reach the socket: only root and the sandbox's uid may
 enter its directory.
 

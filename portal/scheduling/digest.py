@@ -15,7 +15,7 @@ a digest of the state its committed decisions left:
 
 The web server decodes it once per publication, brings its ``Mirror`` of the fleet up to
 date host by host, and answers each preview with one placement attempt on that mirror
-(``portal/sandboxes/preview.py``). A digest older than
+(``portal/scheduling/preview.py``). A digest older than
 ``max_age_s()`` (the control worker is down or stuck) is not used: the preview falls back
 to reading the database. An empty queue gives the cycle nothing to decide, yet capacity
 frees as sandboxes stop, so an idle cycle refreshes the digest every ``IDLE_REFRESH_S``.
@@ -39,6 +39,7 @@ from typing import Any, cast
 import redis
 from django.conf import settings
 
+from portal.scheduling import kept_snapshot
 from scheduler.cluster import (
     DeviceGrant,
     FairShareState,
@@ -233,10 +234,6 @@ class Mirror:
     the hosts whose rows changed (reported through ``Snapshot.changed``) and reuses the
     ``Running`` of every sandbox whose row is the same. Not thread-safe: its user locks."""
 
-    # Hosts hidden and shown again log changes with every attempt: past this many per host,
-    # the fleet is built afresh (and scored once).
-    CHANGES_PER_HOST = 20
-
     hash: str
     snapshot: Snapshot
     _rows: list[list[Any]]
@@ -251,25 +248,18 @@ class Mirror:
 
     def follow(self, digest: Digest) -> Snapshot | None:
         """The fleet as ``digest`` has it; None when its rows cannot be read."""
-        snapshot = self.snapshot
-        worn = len(snapshot.changes) > self.CHANGES_PER_HOST * max(1, len(snapshot.hosts))
-        if digest.hash == self.hash and not worn:
-            return snapshot
+        if digest.hash == self.hash and not kept_snapshot.worn(self.snapshot):
+            return self.snapshot
         try:
             rows = digest.hosts
-            changed = [] if worn or len(rows) != len(self._rows) else [
-                i for i, row in enumerate(rows) if row != self._rows[i]
-            ]  # fmt: skip
-            if (
-                worn
-                or len(rows) != len(self._rows)
-                or any(_layout(rows[i]) != _layout(self._rows[i]) for i in changed)
-            ):
-                snapshot = Snapshot(hosts=[_host(row) for row in rows])
-            else:
-                for i in changed:
-                    snapshot.hosts[i] = _host(rows[i])
-                    snapshot.changed(rows[i][0])
+            snapshot = kept_snapshot.follow(
+                self.snapshot,
+                self._rows,
+                rows,
+                layout=_layout,
+                host=_host,
+                rebuild=lambda: Snapshot(hosts=[_host(row) for row in rows]),
+            )
             running: dict[int, tuple[list[Any], Running]] = {}
             for row in digest.running_rows:
                 kept = self._running.get(row[0])

@@ -1,7 +1,7 @@
 """Notifications by email: which kinds each user wants mailed, and the sending.
 
-``notify`` writes a ``Notification`` inside the transaction of the change it reports and
-hands its id to ``queue_after_commit``: once that transaction commits (never inside it, so
+``portal.sandboxes.notify`` writes a ``Notification`` inside the transaction of the change it
+reports and hands its id to ``queue_after_commit``: once that transaction commits (never inside it, so
 neither the scheduling cycle nor a web request waits on a mail server), the control task
 ``workers.control.email_notifications`` calls ``send_notification_emails``. That sends one
 mail per notification whose user chose its kind (``EmailChoice``, else the defaults below)
@@ -21,7 +21,6 @@ a server that took a message but timed out before saying so gets it again on the
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import smtplib
 import time
@@ -38,7 +37,6 @@ from django.utils import timezone
 
 from portal.sandboxes.models import EmailChoice, Notification
 from portal.webhooks.deliveries import backoff_seconds
-from wire import dispatch
 from wire.messages import to_control
 
 log = logging.getLogger(__name__)
@@ -67,7 +65,6 @@ DESCRIPTIONS: dict[str, str] = {
     K.ALERT: "a GPU alert concerns your sandbox",
 }
 
-MAX_PER_MESSAGE = 100  # notifications per task message: a burst of 1,000 waits is 10 messages
 MAX_ATTEMPTS = 8  # with backoff_seconds: 30 s, 1, 2, 4, 8, 16, 32 min, about an hour in all
 SEND_FOR_S = 60.0  # what a task has not sent by then goes to a new message (time limit 120 s)
 SUBJECT_MAX = 150
@@ -99,21 +96,6 @@ def do_set_email_kinds(user_id: int, kinds: Iterable[str]) -> None:
             EmailChoice.objects.update_or_create(
                 user_id=user_id, kind=kind, defaults={"by_email": kind in wanted}
             )
-
-
-# --- queueing --------------------------------------------------------------------------------
-
-
-def queue_after_commit(notification_ids: list[int]) -> None:
-    """Hand these notifications to the mail task once the current transaction commits
-    (at once outside one; never if it rolls back). ``robust``: a broker that cannot be
-    reached costs the mails, logged, never the change that was committed."""
-    ids = [pk for pk in notification_ids if pk is not None]
-    for start in range(0, len(ids), MAX_PER_MESSAGE):
-        chunk = ids[start : start + MAX_PER_MESSAGE]
-        transaction.on_commit(
-            functools.partial(dispatch.to_control, "email_notifications", chunk), robust=True
-        )
 
 
 # --- sending ---------------------------------------------------------------------------------

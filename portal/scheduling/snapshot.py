@@ -3,7 +3,7 @@
 written (``scheduler_request``).
 
 Read by the scheduling cycle (``portal.control.scheduling``) and by the request form's
-preview (``portal.sandboxes.preview``). Built to hold at the openb cluster's size (1,213
+preview (``portal.scheduling.preview``). Built to hold at the openb cluster's size (1,213
 hosts, 6,212 GPUs, ~7,000 sandboxes running, 1,000 waiting; tests/bench/test_portal_cycle.py):
 reading is plain ``values_list`` queries, no model instances, no prefetch objects.
 """

@@ -1,6 +1,6 @@
 """A sandbox's web app's WebSockets (Jupyter's kernels, terminals, events) on its own origin.
 
-The same way as its HTTP requests (``portal/sandboxes/app_proxy.py``): the owner's app
+The same way as its HTTP requests (``portal/tunnels/app_proxy.py``): the owner's app
 session only, from a page of the app's own origin (the Origin header, exactly), one
 connection to the app's socket through the host agent, relayed through Redis. The app's
 handshake comes first, spoken with ``websockets``' sans-I/O client over that relay, so that
@@ -21,11 +21,11 @@ from websockets.http11 import Response
 from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
-from portal.sandboxes import app_access
-from portal.sandboxes.app_access import Refusal
-from portal.sandboxes.app_origin import AppLabel
-from portal.sandboxes.app_proxy import app_cookie, request_headers, token_header, without_reserved_cookies
-from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
+from portal.tunnels import app_access
+from portal.tunnels.app_access import Refusal
+from portal.tunnels.app_origin import AppLabel
+from portal.tunnels.app_proxy import app_cookie, request_headers, token_header, without_reserved_cookies
+from portal.tunnels.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
 from wire.relay import StreamBroken
 
 REFUSED, GONE = 4403, 1011  # not allowed; the app went away

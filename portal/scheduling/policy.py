@@ -8,9 +8,9 @@ portal's own recent requests: on first use from the latest ``DEFAULT_WINDOW`` sa
 the database, then from each cycle's queue (``observe`` ignores an id it has seen, so a
 request waiting through many cycles counts once).
 
-It also keeps the fleet it places on (``kept_fleet``): each cycle reads the fleet afresh
-from the database, but hands the policy the same ``Snapshot`` as before with only the
-hosts that differ reported changed, so the scores it remembered for every other host
+It also keeps the fleet it places on (``kept_fleet``, through ``kept_snapshot``): each cycle
+reads the fleet afresh from the database, but hands the policy the same ``Snapshot`` as
+before with only the hosts that differ reported changed, so the scores it remembered for every other host
 carry over from one cycle to the next, and a cycle's cost follows what changed rather
 than pending requests x GPUs.
 
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import Any
 
 from portal.sandboxes.models import Sandbox
+from portal.scheduling import kept_snapshot
 from scheduler.cluster import DEDICATED, MPS, Request, Snapshot
 from scheduler.placement import Policy, get_policy
 from scheduler.placement.gpushare import GpusharePolicy
@@ -34,10 +34,7 @@ from scheduler.placement.workload import DEFAULT_WINDOW, WorkloadModel, observed
 
 lock = threading.Lock()
 _kept: tuple[str, Policy] | None = None
-_fleet: tuple[list[Any], Snapshot] | None = None  # its layout, and the snapshot itself
-# The kept snapshot's change log grows every cycle (bookings, the head's devices hidden and
-# shown again); past this many entries per host a fresh one starts and is scored once.
-CHANGES_PER_HOST = 20
+_fleet: Snapshot | None = None
 
 
 def workload_of(policy: Policy) -> WorkloadModel | None:
@@ -74,33 +71,24 @@ def forget() -> None:
         _kept = _fleet = None
 
 
-def _layout(snapshot: Snapshot) -> list[Any]:
-    """What a policy may have built on for the whole fleet: the hosts, their order and
-    capacity, and each GPU's model and sharing mode. Not what is free: that is per host."""
-    return [
-        (h.name, h.cpu_milli, h.memory_mib, h.isolation_levels, [(g.uuid, g.model, g.mode) for g in h.gpus])
-        for h in snapshot.hosts
-    ]
-
-
 def kept_fleet(fresh: Snapshot) -> Snapshot:
     """The snapshot to decide on, given the one just read. Hold ``lock``.
 
-    The kept one, brought up to date host by host (a host that differs is replaced and
-    reported changed), while the fleet's layout stays the same; else ``fresh`` itself,
-    kept from now on. Either way the state is exactly what was read.
+    The kept one, brought up to date host by host (``kept_snapshot.follow``) while the
+    fleet's layout stays the same; else ``fresh`` itself, kept from now on. Either way the
+    state is exactly what was read.
     """
     global _fleet
-    layout = _layout(fresh)
-    if _fleet is None or _fleet[0] != layout or len(_fleet[1].changes) > CHANGES_PER_HOST * len(layout):
-        _fleet = (layout, fresh)
-        return fresh
-    kept = _fleet[1]
-    for i, host in enumerate(fresh.hosts):
-        if kept.hosts[i] != host:
-            kept.hosts[i] = host
-            kept.changed(host.name)
+    kept = kept_snapshot.follow(
+        _fleet,
+        _fleet.hosts if _fleet is not None else [],
+        fresh.hosts,
+        layout=kept_snapshot.host_layout,
+        host=lambda state: state,
+        rebuild=lambda: fresh,
+    )
     kept.running = fresh.running
+    _fleet = kept
     return kept
 
 

@@ -13,7 +13,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 
 from portal.api.text import unknown_fields
-from portal.sandboxes.emails import DEFAULT_EMAIL_KINDS, DESCRIPTIONS, do_set_email_kinds, email_kinds
+from portal.notifications.emails import DEFAULT_EMAIL_KINDS, DESCRIPTIONS, do_set_email_kinds, email_kinds
 from portal.sandboxes.models import Notification
 
 # Backends that take a mail and deliver it nowhere: the page says so rather than promise mail.

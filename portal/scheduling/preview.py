@@ -13,7 +13,7 @@ For a request that waits it also lists what could start now instead, in the same
 free MIG slices of other profiles, the largest MPS share free, free time-slice replicas,
 or how many whole GPUs are free on one host.
 
-It is answered from the state the last scheduling cycle left (``portal/sandboxes/digest.py``):
+It is answered from the state the last scheduling cycle left (``portal/scheduling/digest.py``):
 the fleet after that cycle's placements, its waiting requests and the devices it reserved
 for the queue head. The requests that waited then could not start on what is left, so the
 new request needs one placement attempt there, not a whole cycle: its place in the fair
@@ -34,11 +34,12 @@ from typing import Any
 
 from django.conf import settings
 
+from portal.durations import duration_text
 from portal.gc_pause import collection_paused
-from portal.sandboxes import digest
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
-from portal.sandboxes.policy import new_policy, warm, workload_of
-from portal.sandboxes.snapshot import build_fairshare, build_queue, build_snapshot, scheduler_request
+from portal.scheduling import digest
+from portal.scheduling.policy import new_policy, warm, workload_of
+from portal.scheduling.snapshot import build_fairshare, build_queue, build_snapshot, scheduler_request
 from scheduler.cluster import (
     DEDICATED,
     MIG,
@@ -197,7 +198,7 @@ def _verdict(
                     "now",
                     f"starts on {decision.host} once {victims} preemptible sandbox(es) have stopped"
                     + (
-                        f", within {_duration(warning_s)} (their warning before the stop)"
+                        f", within {duration_text(warning_s)} (their warning before the stop)"
                         if warning_s
                         else ""
                     ),
@@ -215,10 +216,6 @@ def _verdict(
                 alternatives=instead,
             )
     return Preview("waits", "the scheduler gave no answer for it", position=waiting_ahead + 1)
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 60:g} min" if seconds >= 60 and seconds % 60 == 0 else f"{seconds:g} s"
 
 
 def _eta(

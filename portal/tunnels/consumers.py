@@ -29,13 +29,13 @@ from portal.accounts.models import ApiToken
 from portal.accounts.socket_auth import socket_has_scope, socket_token
 from portal.audit import trail
 from portal.sandboxes.models import Sandbox, SandboxEvent, SandboxState
-from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
+from portal.sandboxes.reach import TERMINAL_ISOLATION
+from portal.tunnels.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
 from wire.relay import StreamBroken
 
 FORBIDDEN, CONFLICT = 4403, 4409
 # What a token must hold to type into a sandbox: the scope that changes sandboxes (or admin).
 TOKEN_SCOPE = ApiToken.Scope.WRITE_SANDBOXES
-TERMINAL_ISOLATION = ("container", "process")  # a VM's console is its serial line, not a pty exec
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,11 @@ from channels.db import database_sync_to_async
 from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 
-from portal.sandboxes import app_access
-from portal.sandboxes.app_access import Refusal, Target
-from portal.sandboxes.app_origin import GRANT_PATH, AppLabel
-from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelSilent
+from portal.sandboxes.reach import app_token
+from portal.tunnels import app_access
+from portal.tunnels.app_access import Refusal, Target
+from portal.tunnels.app_origin import GRANT_PATH, AppLabel
+from portal.tunnels.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelSilent
 from wire.relay import NOT_LISTENING, StreamBroken
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def cross_site_refusal(method: str, headers: dict[bytes, bytes], own_origin: str
 
 
 def token_header(target: Target) -> bytes:
-    return f"token {app_access.app_token(target.allocation_key)}".encode()
+    return f"token {app_token(target.allocation_key)}".encode()
 
 
 def answer_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -1,9 +1,9 @@
 """Who may open a sandbox's web app, and how their browser gets onto its origin.
 
-The app is served on an origin of its own (``app_origin``), which the portal's session
+The app is served on an origin of its own (``portal.sandboxes.reach.app_origin``), which the portal's session
 cookie never reaches. The owner crosses over with a grant:
 
-1. ``/sandboxes/<id>/app/<path>`` on the portal (signed in, the owner: ``views.open_app``)
+1. ``/sandboxes/<id>/app/<path>`` on the portal (signed in, the owner: ``portal.tunnels.views.open_app``)
    makes a **grant**, a random code valid ``APP_GRANT_TTL_S`` and redeemable once, bound to
    the user, the sandbox and the portal session, and redirects the browser to
    ``<app origin>/__gpushare__/grant?code=…&next=<path>``.
@@ -31,11 +31,11 @@ from urllib.parse import urlencode
 from django.conf import settings
 from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.core.cache import cache
-from django.utils.crypto import constant_time_compare, salted_hmac
+from django.utils.crypto import constant_time_compare
 
-from portal.sandboxes.app_origin import GRANT_PATH, AppLabel, AppsDomain
-from portal.sandboxes.consumers import TERMINAL_ISOLATION
 from portal.sandboxes.models import Sandbox, SandboxState
+from portal.sandboxes.reach import TERMINAL_ISOLATION
+from portal.tunnels.app_origin import GRANT_PATH, AppLabel, AppsDomain
 
 _GRANT = "app-grant:"
 _SESSION = "app-session:"
@@ -70,18 +70,6 @@ def apps_domain() -> AppsDomain | None:
 def cookie_name() -> str:
     apps = apps_domain()
     return "__Host-gpushare_app" if apps is not None and apps.secure else "gpushare_app"
-
-
-def app_origin(sandbox: Sandbox) -> str | None:
-    apps = apps_domain()
-    return apps.origin(sandbox.pk, sandbox.allocation_key) if apps is not None else None
-
-
-def app_token(allocation_key: str) -> str:
-    """The app's own secret (``GPUSHARE_APP_TOKEN`` in the sandbox): the proxy sends it with
-    each request it lets through, so an app that asks for it (JupyterLab's token) answers
-    only what came through the owner's app session, never a bare connection to its socket."""
-    return salted_hmac("portal.sandboxes.app_access.token", allocation_key, algorithm="sha256").hexdigest()
 
 
 def check_owner(user: Any, sandbox_id: int) -> Target | Refusal:
