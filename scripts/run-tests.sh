@@ -47,6 +47,39 @@ PY
 declare -a bg_order=() bg_pids=()
 declare -A bg_log bg_rc
 
+# When the script ends, however it ends (a failure, Ctrl-C, kill), nothing it started stays:
+# the background chains and their pytests, then each embedded pass's Redis (each pytest stops
+# the one it started as it exits, tests/testenv.py; a killed one cannot). The TERM and INT
+# traps run once the foreground pytest has returned (bash waits for it), Ctrl-C stops that one.
+tree() {  # tree PID: PID and the processes under it, parents first
+  local child
+  echo "$1"
+  for child in $(pgrep -P "$1"); do tree "$child"; done
+}
+cleanup() {
+  local pid name
+  local -a pids=()
+  for pid in "${bg_pids[@]}"; do mapfile -t -O "${#pids[@]}" pids < <(tree "$pid"); done
+  ((${#pids[@]})) && kill "${pids[@]}" 2>/dev/null
+  for _ in {1..50}; do  # up to 10 s for them to go
+    kill -0 "${pids[@]}" 2>/dev/null || break
+    sleep 0.2
+  done
+  "$PY" - "$VAR-embedded" "$VAR-embedded-quiet" "$VAR-embedded-ledger" <<'PY'
+import sys
+from pathlib import Path
+
+from portal.embedded_redis import stop
+
+for var in sys.argv[1:]:
+    stop(Path(var) / "redis")
+PY
+  for name in "${bg_order[@]}"; do rm -f "${bg_log[$name]}" "${bg_rc[$name]}"; done
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
 # background_step NAME NICE ENV... -- PYTEST_ARGS... : one pytest, niced; its output and status kept.
 background_step() {
   local name=$1 level=$2

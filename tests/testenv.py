@@ -6,6 +6,9 @@ comes from the environment (DATABASE_URL, REDIS_URL) as in ``make test``.
 """
 
 import os
+from pathlib import Path
+
+import pytest
 
 # Long and varied enough for production's start-up check (DEBUG is off in tests).
 os.environ.setdefault("SECRET_KEY", "test-only-secret-key-not-for-production-0123456789abcdef")
@@ -67,3 +70,27 @@ def pytest_collection_modifyitems(config: object, items: list[object]) -> None:
     if dropped:
         config.hook.pytest_deselected(items=dropped)  # type: ignore[attr-defined]
         items[:] = keep
+
+
+# The embedded Redis a run starts (conftest's session fixture, or portal.asgi when a test
+# module imports it; it daemonizes) is stopped when the run ends, interrupted or not, so a
+# run leaves no server behind. One that already answered (a `make run` on the same var dir)
+# is left alone.
+_STARTED_REDIS = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from portal.embedded_redis import is_running
+    from workers.config import embedded_redis_dir
+
+    embedded = embedded_redis_dir()
+    if embedded is not None and not is_running(embedded):
+        config.stash[_STARTED_REDIS] = embedded
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    embedded = config.stash.get(_STARTED_REDIS, None)
+    if embedded is not None:
+        from portal.embedded_redis import stop
+
+        stop(embedded)
