@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-LEDGER=tests/portal/test_ledger_properties.py
+LEDGER=tests/portal/billing/test_ledger_properties.py
 VAR="${GPUSHARE_VAR_DIR:-var/test}"
 export TEST_DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/gpushare}"
 export TEST_REDIS_URL="${TEST_REDIS_URL:-redis://127.0.0.1:6379/15}"

@@ -30,7 +30,7 @@ from portal.telemetry.models import GpuRollup
 from scheduler.bench import write_section
 from tests.bench.openb_fleet import OPENB_BENCH, seed_openb
 from tests.portal.helpers import client_for
-from tests.portal.test_metrics import TOKEN, message
+from tests.portal.telemetry.test_metrics import TOKEN, message
 from workers.telemetry import SandboxFigures, store_latest
 
 pytestmark = OPENB_BENCH

@@ -32,7 +32,7 @@ from portal.sandboxes.app_origin import AppLabel, AppsDomain
 from portal.sandboxes.models import Sandbox
 from tests.factories import ImageFactory
 from tests.portal.helpers import client_for
-from tests.portal.test_terminal import WAIT_S, running_sandbox
+from tests.portal.tunnels.test_terminal import WAIT_S, running_sandbox
 from workers.drivers import app_socket
 from workers.drivers.base import SandboxHandle
 from workers.host.terminals import relay_stream
