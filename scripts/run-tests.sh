@@ -48,9 +48,10 @@ declare -a bg_order=() bg_pids=()
 declare -A bg_log bg_rc
 
 # When the script ends, however it ends (a failure, Ctrl-C, kill), nothing it started stays:
-# the background chains and their pytests, then each embedded pass's Redis (each pytest stops
-# the one it started as it exits, tests/testenv.py; a killed one cannot). The TERM and INT
-# traps run once the foreground pytest has returned (bash waits for it), Ctrl-C stops that one.
+# the background chains and their pytests with what they started, then each embedded pass's
+# Redis (each pytest stops the one it started as it exits, tests/testenv.py; a killed one
+# cannot). The TERM and INT traps run once the foreground pytest has returned (bash waits for
+# it): Ctrl-C, or TERM to the process group, stops that one.
 tree() {  # tree PID: PID and the processes under it, parents first
   local child
   echo "$1"
@@ -60,11 +61,14 @@ cleanup() {
   local pid name
   local -a pids=()
   for pid in "${bg_pids[@]}"; do mapfile -t -O "${#pids[@]}" pids < <(tree "$pid"); done
-  ((${#pids[@]})) && kill "${pids[@]}" 2>/dev/null
-  for _ in {1..50}; do  # up to 10 s for them to go
-    kill -0 "${pids[@]}" 2>/dev/null || break
-    sleep 0.2
-  done
+  if ((${#pids[@]})); then
+    kill "${pids[@]}" 2>/dev/null  # a pytest tears down on TERM (tests/testenv.py)
+    for _ in {1..60}; do  # up to 30 s
+      kill -0 "${pids[@]}" 2>/dev/null || break
+      sleep 0.5
+    done
+    kill -KILL "${pids[@]}" 2>/dev/null
+  fi
   "$PY" - "$VAR-embedded" "$VAR-embedded-quiet" "$VAR-embedded-ledger" <<'PY'
 import sys
 from pathlib import Path

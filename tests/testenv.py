@@ -6,6 +6,7 @@ comes from the environment (DATABASE_URL, REDIS_URL) as in ``make test``.
 """
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,14 @@ def pytest_collection_modifyitems(config: object, items: list[object]) -> None:
 _STARTED_REDIS = pytest.StashKey[Path]()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # SIGTERM (run-tests.sh's exit trap, a CI timeout) stops a run as Ctrl-C does: fixtures
+    # tear down (a platform's processes, in sessions of their own, stop) and the Redis below.
+    signal.signal(signal.SIGTERM, _interrupt)
     from portal.embedded_redis import is_running
     from workers.config import embedded_redis_dir
 
