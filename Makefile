@@ -113,7 +113,7 @@ lint: install
 	DEBUG=true $(VENV)/bin/mypy .
 
 bench: install-libvirt
-	$(PY) -m scheduler.bench --out BENCHMARKS.md
+	$(PY) -m scheduler.research.bench --out BENCHMARKS.md
 	GPUSHARE_VAR_DIR=var/test BENCH_OUT=BENCHMARKS.md VM_KERNEL=$(VM_KERNEL) VM_INITRD=$(VM_INITRD) \
 		LIBVIRT_DOMAIN_TYPE=$(LIBVIRT_DOMAIN_TYPE) \
 		$(PY) -m pytest -q -s -p no:cacheprovider -m bench tests/bench

@@ -7,10 +7,10 @@ import sys
 
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    from portal.env import ConfigError
+    from wire.env import ConfigError
 
     try:
-        from workers.config import ensure_embedded_redis
+        from wire.config import ensure_embedded_redis
 
         ensure_embedded_redis()
         from django.core.management import execute_from_command_line

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
-from workers.config import ensure_embedded_redis
+from wire.config import ensure_embedded_redis
 
 ensure_embedded_redis()
 

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from portal.demo import DEMO_HOSTS, DEMO_USERS
-from workers import config, selftest
+from wire import config, embedded_redis
+from workers import selftest
 from workers.selftest import SelfTest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -249,9 +250,7 @@ def main() -> int:
             proc.kill()
     embedded = config.embedded_redis_dir()
     if embedded is not None:
-        from portal.embedded_redis import stop
-
-        stop(embedded)
+        embedded_redis.stop(embedded)
     print("gpushare: stopped.", flush=True)
     return exit_code
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import dj_database_url
 from csp.constants import NONE, SELF, UNSAFE_INLINE
 
-from portal.env import ConfigError, env_bool, env_choice, env_int, env_list, env_networks, env_str
 from portal.identity.config import authentication_backends, ldap_settings, oidc_settings
 from portal.sandboxes.app_origin import AppsDomain, AppsDomainError
 from scheduler.placement import DEFAULT_POLICY, POLICY_NAMES
-from workers import config as worker_config
+from wire import config as worker_config
+from wire.env import ConfigError, env_bool, env_choice, env_int, env_list, env_networks, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = worker_config.var_dir()

@@ -6,7 +6,7 @@
 # access, and a GPU sandbox needs glibc, because the NVIDIA container toolkit injects the
 # host's glibc-linked nvidia-smi and libcuda.so into the container (a static busybox rootfs
 # could run neither). The rootfs has a `sandbox` user; the docker driver runs each container
-# as its own uid from SANDBOX_UID_BASE up (workers/drivers/uids.py), HOME=/home/sandbox.
+# as its own uid from SANDBOX_UID_BASE up (wire/uids.py), HOME=/home/sandbox.
 # About 45 s with a nearby mirror (measured on the CI machines), once per host.
 #
 # Usage: scripts/build-sandbox-image.sh [--force] [--image NAME:TAG]

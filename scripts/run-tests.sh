@@ -73,7 +73,7 @@ cleanup() {
 import sys
 from pathlib import Path
 
-from portal.embedded_redis import stop
+from wire.embedded_redis import stop
 
 for var in sys.argv[1:]:
     stop(Path(var) / "redis")

@@ -11,7 +11,7 @@ from django.conf import settings
 
 from portal.fleet.inventory import do_sync_inventory
 from tests.factories import ImageFactory, MembershipFactory, ProjectFactory, TierFactory, UserFactory
-from workers.config import ensure_embedded_redis
+from wire.config import ensure_embedded_redis
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
 PASSWORD = "correct-horse-battery"
@@ -153,7 +153,7 @@ def auto_fleet(db: Any) -> None:
 def sent_tasks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, tuple[Any, ...]]]:
     """Capture messages to workers instead of sending them (unit tests)."""
     sent: list[tuple[str, str, tuple[Any, ...]]] = []
-    from workers import dispatch
+    from wire import dispatch
 
     monkeypatch.setattr(dispatch, "to_host", lambda host, task, *a: sent.append((f"host.{host}", task, a)))
     monkeypatch.setattr(dispatch, "to_control", lambda task, *a: sent.append(("control", task, a)))

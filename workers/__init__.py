@@ -4,6 +4,6 @@
 needs only broker credentials.
 """
 
-from workers.celery import app
+from wire.celery import app
 
 __all__ = ["app"]

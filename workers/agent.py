@@ -18,20 +18,23 @@ import logging
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from celery import Task, signals
 from kombu import Queue
 
-from portal.env import ConfigError
-from workers import config, dispatch, moves, selftest
+from wire import config
+from wire.celery import app, host_queue
+from wire.env import ConfigError
+from wire.messages import MigStepReport, MoveReport, PlanInventory, to_control
+from wire.spec import SandboxHandle, SandboxSpec
+from workers import moves, selftest
 from workers.agent_pool import REPORT_BUILDERS, AgentPool, SimulatedHost, read_hosts_file
+from workers.agent_settings import AgentSettings
 from workers.alerts import AlertTracker
 from workers.batch_output import OutputPump
-from workers.celery import app, host_queue
-from workers.config import AgentSettings
 from workers.drivers import DriverUnavailable, make_driver
-from workers.drivers.base import SandboxDriver, SandboxHandle, SandboxSpec
+from workers.drivers.base import SandboxDriver
 from workers.drivers.gpu_nodes import GpuNodes
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend
@@ -102,17 +105,17 @@ class Agent:
     def launch(self, spec: SandboxSpec) -> None:
         self.lifecycle.launch(spec)
 
-    def stop(self, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
-        self.lifecycle.stop(allocation_id, handle_json)
+    def stop(self, allocation_key: str, handle_json: dict[str, Any] | None) -> None:
+        self.lifecycle.stop(allocation_key, handle_json)
 
-    def stop_quietly(self, allocation_id: str, handle: SandboxHandle | None) -> None:
-        self.lifecycle.stop_quietly(allocation_id, handle)
+    def stop_quietly(self, allocation_key: str, handle: SandboxHandle | None) -> None:
+        self.lifecycle.stop_quietly(allocation_key, handle)
 
-    def warn(self, allocation_id: str, handle_json: dict[str, Any] | None, stop_at: float) -> None:
-        self.lifecycle.warn(allocation_id, handle_json, stop_at)
+    def warn(self, allocation_key: str, handle_json: dict[str, Any] | None, stop_at: float) -> None:
+        self.lifecycle.warn(allocation_key, handle_json, stop_at)
 
-    def find(self, allocation_id: str) -> SandboxHandle | None:
-        return self.lifecycle.find(allocation_id)
+    def find(self, allocation_key: str) -> SandboxHandle | None:
+        return self.lifecycle.find(allocation_key)
 
     def mig_instances_in_use(self) -> dict[str, str]:
         return self.sandboxes.mig_instances_in_use()
@@ -120,25 +123,25 @@ class Agent:
     def report_inventory(self) -> None:
         self.inventory.report()
 
-    def open_terminal(self, session: str, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
-        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
+    def open_terminal(self, session: str, allocation_key: str, handle_json: dict[str, Any] | None) -> None:
+        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_key)
         relay_stream(
             self.driver.exec_terminal,
             self.host,
             session,
-            allocation_id,
+            allocation_key,
             handle,
             self.settings.terminal_idle_s,
             "terminal",
         )
 
-    def open_app(self, session: str, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
-        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
+    def open_app(self, session: str, allocation_key: str, handle_json: dict[str, Any] | None) -> None:
+        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_key)
         relay_stream(
             self.driver.open_app,
             self.host,
             session,
-            allocation_id,
+            allocation_key,
             handle,
             self.settings.terminal_idle_s,
             "app",
@@ -151,12 +154,12 @@ class Agent:
         results, steps, error = outcome.report()
         inventory = None
         if mig_plan is not None:
-            inventory = {
-                "backend": self.backend.name,
-                "driver": self.driver.name,
-                "gpus": self.inventory.refresh(),
-            }
-        dispatch.to_control("plan_executed", plan_id, self.host, results, steps, error, inventory)
+            inventory = PlanInventory(
+                backend=self.backend.name, driver=self.driver.name, gpus=self.inventory.refresh()
+            )
+        # cast: until PlanOutcome.report() returns the reports it builds
+        moved, changed = cast(list[MoveReport], results), cast(list[MigStepReport], steps)
+        to_control.plan_executed(plan_id, self.host, moved, changed, error, inventory)
 
     def gpu_mode(self, gpu_uuid: str, mode: str) -> None:
         """An admin pinned the GPU (or let it follow demand): only a pin to MPS keeps its
@@ -179,7 +182,7 @@ class Agent:
         self.inventory.report()
         self._make_device_nodes()
         # Alerts this host raised before a restart can no longer clear themselves.
-        dispatch.to_control("telemetry_agent_started", self.host)
+        to_control.telemetry_agent_started(self.host)
         loop = self.sampler.sample_forever(self.settings.sample_interval_s, self.settings.heartbeat_s)
         threading.Thread(target=asyncio.run, args=(loop,), name="agent-sampler", daemon=True).start()
         if self.driver.storage_dir is not None:
@@ -297,13 +300,13 @@ def execute_plan(
 
 
 @app.task(name="workers.agent.open_app", ignore_result=True, bind=True)
-def open_app(task: AnyTask, session: str, allocation_id: str, handle: dict[str, Any] | None) -> None:
-    agent_for(task).open_app(session, allocation_id, handle)
+def open_app(task: AnyTask, session: str, allocation_key: str, handle: dict[str, Any] | None) -> None:
+    agent_for(task).open_app(session, allocation_key, handle)
 
 
 @app.task(name="workers.agent.open_terminal", ignore_result=True, bind=True)
-def open_terminal(task: AnyTask, session: str, allocation_id: str, handle: dict[str, Any] | None) -> None:
-    agent_for(task).open_terminal(session, allocation_id, handle)
+def open_terminal(task: AnyTask, session: str, allocation_key: str, handle: dict[str, Any] | None) -> None:
+    agent_for(task).open_terminal(session, allocation_key, handle)
 
 
 @app.task(name="workers.agent.gpu_mode", ignore_result=True, bind=True)
@@ -312,15 +315,15 @@ def gpu_mode(task: AnyTask, gpu_uuid: str, mode: str) -> None:
 
 
 @app.task(name="workers.agent.stop_sandbox", ignore_result=True, bind=True)
-def stop_sandbox(task: AnyTask, allocation_id: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:
-    agent_for(task).stop(allocation_id, handle)
+def stop_sandbox(task: AnyTask, allocation_key: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:
+    agent_for(task).stop(allocation_key, handle)
 
 
 @app.task(name="workers.agent.warn_sandbox", ignore_result=True, bind=True)
 def warn_sandbox(
-    task: AnyTask, allocation_id: str, sandbox_id: int, handle: dict[str, Any] | None, stop_at: float
+    task: AnyTask, allocation_key: str, sandbox_id: int, handle: dict[str, Any] | None, stop_at: float
 ) -> None:
-    agent_for(task).warn(allocation_id, handle, stop_at)
+    agent_for(task).warn(allocation_key, handle, stop_at)
 
 
 def _consume_every_hosts_queue() -> None:

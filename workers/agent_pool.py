@@ -24,14 +24,15 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
-from portal.env import ConfigError
-from workers import config, dispatch
-from workers.config import AgentSettings
+from wire import config
+from wire.env import ConfigError
+from wire.messages import MinuteRollup, to_control
+from workers.agent_settings import AgentSettings
 from workers.gpu.simulated import parse_sim_spec
 from workers.host.reports import send_beats
 from workers.telemetry import make_layer
@@ -112,7 +113,7 @@ class AgentPool:
     def start(self) -> None:
         for agent in self.agents.values():
             agent.report_inventory()
-            dispatch.to_control("telemetry_agent_started", agent.host)
+            to_control.telemetry_agent_started(agent.host)
         threading.Thread(target=self._beat_forever, name="pool-beats", daemon=True).start()
         sampler = threading.Thread(target=asyncio.run, args=(self._sample_forever(),), name="pool-sampler")
         sampler.daemon = True
@@ -154,7 +155,10 @@ class AgentPool:
                     log.exception("sampling %s failed", agent.host)
             for start in range(0, len(closed), ROLLUPS_PER_MESSAGE):
                 rollups = closed[start : start + ROLLUPS_PER_MESSAGE]
-                await asyncio.to_thread(dispatch.to_control, "telemetry_host_rollups", rollups)
+                # cast: until workers/rollups.py returns the MinuteRollup it builds
+                await asyncio.to_thread(
+                    to_control.telemetry_host_rollups, cast(list[tuple[str, MinuteRollup]], rollups)
+                )
             tick += 1
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 

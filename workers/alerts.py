@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from wire.telemetry import AlertMessage, GpuSampleMessage
 from workers.rollups import THROTTLING
-from workers.telemetry import AlertMessage, GpuSampleMessage
 
 XID_QUIET_S = 600  # an XID alert clears after this long without another XID
 DEFAULT_RULES: dict[str, Any] = {

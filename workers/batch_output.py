@@ -18,27 +18,17 @@ import base64
 import logging
 import threading
 from collections.abc import Callable
-from typing import TypedDict
 
-from workers import dispatch
-from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
+from wire.messages import to_control
+from wire.spec import SandboxHandle, SandboxSpec
+from wire.telemetry import OutputMessage
+from workers.drivers.base import DriverError, SandboxDriver
 from workers.drivers.output import OutputChunk
 
 log = logging.getLogger(__name__)
 
 MESSAGE_BYTES = 256 * 1024  # one control task or live message at most
 TICK_BYTES = 1024 * 1024  # one sandbox's share of a tick: a flood cannot stall the others
-
-
-class OutputMessage(TypedDict):
-    """A piece of a batch's output for its page (group ``sandbox.<id>``)."""
-
-    type: str  # "sandbox.output"
-    sandbox: int
-    start: int  # offset of the first byte in everything the sandbox wrote
-    end: int  # offset just past the last (the text may differ in length: bytes replaced)
-    text: str  # UTF-8, undecodable bytes replaced
-    dropped: int  # bytes the host did not keep between the previous piece and this one
 
 
 class OutputPump:
@@ -65,36 +55,36 @@ class OutputPump:
         """Everything a batch printed that was not shipped yet (before its stop)."""
         if spec is None or not spec.batch:
             return []
-        return self._ship(spec.sandbox_id, handle.allocation_id, handle, None)
+        return self._ship(spec.sandbox_id, handle.allocation_key, handle, None)
 
     def _ship(
-        self, sandbox_id: int, allocation_id: str, handle: SandboxHandle, budget: int | None
+        self, sandbox_id: int, allocation_key: str, handle: SandboxHandle, budget: int | None
     ) -> list[OutputMessage]:
         messages: list[OutputMessage] = []
         with self._lock:
-            offset = self._offsets.get(allocation_id, 0)
+            offset = self._offsets.get(allocation_key, 0)
         while budget is None or budget > 0:
             try:
                 chunk = self.driver.read_output(handle, offset, MESSAGE_BYTES)
             except (DriverError, OSError) as exc:
-                log.warning("output of %s unreadable: %s", allocation_id, exc)
+                log.warning("output of %s unreadable: %s", allocation_key, exc)
                 break
             if not chunk.data and chunk.start <= offset:
                 break
-            messages.append(self._send(sandbox_id, allocation_id, offset, chunk))
+            messages.append(self._send(sandbox_id, allocation_key, offset, chunk))
             offset = max(offset, chunk.end)
             if budget is not None:
                 budget -= max(1, len(chunk.data))
             if not chunk.data:
                 break
         with self._lock:
-            self._offsets[allocation_id] = offset
+            self._offsets[allocation_key] = offset
         return messages
 
     @staticmethod
-    def _send(sandbox_id: int, allocation_id: str, offset: int, chunk: OutputChunk) -> OutputMessage:
-        dispatch.to_control(
-            "sandbox_output", allocation_id, chunk.start, base64.b64encode(chunk.data).decode(), chunk.total
+    def _send(sandbox_id: int, allocation_key: str, offset: int, chunk: OutputChunk) -> OutputMessage:
+        to_control.sandbox_output(
+            allocation_key, chunk.start, base64.b64encode(chunk.data).decode(), chunk.total
         )
         return OutputMessage(
             type="sandbox.output",

@@ -2,7 +2,7 @@
 (workers/moves.py) or warned of its preemption (workers/host/lifecycle.py).
 
 ``SANDBOX_CHECKPOINT_HOOK`` names an executable run as ``<hook> checkpoint`` with the
-sandbox in its environment (``GPUSHARE_SANDBOX_ID``, ``GPUSHARE_ALLOCATION_ID``,
+sandbox in its environment (``GPUSHARE_SANDBOX_ID``, ``GPUSHARE_ALLOCATION_KEY``,
 ``GPUSHARE_DRIVER``, ``GPUSHARE_SANDBOX_REF``) and why (``GPUSHARE_CHECKPOINT_REASON``:
 ``move`` with ``GPUSHARE_PLAN_ID``, or ``preemption`` with ``GPUSHARE_STOP_AT``, the epoch
 second of the stop, and ``GPUSHARE_STOP_IN_S``). It
@@ -18,7 +18,7 @@ import os
 import subprocess
 import time
 
-from workers.drivers.base import SandboxHandle
+from wire.spec import SandboxHandle
 
 
 def run_checkpoint_hook(
@@ -30,7 +30,8 @@ def run_checkpoint_hook(
     env = {
         **os.environ,
         "GPUSHARE_SANDBOX_ID": str(handle.sandbox_id),
-        "GPUSHARE_ALLOCATION_ID": handle.allocation_id,
+        "GPUSHARE_ALLOCATION_KEY": handle.allocation_key,
+        "GPUSHARE_ALLOCATION_ID": handle.allocation_key,  # its old name, for hooks written then
         "GPUSHARE_DRIVER": handle.driver,
         "GPUSHARE_SANDBOX_REF": handle.ref,
         **why,

@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from scheduler.defrag import DESTROY, MIGRATE, MigPlan
+from wire.spec import SandboxHandle, renamed
 from workers.checkpoint import run_checkpoint_hook
-from workers.drivers.base import DriverError, SandboxHandle
+from workers.drivers.base import DriverError
 from workers.gpu.mig import MigError, MigStep
 from workers.gpu.mps import MpsError
 
@@ -35,7 +36,7 @@ class MoveResult:
     """What became of one sandbox the plan asked this host to stop."""
 
     sandbox_id: int
-    allocation_id: str
+    allocation_key: str
     stopped_ms: int | None = None  # None: still running where it was
     checkpoint: tuple[bool, str] | None = None  # (ok, what the hook said); None: no hook
     message: str = ""
@@ -80,8 +81,8 @@ def execute_plan(
     """
     outcome = PlanOutcome()
     called_off = ""
-    for order in stops:
-        key, sandbox_id = order["allocation_id"], int(order["sandbox_id"])
+    for order in map(renamed, stops):  # a portal not yet upgraded says allocation_id
+        key, sandbox_id = order["allocation_key"], int(order["sandbox_id"])
         result = MoveResult(sandbox_id, key)
         outcome.results.append(result)
         if called_off:

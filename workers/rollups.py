@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.telemetry import GpuSampleMessage, SandboxFigures
+from wire.telemetry import GpuSampleMessage, SandboxFigures
 
 # Clock reasons that mean the GPU is being held back, not merely idle or capped by choice.
 THROTTLING = frozenset({"hw_slowdown", "hw_thermal", "sw_thermal", "hw_power_brake"})

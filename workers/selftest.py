@@ -18,9 +18,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers import config
-from workers.drivers import DRIVER_ISOLATION, DriverUnavailable, install_command, make_driver
-from workers.drivers.base import DriverError, SandboxDriver, SandboxSpec
+from wire import config
+from wire.spec import DRIVER_ISOLATION, SandboxSpec
+from workers.drivers import DriverUnavailable, install_command, make_driver
+from workers.drivers.base import DriverError, SandboxDriver
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def _remedy(driver: str, detail: str) -> str:
 
 def _spec(driver: SandboxDriver, host: str) -> SandboxSpec:
     return SandboxSpec(
-        allocation_id=f"selftest-{uuid.uuid4().hex[:12]}",
+        allocation_key=f"selftest-{uuid.uuid4().hex[:12]}",
         sandbox_id=0,
         host=host,
         project="gpushare-selftest",
@@ -113,7 +114,7 @@ def try_driver(driver: SandboxDriver, host: str, timeout_s: float = _TIMEOUT_S) 
         try:
             driver.stop(handle, grace_s=2.0)
         except DriverError:
-            log.warning("self-test sandbox %s could not be stopped", spec.allocation_id, exc_info=True)
+            log.warning("self-test sandbox %s could not be stopped", spec.allocation_key, exc_info=True)
 
 
 def run(kind: str, host: str, state_dir: Path) -> SelfTest:

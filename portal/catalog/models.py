@@ -10,9 +10,8 @@ from django.core.exceptions import ValidationError
 from django.db import models
 
 from portal.catalog import registries
-from workers.drivers import uids
-from workers.drivers.base import DriverError, StorageMount
-from workers.drivers.storage import checked_source, checked_target
+from wire import uids
+from wire.storage import StorageMount, StorageRefused, checked_source, checked_target
 
 
 class SharingMode(models.TextChoices):
@@ -261,10 +260,10 @@ class SandboxImage(models.Model):
 
 
 def _agent_rule(check: object, value: str) -> None:
-    """The agent's own check of a path (workers/drivers/storage.py), as a form error."""
+    """The agent's own check of a path (wire/storage.py), as a form error."""
     try:
         check(value)  # type: ignore[operator]
-    except DriverError as exc:
+    except StorageRefused as exc:
         raise ValidationError(str(exc)) from exc
 
 

@@ -9,8 +9,8 @@ from typing import Any
 from django.db import models
 
 from portal.catalog.models import Storage, StorageVolume, Tier
-from workers.drivers.base import StorageMount
-from workers.sizes import human_size
+from wire.sizes import human_size
+from wire.storage import StorageMount
 
 WARN_PCT = 90  # an owner hears of a volume this full, and again when it is over its limit
 

@@ -7,7 +7,7 @@ event and logs an error; only an admin undrains it. The fault's one alert is the
 (``portal.telemetry.alerts``: stored, webhooks, owners told); undraining closes it. Every
 call is one transaction and idempotent: a second report of the same fault changes nothing.
 
-An application XID (workers.gpu.xids: 13, 31, 43, 45, 68, 109, a tenant's own kernel
+An application XID (wire.xids: 13, 31, 43, 45, 68, 109, a tenant's own kernel
 fault) never drains: the GPU is healthy, and on MIG it would take every tenant's
 instance out of scheduling for one tenant's bug. It is recorded as an ``info`` fleet
 event; the agent raises its alert for the sandboxes on the device, whose owners hear of
@@ -28,7 +28,8 @@ from portal.fleet.models import FleetEvent, Gpu
 from portal.sandboxes.models import Allocation, Notification
 from portal.sandboxes.notify import notify_owner
 from portal.telemetry.models import Alert
-from workers.gpu.xids import classify, describe
+from wire.messages import FaultReport
+from wire.xids import classify, describe
 
 log = logging.getLogger(__name__)
 # Fault kinds from the agents (workers.gpu.base.FaultEvent.kind) that drain a GPU.
@@ -73,7 +74,7 @@ def do_undrain_gpu(uuid: str, actor: Any) -> bool:
     return True
 
 
-def do_fault_event(host_name: str, event: dict[str, Any]) -> bool:
+def do_fault_event(host_name: str, event: FaultReport) -> bool:
     """Apply one fault event from an agent: drain the GPU (or the MIG device's parent)
     with an alert. Returns True when it drained a GPU."""
     kind = event.get("kind", "")
@@ -112,7 +113,7 @@ def _xid(value: Any) -> int | None:
         return None
 
 
-def _note_app_xid(host_name: str, event: dict[str, Any], xid: int | None) -> bool:
+def _note_app_xid(host_name: str, event: FaultReport, xid: int | None) -> bool:
     """An application XID: recorded for the GPU, never drained. Returns False."""
     uuid = str(event.get("uuid", ""))
     what = describe(xid) if xid is not None else "application XID"

@@ -30,8 +30,8 @@ from portal.sandboxes.models import Sandbox, SandboxState
 from portal.sandboxes.snapshot import HOLDING
 from portal.telemetry import control_figures
 from portal.telemetry.alerts import alert_policy
-from workers import dispatch, liveness
-from workers.liveness import Beat
+from wire import dispatch, liveness
+from wire.liveness import Beat
 
 log = logging.getLogger(__name__)
 MISSED_BEATS_LOST = 3
@@ -48,7 +48,7 @@ def mark_lost_hosts(now: datetime) -> int:
     )
     if not silent:
         return 0
-    try:  # beats still queued behind this tick (see workers/liveness.py)
+    try:  # beats still queued behind this tick (see wire/liveness.py)
         beating = liveness.alive_since(redis_client(), silent, int(cutoff.timestamp() * 1000))
     except redis.RedisError as exc:
         log.warning("agent liveness unreadable, judging hosts by the database alone: %s", exc)

@@ -67,7 +67,8 @@ from scheduler.defrag import (
     plan_mig,
 )
 from scheduler.defrag import MigInstance as PlannedMigInstance
-from workers import dispatch
+from wire import dispatch
+from wire.messages import MigStepReport, MoveReport, PlanInventory
 
 log = logging.getLogger(__name__)
 S = SandboxState
@@ -88,7 +89,7 @@ def _live_allocations(gpus: list[Gpu]) -> list[Allocation]:
 
 
 def _stop_order(sandbox: Sandbox) -> dict[str, Any]:
-    return {"allocation_id": sandbox.allocation_key, "sandbox_id": sandbox.pk, "handle": sandbox.handle}
+    return {"allocation_key": sandbox.allocation_key, "sandbox_id": sandbox.pk, "handle": sandbox.handle}
 
 
 def _begin_moves(plan: FleetPlan, sandbox_ids: list[int]) -> list[Sandbox]:
@@ -442,7 +443,7 @@ def do_start_consolidation(max_migrations: int | None = None, actor: Any = None)
 
 
 def _mig_target(
-    sandbox: Sandbox, host: str, old: Allocation | None, mig_steps: list[dict[str, Any]]
+    sandbox: Sandbox, host: str, old: Allocation | None, mig_steps: list[MigStepReport]
 ) -> actions.MoveTarget | None:
     """The instance made (or kept) for the sandbox; else its old one, if it still stands
     (the re-layout stopped before destroying it)."""
@@ -494,10 +495,10 @@ def _share_target(old: Allocation | None, migration: dict[str, Any] | None) -> a
 def do_plan_report(
     plan_id: int,
     host_name: str,
-    results: list[dict[str, Any]],
-    mig_steps: list[dict[str, Any]],
+    results: list[MoveReport],
+    mig_steps: list[MigStepReport],
     error: str,
-    inventory: dict[str, Any] | None,
+    inventory: PlanInventory | None,
 ) -> FleetPlan | None:
     """Apply one host's report of its part of a plan, in one transaction; idempotent (a
     repeated or late report changes nothing but the inventory)."""
@@ -518,14 +519,14 @@ def do_plan_report(
             if sandbox is None:
                 continue
             note = result.get("message", "")
-            if result.get("checkpoint"):
-                ok, message = result["checkpoint"]
+            if checkpoint := result.get("checkpoint"):
+                ok, message = checkpoint
                 _step(plan, "checkpoint", message, ok=ok, host=host_name, sandbox=sandbox)
             old = sandbox.allocations.filter(active=True).first()
             state = actions.do_stop_moved(
                 sandbox.pk,
                 plan.pk,
-                None if result.get("stopped_ms") is None else from_ms(result["stopped_ms"]),
+                None if (stopped_ms := result.get("stopped_ms")) is None else from_ms(stopped_ms),
                 note,
             )
             if state == S.STOPPING:
@@ -587,7 +588,7 @@ def do_plan_report(
     return plan
 
 
-def _sync(host_name: str, inventory: dict[str, Any]) -> None:
+def _sync(host_name: str, inventory: PlanInventory) -> None:
     do_sync_inventory(host_name, inventory["backend"], inventory["driver"], inventory["gpus"])
 
 

@@ -36,7 +36,8 @@ from django.db import transaction
 from portal.fleet.models import Host
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox, SandboxState
-from workers import dispatch
+from wire import dispatch
+from wire.spec import renamed
 
 log = logging.getLogger(__name__)
 S = SandboxState
@@ -74,7 +75,8 @@ def do_reconcile_host(host_name: str, taken_at: datetime, owned: list[dict[str, 
     host = Host.objects.filter(name=host_name).first()
     if host is None:
         return repairs
-    by_key = {entry["allocation_id"]: entry for entry in owned}
+    owned = [renamed(entry) for entry in owned]  # an agent not yet upgraded says allocation_id
+    by_key = {entry["allocation_key"]: entry for entry in owned}
     sandboxes = {
         s.allocation_key: s
         for s in Sandbox.objects.filter(allocation_key__in=list(by_key)).select_related("host")

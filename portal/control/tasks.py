@@ -1,5 +1,9 @@
-"""One function per task on the ``control`` queue; ``workers/control.py`` names them for
-Celery (the names agents send, through ``workers/dispatch.py``) and calls these.
+"""The handlers of the ``control`` queue's tasks: one function per task, named as the task.
+
+``wire/messages.py`` declares the tasks (``ControlTasks``: names, arguments, types) and is
+what senders call; ``workers/control.py`` registers every function here under its task's
+name, with the Celery options of ``CELERY_OPTIONS``, and has mypy check this module against
+the declaration. A handler that must run again later returns a ``Retry``.
 
 Every task takes plain JSON (times in epoch milliseconds), returns quietly when its row is
 gone, and is idempotent because the actions it calls are.
@@ -11,14 +15,15 @@ import base64
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict
 
 import redis
 from django.utils import timezone
 
 from portal.api.idempotency import delete_expired_keys
-from portal.billing.invoices import invoice_tick
+from portal.billing import invoices
 from portal.control import hosts
 from portal.control.culling import do_cull_idle
 from portal.control.faults import do_fault_event
@@ -28,16 +33,61 @@ from portal.control.redis_client import client as redis_client
 from portal.control.scheduling import schedule_cycle as run_schedule_cycle
 from portal.fleet.inventory import do_heartbeats, do_sync_inventory
 from portal.sandboxes import actions, preemption
+from portal.sandboxes.emails import send_notification_emails
 from portal.sandboxes.models import Sandbox, SandboxState
 from portal.sandboxes.output import do_store_output
 from portal.sandboxes.storage_usage import do_record_storage_usage
 from portal.telemetry.alerts import do_close_host_alerts, do_record_alerts
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
-from workers.config import CONTROL_HEARTBEAT_KEY
-from workers.liveness import Beat
+from portal.webhooks.deliveries import attempt_delivery, webhook_tick
+from wire.config import CONTROL_HEARTBEAT_KEY
+from wire.liveness import Beat
+from wire.messages import (
+    FaultReport,
+    HostFacts,
+    MigStepReport,
+    MinuteRollup,
+    MoveReport,
+    PlanInventory,
+    StorageUsage,
+)
+from wire.spec import HandleJson
+from wire.telemetry import AlertMessage
 
 log = logging.getLogger(__name__)
 TELEMETRY_PURGED_KEY = "gpushare:telemetry:purged"
+
+
+class CeleryOptions(TypedDict, total=False):
+    """Celery's own task options, those a task here sets."""
+
+    max_retries: int | None
+    soft_time_limit: int
+    time_limit: int
+
+
+# Celery options beyond the app's defaults (wire/celery.py: 100 s soft, 120 s hard time
+# limit, no result kept), by task.
+CELERY_OPTIONS: dict[str, CeleryOptions] = {
+    # The delivery row and the mail task count their attempts and give up after MAX_ATTEMPTS
+    # (about an hour), so Celery's own limit of retries is lifted.
+    "deliver_webhook": {"max_retries": None, "soft_time_limit": 30, "time_limit": 40},
+    "email_notifications": {"max_retries": None, "soft_time_limit": 100, "time_limit": 120},
+    "sweep_webhooks": {"soft_time_limit": 60, "time_limit": 90},
+    "invoice_tick": {"soft_time_limit": 240, "time_limit": 300},
+}
+# Handlers told which run of their message this is (``attempt=``, 1 for the first), from
+# Celery's count of retries: they pace their own backoff.
+TOLD_ATTEMPT = frozenset({"email_notifications"})
+
+
+@dataclass(frozen=True)
+class Retry:
+    """A handler's answer that its message should run again in ``countdown_s``, with
+    ``args`` instead of its own when given (the part that is still to do)."""
+
+    countdown_s: float
+    args: tuple[Any, ...] | None = None
 
 
 def schedule_cycle() -> None:
@@ -72,13 +122,13 @@ def agent_heartbeats(beats: list[Beat]) -> None:
 
 
 def agent_inventory(
-    host: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: dict[str, int] | None = None
+    host: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: HostFacts | None = None
 ) -> None:
     do_sync_inventory(host, backend, driver, gpus, facts)
     do_heartbeats([host], timezone.now(), backend, driver)
 
 
-def gpu_faults(host: str, events: list[dict[str, Any]]) -> None:
+def gpu_faults(host: str, events: list[FaultReport]) -> None:
     """Faults an agent saw (XID, double-bit ECC, GPU lost, overheat): the GPU is drained."""
     for event in events:
         do_fault_event(host, event)
@@ -87,17 +137,17 @@ def gpu_faults(host: str, events: list[dict[str, Any]]) -> None:
 def plan_executed(
     plan_id: int,
     host: str,
-    results: list[dict[str, Any]],
-    mig_steps: list[dict[str, Any]],
+    results: list[MoveReport],
+    mig_steps: list[MigStepReport],
     error: str,
-    inventory: dict[str, Any] | None,
+    inventory: PlanInventory | None,
 ) -> None:
     """A host's part of a fleet plan is done: sandboxes stopped, MIG layout changed."""
     do_plan_report(plan_id, host, results, mig_steps, error, inventory)
 
 
-def sandbox_launched(allocation_key: str, handle: dict[str, Any], started_ms: int) -> None:
-    actions.do_mark_running(allocation_key, handle, from_ms(started_ms))
+def sandbox_launched(allocation_key: str, handle: HandleJson, started_ms: int) -> None:
+    actions.do_mark_running(allocation_key, dict(handle), from_ms(started_ms))
 
 
 def launch_progress(allocation_key: str, line: str) -> None:
@@ -120,7 +170,7 @@ def sandbox_warned(allocation_key: str, checkpoint: str) -> None:
     preemption.do_record_warning(allocation_key, checkpoint)
 
 
-def storage_usage(sandbox_id: int, usage: dict[str, list[Any]]) -> None:
+def storage_usage(sandbox_id: int, usage: StorageUsage) -> None:
     """What a stopped sandbox's volumes hold: {volume id: [bytes, whether measured whole]}."""
     do_record_storage_usage(int(sandbox_id), {int(k): (int(v[0]), bool(v[1])) for k, v in usage.items()})
 
@@ -130,11 +180,13 @@ def sandbox_output(allocation_key: str, start: int, data_b64: str, total: int) -
     do_store_output(allocation_key, int(start), base64.b64decode(data_b64), int(total))
 
 
-def telemetry_rollups(rollups: list[tuple[str, dict[str, Any]]]) -> None:
-    do_store_rollups([(host, payload) for host, payload in rollups])
+def telemetry_host_rollups(rollups: list[tuple[str, MinuteRollup]]) -> None:
+    """Closed minutes, (host, payload) each: one from a host's agent, a round from a process
+    serving many hosts."""
+    do_store_rollups([(host, dict(payload)) for host, payload in rollups])
 
 
-def telemetry_alerts(host: str, changes: list[dict[str, Any]]) -> None:
+def telemetry_alerts(host: str, changes: list[AlertMessage]) -> None:
     do_record_alerts(host, changes)
 
 
@@ -146,14 +198,37 @@ def telemetry_agent_started(host: str) -> None:
         )
 
 
-def invoice_tick_task() -> None:
+def invoice_tick() -> None:
     """Refresh draft invoices and finalize past months (portal.billing.invoices)."""
-    invoice_tick(timezone.now())
+    invoices.invoice_tick(timezone.now())
 
 
 def purge_idempotency_keys() -> None:
     """API Idempotency-Keys past their 24 h are deleted (a replay after that is a new POST)."""
     delete_expired_keys()
+
+
+# --- Webhooks, billing and alerts alike (portal.webhooks), and mail (portal.sandboxes.emails):
+# the attempt and its record live there.
+
+
+def deliver_webhook(delivery_id: int) -> Retry | None:
+    """One signed POST of a webhook; on failure, retried after the backoff the attempt
+    recorded (next_attempt_at), about an hour in all."""
+    delay = attempt_delivery(delivery_id)
+    return None if delay is None else Retry(delay)
+
+
+def email_notifications(notification_ids: list[int], attempt: int = 1) -> Retry | None:
+    """Mail the notifications whose users chose their kind by email; those the mail server
+    did not take are retried with backoff, about an hour in all."""
+    later = send_notification_emails(notification_ids, attempt=attempt)
+    return None if later is None else Retry(later.delay_s, (later.ids,))
+
+
+def sweep_webhooks() -> None:
+    """Re-enqueue deliveries whose retry message was lost (a worker died holding it)."""
+    webhook_tick(timezone.now())
 
 
 def beat_forever(stop: threading.Event) -> None:

@@ -14,6 +14,7 @@ from django.db import transaction
 
 from portal.fleet import actions
 from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
+from wire.messages import HostFacts
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def do_heartbeats(host_names: Collection[str], at: datetime, backend: str, drive
 
 @transaction.atomic
 def do_sync_inventory(
-    host_name: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: dict[str, int] | None = None
+    host_name: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: HostFacts | None = None
 ) -> Host:
     """Make the database's GPUs and MIG instances match what the agent sees.
 

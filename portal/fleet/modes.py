@@ -21,7 +21,7 @@ from typing import Any
 from django.db import transaction
 
 from portal.fleet.models import SETTABLE_MODES, FleetEvent, Gpu, GpuMode
-from workers import dispatch
+from wire import dispatch
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from portal.env import ConfigError, env_bool, env_choice, env_str
+from wire.env import ConfigError, env_bool, env_choice, env_str
 
 OIDC_ENDPOINTS = (
     "OIDC_OP_AUTHORIZATION_ENDPOINT",

@@ -56,7 +56,7 @@ from portal.sandboxes.transitions import (
 )
 from scheduler.cluster import DeviceGrant
 from scheduler.gpus import MODELS
-from workers import dispatch
+from wire import dispatch
 
 log = logging.getLogger(__name__)
 S = SandboxState

@@ -3,7 +3,7 @@
 
 The sandbox has no network; its app listens on a unix socket the host agent reaches
 (workers/drivers/app_socket.py). Each HTTP request here opens one connection through the
-agent, relayed through Redis like a terminal's pty (workers/terminal_relay.py): this
+agent, relayed through Redis like a terminal's pty (wire/relay.py): this
 consumer writes the request as HTTP/1.1 with h11 (``Connection: close``), reads the response
 the same way and streams it to the browser.
 
@@ -39,8 +39,7 @@ from portal.sandboxes import app_access
 from portal.sandboxes.app_access import Refusal, Target
 from portal.sandboxes.app_origin import GRANT_PATH, AppLabel
 from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelSilent
-from workers.drivers.app_socket import NOT_LISTENING
-from workers.terminal_relay import StreamBroken
+from wire.relay import NOT_LISTENING, StreamBroken
 
 log = logging.getLogger(__name__)
 

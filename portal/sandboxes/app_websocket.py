@@ -26,7 +26,7 @@ from portal.sandboxes.app_access import Refusal
 from portal.sandboxes.app_origin import AppLabel
 from portal.sandboxes.app_proxy import app_cookie, request_headers, token_header, without_reserved_cookies
 from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
-from workers.terminal_relay import StreamBroken
+from wire.relay import StreamBroken
 
 REFUSED, GONE = 4403, 1011  # not allowed; the app went away
 MAX_MESSAGE = 64 * 1024 * 1024  # a notebook's outputs (images) come in one message

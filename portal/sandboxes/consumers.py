@@ -1,4 +1,4 @@
-"""The web terminal's WebSocket: the browser's side of ``workers.terminal_relay``.
+"""The web terminal's WebSocket: the browser's side of ``wire.relay``.
 
 Checked at connect and again every ``STREAM_RECHECK_S`` while it is open
 (portal/accounts/streams.py): the user must be allowed to manage the sandbox (its owner, a
@@ -30,7 +30,7 @@ from portal.accounts.socket_auth import socket_has_scope, socket_token
 from portal.audit import trail
 from portal.sandboxes.models import Sandbox, SandboxEvent, SandboxState
 from portal.sandboxes.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
-from workers.terminal_relay import StreamBroken
+from wire.relay import StreamBroken
 
 FORBIDDEN, CONFLICT = 4403, 4409
 # What a token must hold to type into a sandbox: the scope that changes sandboxes (or admin).

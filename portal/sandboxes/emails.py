@@ -38,7 +38,8 @@ from django.utils import timezone
 
 from portal.sandboxes.models import EmailChoice, Notification
 from portal.webhooks.deliveries import backoff_seconds
-from workers import dispatch
+from wire import dispatch
+from wire.messages import to_control
 
 log = logging.getLogger(__name__)
 K = Notification.Kind
@@ -207,7 +208,7 @@ def send_notification_emails(ids: list[int], attempt: int = 1) -> Retry | None:
         with contextlib.suppress(smtplib.SMTPException, OSError):  # what was sent stays sent
             connection.close()
     if later:
-        dispatch.to_control("email_notifications", later)  # fresh attempts: none of these failed
+        to_control.email_notifications(later)  # fresh attempts: none of these failed
     return _after_failures(todo, failed, attempt)
 
 

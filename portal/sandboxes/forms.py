@@ -15,7 +15,7 @@ from portal.catalog.models import IsolationLevel, SandboxImage, Tier
 from portal.fleet.models import Host
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
 from scheduler.gpus import MODELS
-from workers.drivers import DRIVER_ISOLATION
+from wire.spec import DRIVER_ISOLATION
 
 MIG_PROFILES = sorted(
     {p.name for m in MODELS.values() for p in m.mig_profiles}, key=lambda n: (int(n.split("g")[0]), n)

@@ -17,7 +17,7 @@ import redis
 from django.conf import settings
 from django.db import transaction
 
-from workers import dispatch
+from wire.messages import to_control
 
 log = logging.getLogger(__name__)
 ASKED = "gpushare:cycle:asked"
@@ -42,7 +42,7 @@ def _ask() -> None:
             return  # the cycle already asked for will read this change
     except redis.RedisError as exc:  # ask anyway: a cycle too many costs less than one missed
         log.debug("cycle ask not coalesced: %s", exc)
-    dispatch.to_control("schedule_cycle")
+    to_control.schedule_cycle()
 
 
 def cycle_begins() -> None:

@@ -21,7 +21,7 @@ from django.utils import timezone
 from portal.sandboxes import notify
 from portal.sandboxes.models import Notification, Sandbox, SandboxEvent, SandboxState, StopCause
 from portal.sandboxes.transitions import locked, locked_by_key, send_stop_after_commit, transition
-from workers import dispatch
+from wire import dispatch
 
 log = logging.getLogger(__name__)
 S = SandboxState

@@ -42,7 +42,7 @@ from scheduler.cluster import (
     Snapshot,
 )
 from scheduler.fairshare import decayed_usage
-from workers.drivers import DRIVER_ISOLATION
+from wire.spec import DRIVER_ISOLATION
 
 S = SandboxState
 HOLDING = (S.PLACING, S.STARTING, S.RUNNING, S.STOPPING)  # states whose devices are booked

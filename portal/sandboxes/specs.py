@@ -7,7 +7,7 @@ from portal.catalog.storage import mounts_for
 from portal.fleet.models import GpuMode
 from portal.sandboxes.app_access import app_token
 from portal.sandboxes.models import Allocation, Sandbox
-from workers.drivers.base import MpsShare, SandboxSpec
+from wire.spec import MpsShare, SandboxSpec
 
 
 def launch_spec(sandbox: Sandbox) -> SandboxSpec:
@@ -21,7 +21,7 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         mps = MpsShare(pipe_dir="", thread_pct=mps_alloc.mps_thread_pct, memory_mib=mps_alloc.mps_memory_mib)
     tier = sandbox.tier
     return SandboxSpec(
-        allocation_id=sandbox.allocation_key,
+        allocation_key=sandbox.allocation_key,
         sandbox_id=sandbox.pk,
         host=sandbox.host.name,
         project=sandbox.project.slug,

@@ -17,7 +17,7 @@ from portal.catalog.models import StorageVolume
 from portal.catalog.storage import WARN_PCT
 from portal.sandboxes.models import Notification, Sandbox
 from portal.sandboxes.notify import notify_owner
-from workers.sizes import human_size
+from wire.sizes import human_size
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from portal.audit import trail
 from portal.billing import ledger
 from portal.sandboxes import notify, nudge, webhooks
 from portal.sandboxes.models import ENDED_STATES, Allocation, Sandbox, SandboxEvent, SandboxState, StopCause
-from workers import dispatch
+from wire import dispatch
 
 log = logging.getLogger(__name__)
 S = SandboxState

@@ -1,5 +1,5 @@
 """The portal's end of a stream a host agent relays: a terminal's pty, or one connection to a
-sandbox's web app (the protocol, over two Redis streams: ``workers/terminal_relay.py``).
+sandbox's web app (the protocol, over two Redis streams: ``wire/relay.py``).
 
 One class for the three consumers that hold one (the web terminal, the app's HTTP proxy and
 its WebSockets), so that each reads pieces in order and acknowledges them the same way: the
@@ -21,8 +21,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from portal.accounts.streams import Recheck
-from workers import dispatch
-from workers.terminal_relay import Inbox, InOrder, in_stream, kind, out_stream, post, text
+from wire import dispatch
+from wire.relay import Inbox, InOrder, in_stream, kind, out_stream, post, text
 
 # The agent opens the stream: a Celery message, then a thread. 10 s was not enough for a
 # JupyterLab page's first burst of requests on a loaded two-core CI machine.

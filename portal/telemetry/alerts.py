@@ -25,6 +25,7 @@ from portal.sandboxes.notify import notify_owner
 from portal.telemetry.models import Alert, AlertPolicy
 from portal.webhooks.deliveries import emit
 from portal.webhooks.models import WebhookEvent
+from wire.telemetry import AlertMessage
 
 log = logging.getLogger(__name__)
 KINDS = {k.value for k in Alert.Kind}
@@ -52,7 +53,7 @@ def _when(t_ms: Any) -> datetime:
         return timezone.now()
 
 
-def do_record_alerts(host: str, changes: list[dict[str, Any]]) -> list[tuple[int, str]]:
+def do_record_alerts(host: str, changes: list[AlertMessage]) -> list[tuple[int, str]]:
     """Store raised alerts and close cleared ones; returns (alert id, state) of each row that
     changed. A change seen before (redelivered) changes nothing; each change emits its
     webhook event in the same transaction."""
@@ -86,7 +87,7 @@ def do_record_alerts(host: str, changes: list[dict[str, Any]]) -> list[tuple[int
     return changed
 
 
-def _raise(host: Host, key: str, kind: str, change: dict[str, Any]) -> Alert | None:
+def _raise(host: Host, key: str, kind: str, change: AlertMessage) -> Alert | None:
     if Alert.objects.filter(key=key).exists():
         return None
     gpu = Gpu.objects.filter(uuid=change.get("gpu", "")).first()

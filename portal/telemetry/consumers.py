@@ -31,7 +31,7 @@ from portal.accounts.streams import Recheck
 from portal.billing.ledger import cost_by, sandbox_usage
 from portal.billing.models import UsageRecord
 from portal.telemetry.access import may_watch_fleet, may_watch_gpu, may_watch_sandbox, sandboxes_seen_on_gpu
-from workers.telemetry import FLEET_GROUP, gpu_group, sandbox_group
+from wire.telemetry import FLEET_GROUP, gpu_group, sandbox_group
 
 log = logging.getLogger(__name__)
 FORBIDDEN = 4403

@@ -16,7 +16,7 @@ from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 
 from portal.fleet.models import Host
-from workers.config import CONTROL_HEARTBEAT_KEY
+from wire.config import CONTROL_HEARTBEAT_KEY
 
 CONTROL_STALE_S = 15
 

@@ -54,7 +54,7 @@ from portal.sandboxes.models import Allocation, Sandbox, SandboxState
 from portal.telemetry import control_figures
 from portal.telemetry.exposition import text_format
 from portal.telemetry.models import Alert
-from workers.telemetry import read_latest
+from wire.telemetry import read_latest
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from django.utils import timezone
 from portal.fleet.models import Gpu, Host
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
 from portal.twin.cluster import Services, cpu_seconds
-from workers.celery import CONTROL_QUEUE, host_queue
+from wire.celery import CONTROL_QUEUE, host_queue
 
 SAMPLE_S = 5.0
 

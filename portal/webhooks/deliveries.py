@@ -46,7 +46,8 @@ from standardwebhooks import Webhook
 
 from portal.webhooks import destinations
 from portal.webhooks.models import WebhookDelivery, WebhookEndpoint, WebhookEvent, new_secret, secret_key
-from workers import dispatch
+from wire import dispatch
+from wire.messages import to_control
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ def webhook_tick(now: datetime, overdue: timedelta = timedelta(minutes=5)) -> in
         .values_list("pk", flat=True)[:500]
     )
     for pk in due:
-        dispatch.to_control("deliver_webhook", pk)
+        to_control.deliver_webhook(pk)
     return len(due)
 
 

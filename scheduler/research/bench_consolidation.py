@@ -14,14 +14,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from scheduler.bench import write_section
 from scheduler.defrag import HostRoom, Share, SharedGpu, plan_consolidation
+from scheduler.research.bench_markdown import section, without_markers, write_section
 from scheduler.research.bench_trace import TRACES
 from scheduler.research.replay import replay
 from scheduler.research.result import ReplayResult
 from scheduler.research.trace import Workload, build_workload, load_nodes, load_pods
-
-BEGIN, END = "<!-- bench:consolidation:begin -->", "<!-- bench:consolidation:end -->"
 
 
 @cache
@@ -84,25 +82,40 @@ def measure(
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        BEGIN,
-        "## Consolidation on the default trace",
-        "",
-        "Replaying the default trace (seed 42) to arrived 100% and 130%, the consolidation",
-        "planner empties partly used GPUs by moving sharing pods to other GPUs: within the",
-        "node, or to any node with the CPU and memory the pod needs",
-        "(`python -m scheduler.research.bench_consolidation`).",
-        "",
-        "| policy | arrived % | moves to | whole GPUs free | partly used | GPUs freed | migrations "
-        "| freed per migration |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    lines += [
-        f"| {r['policy']} | {r['at']} | {r['scope']} | {r['free_before']} | {r['partly_used']} | "
-        f"{r['freed']} | {r['migrations']} | {r['freed_per_migration']:.2f} |"
-        for r in rows
-    ]
-    return "\n".join([*lines, END])
+    return section(
+        "consolidation",
+        "Consolidation on the default trace",
+        [
+            "Replaying the default trace (seed 42) to arrived 100% and 130%, the consolidation",
+            "planner empties partly used GPUs by moving sharing pods to other GPUs: within the",
+            "node, or to any node with the CPU and memory the pod needs",
+            "(`python -m scheduler.research.bench_consolidation`).",
+        ],
+        [
+            "policy",
+            "arrived %",
+            "moves to",
+            "whole GPUs free",
+            "partly used",
+            "GPUs freed",
+            "migrations",
+            "freed per migration",
+        ],
+        [
+            (
+                r["policy"],
+                r["at"],
+                r["scope"],
+                r["free_before"],
+                r["partly_used"],
+                r["freed"],
+                r["migrations"],
+                f"{r['freed_per_migration']:.2f}",
+            )
+            for r in rows
+        ],
+        align="lrlrrrrr",
+    )
 
 
 def matrix(nodes_csv: Path, pods_csv: Path, policies: list[str], seed: int) -> list[dict[str, Any]]:
@@ -124,10 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     rows = matrix(args.nodes, args.pods, args.policies.split(","), args.seed)
-    section = render(rows)
-    print(section.replace(BEGIN, "").replace(END, "").strip())
+    rendered = render(rows)
+    print(without_markers(rendered))
     if args.out:
-        write_section(args.out, section)
+        write_section(args.out, rendered)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""How fast a live cycle decides with fair share, quotas, preemption and backfill at work.
+"""The scheduling cycle on a synthetic fleet: alone, and live with fair share, quotas,
+preemption and backfill at work (the ``cycle`` and ``live`` sections of ``make bench``).
 
-``measure_live()`` returns the figures; ``python -m scheduler.research.bench_cycle`` prints them.
-The fleet is ``scheduler.bench``'s synthetic one (a quarter of the GPUs in each sharing
-mode), half filled by sandboxes of 20 projects with known end times, some preemptible and
-some borrowed, and a queue of mixed requests, a tenth of them of a higher priority class.
+The fleet is H100 hosts of 8 GPUs, a quarter of the GPUs in each sharing mode
+(``synthetic_fleet``), and the queue mixed requests of every mode (``synthetic_queue``).
+``measure_cycle()`` times ``run_cycle`` with the portal's policy and no fair share;
+``measure_live()`` half fills the fleet with sandboxes of 20 projects with known end times,
+some preemptible and some borrowed, and queues mixed requests, a tenth of them of a higher
+priority class. ``python -m scheduler.research.bench_cycle`` prints the live figures.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import statistics
 import time
 from dataclasses import replace
 
-from scheduler.bench import synthetic_fleet, synthetic_queue
 from scheduler.cluster import (
     FairShareState,
+    GpuState,
+    HostState,
+    MigSlot,
     Place,
     Preempt,
     ProjectShare,
@@ -27,10 +32,97 @@ from scheduler.cluster import (
     book,
 )
 from scheduler.cycle import run_cycle
+from scheduler.gpus import MODELS
 from scheduler.placement import DEFAULT_POLICY, get_policy
+from scheduler.research.bench_markdown import section
 
+MODES = ("dedicated", "mig", "mps", "timeslice")
 PROJECTS = 20
 NOW = 1_800_000_000.0
+
+
+def synthetic_fleet(hosts: int, gpus_per_host: int, rng: random.Random) -> Snapshot:
+    h100 = MODELS["H100-80GB"]
+    layout = [("3g.40gb", 4), ("2g.20gb", 0), ("1g.10gb", 2), ("1g.10gb", 3)]
+    snapshot = Snapshot(hosts=[])
+    for h in range(hosts):
+        host = HostState(f"host{h:04d}", True)
+        for i in range(gpus_per_host):
+            mode = MODES[(h + i) % 4]
+            uuid = f"GPU-{h}-{i}"
+            mig = [MigSlot(f"MIG-{h}-{i}-{s}", p, s, h100.profile(p).memory_slices) for p, s in layout]
+            host.gpus.append(
+                GpuState(
+                    uuid,
+                    host.name,
+                    i,
+                    h100.name,
+                    h100.memory_mib,
+                    mode,
+                    mig=mig if mode == "mig" else [],
+                    replicas=4 if mode == "timeslice" else 0,
+                )
+            )
+        snapshot.hosts.append(host)
+    return snapshot
+
+
+def synthetic_queue(size: int, rng: random.Random) -> list[Request]:
+    queue = []
+    for i in range(size):
+        mode = rng.choice(MODES)
+        queue.append(
+            Request(
+                id=i,
+                project=f"p{rng.randrange(20)}",
+                priority=rng.choice((50, 100, 200)),
+                submitted_at=float(i),
+                mode=mode,
+                gpu_count=rng.choice((1, 1, 2, 4)),
+                mig_profile=rng.choice(("1g.10gb", "2g.20gb", "3g.40gb")),
+                mps_memory_mib=rng.choice((5120, 10240, 20480)),
+                mps_thread_pct=rng.choice((10, 25, 50)),
+            )
+        )
+    return queue
+
+
+def measure_cycle(hosts: int, gpus: int, queue_size: int, repeats: int) -> dict[str, float]:
+    """Cycle time of the portal's policy without fair share, and how many requests it placed."""
+    rng = random.Random(42)
+    snapshot, queue = synthetic_fleet(hosts, gpus, rng), synthetic_queue(queue_size, rng)
+    policy = get_policy(DEFAULT_POLICY)
+    times, placed = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        decisions = run_cycle(snapshot, queue, policy, now=0.0)
+        times.append(time.perf_counter() - start)
+        placed = sum(1 for d in decisions if hasattr(d, "grants"))
+    return {
+        "hosts": hosts,
+        "gpus": hosts * gpus,
+        "queue": queue_size,
+        "placed": placed,
+        "p50_ms": statistics.median(times) * 1000,
+        "max_ms": max(times) * 1000,
+    }
+
+
+def cycle_section(rows: list[dict[str, float]]) -> str:
+    return section(
+        "cycle",
+        "Cycle scaling on a synthetic fleet (the portal's policy, no fair share)",
+        [
+            "One `run_cycle` over a queue of mixed requests (dedicated 1-4 GPUs, MIG, MPS, time-slice)",
+            "on H100 hosts with 8 GPUs, a quarter in each sharing mode. Measured by `make bench`",
+            "(`python -m scheduler.research.bench`) on the development machine (2 cores); 5 repeats.",
+        ],
+        ["hosts", "GPUs", "queued", "placed", "cycle p50 (ms)", "cycle max (ms)"],
+        [
+            (r["hosts"], r["gpus"], r["queue"], r["placed"], f"{r['p50_ms']:.1f}", f"{r['max_ms']:.1f}")
+            for r in rows
+        ],
+    )
 
 
 def live_cluster(
@@ -115,6 +207,32 @@ def measure_live(
         # CPU time of the cycle alone: what wall time would be on an otherwise idle machine.
         "cpu_p50_ms": statistics.median(cpu) * 1000,
     }
+
+
+def live_section(rows: list[dict[str, float]]) -> str:
+    return section(
+        "live",
+        "Live scheduling cycle (fair share, quotas, backfill, preemption)",
+        [
+            "One `run_cycle` with a `FairShareState` of 20 projects (weights, guarantees, limits,",
+            "decayed usage) over 1,000 queued requests on 63 hosts x 8 GPUs, half full and",
+            "oversubscribed. *cycle* is wall time (p50 of 5); the goal is <= 1 s.",
+        ],
+        ["GPUs", "running", "queued", "placed", "preempted", "reserved", "cycle p50 (ms)", "cycle max (ms)"],
+        [
+            (
+                r["gpus"],
+                r["running"],
+                r["queue"],
+                r["placed"],
+                r["preempted"],
+                r["reserved"],
+                f"{r['p50_ms']:.0f}",
+                f"{r['max_ms']:.0f}",
+            )
+            for r in rows
+        ],
+    )
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
 
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from scheduler.research.bench_trace import (
     TRACES,
     Curve,

@@ -1,6 +1,6 @@
 """How long one scheduling cycle takes at a real cluster's size, the fleet already full.
 
-    python -m scheduler.bench scale [--json]
+    python -m scheduler.research.bench scale [--json]
 
 Fleets made of the openb GPU nodes: a sample of 250, the 1,213 of the trace, and the trace
 four times over (4,852). Each is filled by the default trace, tuned to its capacity, up to
@@ -22,6 +22,7 @@ from dataclasses import replace
 from scheduler.cluster import Request, Snapshot
 from scheduler.cycle import run_cycle
 from scheduler.placement import DEFAULT_POLICY, Policy, get_policy
+from scheduler.research.bench_markdown import section
 from scheduler.research.bench_trace import TRACES
 from scheduler.research.live_replay import learn, mirror_snapshot, pod_request, replay_offline_on
 from scheduler.research.trace import NodeSpec, build_workload, load_nodes, load_pods
@@ -92,25 +93,30 @@ def rows(sizes: tuple[tuple[int, int], ...] = SIZES) -> list[dict[str, float]]:
 
 
 def render(results: list[dict[str, float]]) -> str:
-    lines = [
-        "<!-- bench:scale:begin -->",
-        "## Scheduling cycle at the Alibaba cluster's size",
-        "",
-        "One `run_cycle` with the portal's policy on fleets of openb GPU nodes filled by the default",
-        "trace to arrived 100 %, deciding for 1,000 or 5,000 more of its pods (most cannot start).",
-        f"p50 / p99 of {REPEATS} cycles, each on a freshly built snapshot with the policy kept between",
-        "cycles, as the control worker runs it. Made by `python -m scheduler.bench scale` (2 cores);",
-        "the goal on the openb fleet (1,213 hosts) is p99 <= 0.25 s with 1,000 pending, <= 1 s with 5,000.",
-        "",
-        "| hosts | GPUs | pending | placed | cycle p50 (s) | cycle p99 (s) |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    lines += [
-        f"| {r['hosts']} | {r['gpus']} | {r['pending']} | {r['placed']} | {r['cycle_p50_s']:.3f} | "
-        f"{r['cycle_p99_s']:.3f} |"
-        for r in results
-    ]
-    return "\n".join([*lines, "<!-- bench:scale:end -->"])
+    return section(
+        "scale",
+        "Scheduling cycle at the Alibaba cluster's size",
+        [
+            "One `run_cycle` with the portal's policy on fleets of openb GPU nodes filled by the default",
+            "trace to arrived 100 %, deciding for 1,000 or 5,000 more of its pods (most cannot start).",
+            f"p50 / p99 of {REPEATS} cycles, each on a freshly built snapshot with the policy kept between",
+            "cycles, as the control worker runs it. Made by `python -m scheduler.research.bench scale`",
+            "(2 cores); the goal on the openb fleet (1,213 hosts) is p99 <= 0.25 s with 1,000 pending,",
+            "<= 1 s with 5,000.",
+        ],
+        ["hosts", "GPUs", "pending", "placed", "cycle p50 (s)", "cycle p99 (s)"],
+        [
+            (
+                r["hosts"],
+                r["gpus"],
+                r["pending"],
+                r["placed"],
+                f"{r['cycle_p50_s']:.3f}",
+                f"{r['cycle_p99_s']:.3f}",
+            )
+            for r in results
+        ],
+    )
 
 
 def print_json(results: list[dict[str, float]]) -> None:

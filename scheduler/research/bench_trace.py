@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
 
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from scheduler.research.replay import percentile, replay
 from scheduler.research.trace import build_workload, load_nodes, load_pods
 

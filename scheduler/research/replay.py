@@ -1,8 +1,8 @@
 """Replay a pod trace against a GPU cluster the way the FGD paper's simulator does.
 
-    python -m scheduler.simulate --nodes NODES.csv --pods PODS.csv --policy fgd --seed 42 \\
+    python -m scheduler.research.replay --nodes NODES.csv --pods PODS.csv --policy fgd --seed 42 \\
         --tune 1.3 --out DIR
-    python -m scheduler.simulate --engine live --nodes NODES.csv --pods PODS.csv --seed 42 \\
+    python -m scheduler.research.replay --engine live --nodes NODES.csv --pods PODS.csv --seed 42 \\
         --tune 1.3 [--batch 100] --out DIR
 
 ``--engine offline`` (the default) runs one of the FGD paper's six policies, or the

@@ -30,10 +30,10 @@ from django.db import connection
 from portal.control import tasks
 from portal.fleet.models import Host
 from portal.sandboxes.models import Sandbox
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from tests.bench.openb_fleet import OPENB_BENCH, WRITES, percentile, seed_openb
+from wire.liveness import Beat
 from workers.host.reports import ReportGate
-from workers.liveness import Beat
 
 pytestmark = OPENB_BENCH
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,9 +52,9 @@ def reports() -> dict[str, list[dict[str, Any]]]:
         assert started is not None  # running
         owned[host].append(
             {
-                "allocation_id": key, "sandbox_id": pk, "state": "running", "exit_code": None,
+                "allocation_key": key, "sandbox_id": pk, "state": "running", "exit_code": None,
                 "reason": None, "started_at_ms": int(started.timestamp() * 1000),
-                "handle": {"driver": "docker", "allocation_id": key, "sandbox_id": pk, "ref": ref},
+                "handle": {"driver": "docker", "allocation_key": key, "sandbox_id": pk, "ref": ref},
                 "tracked": True, "util": (55.0, 1.0),
             }
         )  # fmt: skip

@@ -19,7 +19,7 @@ import pytest
 
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from tests.e2e.platform import running_platform, wait_for
 from tests.portal.helpers import request
 from tests.workers.engines import require_engine

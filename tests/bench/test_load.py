@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from tests.e2e.platform import Platform, running_platform, wait_for
 from tests.workers.engines import require_engine
 

@@ -27,11 +27,12 @@ from django.utils import timezone
 from portal.fleet.models import Gpu
 from portal.sandboxes.models import Allocation
 from portal.telemetry.models import GpuRollup
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from tests.bench.openb_fleet import OPENB_BENCH, seed_openb
 from tests.portal.helpers import client_for
 from tests.portal.telemetry.test_metrics import TOKEN, message
-from workers.telemetry import SandboxFigures, store_latest
+from wire.telemetry import SandboxFigures
+from workers.telemetry import store_latest
 
 pytestmark = OPENB_BENCH
 ROOT = Path(__file__).resolve().parents[2]

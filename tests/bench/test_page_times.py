@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from tests.portal.scale import GPUS_PER_HOST, HOSTS, SANDBOXES
 from tests.portal.test_page_budget import measure
 

@@ -39,7 +39,7 @@ from portal.accounts.models import Membership
 from portal.control import scheduling
 from portal.sandboxes import actions, digest, policy
 from portal.sandboxes.models import Sandbox
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from tests.bench.openb_fleet import OPENB_BENCH, WRITES, Seeded, percentile, seed_openb
 
 pytestmark = OPENB_BENCH

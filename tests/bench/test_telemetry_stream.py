@@ -24,10 +24,10 @@ import pytest
 import redis
 from django.conf import settings
 
-from portal.env import env_int
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from tests.e2e.platform import Platform, wait_for
 from tests.portal.helpers import client_for
+from wire.env import env_int
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
 pytestmark = [pytest.mark.bench, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]

@@ -20,7 +20,7 @@ from django.db import connection
 from django.test import Client
 
 from portal.accounts.models import ApiToken
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from tests.factories import MembershipFactory, ProjectFactory, UserFactory
 from tests.portal.helpers import request
 

@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 
 from tests.workers.engines import require_engine
-from workers.config import var_dir
+from wire.config import var_dir
 
 CHROMIUM = "/usr/bin/chromium"
 # Under the run's var dir (git-ignored), so a test run leaves the tree as it found it; `make

@@ -225,7 +225,7 @@ class TestLiveChartsHeatmapAndAlerts:
     def test_06_a_live_alert_shows_among_the_open_ones(
         self, scenario_page: Any, platform: Platform, state: dict[str, Any]
     ) -> None:
-        from workers.telemetry import sandbox_group
+        from wire.telemetry import sandbox_group
 
         page, sandbox, gpu = scenario_page, state["sandbox"], state["gpu"]
         state["key"] = key = f"{platform.host}:{gpu.uuid}:temperature:{sandbox.pk}"
@@ -245,7 +245,7 @@ class TestLiveChartsHeatmapAndAlerts:
     def test_07_the_alert_cleared_moves_to_the_recent_ones(
         self, scenario_page: Any, platform: Platform, state: dict[str, Any]
     ) -> None:
-        from workers.telemetry import sandbox_group
+        from wire.telemetry import sandbox_group
 
         page, sandbox, gpu = scenario_page, state["sandbox"], state["gpu"]
         publish(
@@ -259,7 +259,7 @@ class TestLiveChartsHeatmapAndAlerts:
         self, scenario_page: Any, base: str, platform: Platform, state: dict[str, Any]
     ) -> None:
         from portal.telemetry.models import Alert
-        from workers.telemetry import FLEET_GROUP
+        from wire.telemetry import FLEET_GROUP
 
         page, gpu = scenario_page, state["gpu"]
         Alert.objects.create(
@@ -297,7 +297,7 @@ class TestLiveChartsHeatmapAndAlerts:
     def test_09_the_gpu_page_shows_an_hour_of_history_live_samples_and_alerts(
         self, scenario_page: Any, base: str, platform: Platform, state: dict[str, Any]
     ) -> None:
-        from workers.telemetry import gpu_group
+        from wire.telemetry import gpu_group
 
         page, sandbox, gpu = scenario_page, state["sandbox"], state["gpu"]
         page.locator(f"a[href='/console/gpus/{gpu.uuid}/']").first.click()

@@ -6,7 +6,7 @@ The platform is observed with plain SQL (psycopg) on the database its processes 
 with the Docker engine, so the test process's own Django settings never matter.
 
 Run as ``python -m tests.e2e.faults_support twice celery ...`` it is a Celery launcher in
-which every message the process sends (``workers.dispatch``) is sent twice: the broker
+which every message the process sends (``wire.dispatch``) is sent twice: the broker
 delivers each report and each order two times.
 """
 
@@ -354,7 +354,7 @@ def reported(db_url: str, name: str) -> str:
 
 
 def _twice() -> None:
-    from workers import dispatch
+    from wire import dispatch
 
     once_control, once_host = dispatch.to_control, dispatch.to_host
 

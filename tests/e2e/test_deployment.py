@@ -127,8 +127,8 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 
 def test_unit_command_lines_match_the_code() -> None:
     from portal.settings import ASGI_APPLICATION
-    from workers import config
-    from workers.celery import CONTROL_QUEUE, ROLES, host_queue
+    from wire import config
+    from wire.celery import CONTROL_QUEUE, ROLES, host_queue
 
     control, agent = exec_start("gpushare-control.service"), exec_start("gpushare-agent.service")
     for argv, role in ((control, "control"), (agent, "agent")):

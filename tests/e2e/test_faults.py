@@ -15,7 +15,7 @@ from portal.sandboxes.models import Sandbox
 from portal.sandboxes.specs import launch_spec
 from tests.e2e.platform import Platform, running_platform, wait_for
 from tests.portal.helpers import request
-from workers import dispatch
+from wire import dispatch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 RECONCILE_PERIOD_S = 1  # the platform's AGENT_HEARTBEAT_S: each beat carries a report

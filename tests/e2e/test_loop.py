@@ -22,7 +22,7 @@ from portal.billing.models import UsageRecord, cost_micros
 from portal.sandboxes.models import Sandbox
 from tests.e2e.platform import Platform, running_platform, wait_for
 from tests.workers.engines import require_engine
-from workers.drivers import uids
+from wire import uids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker, pytest.mark.slow]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from portal.env import ConfigError
 from portal.identity.config import authentication_backends, ldap_settings, oidc_settings
+from wire.env import ConfigError
 
 
 def test_both_are_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:

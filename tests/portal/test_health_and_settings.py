@@ -14,9 +14,9 @@ from django.conf import settings
 from django.test import Client
 from django.utils import timezone
 
-from portal.env import ConfigError, env_bool, env_choice, env_int, env_networks, env_str
 from portal.fleet.models import Host
-from workers.config import CONTROL_HEARTBEAT_KEY
+from wire.config import CONTROL_HEARTBEAT_KEY
+from wire.env import ConfigError, env_bool, env_choice, env_int, env_networks, env_str
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,7 +25,7 @@ from portal.asgi import application
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
 from tests.portal.helpers import client_for, place_all, request
-from workers.telemetry import gpu_group, sandbox_group
+from wire.telemetry import gpu_group, sandbox_group
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 

@@ -111,7 +111,7 @@ def one_cycle_each_way(i: int) -> None:
     if i % 2:
         schedule_once(time.time())
     else:
-        control.schedule_cycle()
+        control.TASKS["schedule_cycle"]()
 
 
 def state_of_play() -> tuple[Any, ...]:
@@ -242,7 +242,7 @@ def test_two_cycles_at_once_run_one_at_a_time_and_never_place_twice(
 
     def holder() -> None:
         try:
-            control.schedule_cycle()  # the Celery task: on PostgreSQL, the database's lock
+            control.TASKS["schedule_cycle"]()  # the Celery task: on PostgreSQL, the database's lock
         except BaseException as exc:
             failures.append(exc)
         finally:
@@ -254,7 +254,7 @@ def test_two_cycles_at_once_run_one_at_a_time_and_never_place_twice(
         assert inside.wait(timeout=30)
         # A second worker's task, and a direct cycle, find the database lock taken.
         caplog.clear()
-        control.schedule_cycle()
+        control.TASKS["schedule_cycle"]()
         assert schedule_once(time.time()) == (0, 0)
         assert [r.getMessage() for r in caplog.records].count(SKIPPED) == 2
         assert not Sandbox.objects.filter(pk__in=[s.pk for s in asked]).exclude(state="queued").exists()
@@ -355,12 +355,12 @@ def test_a_worker_killed_mid_cycle_holds_nothing_back(last_slots: dict[str, Any]
     try:
         dead = psycopg.connect(**connection.get_connection_params())
         dead.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(scheduling.CYCLE_LOCK_KEY))
-        control.schedule_cycle()  # the dying worker's cycle still holds the lock
+        control.TASKS["schedule_cycle"]()  # the dying worker's cycle still holds the lock
         assert Sandbox.objects.get(pk=asked.pk).state == "queued"
         backend_pid = dead.info.backend_pid
         dead.close()  # what the kernel does to a SIGKILLed process's socket
         _until_the_server_dropped(backend_pid)
-        control.schedule_cycle()
+        control.TASKS["schedule_cycle"]()
         assert Sandbox.objects.get(pk=asked.pk).state in PLACED
     finally:
         store.delete(scheduling.CYCLE_LOCK)
@@ -380,7 +380,7 @@ def test_without_postgresql_a_redis_lock_keeps_cycles_apart(
     held = store.lock(scheduling.CYCLE_LOCK, timeout=30)
     assert held.acquire(blocking=False)
     try:
-        control.schedule_cycle()  # another thread's cycle holds the lock: this one skips
+        control.TASKS["schedule_cycle"]()  # another thread's cycle holds the lock: this one skips
         assert Sandbox.objects.get(pk=asked.pk).state == "queued"
     finally:
         held.release()
@@ -393,7 +393,7 @@ def test_without_postgresql_a_redis_lock_keeps_cycles_apart(
 
     monkeypatch.setattr(scheduling, "run_cycle", run_cycle)
     caplog.set_level(logging.WARNING, logger="portal.control.scheduling")
-    control.schedule_cycle()
+    control.TASKS["schedule_cycle"]()
     assert Sandbox.objects.get(pk=asked.pk).state in PLACED
     assert any("outlived its Redis lock" in r.getMessage() for r in caplog.records)
 

@@ -18,8 +18,8 @@ from django.db import DatabaseError, connection, transaction
 from django.test import Client, override_settings
 
 from portal.audit.models import AuditEntry
-from portal.env import ConfigError, env_str
 from tests.portal.helpers import client_for
+from wire.env import ConfigError, env_str
 
 ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "correct horse battery staple"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 from scheduler.research.bench_trace import (
     ALL_BEGIN,
     ALL_END,

@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 
+from wire.spec import MpsShare, SandboxHandle, SandboxSpec
+from wire.storage import StorageMount
 from workers.agent import Agent
-from workers.config import AgentSettings
-from workers.drivers.base import MpsShare, SandboxHandle, SandboxSpec, SandboxStatus, StorageMount
+from workers.agent_settings import AgentSettings
+from workers.drivers.base import SandboxStatus
 from workers.gpu.mps import MpsError, device_key, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
@@ -30,7 +32,7 @@ class RecordingDriver:
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         self.launched.append(spec)
-        return SandboxHandle(self.name, spec.allocation_id, spec.sandbox_id, "ref")
+        return SandboxHandle(self.name, spec.allocation_key, spec.sandbox_id, "ref")
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         return SandboxStatus(state="running", started_at_ms=1)
@@ -63,7 +65,7 @@ class FakeMps:
 
 def spec(device: str) -> SandboxSpec:
     return SandboxSpec(
-        allocation_id="a1", sandbox_id=7, host="h", project="p", owner="o", image="", command=("sleep",),
+        allocation_key="a1", sandbox_id=7, host="h", project="p", owner="o", image="", command=("sleep",),
         device_uuids=(device,), real_gpu=False, mps=MpsShare(pipe_dir="", thread_pct=30, memory_mib=4096),
     )  # fmt: skip
 
@@ -116,7 +118,7 @@ def test_real_gpu_starts_the_daemon_or_fails_the_launch(
     assert fake.started == [device] and len(driver.launched) == 1
     assert fake.limits == {device: (30, 4096)}  # the server's, before the sandbox starts
     a.mps_daemons = a.lifecycle.mps_daemons = MpsDaemons(FakeMps(tmp_path / "mps", fail=True))  # type: ignore[arg-type]
-    a.launch(replace(spec(device), allocation_id="a2"))
+    a.launch(replace(spec(device), allocation_key="a2"))
     assert len(driver.launched) == 1
     [(_, _task, (sandbox_id, key, message))] = [t for t in sent_tasks if t[1] == "sandbox_launch_failed"]
     assert (sandbox_id, key) == (7, "a2") and "nvidia-cuda-mps-control not found" in message
@@ -203,11 +205,11 @@ def test_a_report_taken_during_a_launch_says_the_sandbox_is_coming(tmp_path: Pat
     a.inventory.refresh()
     a.launch(replace(spec(backend.list_gpus()[0].uuid), mps=None))
     assert driver.report_mid_launch == [
-        {"allocation_id": "a1", "sandbox_id": 7, "state": "created", "tracked": True}
+        {"allocation_key": "a1", "sandbox_id": 7, "state": "created", "tracked": True}
     ]
     a.reports.build()
     assert a.reports.ready is not None
-    assert [(e["allocation_id"], e["state"]) for e in a.reports.ready[0]] == [("a1", "running")]
+    assert [(e["allocation_key"], e["state"]) for e in a.reports.ready[0]] == [("a1", "running")]
 
 
 def test_a_launch_that_crashes_is_no_longer_reported_as_coming(tmp_path: Path) -> None:
@@ -241,7 +243,7 @@ def test_a_launch_reports_what_its_driver_prepares_then_launches(tmp_path: Path,
     launched = replace(spec(backend.list_gpus()[0].uuid), mps=None)
     a.launch(launched)
     tasks = [(task, args) for _, task, args in sent_tasks if task in ("launch_progress", "sandbox_launched")]
-    assert tasks[0] == ("launch_progress", (launched.allocation_id, "pulling r.example/a:1: 1 of 2 layers"))
+    assert tasks[0] == ("launch_progress", (launched.allocation_key, "pulling r.example/a:1: 1 of 2 layers"))
     assert tasks[1][0] == "sandbox_launched" and driver.launched == [launched]
 
 
@@ -271,7 +273,7 @@ def test_storage_is_measured_while_sandboxes_run_and_after_each_stops(
         StorageMount("shared", "projects/9", "/project", False, 2, volume=9),  # not on this host
     )
     a.launch(replace(spec(device), mps=None, mounts=mounts))
-    a.launch(replace(spec(device), allocation_id="a2", sandbox_id=8, mps=None, mounts=mounts[:1]))
+    a.launch(replace(spec(device), allocation_key="a2", sandbox_id=8, mps=None, mounts=mounts[:1]))
     # While they run, a round: each sandbox told what its volumes hold, a shared one walked once.
     a.meter.round()
     during = {args[0]: args[1] for _, task, args in sent_tasks if task == "storage_usage"}

@@ -16,8 +16,8 @@ from redis.asyncio import Redis as AsyncRedis
 
 import workers.agent
 import workers.host
+from wire.spec import SandboxSpec
 from workers.agent import Agent
-from workers.drivers.base import SandboxSpec
 from workers.drivers.process import ProcessDriver
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 from workers.host import sampler as sampler_module

@@ -12,11 +12,11 @@ import pytest
 import redis
 from django.conf import settings
 
-from portal.env import ConfigError
+from wire import liveness
+from wire.env import ConfigError
 from workers import agent as agent_module
-from workers import liveness
 from workers.agent_pool import AgentPool, read_hosts_file
-from workers.config import AgentSettings
+from workers.agent_settings import AgentSettings
 
 HOSTS = "name,gpus,cpus,memory_gib\nnode-a,V100M32:8,96,512\nnode-b,T4:2,32,128\ncpu-c,,64,256\n"
 
@@ -95,7 +95,7 @@ def test_a_round_of_beats_goes_as_one_message_with_one_time_and_the_hosts_alive(
 
 
 def test_the_process_consumes_every_hosts_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from workers.celery import app
+    from wire.celery import app
 
     monkeypatch.setenv("GPUSHARE_HOSTS_FILE", str(hosts_file(tmp_path)))
     monkeypatch.setitem(app.conf, "task_queues", None)

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.workers.test_driver_storage import driver_for, make_spec, output_of
+from wire import relay
+from wire.spec import SandboxHandle, SandboxSpec
 from workers.drivers import app_socket
-from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
+from workers.drivers.base import DriverError, SandboxDriver
 
 # The app: answers each connection with its name and how many it has had, so a victim app
 # tells whether anyone but its owner reached it. Perl: in the Debian minbase image as well as
@@ -47,7 +49,7 @@ class Sandboxes:
         return spec, handle
 
     def app_dir(self, spec: SandboxSpec) -> Path:
-        return self.apps / spec.allocation_id
+        return self.apps / spec.allocation_key
 
     def ask(self, handle: SandboxHandle) -> str:
         stream = self.driver.open_app(handle)
@@ -61,7 +63,7 @@ class Sandboxes:
     def refused(self, handle: SandboxHandle) -> str:
         with pytest.raises(DriverError) as raised:
             self.driver.open_app(handle)
-        assert app_socket.NOT_LISTENING in str(raised.value)
+        assert relay.NOT_LISTENING in str(raised.value)
         return str(raised.value)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.workers.engines import require_engine
-from workers.drivers.base import SandboxSpec
+from wire.spec import SandboxSpec
 from workers.drivers.docker_logs import log_config
 from workers.drivers.output import read_segments, write_capped
 from workers.drivers.process import ProcessDriver, bwrap_available
@@ -70,7 +70,7 @@ def test_a_process_sandbox_printing_300_mb_leaves_at_most_the_cap(tmp_path: Path
     driver = ProcessDriver(tmp_path / "state", host="h1", output_cap=CAP)
     printing = f"head -c {PRINTED} /dev/zero | tr '\\0' x; printf 'the last line\\n'"
     spec = SandboxSpec(
-        allocation_id=f"o{uuid.uuid4().hex[:12]}", sandbox_id=4242, host="h1", project="p", owner="o",
+        allocation_key=f"o{uuid.uuid4().hex[:12]}", sandbox_id=4242, host="h1", project="p", owner="o",
         image="", command=("sh", "-c", printing),
         device_uuids=(), real_gpu=False, memory_limit_mib=256, pids_limit=32, batch=True,
     )  # fmt: skip
@@ -84,7 +84,7 @@ def test_a_process_sandbox_printing_300_mb_leaves_at_most_the_cap(tmp_path: Path
     output_bytes = sum(p.stat().st_size for p in state.glob("*.output/*"))
     assert output_bytes <= CAP
     wait_total = time.monotonic() + 10
-    while read_segments(state / f"{spec.allocation_id}.output", 0, 1).total < PRINTED + len(LAST):
+    while read_segments(state / f"{spec.allocation_key}.output", 0, 1).total < PRINTED + len(LAST):
         assert time.monotonic() < wait_total, "the writer did not drain"
         time.sleep(0.1)
     tail = driver.read_output(handle, PRINTED + len(LAST) - 100, 4096)
@@ -106,7 +106,7 @@ def test_a_container_printing_30_mb_leaves_at_most_the_cap(monkeypatch: pytest.M
     monkeypatch.setenv("SANDBOX_OUTPUT_MAX_BYTES", str(CAP))
     driver = DockerDriver(host="h1")
     spec = SandboxSpec(
-        allocation_id=f"o{uuid.uuid4().hex[:12]}", sandbox_id=4243, host="h1", project="p", owner="o",
+        allocation_key=f"o{uuid.uuid4().hex[:12]}", sandbox_id=4243, host="h1", project="p", owner="o",
         image="gpushare/sandbox-base:1", device_uuids=(), real_gpu=False, batch=True,
         command=("sh", "-c", "yes 0123456789 | head -c 30000000; printf 'the last line\\n'"),
     )  # fmt: skip

@@ -19,8 +19,10 @@ import docker.errors
 import pytest
 
 from tests.workers.engines import require_engine
-from workers.drivers import base, make_driver, uids
-from workers.drivers.base import DriverError, MpsShare, SandboxSpec
+from wire import uids
+from wire.spec import MpsShare, SandboxSpec
+from workers.drivers import base, make_driver
+from workers.drivers.base import DriverError
 from workers.drivers.docker import (
     DockerDriver,
     _parse_docker_time,
@@ -36,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def make_spec(host: str = "h1", **overrides: object) -> SandboxSpec:
     values: dict[str, object] = {
-        "allocation_id": f"t{uuid.uuid4().hex[:12]}",
+        "allocation_key": f"t{uuid.uuid4().hex[:12]}",
         "sandbox_id": 42,
         "host": host,
         "project": "proj",
@@ -60,7 +62,7 @@ def make_spec(host: str = "h1", **overrides: object) -> SandboxSpec:
 def test_kwargs_lock_the_container_down() -> None:
     spec = make_spec()
     kw = container_kwargs(spec)
-    assert kw["name"] == f"gpushare-{spec.allocation_id}"
+    assert kw["name"] == f"gpushare-{spec.allocation_key}"
     assert kw["labels"] == spec.labels()
     uid = uids.sandbox_uid(spec.sandbox_id)
     assert kw["user"] == f"{uid}:{uid}" and uid >= uids.SANDBOX_UID_BASE  # no host account's uid
@@ -151,7 +153,7 @@ def test_an_mps_share_that_could_not_reach_its_daemon_is_refused(
             raise AssertionError(f"the engine was asked for {name}")
 
     class Driver(DockerDriver):
-        def _find(self, allocation_id: str) -> None:
+        def _find(self, allocation_key: str) -> None:
             return None
 
     driver = Driver(client=NoEngine(), host="h")  # type: ignore[arg-type]
@@ -249,8 +251,8 @@ def test_launch_applies_confinement(driver: DockerDriver, client: docker.DockerC
     container = client.containers.get(handle.ref)
     attrs = container.attrs
     config, hostcfg = attrs["Config"], attrs["HostConfig"]
-    assert handle.allocation_id == spec.allocation_id and handle.sandbox_id == 42
-    assert container.name == f"gpushare-{spec.allocation_id}"
+    assert handle.allocation_key == spec.allocation_key and handle.sandbox_id == 42
+    assert container.name == f"gpushare-{spec.allocation_key}"
     assert spec.labels().items() <= config["Labels"].items()
     uid = uids.sandbox_uid(spec.sandbox_id)
     assert config["User"] == f"{uid}:{uid}"
@@ -307,7 +309,7 @@ def test_launch_is_idempotent(driver: DockerDriver, client: docker.DockerClient,
         thread.join()
     assert len(results) == 4 and len(set(results)) == 1
     owned = client.containers.list(
-        all=True, filters={"label": f"io.gpushare.allocation={spec2.allocation_id}"}
+        all=True, filters={"label": f"io.gpushare.allocation={spec2.allocation_key}"}
     )
     assert [c.id for c in owned] == results[:1]
 
@@ -379,7 +381,7 @@ def test_status_reports_exit_code(driver: DockerDriver, host: str) -> None:
     status = driver.status(handle)
     assert status.state == "exited"
     assert status.exit_code == 3
-    assert driver.launch(make_spec(host, allocation_id=handle.allocation_id)) == handle
+    assert driver.launch(make_spec(host, allocation_key=handle.allocation_key)) == handle
 
 
 TRAPS_TERM = "trap 'echo got-term; exit 3' TERM; echo READY; while :; do sleep 0.2; done"
@@ -533,11 +535,11 @@ def test_a_read_before_the_first_line_does_not_break_the_next() -> None:
 
 def test_an_app_gets_its_socket_folder_and_nothing_else_of_the_host(tmp_path: Path) -> None:
     spec = make_spec(app=True)
-    kw = container_kwargs(spec, app_dir=tmp_path / spec.allocation_id)
+    kw = container_kwargs(spec, app_dir=tmp_path / spec.allocation_key)
     [mount] = kw["mounts"]
     assert (mount["Target"], mount["Source"], mount["Type"]) == (
         "/run/gpushare",
-        str(tmp_path / spec.allocation_id),
+        str(tmp_path / spec.allocation_key),
         "bind",
     )
     assert kw["environment"]["GPUSHARE_APP_SOCKET"] == "/run/gpushare/app.sock"

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.workers.engines import require_engine, require_module
-from workers.drivers import uids
-from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec, StorageMount
+from wire import uids
+from wire.spec import SandboxHandle, SandboxSpec
+from wire.storage import StorageMount
+from workers.drivers.base import DriverError, SandboxDriver
 
 READY = "READY"
 VOLUME = 7
@@ -49,7 +51,7 @@ DATASET = StorageMount("mnist", "datasets/mnist", "/datasets/mnist", True, 0)
 
 def make_spec(host: str, sandbox_id: int, script: str, image: str = "", **overrides: object) -> SandboxSpec:
     values: dict[str, object] = {
-        "allocation_id": f"t{uuid.uuid4().hex[:12]}",
+        "allocation_key": f"t{uuid.uuid4().hex[:12]}",
         "sandbox_id": sandbox_id,
         "host": host,
         "project": "proj",
@@ -238,7 +240,7 @@ def test_a_process_sandboxes_app_is_reached_through_its_socket(storage_dir: Path
     try:
         output_of(driver, handle, "READY")
         deadline = time.monotonic() + 20
-        while not (apps / spec.allocation_id / "app.sock").exists() and time.monotonic() < deadline:
+        while not (apps / spec.allocation_key / "app.sock").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         stream = driver.open_app(handle)
         stream.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -248,13 +250,13 @@ def test_a_process_sandboxes_app_is_reached_through_its_socket(storage_dir: Path
                 answer += stream.read(1.0)
         stream.close()
         assert answer.startswith(b"HTTP/1.0 200") and b"hello from /sandboxes/404/app/ as 1000" in answer
-        folder = (apps / spec.allocation_id).stat()
+        folder = (apps / spec.allocation_key).stat()
         assert stat.S_IMODE(folder.st_mode) == 0o700  # only the sandbox (and root) may enter
         if os.geteuid() == 0:
             assert folder.st_uid == uids.sandbox_uid(404)
     finally:
         driver.stop(handle, grace_s=0)
         shutil.rmtree(apps, ignore_errors=True)
-    assert not (apps / spec.allocation_id).exists()
+    assert not (apps / spec.allocation_key).exists()
     with pytest.raises(DriverError, match="not listening"):
         driver.open_app(handle)

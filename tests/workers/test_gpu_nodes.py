@@ -14,8 +14,9 @@ import pynvml
 import pytest
 
 from workers.drivers.base import DriverError
-from workers.drivers.gpu_nodes import DeviceIds, GpuNodes, Node, nvml_lookup
+from workers.drivers.gpu_nodes import GpuNodes, Node
 from workers.drivers.process import _gpu_device_nodes
+from workers.gpu.nvml_session import DeviceIds, device_ids
 
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -149,7 +150,7 @@ def test_the_compat_helper_reads_proc_gpus(host: tuple[Path, Path]) -> None:
 
 
 class FakeNvml:
-    """The pynvml functions nvml_lookup calls, for one GPU and one MIG device on it."""
+    """The pynvml functions device_ids calls, for one GPU and one MIG device on it."""
 
     def __init__(self) -> None:
         self.gpu, self.mig = SimpleNamespace(uuid=GPU_B), SimpleNamespace(uuid=MIG_2)
@@ -194,23 +195,23 @@ class FakeNvml:
         return 0
 
 
-def test_nvml_lookup_asks_the_parent_for_a_mig_devices_minor(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_ids_asks_the_parent_for_a_mig_devices_minor(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeNvml()
     fake.install(monkeypatch)
-    assert nvml_lookup(GPU_B) == DeviceIds(minor=3)
-    assert nvml_lookup(MIG_2) == DeviceIds(minor=3, gi=2, ci=0)
+    assert device_ids(GPU_B) == DeviceIds(minor=3)
+    assert device_ids(MIG_2) == DeviceIds(minor=3, gi=2, ci=0)
     with pytest.raises(LookupError, match="NVML"):
-        nvml_lookup("GPU-unknown")
+        device_ids("GPU-unknown")
     assert fake.inits == 0  # every init shut down again: the agent's NVML session is untouched
 
 
-def test_nvml_lookup_without_a_driver_is_a_lookup_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_ids_without_a_driver_is_a_lookup_error(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_driver() -> None:
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
 
     monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
     with pytest.raises(LookupError, match="did not initialise"):
-        nvml_lookup(GPU_A)
+        device_ids(GPU_A)
 
 
 def test_create_missing_runs_the_modprobe_for_each_missing_node_once(host: tuple[Path, Path]) -> None:

@@ -30,7 +30,7 @@ def test_a_lost_gpu_does_not_stop_the_others(fake: FakeNvml, backend: NvmlBacken
     assert list(got.samples) == [H100_UUID]
     assert got.lost == {A100_UUID}
     assert list(got.failed) == ["GPU-nope"]
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(A100_UUID, "gpu_lost")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(A100_UUID, "gpu_lost")]
 
 
 def test_a_mig_device_sampled_before_its_gpu_was_found_lost_is_dropped() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.workers.test_agent import RecordingDriver, agent
-from workers.drivers.base import SandboxHandle
+from wire.spec import SandboxHandle
 from workers.host import reports
 
 
@@ -93,7 +93,7 @@ def test_a_report_stuck_in_the_driver_is_logged_with_where_it_waits(
 
 
 def entry(allocation: str, state: str = "running", util: tuple[float, float] = (50.0, 1.0)) -> dict[str, Any]:
-    return {"allocation_id": allocation, "state": state, "tracked": True, "util": util}
+    return {"allocation_key": allocation, "state": state, "tracked": True, "util": util}
 
 
 def test_every_report_goes_from_a_real_hosts_agent() -> None:

@@ -21,8 +21,10 @@ from tests.workers.engines import require_engine, require_module
 
 libvirt = require_module("libvirt", "libvirt-python (make install-libvirt)")
 # After the check above: without the optional extra the module is skipped (failed in CI).
-from workers.drivers import make_driver, uids  # noqa: E402
-from workers.drivers.base import DriverError, SandboxHandle, SandboxSpec  # noqa: E402
+from wire import uids  # noqa: E402
+from wire.spec import SandboxHandle, SandboxSpec  # noqa: E402
+from workers.drivers import make_driver  # noqa: E402
+from workers.drivers.base import DriverError  # noqa: E402
 from workers.drivers.libvirt import (  # noqa: E402
     METADATA_NS,
     ConsoleTerminal,
@@ -45,7 +47,7 @@ BOOT_DEADLINE_S = 240.0  # TCG on a busy two-core machine: generous, never asser
 
 def make_spec(host: str = "h1", **overrides: object) -> SandboxSpec:
     values: dict[str, object] = {
-        "allocation_id": f"t{uuid.uuid4().hex[:12]}",
+        "allocation_key": f"t{uuid.uuid4().hex[:12]}",
         "sandbox_id": 42,
         "host": host,
         "project": "proj",
@@ -81,8 +83,8 @@ def test_xml_name_limits_and_boot() -> None:
     spec = make_spec()
     root = parse(spec)
     assert root.get("type") == "qemu"
-    assert text(root, "name") == f"gpushare-{spec.allocation_id}"
-    assert text(root, "uuid") == domain_uuid(spec.allocation_id)
+    assert text(root, "name") == f"gpushare-{spec.allocation_key}"
+    assert text(root, "uuid") == domain_uuid(spec.allocation_key)
     assert root.find("memory").attrib == {"unit": "MiB"}  # type: ignore[union-attr]
     assert text(root, "memory") == text(root, "currentMemory") == "128"
     assert text(root, "vcpu") == "1"  # ceil(0.5)
@@ -282,8 +284,8 @@ def driver(guest: GuestImage, host: str) -> LibvirtDriver:
     return LibvirtDriver(host, image=guest)
 
 
-def console_text(driver: LibvirtDriver, allocation_id: str) -> str:
-    path = driver.console_log(allocation_id)
+def console_text(driver: LibvirtDriver, allocation_key: str) -> str:
+    path = driver.console_log(allocation_key)
     assert path is not None, "these tests need qemu:///system, which logs the console"
     try:
         return path.read_bytes().decode(errors="replace")
@@ -291,15 +293,15 @@ def console_text(driver: LibvirtDriver, allocation_id: str) -> str:
         return ""
 
 
-def wait_for_console(driver: LibvirtDriver, allocation_id: str, pattern: str) -> str:
+def wait_for_console(driver: LibvirtDriver, allocation_key: str, pattern: str) -> str:
     deadline = time.monotonic() + BOOT_DEADLINE_S
     while time.monotonic() < deadline:
-        out = console_text(driver, allocation_id)
+        out = console_text(driver, allocation_key)
         if re.search(pattern, out):
             return out
         time.sleep(0.5)
     pytest.fail(
-        f"no {pattern!r} on the console in {BOOT_DEADLINE_S} s:\n{console_text(driver, allocation_id)}"
+        f"no {pattern!r} on the console in {BOOT_DEADLINE_S} s:\n{console_text(driver, allocation_key)}"
     )
 
 
@@ -331,12 +333,12 @@ def read_until(terminal: ConsoleTerminal, pattern: bytes, timeout_s: float) -> b
 def test_vm_boots_is_idempotent_listed_and_stopped(driver: LibvirtDriver, host: str) -> None:
     spec = make_spec(host)
     handle = driver.launch(spec)
-    name = domain_name(spec.allocation_id)
-    assert handle.driver == "libvirt" and handle.allocation_id == spec.allocation_id
-    assert handle.ref == domain_uuid(spec.allocation_id) and handle.sandbox_id == 42
+    name = domain_name(spec.allocation_key)
+    assert handle.driver == "libvirt" and handle.allocation_key == spec.allocation_key
+    assert handle.ref == domain_uuid(spec.allocation_key) and handle.sandbox_id == 42
 
     started = time.monotonic()
-    wait_for_console(driver, spec.allocation_id, r"gpushare-guest: up")
+    wait_for_console(driver, spec.allocation_key, r"gpushare-guest: up")
     print(f"guest up {time.monotonic() - started:.1f} s after launch ({driver.domain_type})")
     status = driver.status(handle)
     assert status.state == "running" and status.started_at_ms is not None
@@ -366,7 +368,7 @@ def test_finished_command_leaves_the_vm_exited(driver: LibvirtDriver, host: str)
     wait_for_state(driver, handle, "exited")
     status = driver.status(handle)
     assert status.exit_code == 3
-    out = console_text(driver, spec.allocation_id)
+    out = console_text(driver, spec.allocation_key)
     assert "hello as 1000 bar baz" in out
     assert driver.launch(spec) == handle  # a repeated message does not rerun it
     assert driver.status(handle).state == "exited"
@@ -379,7 +381,7 @@ def test_finished_command_leaves_the_vm_exited(driver: LibvirtDriver, host: str)
 def test_acpi_shutdown_stops_the_command(driver: LibvirtDriver, host: str) -> None:
     spec = make_spec(host)
     handle = driver.launch(spec)
-    wait_for_console(driver, spec.allocation_id, r"gpushare-guest: up")
+    wait_for_console(driver, spec.allocation_key, r"gpushare-guest: up")
     time.sleep(1)  # acpid starts just before the up line
     driver.conn.lookupByUUIDString(handle.ref).shutdownFlags(libvirt.VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN)
     wait_for_state(driver, handle, "exited")
@@ -391,7 +393,7 @@ def test_acpi_shutdown_stops_the_command(driver: LibvirtDriver, host: str) -> No
 def test_terminal_over_the_serial_console(driver: LibvirtDriver, host: str) -> None:
     spec = make_spec(host, command=())  # no command: a shell on the console
     handle = driver.launch(spec)
-    wait_for_console(driver, spec.allocation_id, r"gpushare-guest: up")
+    wait_for_console(driver, spec.allocation_key, r"gpushare-guest: up")
     terminal = driver.exec_terminal(handle)
     try:
         terminal.resize(40, 120)  # a no-op on a serial console, but allowed

@@ -37,10 +37,12 @@ from hypothesis.stateful import (
 )
 
 from scheduler.defrag import DESTROY, MigMove, MigPlan
-from workers import dispatch, moves
+from wire import dispatch
+from wire.spec import MpsShare, SandboxHandle, SandboxSpec
+from workers import moves
 from workers.agent import Agent
-from workers.config import AgentSettings
-from workers.drivers.base import DriverError, MpsShare, SandboxHandle, SandboxSpec, SandboxStatus
+from workers.agent_settings import AgentSettings
+from workers.drivers.base import DriverError, SandboxStatus
 from workers.drivers.output import OutputChunk
 from workers.gpu.mps import MpsError, SimulatedMps
 from workers.gpu.mps_daemons import MpsDaemons
@@ -68,34 +70,38 @@ class CheckingDriver:
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         assert self.daemons is not None
-        if spec.allocation_id not in self.live:
+        if spec.allocation_key not in self.live:
             for device in spec.device_uuids:
                 up = self.daemons.control.running(device)
                 if spec.mps is not None and not up:
-                    self.violations.append(f"share {spec.allocation_id} started on {device} without a daemon")
+                    self.violations.append(
+                        f"share {spec.allocation_key} started on {device} without a daemon"
+                    )
                 if spec.mps is None and up:
-                    self.violations.append(f"{spec.allocation_id} started on {device} under an MPS daemon")
+                    self.violations.append(f"{spec.allocation_key} started on {device} under an MPS daemon")
             if spec.mps is not None and not spec.mps.pipe_dir:
-                self.violations.append(f"share {spec.allocation_id} got no pipe directory")
+                self.violations.append(f"share {spec.allocation_key} got no pipe directory")
             if spec.mps is not None and spec.device_uuids:
                 # The server's limits, in place before the share's first CUDA call, reach its grant.
                 control = self.daemons.control
                 assert isinstance(control, SimulatedMps)
                 limits = control.limits(spec.device_uuids[0])
                 if limits is None or limits[0] < spec.mps.thread_pct or limits[1] < spec.mps.memory_mib:
-                    self.violations.append(f"share {spec.allocation_id} started under server limits {limits}")
-        self.live[spec.allocation_id] = spec
-        return self.handle(spec.allocation_id)
+                    self.violations.append(
+                        f"share {spec.allocation_key} started under server limits {limits}"
+                    )
+        self.live[spec.allocation_key] = spec
+        return self.handle(spec.allocation_key)
 
     def handle(self, key: str) -> SandboxHandle:
         return SandboxHandle(self.name, key, self.live[key].sandbox_id, key)
 
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
         time.sleep(self.slow_stop_s)
-        self.live.pop(handle.allocation_id, None)
+        self.live.pop(handle.allocation_key, None)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
-        running = handle.allocation_id in self.live
+        running = handle.allocation_key in self.live
         return SandboxStatus(state="running" if running else "missing", started_at_ms=1)
 
     def list_owned(self) -> list[SandboxHandle]:
@@ -125,7 +131,7 @@ def grant(key: str) -> tuple[int, int]:
 def _spec(key: str, devices: tuple[str, ...], kind: str, pinned: bool = False) -> SandboxSpec:
     share = MpsShare("", *grant(key)) if kind == "mps" else None
     return SandboxSpec(
-        allocation_id=key, sandbox_id=int(key[1:]), host="h", project="p", owner="o", image="",
+        allocation_key=key, sandbox_id=int(key[1:]), host="h", project="p", owner="o", image="",
         command=("sleep",), device_uuids=devices, real_gpu=False, mps=share, mps_pinned=pinned,
     )  # fmt: skip
 
@@ -415,7 +421,7 @@ def test_a_resent_launch_that_fails_leaves_the_first_copys_claim(tmp_path: Path,
     calls: list[str] = []
 
     def second_copy_fails(spec: SandboxSpec) -> SandboxHandle:
-        calls.append(spec.allocation_id)
+        calls.append(spec.allocation_key)
         if len(calls) == 2:
             raise DriverError("a container of that name is being created")
         return launched(spec)

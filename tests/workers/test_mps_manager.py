@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from workers.config import AgentSettings
-from workers.drivers import uids
-from workers.drivers.base import MpsShare, SandboxSpec
+from wire import uids
+from wire.spec import MpsShare, SandboxSpec
+from workers.agent_settings import AgentSettings
 from workers.gpu import mps
 from workers.gpu.mps import PID_FILE, MpsError, MpsManager, SimulatedMps, _alive, device_key, mps_root
 

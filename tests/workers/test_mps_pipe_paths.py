@@ -21,8 +21,9 @@ import pytest
 from tests.workers.test_app_socket_paths import Listener
 from tests.workers.test_driver_storage import driver_for, make_spec, output_of
 from tests.workers.test_mps_manager import GPU_A, _no_systemd, control_binary, var_dir  # noqa: F401 - fixtures
-from workers.drivers import uids
-from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, require_mps_pipe
+from wire import uids
+from wire.spec import SandboxHandle
+from workers.drivers.base import DriverError, SandboxDriver, require_mps_pipe
 from workers.gpu.mps import PID_FILE, MpsManager
 
 PIPE = "$CUDA_MPS_PIPE_DIRECTORY"

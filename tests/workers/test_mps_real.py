@@ -25,7 +25,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from workers.drivers import uids
+from wire import uids
 from workers.gpu.mps import CONTROL_BINARY, MpsManager
 from workers.gpu.nvml import NvmlBackend, nvml_available
 

@@ -36,7 +36,7 @@ def test_fake_covers_exactly_the_calls_nvml_makes() -> None:
 # -- lifecycle -------------------------------------------------------------------------------
 
 
-def test_init_registers_health_events_and_close_releases(fake: FakeNvml) -> None:
+def test_init_registers_fault_events_and_close_releases(fake: FakeNvml) -> None:
     backend = NvmlBackend()
     assert (backend.name, backend.simulated) == ("nvml", False)
     assert fake.initialised == 1
@@ -289,7 +289,7 @@ def test_destroy_mig(fake: FakeNvml, backend: NvmlBackend) -> None:
 # -- faults ----------------------------------------------------------------------------------
 
 
-def test_health_events_from_the_event_set(fake: FakeNvml, backend: NvmlBackend) -> None:
+def test_fault_events_from_the_event_set(fake: FakeNvml, backend: NvmlBackend) -> None:
     """Guards review §0 #2: application XIDs (13, 31: the tenant's own kernel) are
     ``app_xid``, not ``xid``, so the control side does not drain the GPU for them."""
     backend.list_gpus()  # learns which MIG device each GPU instance is
@@ -300,7 +300,7 @@ def test_health_events_from_the_event_set(fake: FakeNvml, backend: NvmlBackend) 
         event(fake.a100, xid, 31, 2),
         event(fake.a100, xid, 48),
     ]
-    events = backend.health_events()
+    events = backend.fault_events()
     assert [(e.uuid, e.kind, e.xid) for e in events] == [
         (H100_UUID, "app_xid", 13),
         (H100_UUID, "ecc_dbe", None),
@@ -309,13 +309,13 @@ def test_health_events_from_the_event_set(fake: FakeNvml, backend: NvmlBackend) 
     ]
     assert events[0].detail.startswith("XID 13: graphics engine exception")
     assert events[3].detail == "XID 48: double-bit ECC error; the GPU needs a reset"
-    assert backend.health_events() == []
+    assert backend.fault_events() == []
 
 
 def test_event_wait_error_is_mapped(fake: FakeNvml, backend: NvmlBackend) -> None:
     fake.fail["nvmlEventSetWait_v2"] = pynvml.NVML_ERROR_UNKNOWN
     with pytest.raises(GpuBackendError, match="read NVML events"):
-        backend.health_events()
+        backend.fault_events()
 
 
 def test_gpu_lost_on_any_call(fake: FakeNvml, backend: NvmlBackend) -> None:
@@ -323,9 +323,9 @@ def test_gpu_lost_on_any_call(fake: FakeNvml, backend: NvmlBackend) -> None:
     for _ in range(2):
         with pytest.raises(GpuBackendError, match=f"sample: {H100_UUID} is lost"):
             backend.sample(H100_UUID)
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(H100_UUID, "gpu_lost")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(H100_UUID, "gpu_lost")]
     assert [g.uuid for g in backend.list_gpus()] == [A100_UUID]
-    assert backend.health_events() == []
+    assert backend.fault_events() == []
 
 
 def test_lost_mig_device_reports_its_gpu(fake: FakeNvml, backend: NvmlBackend) -> None:
@@ -333,13 +333,13 @@ def test_lost_mig_device_reports_its_gpu(fake: FakeNvml, backend: NvmlBackend) -
     fake.lost.add(A100_UUID)
     with pytest.raises(GpuBackendError, match="is lost"):
         backend.sample(fake.mig(2).uuid)
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(A100_UUID, "gpu_lost")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(A100_UUID, "gpu_lost")]
 
 
 def test_gpu_lost_seen_by_the_event_set(fake: FakeNvml, backend: NvmlBackend) -> None:
     fake.lost.add(A100_UUID)
     fake.wait_lost = True
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(A100_UUID, "gpu_lost")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(A100_UUID, "gpu_lost")]
 
 
 def test_load_hints_are_ignored(fake: FakeNvml, backend: NvmlBackend) -> None:
@@ -352,7 +352,7 @@ def test_load_hints_are_ignored(fake: FakeNvml, backend: NvmlBackend) -> None:
 def test_event_from_a_gpu_lost_meanwhile(fake: FakeNvml, backend: NvmlBackend) -> None:
     fake.pending = [event(fake.a100, pynvml.nvmlEventTypeXidCriticalError, 79)]
     fake.lost.add(A100_UUID)
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(A100_UUID, "gpu_lost")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(A100_UUID, "gpu_lost")]
 
 
 def test_gpu_lost_before_the_backend_starts(fake: FakeNvml) -> None:
@@ -448,7 +448,7 @@ def test_xid_79_means_the_gpu_fell_off_the_bus(fake: FakeNvml, h100_mig: NvmlBac
     h100_mig.list_gpus()
     xid = pynvml.nvmlEventTypeXidCriticalError
     fake.pending = [event(fake.h100, xid, 79), event(fake.h100, xid, 79), event(fake.h100, xid, 43, 9)]
-    events = h100_mig.health_events()
+    events = h100_mig.fault_events()
     assert [(e.uuid, e.kind, e.xid) for e in events] == [
         (H100_UUID, "xid", 79),
         (H100_UUID, "gpu_lost", None),  # once, however many XIDs say so
@@ -459,11 +459,11 @@ def test_xid_79_means_the_gpu_fell_off_the_bus(fake: FakeNvml, h100_mig: NvmlBac
 
 def test_gpu_unavailable_event_reports_the_loss_once(fake: FakeNvml, h100_mig: NvmlBackend) -> None:
     fake.pending = [event(fake.h100, GPU_UNAVAILABLE), event(fake.h100, GPU_UNAVAILABLE)]
-    assert [(e.uuid, e.kind) for e in h100_mig.health_events()] == [(H100_UUID, "gpu_lost")]
+    assert [(e.uuid, e.kind) for e in h100_mig.fault_events()] == [(H100_UUID, "gpu_lost")]
     fake.lost.add(H100_UUID)
     with pytest.raises(GpuBackendError, match="is lost"):
         h100_mig.sample(H100_UUID)
-    assert h100_mig.health_events() == []  # already reported
+    assert h100_mig.fault_events() == []  # already reported
 
 
 # -- review findings (issue 18) ---------------------------------------------------------------
@@ -478,7 +478,7 @@ def test_sample_of_a_lost_gpu_raises_gpu_lost_naming_it(fake: FakeNvml, backend:
         with pytest.raises(GpuLost, match="is lost") as caught:
             backend.sample(device)
         assert caught.value.uuid == A100_UUID
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(A100_UUID, "gpu_lost")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(A100_UUID, "gpu_lost")]
     backend.sample(H100_UUID)  # the other GPU still samples
     fake.fail["nvmlDeviceGetMemoryInfo"] = pynvml.NVML_ERROR_RESET_REQUIRED
     with pytest.raises(GpuLost):
@@ -553,7 +553,7 @@ def test_unknown_error_from_events_does_not_stop_the_backend(
     backend = NvmlBackend()
     assert "running without NVML events" in caplog.text
     assert fake.freed == (failing == "nvmlDeviceRegisterEvents")
-    assert backend.health_events() == []
+    assert backend.fault_events() == []
     assert len(backend.list_gpus()) == 2
     backend.close()
 
@@ -594,7 +594,7 @@ def test_gpu_instance_with_two_compute_instances_is_one_entry(fake: FakeNvml, ba
     ]
     assert layout[1].uuid == f"{A100_UUID}/gi5"
     fake.pending = [event(fake.a100, pynvml.nvmlEventTypeXidCriticalError, 48, 5)]
-    assert [e.uuid for e in backend.health_events()] == [A100_UUID]  # no device the portal knows
+    assert [e.uuid for e in backend.fault_events()] == [A100_UUID]  # no device the portal knows
     backend.destroy_mig(A100_UUID, layout[1].uuid)  # both compute instances, then the GI
     assert len(fake.called("nvmlComputeInstanceDestroy")) == 2
     assert [m.start for m in backend.mig_layout(A100_UUID)] == [0, 4]

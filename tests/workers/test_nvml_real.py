@@ -136,8 +136,8 @@ def test_auto_takes_nvml_on_a_gpu_host() -> None:
         backend.close()
 
 
-def test_health_events_drain(backend: NvmlBackend) -> None:
-    events = backend.health_events()
+def test_fault_events_drain(backend: NvmlBackend) -> None:
+    events = backend.fault_events()
     assert all(e.kind in {"xid", "app_xid", "ecc_dbe", "gpu_lost"} for e in events)
 
 

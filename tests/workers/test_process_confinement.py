@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.workers.engines import require_engine
-from workers.drivers import uids
-from workers.drivers.base import MpsShare, SandboxHandle, SandboxSpec
+from wire import uids
+from wire.spec import MpsShare, SandboxHandle, SandboxSpec
 from workers.drivers.process import ProcessDriver, bwrap_available
 
 pytestmark = pytest.mark.bwrap
@@ -37,7 +37,7 @@ PROBE = (
 
 def spec(sandbox_id: int, command: str = PROBE, **extra: object) -> SandboxSpec:
     values: dict[str, object] = {
-        "allocation_id": f"c{uuid.uuid4().hex[:12]}", "sandbox_id": sandbox_id, "host": "h1",
+        "allocation_key": f"c{uuid.uuid4().hex[:12]}", "sandbox_id": sandbox_id, "host": "h1",
         "project": "p", "owner": "o", "image": "", "command": ("sh", "-c", command),
         "device_uuids": ("GPU-aaaa",), "real_gpu": False, "memory_limit_mib": 256, "pids_limit": 32,
     }  # fmt: skip

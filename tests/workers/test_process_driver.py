@@ -19,19 +19,22 @@ from pathlib import Path
 import pytest
 
 from tests.workers.engines import require_engine
-from workers.drivers import DriverUnavailable, base, make_driver, uids
-from workers.drivers.base import DriverError, MpsShare, SandboxHandle, SandboxSpec, require_mps_pipe
+from wire import uids
+from wire.spec import MpsShare, SandboxHandle, SandboxSpec
+from workers.drivers import DriverUnavailable, base, make_driver
+from workers.drivers.base import DriverError, require_mps_pipe
 from workers.drivers.cgroups import cgroup_mounts
-from workers.drivers.gpu_nodes import DeviceIds, GpuNodes
+from workers.drivers.gpu_nodes import GpuNodes
 from workers.drivers.process import ProcessDriver, bwrap_available, bwrap_problem
 from workers.drivers.process_terminal import ProcessTerminal
+from workers.gpu.nvml_session import DeviceIds
 
 READY = "READY"
 
 
 def make_spec(host: str = "h1", **overrides: object) -> SandboxSpec:
     values: dict[str, object] = {
-        "allocation_id": f"t{uuid.uuid4().hex[:12]}",
+        "allocation_key": f"t{uuid.uuid4().hex[:12]}",
         # Distinct ids: each sandbox runs as its own host uid, and RLIMIT_NPROC counts it.
         "sandbox_id": random.randrange(1, 10**6),
         "host": host,
@@ -228,14 +231,14 @@ def test_rejects_bad_arguments(tmp_path: Path) -> None:
         ProcessDriver(tmp_path, limits="cgroups")
     driver = ProcessDriver(tmp_path)
     with pytest.raises(DriverError, match="not safe as a file name"):
-        driver.launch(make_spec(allocation_id="../escape"))
+        driver.launch(make_spec(allocation_key="../escape"))
     with pytest.raises(DriverError, match="needs a command"):
         driver.launch(make_spec(command=()))
 
 
 def test_unknown_sandbox_is_missing(tmp_path: Path) -> None:
     driver = ProcessDriver(tmp_path)
-    handle = SandboxHandle(driver="process", allocation_id="nope", sandbox_id=1, ref="1")
+    handle = SandboxHandle(driver="process", allocation_key="nope", sandbox_id=1, ref="1")
     assert driver.status(handle).state == "missing"
     driver.stop(handle)  # nothing to stop: no error
     with pytest.raises(DriverError, match="not running"):
@@ -331,7 +334,7 @@ def test_launch_confines_the_command(driver: ProcessDriver, monkeypatch: pytest.
     )
     spec = make_spec(sandbox_id=42, command=("sh", "-c", script))
     handle = driver.launch(spec)
-    assert handle.allocation_id == spec.allocation_id and handle.driver == "process"
+    assert handle.allocation_key == spec.allocation_key and handle.driver == "process"
     status = driver.status(handle)
     assert status.state == "running" and status.started_at_ms is not None
     out = wait_for_log(driver, handle, READY)
@@ -391,7 +394,7 @@ def test_launch_is_idempotent(driver: ProcessDriver) -> None:
     wait_until_exited(driver, done)
     status = driver.status(done)
     assert (status.state, status.exit_code) == ("exited", 3)
-    assert driver.launch(make_spec(allocation_id=done.allocation_id)) == done
+    assert driver.launch(make_spec(allocation_key=done.allocation_key)) == done
 
 
 @pytest.mark.bwrap
@@ -431,7 +434,7 @@ def test_limits_are_applied(driver: ProcessDriver) -> None:
         line.split(":", 2)[1]: line.split(":", 2)[2]
         for line in Path(f"/proc/{int(handle.ref)}/cgroup").read_text().splitlines()
     }
-    in_cgroup = any(spec.allocation_id in path for path in cgroups.values())
+    in_cgroup = any(spec.allocation_key in path for path in cgroups.values())
     if driver.limits == "rlimit" or not in_cgroup:
         assert driver.limits == "rlimit", "auto found no usable cgroups on this host"
         assert re.search(rf"Max address space\s+{96 * 2**20}\s", limits), limits
@@ -455,7 +458,7 @@ def test_limits_are_applied(driver: ProcessDriver) -> None:
             assert (leaf("cpu") / "cpu.cfs_period_us").read_text().strip() == "100000"
             assert (leaf("pids") / "pids.max").read_text().strip() == "15"
         # Every sandbox process is inside the limits, the command included.
-        assert spec.allocation_id in Path(f"/proc/{pid}/cgroup").read_text()
+        assert spec.allocation_key in Path(f"/proc/{pid}/cgroup").read_text()
 
 
 @pytest.mark.bwrap
@@ -534,7 +537,7 @@ def test_stop_is_graceful_then_forceful_and_idempotent(driver: ProcessDriver) ->
     v2, v1 = cgroup_mounts()
     for mount in [v2, *v1.values()]:
         if mount is not None:
-            assert not Path(mount, "gpushare", polite.allocation_id).exists()
+            assert not Path(mount, "gpushare", polite.allocation_key).exists()
 
 
 @pytest.mark.bwrap

@@ -22,7 +22,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from workers.drivers.base import SandboxSpec
+from wire.spec import SandboxSpec
 from workers.drivers.process import ProcessDriver, bwrap_available
 
 VADD = r"""
@@ -100,7 +100,7 @@ def vadd_dir() -> Iterator[Path]:
 def run_in_sandbox(tmp_path: Path, device: str, script: str) -> tuple[int | None, str]:
     driver = ProcessDriver(tmp_path / "state", host="gpu-test")
     spec = SandboxSpec(
-        allocation_id=f"gpu{uuid.uuid4().hex[:12]}", sandbox_id=900_001, host="gpu-test", project="p",
+        allocation_key=f"gpu{uuid.uuid4().hex[:12]}", sandbox_id=900_001, host="gpu-test", project="p",
         owner="o", image="", command=("sh", "-c", script), device_uuids=(device,), real_gpu=True,
         memory_limit_mib=4096, pids_limit=4096, shm_size_mib=256,
     )  # fmt: skip

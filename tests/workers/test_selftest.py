@@ -12,8 +12,8 @@ import pytest
 
 from portal import launcher
 from tests.workers.engines import require_engine
+from wire.celery import CHATTY_LOGGERS, _quiet_task_lines
 from workers import selftest
-from workers.celery import CHATTY_LOGGERS, _quiet_task_lines
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.process import bwrap_available
 from workers.selftest import SelfTest

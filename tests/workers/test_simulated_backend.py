@@ -351,11 +351,11 @@ def test_xid_injection_is_drained_once() -> None:
     mig = backend.list_gpus()[0].mig_devices[0]
     backend.inject_xid(mig.uuid, 43)
     backend.inject_xid(mig.uuid, 79)
-    events = backend.health_events()
+    events = backend.fault_events()
     # 43 is the tenant's own (a killed kernel): app_xid; 79 (fell off the bus) is the board's
     assert [(e.uuid, e.kind, e.xid) for e in events] == [(mig.uuid, "app_xid", 43), (mig.uuid, "xid", 79)]
     assert events[0].t_ms == 1_700_000_000_000
-    assert backend.health_events() == []
+    assert backend.fault_events() == []
 
 
 def test_overheat_throttles_and_leaves_the_verdict_to_the_temperature_rule() -> None:
@@ -372,7 +372,7 @@ def test_overheat_throttles_and_leaves_the_verdict_to_the_temperature_rule() -> 
     assert "sw_thermal" in hot.throttle and "hw_slowdown" in hot.throttle
     assert hot.sm_clock_mhz < cool_loaded.sm_clock_mhz * 0.6 and normal_clock > 0
     # One temperature rule, the alert policy's, judged on the agent (workers.host.faults).
-    assert backend.health_events() == []
+    assert backend.fault_events() == []
     clock.t += 200
     cooled = backend.sample(gpu)
     assert cooled.temp_c < 80 and "sw_thermal" not in cooled.throttle
@@ -383,7 +383,7 @@ def test_lost_gpu_leaves_inventory_and_fails_calls() -> None:
     lost, kept = (g.uuid for g in backend.list_gpus())
     backend.mark_lost(lost)
     backend.mark_lost(lost)
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(lost, "gpu_lost")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(lost, "gpu_lost")]
     assert [g.uuid for g in backend.list_gpus()] == [kept]
     with pytest.raises(GpuLost, match="is lost") as caught:
         backend.sample(lost)
@@ -424,7 +424,7 @@ def test_concurrent_sampling_loading_and_mig_changes() -> None:
         backend.list_gpus()
         for device in steady:  # the reshaper's instance may vanish between list and sample
             backend.sample(device)
-        backend.health_events()
+        backend.fault_events()
 
     def loader(name: str) -> None:
         backend.note_load(name, [plain], 1000, 50.0)
@@ -462,7 +462,7 @@ def test_ecc_counts_follow_injection() -> None:
     for uuid in (gpu.uuid, mig.uuid):  # counted per board, as NVML does
         sample = backend.sample(uuid)
         assert (sample.ecc_corrected, sample.ecc_uncorrected) == (7, 1)
-    assert [(e.uuid, e.kind) for e in backend.health_events()] == [(mig.uuid, "ecc_dbe")]
+    assert [(e.uuid, e.kind) for e in backend.fault_events()] == [(mig.uuid, "ecc_dbe")]
 
 
 # -- the Alibaba trace's models (the cluster twin's hosts) --------------------------------

@@ -8,16 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from wire.spec import DRIVER_ISOLATION, SandboxSpec
 from workers import selftest
 from workers.agent import refuse_state_only_on_real_gpus
-from workers.drivers import DRIVER_ISOLATION, DriverUnavailable, make_driver
-from workers.drivers.base import DriverError, SandboxSpec
+from workers.drivers import DriverUnavailable, make_driver
+from workers.drivers.base import DriverError
 from workers.drivers.simulated import SimulatedDriver
 
 
 def spec(allocation: str, sandbox: int) -> SandboxSpec:
     return SandboxSpec(
-        allocation_id=allocation, sandbox_id=sandbox, host="twin-1", project="p", owner="o",
+        allocation_key=allocation, sandbox_id=sandbox, host="twin-1", project="p", owner="o",
         image="busybox", command=("sleep", "infinity"), device_uuids=("GPU-1",), real_gpu=False,
     )  # fmt: skip
 
@@ -28,13 +29,13 @@ def test_a_launch_is_recorded_once_and_a_stop_forgets_it(tmp_path: Path) -> None
     first = driver.launch(spec("a1", 1))
     assert driver.launch(spec("a1", 1)) == first  # idempotent, keyed by the allocation
     driver.launch(spec("a2", 2))
-    assert {h.allocation_id for h in driver.list_owned()} == {"a1", "a2"}
+    assert {h.allocation_key for h in driver.list_owned()} == {"a1", "a2"}
     status = driver.status(first)
     assert status.state == "running" and status.started_at_ms is not None
     driver.stop(first)
     driver.stop(first)  # a repeated stop is harmless
     assert driver.status(first).state == "missing"
-    assert [h.allocation_id for h in driver.list_owned()] == ["a2"]
+    assert [h.allocation_key for h in driver.list_owned()] == ["a2"]
 
 
 def test_a_restarted_agent_still_owns_its_sandboxes(tmp_path: Path) -> None:

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.drivers import uids
-from workers.drivers.base import DriverError, MpsShare, SandboxSpec, checked_pipe_dir
+from wire import uids
+from wire.spec import MpsShare, SandboxSpec
+from workers.drivers.base import DriverError, checked_pipe_dir
 from workers.drivers.docker import container_kwargs, sandbox_user
 from workers.drivers.gpu_nodes import GpuNodes, Node
 from workers.drivers.libvirt import GuestImage, domain_xml
@@ -42,7 +43,7 @@ DEVICES = st.one_of(
 
 specs = st.builds(
     SandboxSpec,
-    allocation_id=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,40}", fullmatch=True),
+    allocation_key=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,40}", fullmatch=True),
     sandbox_id=st.integers(0, 2**63 - 1),
     host=WORDS,
     project=WORDS,

@@ -20,8 +20,9 @@ from tests.workers.test_driver_storage import (  # noqa: F401 - fixtures
     output_of,
     storage_dir,
 )
+from wire.storage import StorageMount
 from workers.drivers import storage, tenant_paths
-from workers.drivers.base import DriverError, StorageMount
+from workers.drivers.base import DriverError
 
 MIB = 1 << 20
 

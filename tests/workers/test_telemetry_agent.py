@@ -12,14 +12,14 @@ import redis
 from django.conf import settings
 from redis.asyncio import Redis as AsyncRedis
 
+from wire.spec import SandboxSpec
+from wire.telemetry import GpuSampleMessage, SandboxFigures, read_latest
 from workers.agent import Agent
 from workers.alerts import XID_QUIET_S, AlertTracker
-from workers.drivers.base import SandboxSpec
 from workers.drivers.process import ProcessDriver
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 from workers.host import sampler as sampler_module
 from workers.rollups import MinuteRollups
-from workers.telemetry import GpuSampleMessage, SandboxFigures, read_latest
 
 
 def sample(t_ms: int = 0, **values: Any) -> GpuSampleMessage:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.workers.test_driver_storage import driver_for, make_spec, output_of
-from workers.drivers.base import SandboxDriver, StorageMount
+from wire.storage import StorageMount
+from workers.drivers.base import SandboxDriver
 
 # Root's own folder in the sandbox's view (a dataset the sandbox's uid may not enter), with a
 # file anyone may read once inside.

@@ -3,7 +3,7 @@
 Sandboxes have no network, so an app inside one listens on a unix socket instead of a port:
 ``GPUSHARE_APP_SOCKET`` (in ``APP_DIR``, a directory the driver binds from the host, the
 sandbox's own and mode 0700). The agent connects to it on the host side and relays the
-bytes to the portal through Redis (``workers/terminal_relay.py``, as a
+bytes to the portal through Redis (``wire/relay.py``, as a
 terminal's pty), where ``portal/sandboxes/app_proxy.py`` speaks HTTP to it for the owner's
 browser. Nobody else on the host can reach the socket: only root and the sandbox's uid may
 enter its directory.
@@ -24,6 +24,7 @@ import socket
 import stat
 from pathlib import Path
 
+from wire.relay import NOT_LISTENING
 from workers.drivers import tenant_paths
 from workers.drivers.base import DriverError
 from workers.drivers.storage import check_reachable
@@ -31,42 +32,41 @@ from workers.drivers.storage import check_reachable
 APP_DIR = "/run/gpushare"  # in the sandbox
 APP_SOCKET = f"{APP_DIR}/app.sock"
 READ_SIZE = 256 * 1024  # a relayed piece: fewer messages in a page's burst
-NOT_LISTENING = "its app is not listening"  # the portal tells "starting" from other refusals by it
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
-def host_dir(root: Path, allocation_id: str) -> Path:
-    if not _SAFE_ID.fullmatch(allocation_id):
-        raise DriverError(f"allocation id {allocation_id!r} is not safe as a directory name")
-    return root / allocation_id
+def host_dir(root: Path, allocation_key: str) -> Path:
+    if not _SAFE_ID.fullmatch(allocation_key):
+        raise DriverError(f"allocation id {allocation_key!r} is not safe as a directory name")
+    return root / allocation_key
 
 
-def make_dir(root: Path, allocation_id: str, uid: int, *, bound_by_sandbox: bool = False) -> Path:
+def make_dir(root: Path, allocation_key: str, uid: int, *, bound_by_sandbox: bool = False) -> Path:
     """The sandbox's app directory on the host, empty, the sandbox's own (``uid``).
     ``bound_by_sandbox``: as ``storage.resolve``'s (bubblewrap binds it as the sandbox's uid)."""
-    path = host_dir(root, allocation_id)
+    path = host_dir(root, allocation_key)
     root.mkdir(mode=0o711, parents=True, exist_ok=True)
     if os.geteuid() == 0 and bound_by_sandbox:
         check_reachable(str(root.resolve()), "the app sockets' directory")
         os.chmod(root, 0o711)  # noqa: S103 - search only: no listing, each sandbox's own folder is 0700
-    remove_dir(root, allocation_id)  # a stale one of a previous launch, with what it held
+    remove_dir(root, allocation_key)  # a stale one of a previous launch, with what it held
     path.mkdir(mode=0o700)
     if os.geteuid() == 0:
         os.chown(path, uid, uid)  # just made, in a folder only root writes: nothing to swap
     return path
 
 
-def remove_dir(root: Path, allocation_id: str) -> None:
+def remove_dir(root: Path, allocation_key: str) -> None:
     """The app directory and what its tenant left there, removed without following a link
     (shutil.rmtree opens each subfolder following symlinks before it checks what it got)."""
-    tenant_paths.remove_tree(root, host_dir(root, allocation_id).name)
+    tenant_paths.remove_tree(root, host_dir(root, allocation_key).name)
 
 
-def connect(root: Path, allocation_id: str, timeout_s: float = 5.0) -> SocketStream:
+def connect(root: Path, allocation_key: str, timeout_s: float = 5.0) -> SocketStream:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
-        app = _open_socket(host_dir(root, allocation_id))
+        app = _open_socket(host_dir(root, allocation_key))
         try:
             # Through the descriptor of the very socket checked, never by its name again: a
             # socket's path may hold 107 bytes at most besides (a deep var dir would not fit).
@@ -76,7 +76,7 @@ def connect(root: Path, allocation_id: str, timeout_s: float = 5.0) -> SocketStr
     except OSError as exc:
         sock.close()
         raise DriverError(
-            f"sandbox {allocation_id}: {NOT_LISTENING} on {APP_SOCKET} ({exc.strerror or exc})"
+            f"sandbox {allocation_key}: {NOT_LISTENING} on {APP_SOCKET} ({exc.strerror or exc})"
         ) from exc
     sock.settimeout(None)
     return SocketStream(sock)

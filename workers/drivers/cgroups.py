@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.drivers.base import SandboxSpec
+from wire.spec import SandboxSpec
 from workers.drivers.procfs import signal_all
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def make_cgroups(spec: SandboxSpec) -> Limits:
             # Controllers must be enabled on every level above the leaf.
             for level in (Path(v2), parent):
                 (level / "cgroup.subtree_control").write_text("+memory +cpu +pids")
-            leaf = parent / spec.allocation_id
+            leaf = parent / spec.allocation_key
             leaf.mkdir(exist_ok=True)
             made.append(leaf)
             (leaf / "memory.max").write_text(str(memory))
@@ -78,7 +78,7 @@ def make_cgroups(spec: SandboxSpec) -> Limits:
             (leaf / "pids.max").write_text(str(pids))
             return Limits("cgroup-v2", (str(leaf),), (str(leaf / "cgroup.procs"),), ())
         if {"memory", "cpu", "pids"} <= v1.keys():
-            leaves = {c: Path(v1[c], _CGROUP_PARENT, spec.allocation_id) for c in v1}
+            leaves = {c: Path(v1[c], _CGROUP_PARENT, spec.allocation_key) for c in v1}
             for leaf in dict.fromkeys(leaves.values()):  # co-mounted controllers share one
                 leaf.mkdir(parents=True, exist_ok=True)
                 made.append(leaf)
@@ -104,7 +104,7 @@ def rlimits(spec: SandboxSpec, private_uid: bool) -> Limits:
     else:
         # RLIMIT_NPROC counts every process of the host uid: on a shared uid it would
         # count other sandboxes (and containers) too and fail launches at random.
-        log.warning("sandbox %s has no pids limit: its host uid is shared", spec.allocation_id)
+        log.warning("sandbox %s has no pids limit: its host uid is shared", spec.allocation_key)
     return Limits("rlimit", (), (), tuple(prlimit))
 
 

@@ -1,7 +1,7 @@
 """Docker sandbox driver: one locked-down container per allocation.
 
 Every container runs as an unprivileged uid of its own, from the range no host account uses
-(workers/drivers/uids.py: the engine maps no user namespace, so it is the host's uid too),
+(wire/uids.py: the engine maps no user namespace, so it is the host's uid too),
 with all capabilities dropped, no-new-privileges, a
 read-only root (writable size-limited tmpfs at /tmp and /home/sandbox), memory, CPU and
 pids limits, and no network unless the spec allows it. GPUs are handed over with a device
@@ -14,7 +14,7 @@ whose engine runs with ``--bridge=none`` (the development machines do, to leave 
 network alone) that default network has no bridge, so such a container still sees only
 loopback.
 
-Containers are named ``gpushare-<allocation_id>`` and labelled from ``spec.labels()``;
+Containers are named ``gpushare-<allocation_key>`` and labelled from ``spec.labels()``;
 the name makes a concurrent double launch collide (409) instead of making two sandboxes,
 and the labels let ``list_owned`` rebuild the agent's picture after a restart.
 """
@@ -36,17 +36,11 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
-from workers.config import apps_root, storage_root
-from workers.drivers import app_socket, image_pull, storage, uids
-from workers.drivers.base import (
-    LABEL_PREFIX,
-    DriverError,
-    SandboxHandle,
-    SandboxSpec,
-    SandboxStatus,
-    checked_pipe_dir,
-    require_mps_pipe,
-)
+from wire import uids
+from wire.config import apps_root, storage_root
+from wire.spec import LABEL_PREFIX, SandboxHandle, SandboxSpec
+from workers.drivers import app_socket, image_pull, storage
+from workers.drivers.base import DriverError, SandboxStatus, checked_pipe_dir, require_mps_pipe
 from workers.drivers.docker_logs import ContainerLogReader, log_config
 from workers.drivers.output import OutputChunk, cap_bytes
 from workers.drivers.storage import BoundStorage
@@ -63,8 +57,8 @@ _RACE_WAIT_S = 5.0
 _LIVE_STATES = frozenset({"running", "paused", "restarting"})
 
 
-def container_name(allocation_id: str) -> str:
-    return f"gpushare-{allocation_id}"
+def container_name(allocation_key: str) -> str:
+    return f"gpushare-{allocation_key}"
 
 
 def _tmpfs_mib(spec: SandboxSpec) -> int:
@@ -94,7 +88,7 @@ def container_kwargs(
     kwargs: dict[str, Any] = {
         "image": spec.image,
         "command": list(spec.command) or None,
-        "name": container_name(spec.allocation_id),
+        "name": container_name(spec.allocation_key),
         "hostname": f"sandbox-{spec.sandbox_id}",
         "labels": spec.labels(),
         # HOME by name: the sandbox's uid has no entry in the image's /etc/passwd.
@@ -295,13 +289,13 @@ class DockerDriver:
         labels = container.labels
         return SandboxHandle(
             driver=self.name,
-            allocation_id=labels[ALLOCATION_LABEL],
+            allocation_key=labels[ALLOCATION_LABEL],
             sandbox_id=int(labels.get(f"{LABEL_PREFIX}.sandbox", "0")),
             ref=container.id,
         )
 
-    def _find(self, allocation_id: str) -> Any | None:
-        found = self._list([f"{ALLOCATION_LABEL}={allocation_id}"])
+    def _find(self, allocation_key: str) -> Any | None:
+        found = self._list([f"{ALLOCATION_LABEL}={allocation_key}"])
         return found[0] if found else None
 
     def _list(self, labels: list[str]) -> list[Any]:
@@ -317,13 +311,13 @@ class DockerDriver:
                 if not tries:
                     raise
 
-    def _await_named(self, allocation_id: str) -> Any:
+    def _await_named(self, allocation_key: str) -> Any:
         """The container holding our name; the engine reserves a name before the container
         it names can be looked up, so a racing create may briefly see neither."""
         deadline = time.monotonic() + _RACE_WAIT_S
         while True:
             try:
-                return self.client.containers.get(container_name(allocation_id))
+                return self.client.containers.get(container_name(allocation_key))
             except docker.errors.NotFound:
                 if time.monotonic() > deadline:
                     raise
@@ -335,7 +329,7 @@ class DockerDriver:
         or loaded here. Credentials: the agent user's ``docker login`` (~/.docker/config.json)."""
         if not spec.pull:
             return
-        with _engine_errors(f"pull {spec.image} for sandbox {spec.allocation_id}"):
+        with _engine_errors(f"pull {spec.image} for sandbox {spec.allocation_key}"):
             try:
                 self.client.images.get(spec.image)
                 return
@@ -344,9 +338,9 @@ class DockerDriver:
             image_pull.follow(spec.image, self.client.api.pull(spec.image, stream=True, decode=True), report)
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
-        action = f"launch sandbox {spec.allocation_id} from {spec.image}"
+        action = f"launch sandbox {spec.allocation_key} from {spec.image}"
         with _engine_errors(action):
-            existing = self._find(spec.allocation_id)
+            existing = self._find(spec.allocation_key)
             if existing is not None:
                 if existing.status == "created":
                     # A previous launch died between create and start: finish it.
@@ -359,7 +353,7 @@ class DockerDriver:
                 bound = storage.resolve(self.storage_dir, spec.mounts)
                 app_dir = None
                 if spec.app:
-                    app_dir = app_socket.make_dir(self.apps_dir, spec.allocation_id, sandbox_user(spec))
+                    app_dir = app_socket.make_dir(self.apps_dir, spec.allocation_key, sandbox_user(spec))
                 container = self.client.containers.create(
                     **container_kwargs(spec, bound=bound, app_dir=app_dir)
                 )
@@ -371,7 +365,7 @@ class DockerDriver:
                 if exc.status_code != 409:
                     raise
                 # A concurrent launch of the same allocation won the name: use its container.
-                return self._handle(self._await_named(spec.allocation_id))
+                return self._handle(self._await_named(spec.allocation_key))
             try:
                 container.start()
             except docker.errors.APIError:
@@ -380,16 +374,16 @@ class DockerDriver:
                 with contextlib.suppress(docker.errors.APIError):
                     container.remove(force=True)
                 raise
-            log.info("launched sandbox %s as container %s", spec.allocation_id, container.id)
+            log.info("launched sandbox %s as container %s", spec.allocation_key, container.id)
             return self._handle(container)
 
     def open_app(self, handle: SandboxHandle) -> app_socket.SocketStream:
-        return app_socket.connect(self.apps_dir, handle.allocation_id)
+        return app_socket.connect(self.apps_dir, handle.allocation_key)
 
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
-        self._logs.forget(handle.allocation_id)
-        app_socket.remove_dir(self.apps_dir, handle.allocation_id)
-        with _engine_errors(f"stop sandbox {handle.allocation_id}"):
+        self._logs.forget(handle.allocation_key)
+        app_socket.remove_dir(self.apps_dir, handle.allocation_key)
+        with _engine_errors(f"stop sandbox {handle.allocation_key}"):
             try:
                 container = self.client.containers.get(handle.ref)
             except docker.errors.NotFound:
@@ -405,7 +399,7 @@ class DockerDriver:
                     raise
 
     def warn(self, handle: SandboxHandle) -> str:
-        with _engine_errors(f"warn sandbox {handle.allocation_id}"):
+        with _engine_errors(f"warn sandbox {handle.allocation_key}"):
             try:
                 container = self.client.containers.get(handle.ref)
                 container.kill(signal="SIGTERM")  # its init (tini) passes it to the command
@@ -419,15 +413,15 @@ class DockerDriver:
 
     def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
         """The container's output from ``offset`` on (workers/drivers/docker_logs.py)."""
-        with _engine_errors(f"read the output of sandbox {handle.allocation_id}"):
+        with _engine_errors(f"read the output of sandbox {handle.allocation_key}"):
             try:
                 container = self.client.containers.get(handle.ref)
             except docker.errors.NotFound:
                 return OutputChunk(start=offset, data=b"", total=offset)
-            return self._logs.read(container, handle.allocation_id, offset, limit)
+            return self._logs.read(container, handle.allocation_key, offset, limit)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
-        with _engine_errors(f"inspect sandbox {handle.allocation_id}"):
+        with _engine_errors(f"inspect sandbox {handle.allocation_key}"):
             try:
                 container = self.client.containers.get(handle.ref)
             except docker.errors.NotFound:
@@ -446,7 +440,7 @@ class DockerDriver:
 
     def pids(self, handle: SandboxHandle) -> list[int]:
         """Host pids of the container's processes, to attribute GPU memory NVML reports by pid."""
-        with _engine_errors(f"list processes of sandbox {handle.allocation_id}"):
+        with _engine_errors(f"list processes of sandbox {handle.allocation_key}"):
             try:
                 top = self.client.containers.get(handle.ref).top(ps_args="-o pid")
             except docker.errors.NotFound:
@@ -472,13 +466,13 @@ class DockerDriver:
         return handles
 
     def exec_terminal(self, handle: SandboxHandle) -> DockerTerminal:
-        with _engine_errors(f"open a terminal in sandbox {handle.allocation_id}"):
+        with _engine_errors(f"open a terminal in sandbox {handle.allocation_key}"):
             try:
                 container = self.client.containers.get(handle.ref)
             except docker.errors.NotFound as exc:
-                raise DriverError(f"sandbox {handle.allocation_id} has no container") from exc
+                raise DriverError(f"sandbox {handle.allocation_key} has no container") from exc
             if container.status != "running":
-                raise DriverError(f"sandbox {handle.allocation_id} is {container.status}, not running")
+                raise DriverError(f"sandbox {handle.allocation_key} is {container.status}, not running")
             api = self.client.api
             exec_id = api.exec_create(
                 container.id,

@@ -47,13 +47,13 @@ class ContainerLogReader:
         self._cursors: dict[str, _Cursor] = {}
         self._lock = threading.Lock()
 
-    def forget(self, allocation_id: str) -> None:
+    def forget(self, allocation_key: str) -> None:
         with self._lock:
-            self._cursors.pop(allocation_id, None)
+            self._cursors.pop(allocation_key, None)
 
-    def read(self, container: Any, allocation_id: str, offset: int, limit: int) -> OutputChunk:
+    def read(self, container: Any, allocation_key: str, offset: int, limit: int) -> OutputChunk:
         with self._lock:
-            cursor = self._cursors.get(allocation_id)
+            cursor = self._cursors.get(allocation_key)
         # A cursor from a read that found nothing yet has no time to resume from: Docker's
         # ``since`` must be positive (0 raised InvalidArgument on the next read).
         resume = cursor is not None and cursor.end == offset and cursor.last > (0, 0)
@@ -85,5 +85,5 @@ class ContainerLogReader:
         if start is None:
             start = position
         with self._lock:
-            self._cursors[allocation_id] = _Cursor(last=last, end=start + len(data))
+            self._cursors[allocation_key] = _Cursor(last=last, end=start + len(data))
         return OutputChunk(start=start, data=data, total=start + len(data))

@@ -10,7 +10,8 @@ what isolates one sandbox's GPU or MIG instance from every other one on the host
 
 Where each number comes from:
 
-* the minor: NVML, ``nvmlDeviceGetMinorNumber`` on the handle for the UUID (for a MIG
+* the minor: NVML (asked through ``workers.gpu.nvml_session.device_ids``: only the GPU
+  package calls NVML), ``nvmlDeviceGetMinorNumber`` on the handle for the UUID (for a MIG
   device, on its parent from ``nvmlDeviceGetDeviceHandleFromMigDeviceHandle``); without
   NVML, ``<proc>/gpus/*/information`` ("GPU UUID", "Device Minor"), which the driver fills
   in only for initialised GPUs and which knows no MIG device;
@@ -38,25 +39,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pynvml
-
 from workers.drivers.base import DriverError
+from workers.gpu.nvml_session import DeviceIds, device_ids
 
 PROC_ROOT = Path("/proc/driver/nvidia")
 DEV_ROOT = Path("/dev")
 _REQUIRED_CONTROL = ("nvidiactl", "nvidia-uvm")
 _OPTIONAL_CONTROL = ("nvidia-uvm-tools",)  # profiling only: bound when present
 MODPROBE = "nvidia-modprobe"
-
-
-@dataclass(frozen=True)
-class DeviceIds:
-    """Where one GPU or MIG device lives: the minor of ``/dev/nvidia<minor>`` (a MIG
-    device's parent's), and for a MIG device its GPU and compute instance ids."""
-
-    minor: int
-    gi: int | None = None
-    ci: int | None = None
 
 
 # UUID -> its ids; raises LookupError when it cannot say (NVML absent, UUID unknown).
@@ -67,30 +57,6 @@ NvmlLookup = Callable[[str], DeviceIds]
 class Node:
     host: Path  # the node on the host
     path: str  # where the sandbox sees it, always under /dev
-
-
-def nvml_lookup(device_uuid: str) -> DeviceIds:
-    """The ids of ``device_uuid`` from NVML (initialised for the call: NVML counts its
-    inits, so this leaves the agent's own session alone)."""
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        raise LookupError(f"NVML did not initialise: {exc}") from exc
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByUUID(device_uuid)
-        if device_uuid.startswith("MIG-") or pynvml.nvmlDeviceIsMigDeviceHandle(handle):
-            parent = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
-            return DeviceIds(
-                minor=int(pynvml.nvmlDeviceGetMinorNumber(parent)),
-                gi=int(pynvml.nvmlDeviceGetGpuInstanceId(handle)),
-                ci=int(pynvml.nvmlDeviceGetComputeInstanceId(handle)),
-            )
-        return DeviceIds(minor=int(pynvml.nvmlDeviceGetMinorNumber(handle)))
-    except pynvml.NVMLError as exc:
-        raise LookupError(f"NVML: {exc}") from exc
-    finally:
-        with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
 
 
 def _fields(path: Path) -> dict[str, str]:
@@ -110,7 +76,7 @@ class GpuNodes:
         self,
         proc_root: Path = PROC_ROOT,
         dev_root: Path = DEV_ROOT,
-        nvml: NvmlLookup | None = nvml_lookup,
+        nvml: NvmlLookup | None = device_ids,
     ) -> None:
         self.proc_root = Path(proc_root)
         self.dev_root = Path(dev_root)

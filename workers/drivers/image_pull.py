@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from wire.sizes import human_size
 from workers.drivers.base import DriverError
-from workers.sizes import human_size
 
 REPORT_EVERY_S = 2.0  # a line per this many seconds at most: each is a message to the control worker
 _DONE = frozenset(

@@ -1,6 +1,6 @@
 """libvirt sandbox driver: one QEMU virtual machine per allocation (the ``vm`` isolation level).
 
-Each sandbox is a persistent libvirt domain named ``gpushare-<allocation_id>`` whose UUID
+Each sandbox is a persistent libvirt domain named ``gpushare-<allocation_key>`` whose UUID
 is derived from the allocation id, so a repeated or concurrent launch defines the very
 same domain instead of a second one. The domain XML comes from ``domain_xml``, a pure
 function of the spec:
@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.drivers import DriverUnavailable, install_command, storage, uids
+from wire import uids
+from workers.drivers import DriverUnavailable, install_command, storage
 
 try:
     import libvirt
@@ -57,14 +58,9 @@ except ImportError as exc:  # an optional extra: the pure builders below work wi
     _LIBVIRT_MISSING: ImportError | None = exc
 else:
     _LIBVIRT_MISSING = None
-from workers.config import storage_root, var_dir
-from workers.drivers.base import (
-    LABEL_PREFIX,
-    DriverError,
-    SandboxHandle,
-    SandboxSpec,
-    SandboxStatus,
-)
+from wire.config import storage_root, var_dir
+from wire.spec import LABEL_PREFIX, SandboxHandle, SandboxSpec
+from workers.drivers.base import DriverError, SandboxStatus
 from workers.drivers.output import OutputChunk
 from workers.drivers.storage import BoundStorage
 
@@ -105,12 +101,12 @@ _LIVE_STATES = frozenset({1, 2, 3, 4, 7})
 PciResolver = Callable[[str], str]  # GPU UUID -> "0000:3b:00.0"
 
 
-def domain_name(allocation_id: str) -> str:
-    return f"gpushare-{allocation_id}"
+def domain_name(allocation_key: str) -> str:
+    return f"gpushare-{allocation_key}"
 
 
-def domain_uuid(allocation_id: str) -> str:
-    return str(uuid.uuid5(_UUID_NAMESPACE, allocation_id))
+def domain_uuid(allocation_key: str) -> str:
+    return str(uuid.uuid5(_UUID_NAMESPACE, allocation_key))
 
 
 def kvm_usable(path: str = "/dev/kvm") -> bool:
@@ -186,7 +182,7 @@ def storage_identity(spec: SandboxSpec, bound: Sequence[BoundStorage]) -> tuple[
     writable = [m for m in bound if not m.read_only]
     if len(writable) > 1:
         raise DriverError(
-            f"sandbox {spec.allocation_id}: a VM mounts one read-write storage at most, not "
+            f"sandbox {spec.allocation_key}: a VM mounts one read-write storage at most, not "
             f"{len(writable)} ({', '.join(m.target for m in writable)})"
         )
     uid = uids.host_uid(spec)
@@ -206,7 +202,7 @@ def kernel_cmdline(spec: SandboxSpec, bound: Sequence[BoundStorage] = ()) -> str
         cmdline += f" gpushare.run={base64.b64encode(guest_script(spec).encode()).decode()}"
     if len(cmdline) > _MAX_CMDLINE:
         raise DriverError(
-            f"sandbox {spec.allocation_id}: command and environment take {len(cmdline)} bytes on "
+            f"sandbox {spec.allocation_key}: command and environment take {len(cmdline)} bytes on "
             f"the kernel command line, more than the {_MAX_CMDLINE} it holds"
         )
     return cmdline
@@ -252,8 +248,8 @@ def domain_xml(
     if domain_type not in ("kvm", "qemu"):
         raise ValueError(f"domain type must be kvm or qemu, not {domain_type!r}")
     dom = ET.Element("domain", type=domain_type)
-    _sub(dom, "name", domain_name(spec.allocation_id))
-    _sub(dom, "uuid", domain_uuid(spec.allocation_id))
+    _sub(dom, "name", domain_name(spec.allocation_key))
+    _sub(dom, "uuid", domain_uuid(spec.allocation_key))
     _sub(dom, "title", f"gpushare sandbox {spec.sandbox_id}")
     _sub(dom, "description", f"sandbox {spec.sandbox_id} of {spec.owner} in project {spec.project}")
 
@@ -536,16 +532,16 @@ class LibvirtDriver:
                     ) from exc
             return self._conn
 
-    def console_log(self, allocation_id: str) -> Path | None:
+    def console_log(self, allocation_key: str) -> Path | None:
         """Where libvirt copies the guest's console output (None: not logged)."""
         if self.console_log_dir is None:
             return None
-        return self.console_log_dir / f"{domain_name(allocation_id)}.console.log"
+        return self.console_log_dir / f"{domain_name(allocation_key)}.console.log"
 
     def _lookup(self, handle: SandboxHandle) -> Any | None:
         for how, key in (
             (self.conn.lookupByUUIDString, handle.ref),
-            (self.conn.lookupByName, domain_name(handle.allocation_id)),
+            (self.conn.lookupByName, domain_name(handle.allocation_key)),
         ):
             try:
                 return how(key)
@@ -554,9 +550,9 @@ class LibvirtDriver:
                     raise
         return None
 
-    def _handle(self, dom: Any, allocation_id: str, sandbox_id: int) -> SandboxHandle:
+    def _handle(self, dom: Any, allocation_key: str, sandbox_id: int) -> SandboxHandle:
         return SandboxHandle(
-            driver=self.name, allocation_id=allocation_id, sandbox_id=sandbox_id, ref=dom.UUIDString()
+            driver=self.name, allocation_key=allocation_key, sandbox_id=sandbox_id, ref=dom.UUIDString()
         )
 
     def _metadata(self, dom: Any) -> tuple[dict[str, str], int | None]:
@@ -572,13 +568,13 @@ class LibvirtDriver:
         """Nothing to fetch: a VM boots the guest image built on the host (scripts/build-vm-image.sh)."""
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
-        action = f"launch sandbox {spec.allocation_id} as a VM"
+        action = f"launch sandbox {spec.allocation_key} as a VM"
         if spec.real_gpu and spec.device_uuids:
             # Refused before anything is defined: a domain with a hostdev would hang in the
             # unbind or boot a guest that cannot use the GPU (docs/gpu-hosts.md).
             raise DriverError(f"{action}: {GPU_PASSTHROUGH_UNSUPPORTED}")
-        name = domain_name(spec.allocation_id)
-        log_path = self.console_log(spec.allocation_id)
+        name = domain_name(spec.allocation_key)
+        log_path = self.console_log(spec.allocation_key)
         with _libvirt_errors(action):
             try:
                 dom = self.conn.lookupByName(name)
@@ -596,7 +592,7 @@ class LibvirtDriver:
                 ):
                     # A previous launch died between define and start: finish it.
                     self._start(dom)
-                return self._handle(dom, spec.allocation_id, spec.sandbox_id)
+                return self._handle(dom, spec.allocation_key, spec.sandbox_id)
             missing = self.image.missing()
             if missing:
                 raise DriverError(f"{action}: guest image {', '.join(missing)} not readable; {BUILD_HINT}")
@@ -627,8 +623,8 @@ class LibvirtDriver:
                         f"({exc.get_error_message()}); set LIBVIRT_DOMAIN_TYPE=qemu to use TCG"
                     ) from exc
                 raise
-            log.info("launched sandbox %s as %s domain %s", spec.allocation_id, self.domain_type, name)
-            return self._handle(dom, spec.allocation_id, spec.sandbox_id)
+            log.info("launched sandbox %s as %s domain %s", spec.allocation_key, self.domain_type, name)
+            return self._handle(dom, spec.allocation_key, spec.sandbox_id)
 
     @staticmethod
     def _start(dom: Any) -> None:
@@ -640,7 +636,7 @@ class LibvirtDriver:
             raise
 
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
-        with _libvirt_errors(f"stop sandbox {handle.allocation_id}"):
+        with _libvirt_errors(f"stop sandbox {handle.allocation_key}"):
             dom = self._lookup(handle)
             if dom is None:
                 return
@@ -651,16 +647,16 @@ class LibvirtDriver:
             except libvirt.libvirtError as exc:
                 if not _missing(exc):  # undefined concurrently: stopping is idempotent
                     raise
-        log_path = self.console_log(handle.allocation_id)
+        log_path = self.console_log(handle.allocation_key)
         if log_path is not None:
             with contextlib.suppress(OSError):
                 log_path.unlink()
         with self._conn_lock:
-            self._console_bases.pop(handle.allocation_id, None)
+            self._console_bases.pop(handle.allocation_key, None)
 
     def warn(self, handle: SandboxHandle) -> str:
         """The guest's ACPI power button: a VM's SIGTERM (its init shuts down cleanly)."""
-        with _libvirt_errors(f"warn sandbox {handle.allocation_id}"):
+        with _libvirt_errors(f"warn sandbox {handle.allocation_key}"):
             dom = self._lookup(handle)
             if dom is None or not dom.isActive():
                 return "the VM is no longer running"
@@ -677,15 +673,15 @@ class LibvirtDriver:
         lines) from ``offset`` on. virtlogd writes and rotates the file (its ``max_size`` and
         ``max_backups`` bound it on disk); a rotation starts the file afresh, and what went
         before is counted, not read again."""
-        log_path = self.console_log(handle.allocation_id)
+        log_path = self.console_log(handle.allocation_key)
         try:
             with open(log_path or "", "rb") as console:
                 size = os.fstat(console.fileno()).st_size
                 with self._conn_lock:
-                    base, seen = self._console_bases.get(handle.allocation_id, (0, 0))
+                    base, seen = self._console_bases.get(handle.allocation_key, (0, 0))
                     if size < seen:  # rotated under us
                         base += seen
-                    self._console_bases[handle.allocation_id] = (base, size)
+                    self._console_bases[handle.allocation_key] = (base, size)
                 begin = max(offset, base)
                 console.seek(begin - base)
                 data = console.read(limit)
@@ -712,7 +708,7 @@ class LibvirtDriver:
                     raise
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
-        with _libvirt_errors(f"inspect sandbox {handle.allocation_id}"):
+        with _libvirt_errors(f"inspect sandbox {handle.allocation_key}"):
             dom = self._lookup(handle)
             if dom is None:
                 return SandboxStatus(state="missing")
@@ -725,7 +721,7 @@ class LibvirtDriver:
                 raise
         if state in _LIVE_STATES:
             return SandboxStatus(state="running", started_at_ms=launched)
-        code = _exit_code(self.console_log(handle.allocation_id))
+        code = _exit_code(self.console_log(handle.allocation_key))
         return SandboxStatus(state="exited", exit_code=code, started_at_ms=launched)
 
     def list_owned(self) -> list[SandboxHandle]:
@@ -753,7 +749,7 @@ class LibvirtDriver:
                 handles.append(
                     SandboxHandle(
                         driver=self.name,
-                        allocation_id=labels[ALLOCATION_LABEL],
+                        allocation_key=labels[ALLOCATION_LABEL],
                         sandbox_id=sandbox_id,
                         ref=uuid_str,
                     )
@@ -762,17 +758,17 @@ class LibvirtDriver:
 
     def open_app(self, handle: SandboxHandle) -> ConsoleTerminal:
         raise DriverError(
-            f"sandbox {handle.allocation_id}: a VM's web app cannot be reached through the portal yet"
+            f"sandbox {handle.allocation_key}: a VM's web app cannot be reached through the portal yet"
         )
 
     def exec_terminal(self, handle: SandboxHandle) -> ConsoleTerminal:
-        action = f"open a terminal in sandbox {handle.allocation_id}"
+        action = f"open a terminal in sandbox {handle.allocation_key}"
         with _libvirt_errors(action):
             dom = self._lookup(handle)
             if dom is None:
-                raise DriverError(f"sandbox {handle.allocation_id} has no domain")
+                raise DriverError(f"sandbox {handle.allocation_key} has no domain")
             if not dom.isActive():
-                raise DriverError(f"sandbox {handle.allocation_id} is shut off, not running")
+                raise DriverError(f"sandbox {handle.allocation_key} is shut off, not running")
             stream = self.conn.newStream(libvirt.VIR_STREAM_NONBLOCK)
             # FORCE: a new terminal takes the console over from an older, forgotten one.
             dom.openConsole(None, stream, libvirt.VIR_DOMAIN_CONSOLE_FORCE)

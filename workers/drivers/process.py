@@ -22,7 +22,7 @@ Process tree, and why each link is there::
 * When the agent runs as root, bwrap runs as an unprivileged host uid through
   ``setpriv``: otherwise the sandbox's uid 1000 maps to host root, and every root-owned
   file bound into the sandbox would count as the sandbox user's own. Each sandbox gets
-  its own uid from a range no host account uses (workers/drivers/uids.py), so sandboxes
+  its own uid from a range no host account uses (wire/uids.py), so sandboxes
   cannot touch one another's processes or files and RLIMIT_NPROC counts one sandbox;
   except under MPS, whose server serves one uid at a time: a GPU's MPS clients share that
   GPU's uid, from the same range.
@@ -71,13 +71,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.config import apps_root, storage_root
-from workers.drivers import DriverUnavailable, app_socket, output, procfs, seccomp, storage, uids
+from wire import uids
+from wire.config import apps_root, storage_root
+from wire.spec import SandboxHandle, SandboxSpec
+from workers.drivers import DriverUnavailable, app_socket, output, procfs, seccomp, storage
 from workers.drivers.base import (
     PROTECTED_HOST_PATHS,
     DriverError,
-    SandboxHandle,
-    SandboxSpec,
     SandboxStatus,
     checked_pipe_dir,
     require_mps_pipe,
@@ -233,10 +233,10 @@ class ProcessDriver:
 
     # -- state files --
 
-    def _path(self, allocation_id: str, suffix: str) -> Path:
-        if not _SAFE_ID.fullmatch(allocation_id):
-            raise DriverError(f"allocation id {allocation_id!r} is not safe as a file name")
-        return self.state_dir / f"{allocation_id}.{suffix}"
+    def _path(self, allocation_key: str, suffix: str) -> Path:
+        if not _SAFE_ID.fullmatch(allocation_key):
+            raise DriverError(f"allocation id {allocation_key!r} is not safe as a file name")
+        return self.state_dir / f"{allocation_key}.{suffix}"
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -247,8 +247,8 @@ class ProcessDriver:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 
-    def _output_dir(self, allocation_id: str) -> Path:
-        return self._path(allocation_id, "output")
+    def _output_dir(self, allocation_key: str) -> Path:
+        return self._path(allocation_key, "output")
 
     @staticmethod
     def _output_text(output_dir: Path) -> str:
@@ -261,27 +261,27 @@ class ProcessDriver:
 
     def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> output.OutputChunk:
         """The sandbox's output from ``offset`` on (see workers/drivers/output.py)."""
-        return output.read_segments(self._output_dir(handle.allocation_id), offset, limit)
+        return output.read_segments(self._output_dir(handle.allocation_key), offset, limit)
 
-    def _load(self, allocation_id: str) -> dict[str, Any] | None:
+    def _load(self, allocation_key: str) -> dict[str, Any] | None:
         try:
-            state: dict[str, Any] = json.loads(self._path(allocation_id, "json").read_text())
+            state: dict[str, Any] = json.loads(self._path(allocation_key, "json").read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            raise DriverError(f"unreadable state for sandbox {allocation_id}: {exc}") from exc
+            raise DriverError(f"unreadable state for sandbox {allocation_key}: {exc}") from exc
         return state
 
     def _save(self, state: dict[str, Any]) -> None:
-        path = self._path(state["allocation_id"], "json")
+        path = self._path(state["allocation_key"], "json")
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         tmp.replace(path)  # atomic: a crash never leaves half a state file
 
-    def _status_lines(self, allocation_id: str) -> list[dict[str, Any]]:
+    def _status_lines(self, allocation_key: str) -> list[dict[str, Any]]:
         """The JSON documents bwrap wrote to the status file (one per line)."""
         try:
-            text = self._path(allocation_id, "status").read_text()
+            text = self._path(allocation_key, "status").read_text()
         except OSError:
             return []
         docs = []
@@ -293,13 +293,13 @@ class ProcessDriver:
     def _handle(self, state: dict[str, Any]) -> SandboxHandle:
         return SandboxHandle(
             driver=self.name,
-            allocation_id=state["allocation_id"],
+            allocation_key=state["allocation_key"],
             sandbox_id=state["sandbox_id"],
             ref=str(state["pid"]),
         )
 
     def _running(self, state: dict[str, Any]) -> bool:
-        child = self._children.get(state["allocation_id"])
+        child = self._children.get(state["allocation_key"])
         if child is not None:
             child.poll()  # reap our own exited wrapper so it does not linger as a zombie
         return procfs.alive(state["pid"], state["start_ticks"])
@@ -315,8 +315,8 @@ class ProcessDriver:
             return make_cgroups(spec)
         except OSError as exc:
             if self.limits == "cgroup":
-                raise DriverError(f"cannot create cgroups for {spec.allocation_id}: {exc}") from exc
-            log.warning("cgroups not usable (%s); sandbox %s falls back to rlimits", exc, spec.allocation_id)
+                raise DriverError(f"cannot create cgroups for {spec.allocation_key}: {exc}") from exc
+            log.warning("cgroups not usable (%s); sandbox %s falls back to rlimits", exc, spec.allocation_key)
             return rlimits(spec, private_uid)
 
     @staticmethod
@@ -326,7 +326,7 @@ class ProcessDriver:
         # database, Redis). Refused rather than quietly run without the network it asked for.
         if spec.network:
             raise DriverError(
-                f"sandbox {spec.allocation_id}: the process driver cannot give a private network "
+                f"sandbox {spec.allocation_key}: the process driver cannot give a private network "
                 "(only the host's); give network tiers container or vm isolation"
             )
         if spec.mps is not None:
@@ -407,7 +407,7 @@ class ProcessDriver:
     def _binds(self, spec: SandboxSpec, bound: list[storage.BoundStorage]) -> list[Bind]:
         binds = [Bind(m.host_path, m.target, m.read_only) for m in bound]
         if spec.app:  # its app's socket, which the agent connects to from the host
-            folder = str(app_socket.host_dir(self.apps_dir, spec.allocation_id))
+            folder = str(app_socket.host_dir(self.apps_dir, spec.allocation_key))
             binds.append(Bind(folder, app_socket.APP_DIR, False))
         return binds
 
@@ -435,10 +435,10 @@ class ProcessDriver:
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         if not spec.command:
-            raise DriverError(f"sandbox {spec.allocation_id}: the process driver needs a command")
+            raise DriverError(f"sandbox {spec.allocation_key}: the process driver needs a command")
         self._refuse_unsafe(spec)  # before any cgroup or state file is made
         with self._locked():
-            state = self._load(spec.allocation_id)
+            state = self._load(spec.allocation_key)
             if state is not None:
                 # Idempotent: a repeated launch finds the sandbox, running or exited (its
                 # exit code stays readable until stop() clears it).
@@ -454,11 +454,13 @@ class ProcessDriver:
         # bwrap binds as the sandbox's uid: it needs a way through every folder above them.
         bound = storage.resolve(self.storage_dir, spec.mounts, bound_by_sandbox=True)
         if spec.app:
-            app_socket.make_dir(self.apps_dir, spec.allocation_id, self._run_uid(spec), bound_by_sandbox=True)
+            app_socket.make_dir(
+                self.apps_dir, spec.allocation_key, self._run_uid(spec), bound_by_sandbox=True
+            )
         binds = self._binds(spec, bound)
         limits = self._choose_limits(spec)
-        output_dir = self._output_dir(spec.allocation_id)
-        status_path = self._path(spec.allocation_id, "status")
+        output_dir = self._output_dir(spec.allocation_key)
+        status_path = self._path(spec.allocation_key, "status")
         drop = []
         if os.geteuid() == 0:
             uid = str(self._run_uid(spec))
@@ -505,22 +507,22 @@ class ProcessDriver:
             )
         except OSError as exc:
             remove_cgroups(limits.cgroups)
-            raise DriverError(f"cannot start sandbox {spec.allocation_id}: {exc}") from exc
+            raise DriverError(f"cannot start sandbox {spec.allocation_key}: {exc}") from exc
         finally:
             for fd in fds:
                 os.close(fd)
         started = time.time()
         stat = procfs.proc_stat(proc.pid)
-        info = self._wait_for_setup(spec.allocation_id, proc, output_dir)
+        info = self._wait_for_setup(spec.allocation_key, proc, output_dir)
         if stat is None or info is None:
             remove_cgroups(limits.cgroups)
             tail = self._output_text(output_dir)[-2000:].strip()
             status_path.unlink(missing_ok=True)
             shutil.rmtree(output_dir, ignore_errors=True)
-            raise DriverError(f"sandbox {spec.allocation_id} failed to start: {tail or 'no output'}")
-        self._children[spec.allocation_id] = proc
+            raise DriverError(f"sandbox {spec.allocation_key} failed to start: {tail or 'no output'}")
+        self._children[spec.allocation_key] = proc
         state = {
-            "allocation_id": spec.allocation_id,
+            "allocation_key": spec.allocation_key,
             "sandbox_id": spec.sandbox_id,
             "pid": proc.pid,
             "start_ticks": stat[1],
@@ -537,12 +539,12 @@ class ProcessDriver:
         self._save(state)
         log.info(
             "launched sandbox %s as pid %d (bwrap, limits: %s)",
-            spec.allocation_id, proc.pid, limits.mode,
+            spec.allocation_key, proc.pid, limits.mode,
         )  # fmt: skip
         return self._handle(state)
 
     def _wait_for_setup(
-        self, allocation_id: str, proc: subprocess.Popen[bytes], output_dir: Path
+        self, allocation_key: str, proc: subprocess.Popen[bytes], output_dir: Path
     ) -> dict[str, Any] | None:
         """bwrap's first status document once the sandbox is set up; None if setup failed.
 
@@ -554,7 +556,7 @@ class ProcessDriver:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             wrapper_done = proc.poll() is not None
-            docs = self._status_lines(allocation_id)
+            docs = self._status_lines(allocation_key)
             if docs and "child-pid" in docs[0]:
                 info = docs[0]
                 members = procfs.pids_in_namespace(f"pid:[{info['pid-namespace']}]")
@@ -577,27 +579,27 @@ class ProcessDriver:
 
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
         with self._locked():
-            state = self._load(handle.allocation_id)
+            state = self._load(handle.allocation_key)
         if state is None:
             return
         # Outside the lock: one sandbox's grace period must not hold up every launch.
         if self._running(state):
             self._terminate(state, grace_s)
         with self._locked():
-            current = self._load(handle.allocation_id)
+            current = self._load(handle.allocation_key)
             if current is None or current["pid"] != state["pid"]:
                 return  # a concurrent stop got there first
             remove_cgroups(tuple(state["cgroups"]))
             for suffix in ("json", "status"):
-                self._path(handle.allocation_id, suffix).unlink(missing_ok=True)
-            shutil.rmtree(self._output_dir(handle.allocation_id), ignore_errors=True)
-            app_socket.remove_dir(self.apps_dir, handle.allocation_id)
-            self._children.pop(handle.allocation_id, None)
-            log.info("stopped sandbox %s", handle.allocation_id)
+                self._path(handle.allocation_key, suffix).unlink(missing_ok=True)
+            shutil.rmtree(self._output_dir(handle.allocation_key), ignore_errors=True)
+            app_socket.remove_dir(self.apps_dir, handle.allocation_key)
+            self._children.pop(handle.allocation_key, None)
+            log.info("stopped sandbox %s", handle.allocation_key)
 
     def warn(self, handle: SandboxHandle) -> str:
         with self._locked():
-            state = self._load(handle.allocation_id)
+            state = self._load(handle.allocation_key)
         if state is None or not self._running(state):
             return "the sandbox is no longer running"
         commands = [p for p in self._sandbox_members(state) if p != state["child_pid"]]
@@ -631,14 +633,14 @@ class ProcessDriver:
                 time.sleep(_POLL_S)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
-        state = self._load(handle.allocation_id)
+        state = self._load(handle.allocation_key)
         if state is None:
             return SandboxStatus(state="missing")
         started = state.get("started_at_ms")
         if self._running(state):
             return SandboxStatus(state="running", started_at_ms=started)
         code = next(
-            (d["exit-code"] for d in reversed(self._status_lines(handle.allocation_id))
+            (d["exit-code"] for d in reversed(self._status_lines(handle.allocation_key))
              if "exit-code" in d),
             None,
         )  # fmt: skip
@@ -649,7 +651,7 @@ class ProcessDriver:
 
     def pids(self, handle: SandboxHandle) -> list[int]:
         """Host pids of the sandbox's processes, to attribute GPU memory NVML reports by pid."""
-        state = self._load(handle.allocation_id)
+        state = self._load(handle.allocation_key)
         if state is None or not self._running(state):
             return []
         return self._sandbox_members(state)
@@ -663,7 +665,7 @@ class ProcessDriver:
             except (OSError, ValueError):
                 log.warning("ignoring unreadable sandbox state %s", path)
                 continue
-            if not isinstance(state, dict) or "allocation_id" not in state:
+            if not isinstance(state, dict) or "allocation_key" not in state:
                 # Another driver's file (the state-only driver's, after SANDBOX_DRIVER changed).
                 log.warning("ignoring %s: not a process sandbox's state", path)
                 continue
@@ -675,12 +677,12 @@ class ProcessDriver:
     # -- terminal --
 
     def open_app(self, handle: SandboxHandle) -> app_socket.SocketStream:
-        return app_socket.connect(self.apps_dir, handle.allocation_id)
+        return app_socket.connect(self.apps_dir, handle.allocation_key)
 
     def exec_terminal(self, handle: SandboxHandle) -> ProcessTerminal:
-        state = self._load(handle.allocation_id)
+        state = self._load(handle.allocation_key)
         if state is None or not self._running(state) or not self._sandbox_members(state):
-            raise DriverError(f"sandbox {handle.allocation_id} is not running")
+            raise DriverError(f"sandbox {handle.allocation_key} is not running")
         spec = SandboxSpec.from_json(state["spec"])
         uid = str(SANDBOX_UID)
         groups = ",".join(map(str, spec.groups())) if os.geteuid() == 0 else "-"  # its storage's
@@ -696,7 +698,7 @@ class ProcessDriver:
             )
         except OSError as exc:
             os.close(master)
-            raise DriverError(f"cannot open a terminal in {handle.allocation_id}: {exc}") from exc
+            raise DriverError(f"cannot open a terminal in {handle.allocation_key}: {exc}") from exc
         finally:
             os.close(slave)
         return ProcessTerminal(master, proc)

@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from workers.drivers.base import DriverError, SandboxHandle, SandboxSpec, SandboxStatus, Terminal
+from wire.relay import Terminal
+from wire.spec import SandboxHandle, SandboxSpec
+from workers.drivers.base import DriverError, SandboxStatus
 from workers.drivers.output import OutputChunk
 
 STATE_FILE = "simulated-sandboxes.json"
@@ -45,18 +47,18 @@ class SimulatedDriver:
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
         """Idempotent, keyed by the allocation: a repeated launch returns the same handle."""
         with self._lock:
-            known = self._sandboxes.get(spec.allocation_id)
+            known = self._sandboxes.get(spec.allocation_key)
             if known is not None:
                 return known[0]
-            ref = f"sim-{spec.allocation_id}"
-            handle = SandboxHandle(self.name, spec.allocation_id, spec.sandbox_id, ref)
-            self._sandboxes[spec.allocation_id] = (handle, int(time.time() * 1000))
+            ref = f"sim-{spec.allocation_key}"
+            handle = SandboxHandle(self.name, spec.allocation_key, spec.sandbox_id, ref)
+            self._sandboxes[spec.allocation_key] = (handle, int(time.time() * 1000))
             self._save()
             return handle
 
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
         with self._lock:
-            if self._sandboxes.pop(handle.allocation_id, None) is not None:
+            if self._sandboxes.pop(handle.allocation_key, None) is not None:
                 self._save()
 
     def warn(self, handle: SandboxHandle) -> str:
@@ -64,7 +66,7 @@ class SimulatedDriver:
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         with self._lock:
-            known = self._sandboxes.get(handle.allocation_id)
+            known = self._sandboxes.get(handle.allocation_key)
         if known is None:
             return SandboxStatus(state="missing")
         return SandboxStatus(state="running", started_at_ms=known[1])
@@ -94,7 +96,7 @@ class SimulatedDriver:
             raise DriverError(f"unreadable simulated sandbox state {self._path}: {exc}") from exc
         for record in records:
             handle = SandboxHandle.from_json(record["handle"])
-            self._sandboxes[handle.allocation_id] = (handle, int(record["started_at_ms"]))
+            self._sandboxes[handle.allocation_key] = (handle, int(record["started_at_ms"]))
 
     def _save(self) -> None:
         records = [

@@ -30,22 +30,20 @@ import contextlib
 import errno
 import logging
 import os
-import posixpath
 import stat
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.drivers import tenant_paths, uids
-from workers.drivers.base import DriverError, StorageMount
+from wire import uids
+from wire.storage import StorageMount, StorageRefused, checked_source, checked_target
+from workers.drivers import tenant_paths
+from workers.drivers.base import DriverError
 
 log = logging.getLogger(__name__)
 
-# Where a sandbox may not mount storage: its system trees, the places the drivers give a
-# private tmpfs or device nodes, and the root itself.
-FORBIDDEN_TARGETS = ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/run", "/sbin", "/sys",
-                     "/tmp", "/usr", "/var")  # fmt: skip  # noqa: S108 - the sandbox's paths
 VOLUME_MODE = 0o2770  # set-group-id, owner and group only
 
 # The kernel's POSIX ACL extended attribute (linux/posix_acl_xattr.h): a version, then
@@ -71,20 +69,12 @@ class BoundStorage:
     volume: int
 
 
-def checked_target(target: str) -> str:
-    if not target.startswith("/") or posixpath.normpath(target) != target or "\0" in target:
-        raise DriverError(f"storage mount point {target!r} is not an absolute, normalised path")
-    for forbidden in FORBIDDEN_TARGETS:
-        if target == forbidden or (forbidden != "/" and target.startswith(forbidden + "/")):
-            raise DriverError(f"storage may not be mounted at {target}: {forbidden} is the sandbox's own")
-    return target
-
-
-def checked_source(source: str) -> str:
-    parts = source.split("/")
-    if not source or source.startswith("/") or "\0" in source or any(p in ("", ".", "..") for p in parts):
-        raise DriverError(f"storage path {source!r} is not a plain path under the storage root")
-    return source
+def _checked(check: Callable[[str], str], value: str) -> str:
+    """``check(value)``, its refusal as the driver's error (a launch's reason)."""
+    try:
+        return check(value)
+    except StorageRefused as exc:
+        raise DriverError(str(exc)) from exc
 
 
 def resolve(
@@ -100,11 +90,11 @@ def resolve(
     if mounts and bound_by_sandbox:
         check_reachable(real_root)
     for mount in mounts:
-        target = checked_target(mount.target)
+        target = _checked(checked_target, mount.target)
         if target in targets:
             raise DriverError(f"two storage mounts at {target}")
         targets.add(target)
-        source = checked_source(mount.source)
+        source = _checked(checked_source, mount.source)
         volume = _open_volume(real_root, source, mount.name, make=not mount.read_only)
         try:
             if not mount.read_only:
@@ -230,7 +220,7 @@ def measure(root: Path, source: str, deadline_s: float = 60.0) -> tuple[int, boo
         return None
     try:
         volume = tenant_paths.open_beneath(root_fd, checked_source(source), os.O_RDONLY | os.O_DIRECTORY)
-    except (OSError, DriverError):
+    except (OSError, StorageRefused):
         return None
     finally:
         os.close(root_fd)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from workers.gpu.xids import describe, is_application
+from wire.xids import describe, is_application
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class FaultEvent:
 
 
 def xid_event(uuid: str, xid: int, t_ms: int) -> FaultEvent:
-    """The fault event for ``xid``: ``app_xid`` or ``xid`` as workers.gpu.xids classes it."""
+    """The fault event for ``xid``: ``app_xid`` or ``xid`` as wire.xids classes it."""
     kind = "app_xid" if is_application(xid) else "xid"
     return FaultEvent(uuid, kind, describe(xid), t_ms, xid=xid)
 
@@ -122,9 +122,9 @@ class GpuBackend(Protocol):
 
     def destroy_mig(self, uuid: str, mig_uuid: str) -> None: ...
 
-    def health_events(self) -> list[FaultEvent]:
-        """The device faults (XIDs, ECC, a lost GPU) since the last call: DESIGN's seam name, which
-        outside checks (../shared/gpu-checks) call."""
+    def fault_events(self) -> list[FaultEvent]:
+        """The device faults (XIDs, ECC, a lost GPU) since the last call. What goes wrong
+        with a GPU is a fault: "health" is only the portal's ``/healthz``."""
         ...
 
     def note_load(self, owner: str, device_uuids: list[str], mem_mib: int, util_pct: float) -> None:

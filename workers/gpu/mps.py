@@ -46,8 +46,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from workers.drivers import tenant_paths, uids
-from workers.drivers.base import MpsShare
+import pynvml
+
+from wire import uids
+from wire.spec import MpsShare
+from workers.drivers import tenant_paths
+from workers.gpu.nvml_session import NvmlDidNotStart, nvml_session
 
 log = logging.getLogger(__name__)
 
@@ -124,19 +128,12 @@ class NvmlComputeMode:
 
     @staticmethod
     def _set(gpu_uuid: str, mode: str) -> None:
-        import pynvml  # here: a simulated host never needs it
-
         try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
+            with nvml_session():
+                handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+                pynvml.nvmlDeviceSetComputeMode(handle, getattr(pynvml, mode))
+        except (NvmlDidNotStart, pynvml.NVMLError) as exc:
             raise MpsError(f"compute mode of {gpu_uuid} not set to {mode}: {exc}") from exc
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
-            pynvml.nvmlDeviceSetComputeMode(handle, getattr(pynvml, mode))
-        except pynvml.NVMLError as exc:
-            raise MpsError(f"compute mode of {gpu_uuid} not set to {mode}: {exc}") from exc
-        finally:
-            pynvml.nvmlShutdown()
 
 
 class MpsManager:

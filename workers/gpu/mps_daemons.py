@@ -46,7 +46,7 @@ import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from workers.drivers.base import SandboxSpec
+from wire.spec import SandboxSpec
 from workers.gpu.mps import MpsError, MpsManager
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class MpsDaemons:
         ("" when it can), and whether this call registered it: a repeated launch of a
         registered sandbox (a resend while the first waits here, say) claims nothing, and
         must not release what the first copy's sandbox holds when its own launch fails."""
-        key, devices = spec.allocation_id, spec.device_uuids
+        key, devices = spec.allocation_key, spec.device_uuids
         share = spec.mps is not None and bool(devices)
         with self._changed:
             if key in self._devices:
@@ -130,15 +130,15 @@ class MpsDaemons:
                 self._grants[key] = (spec.mps.thread_pct, spec.mps.memory_mib)
             return Claim("", new=True)
 
-    def release(self, allocation_id: str) -> None:
+    def release(self, allocation_key: str) -> None:
         """Unregister a sandbox its driver stopped (or never made). The last share on a GPU
         not pinned to MPS stops the GPU's daemon."""
         with self._changed:
-            self._grants.pop(allocation_id, None)
-            for device in self._devices.pop(allocation_id, ()):
-                self._discard(self._others, device, allocation_id)
-                if allocation_id in self._shares.get(device, ()):
-                    self._discard(self._shares, device, allocation_id)
+            self._grants.pop(allocation_key, None)
+            for device in self._devices.pop(allocation_key, ()):
+                self._discard(self._others, device, allocation_key)
+                if allocation_key in self._shares.get(device, ()):
+                    self._discard(self._shares, device, allocation_key)
                     if device not in self._shares and device not in self._pinned:
                         self._stop(device)
                     elif device in self._shares:

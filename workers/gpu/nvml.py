@@ -36,6 +36,7 @@ from workers.gpu.base import (
     xid_event,
 )
 from workers.gpu.gpm import GpmUtilization
+from workers.gpu.nvml_session import NvmlDidNotStart, nvml_session
 
 log = logging.getLogger(__name__)
 
@@ -117,16 +118,12 @@ def nvml_problem() -> str | None:
     """Why NVML cannot drive GPUs here ("NVML did not initialise: Driver Not Loaded", "NVML
     sees no GPU"), or None when it loads and sees at least one."""
     try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as err:
-        return f"NVML did not initialise: {err}"
-    try:
-        return None if int(pynvml.nvmlDeviceGetCount()) > 0 else "NVML sees no GPU"
+        with nvml_session():
+            return None if int(pynvml.nvmlDeviceGetCount()) > 0 else "NVML sees no GPU"
+    except NvmlDidNotStart as err:
+        return str(err)
     except pynvml.NVMLError as err:
         return f"NVML could not count GPUs: {err}"
-    finally:
-        with suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
 
 
 def decode_clock_reasons(bits: int) -> tuple[str, ...]:
@@ -465,7 +462,7 @@ class NvmlBackend:
                     return None
             return event_set
 
-    def health_events(self) -> list[FaultEvent]:
+    def fault_events(self) -> list[FaultEvent]:
         """Events since the last call: NVML's event set, drained without waiting, and losses."""
         with self._lock:
             while self._event_set is not None:

@@ -437,7 +437,7 @@ class SimulatedBackend:
 
     # -- faults ----------------------------------------------------------------------------
 
-    def health_events(self) -> list[FaultEvent]:
+    def fault_events(self) -> list[FaultEvent]:
         with self._lock:
             events, self._events = self._events, []
             return events

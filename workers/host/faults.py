@@ -15,15 +15,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
-from workers import dispatch
+from wire.messages import FaultReport, to_control
+from wire.spec import SandboxSpec
+from wire.telemetry import AlertMessage
+from wire.xids import describe, is_application
 from workers.alerts import AlertTracker
-from workers.drivers.base import SandboxSpec
 from workers.gpu.base import GpuBackend
-from workers.gpu.xids import describe, is_application
 from workers.host.inventory import HostInventory
-from workers.telemetry import AlertMessage
 
 log = logging.getLogger(__name__)
 # Fault event kind -> the alert kind that tells of it.
@@ -32,7 +32,7 @@ ALERT_KIND = {"xid": "xid", "app_xid": "xid", "ecc_dbe": "ecc", "gpu_lost": "gpu
 
 def is_application_fault(event: dict[str, Any]) -> bool:
     """The backend names an application XID ``app_xid``; an ``xid`` is classified again,
-    so no path drains for one (workers.gpu.xids)."""
+    so no path drains for one (wire.xids)."""
     kind, xid = event.get("kind"), int(event.get("xid") or 0)
     return kind == "app_xid" or (kind == "xid" and is_application(xid))
 
@@ -63,7 +63,7 @@ class GpuFaults:
         """This tick's faults: the device faults to the control worker (it drains), one
         alert per fault. ``alert_changes`` are this tick's rule alerts: a GPU's raised
         temperature alert is a fault (its own alert already)."""
-        events = [dataclasses.asdict(e) for e in self.backend.health_events()]
+        events = [dataclasses.asdict(e) for e in self.backend.fault_events()]
         for change in alert_changes:
             if change["kind"] == "temperature" and change["state"] == "raised" and change["sandbox"] is None:
                 events.append(
@@ -79,7 +79,7 @@ class GpuFaults:
         drains = [e for e in events if not is_application_fault(e)]
         if drains:
             log.error("GPU faults on %s: %s", self.host, drains)
-            dispatch.to_control("gpu_faults", self.host, drains)
+            to_control.gpu_faults(self.host, cast(list[FaultReport], drains))  # cast: until events are typed
         changes: list[AlertMessage] = []
         for event in events:
             device = event["uuid"]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
-from workers import dispatch
-from workers.config import AgentSettings
+from wire.messages import HostFacts, to_control
+from workers.agent_settings import AgentSettings
 from workers.drivers.base import SandboxDriver
 from workers.gpu.base import GpuBackend, GpuInfo
 
@@ -45,11 +45,7 @@ class HostInventory:
         return {"cpu_cores": os.cpu_count() or 1, "memory_mib": pages // 2**20}
 
     def report(self) -> None:
-        dispatch.to_control(
-            "agent_inventory",
-            self.settings.host,
-            self.backend.name,
-            self.driver.name,
-            self.refresh(),
-            self.facts(),
+        facts = cast(HostFacts, self.facts())  # cast: until facts() returns the HostFacts it builds
+        to_control.agent_inventory(
+            self.settings.host, self.backend.name, self.driver.name, self.refresh(), facts
         )

@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
-from workers import dispatch
+from wire.messages import to_control
+from wire.spec import DRIVER_ISOLATION, HandleJson, SandboxHandle, SandboxSpec
+from workers.agent_settings import AgentSettings
 from workers.batch_output import OutputPump
 from workers.checkpoint import run_checkpoint_hook
-from workers.config import AgentSettings
-from workers.drivers import DRIVER_ISOLATION
-from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle, SandboxSpec
+from workers.drivers.base import DriverError, SandboxDriver
 from workers.gpu.base import GpuBackend
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.host.inventory import HostInventory
@@ -53,8 +53,8 @@ class SandboxLifecycle:
     def launch(self, spec: SandboxSpec) -> None:
         box = self.sandboxes
         with box.lock:
-            if spec.allocation_id in box.stopped:
-                log.info("launch of %s ignored: it was stopped already", spec.allocation_id)
+            if spec.allocation_key in box.stopped:
+                log.info("launch of %s ignored: it was stopped already", spec.allocation_key)
                 return
         gives = DRIVER_ISOLATION.get(self.driver.name)
         if spec.isolation and gives and spec.isolation != gives:
@@ -73,52 +73,50 @@ class SandboxLifecycle:
             pipe = self.mps_daemons.control.pipe_dir(spec.device_uuids[0])
             spec = dataclasses.replace(spec, mps=dataclasses.replace(spec.mps, pipe_dir=str(pipe)))
         with box.lock:
-            box.launching[spec.allocation_id] = spec.sandbox_id
+            box.launching[spec.allocation_key] = spec.sandbox_id
         try:
-            self.driver.prepare(
-                spec, lambda line: dispatch.to_control("launch_progress", spec.allocation_id, line)
-            )
+            self.driver.prepare(spec, lambda line: to_control.launch_progress(spec.allocation_key, line))
             handle = self.driver.launch(spec)
         except BaseException as exc:  # a refusal (reported) or a bug (the task fails)
             with box.lock:
-                box.launching.pop(spec.allocation_id, None)
+                box.launching.pop(spec.allocation_key, None)
             if claim.new:
-                self.mps_daemons.release(spec.allocation_id)
+                self.mps_daemons.release(spec.allocation_key)
             if not isinstance(exc, DriverError):
                 raise
             self._failed(spec, str(exc))
             return
         started = self.driver.status(handle).started_at_ms or now_ms()
         with box.lock:
-            box.launching.pop(spec.allocation_id, None)  # the driver lists it from now on
-            stopped_meanwhile = spec.allocation_id in box.stopped
+            box.launching.pop(spec.allocation_key, None)  # the driver lists it from now on
+            stopped_meanwhile = spec.allocation_key in box.stopped
             if not stopped_meanwhile:
-                box.running[spec.allocation_id] = spec
-                box.handles[spec.allocation_id] = handle
+                box.running[spec.allocation_key] = spec
+                box.handles[spec.allocation_key] = handle
         if stopped_meanwhile:  # the stop overtook this launch: undo it, report nothing
             self.driver.stop(handle, grace_s=0)
-            self.mps_daemons.release(spec.allocation_id)
+            self.mps_daemons.release(spec.allocation_key)
             return
         if spec.device_uuids:  # a CPU-only sandbox loads no GPU
             mem, util = self._simulated_load(spec)
-            self.backend.note_load(spec.allocation_id, list(spec.device_uuids), mem, util)
-        dispatch.to_control("sandbox_launched", spec.allocation_id, handle.to_json(), started)
+            self.backend.note_load(spec.allocation_key, list(spec.device_uuids), mem, util)
+        to_control.sandbox_launched(spec.allocation_key, cast(HandleJson, handle.to_json()), started)
 
-    def stop(self, allocation_id: str, handle_json: dict[str, Any] | None) -> None:
-        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
-        spec = self.stop_quietly(allocation_id, handle)
-        dispatch.to_control("sandbox_stopped", allocation_id, now_ms())
+    def stop(self, allocation_key: str, handle_json: dict[str, Any] | None) -> None:
+        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_key)
+        spec = self.stop_quietly(allocation_key, handle)
+        to_control.sandbox_stopped(allocation_key, now_ms())
         if spec is not None:  # what its volumes hold now: after the stop's report, never delaying it
             self.meter.report(spec)
 
-    def warn(self, allocation_id: str, handle_json: dict[str, Any] | None, stop_at: float) -> None:
+    def warn(self, allocation_key: str, handle_json: dict[str, Any] | None, stop_at: float) -> None:
         """A preemption's warning, before the stop the control worker sends at ``stop_at``
         (epoch seconds): the checkpoint hook first, while the job is whole, given at most half
         the time left so the job still has the rest after its SIGTERM; then the driver's
         warning (SIGTERM). Reports what was done."""
-        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_id)
+        handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_key)
         if handle is None:
-            dispatch.to_control("sandbox_warned", allocation_id, "no such sandbox on the host")
+            to_control.sandbox_warned(allocation_key, "no such sandbox on the host")
             return
         left = max(0.0, stop_at - time.time())
         timeout = max(1.0, min(float(self.settings.checkpoint_timeout_s), left / 2))
@@ -133,33 +131,33 @@ class SandboxLifecycle:
         except DriverError as exc:
             signalled = f"could not signal it: {exc}"
         said = "no checkpoint hook" if hook is None else hook[1]
-        dispatch.to_control("sandbox_warned", allocation_id, f"{said}; {signalled}")
+        to_control.sandbox_warned(allocation_key, f"{said}; {signalled}")
 
-    def stop_quietly(self, allocation_id: str, handle: SandboxHandle | None) -> SandboxSpec | None:
+    def stop_quietly(self, allocation_key: str, handle: SandboxHandle | None) -> SandboxSpec | None:
         """Stop a sandbox and forget it, reporting nothing: ``stop`` reports the stop, a fleet
         plan's report says it stopped (and the control plane relaunches it elsewhere). Returns
         its spec, when this agent launched it."""
         box = self.sandboxes
         with box.lock:
-            box.stopped.add(allocation_id)  # a late launch must not revive it
-            spec = box.running.get(allocation_id)
+            box.stopped.add(allocation_key)  # a late launch must not revive it
+            spec = box.running.get(allocation_key)
         if handle is not None:
             self.output.flush(spec, handle)  # a batch's last lines, before its files go
             self.driver.stop(handle, grace_s=self.settings.stop_grace_s)
         # Its processes are gone: the last share on a GPU that follows demand stops its daemon.
-        self.mps_daemons.release(allocation_id)
-        self.backend.forget_load(allocation_id)
+        self.mps_daemons.release(allocation_key)
+        self.backend.forget_load(allocation_key)
         with box.lock:
-            box.running.pop(allocation_id, None)
-            box.handles.pop(allocation_id, None)
-        self.utilization.forget(allocation_id)
+            box.running.pop(allocation_key, None)
+            box.handles.pop(allocation_key, None)
+        self.utilization.forget(allocation_key)
         return spec
 
-    def find(self, allocation_id: str) -> SandboxHandle | None:
-        return next((h for h in self.driver.list_owned() if h.allocation_id == allocation_id), None)
+    def find(self, allocation_key: str) -> SandboxHandle | None:
+        return next((h for h in self.driver.list_owned() if h.allocation_key == allocation_key), None)
 
     def _failed(self, spec: SandboxSpec, message: str) -> None:
-        dispatch.to_control("sandbox_launch_failed", spec.sandbox_id, spec.allocation_id, message)
+        to_control.sandbox_launch_failed(spec.sandbox_id, spec.allocation_key, message)
 
     def _simulated_load(self, spec: SandboxSpec) -> tuple[int, float]:
         """What a sandbox puts on a simulated GPU; real backends measure it instead."""

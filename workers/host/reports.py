@@ -16,16 +16,18 @@ from typing import Any
 
 import redis
 
-from workers import config, dispatch, liveness
-from workers.config import AgentSettings
-from workers.drivers.base import DriverError, SandboxDriver, SandboxHandle
+from wire import config, liveness
+from wire.liveness import Beat
+from wire.messages import to_control
+from wire.spec import SandboxHandle
+from workers.agent_settings import AgentSettings
+from workers.drivers.base import DriverError, SandboxDriver
 from workers.gpu.base import GpuBackend, GpuSample
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.host.inventory import HostInventory
 from workers.host.lifecycle import now_ms
 from workers.host.sandboxes import HostSandboxes
 from workers.host.utilization import UtilizationWindows
-from workers.liveness import Beat
 
 log = logging.getLogger(__name__)
 # A report still being built after this long is logged with where it is stuck: meanwhile
@@ -48,7 +50,7 @@ def send_beats(client: redis.Redis, beats: list[Beat]) -> None:
     except redis.RedisError as exc:  # the beats below still go (or fail) on their own
         log.warning("liveness not written: %s", exc)
     for start in range(0, len(beats), BEATS_PER_MESSAGE):
-        dispatch.to_control("agent_heartbeats", beats[start : start + BEATS_PER_MESSAGE])
+        to_control.agent_heartbeats(beats[start : start + BEATS_PER_MESSAGE])
 
 
 class HostReports:
@@ -160,17 +162,17 @@ class HostReports:
         owners: dict[str, str] = {}
         running = set(self.sandboxes.specs())
         for handle in handles:
-            if handle.allocation_id in running:
+            if handle.allocation_key in running:
                 with contextlib.suppress(DriverError):
-                    owners.update({f"pid:{pid}": handle.allocation_id for pid in pids_of(handle)})
+                    owners.update({f"pid:{pid}": handle.allocation_key for pid in pids_of(handle)})
         self._pid_owner = owners
 
-    def memory_of(self, sample: GpuSample, allocation_id: str) -> int:
+    def memory_of(self, sample: GpuSample, allocation_key: str) -> int:
         """MiB of GPU memory a sandbox holds: the backend's figure for it (simulated), or the
         sum over its processes (NVML reports memory by pid, MPS clients included)."""
-        if allocation_id in sample.mem_by_owner:
-            return sample.mem_by_owner[allocation_id]
-        return sum(m for k, m in sample.mem_by_owner.items() if self._pid_owner.get(k) == allocation_id)
+        if allocation_key in sample.mem_by_owner:
+            return sample.mem_by_owner[allocation_key]
+        return sum(m for k, m in sample.mem_by_owner.items() if self._pid_owner.get(k) == allocation_key)
 
     def owned(
         self, handles: list[SandboxHandle], launching: dict[str, int] | None = None
@@ -189,23 +191,23 @@ class HostReports:
                 continue
             report.append(
                 {
-                    "allocation_id": handle.allocation_id,
+                    "allocation_key": handle.allocation_key,
                     "sandbox_id": handle.sandbox_id,
                     "state": status.state,
                     "exit_code": status.exit_code,
                     "reason": status.reason,
                     "started_at_ms": status.started_at_ms,
                     "handle": handle.to_json(),
-                    "tracked": handle.allocation_id in tracked,
-                    "util": self.utilization.over_window(handle.allocation_id),
+                    "tracked": handle.allocation_key in tracked,
+                    "util": self.utilization.over_window(handle.allocation_key),
                 }
             )
-        listed = {entry["allocation_id"] for entry in report}
-        for allocation_id, sandbox_id in (launching or {}).items():
-            if allocation_id not in listed:
+        listed = {entry["allocation_key"] for entry in report}
+        for allocation_key, sandbox_id in (launching or {}).items():
+            if allocation_key not in listed:
                 report.append(
                     {
-                        "allocation_id": allocation_id,
+                        "allocation_key": allocation_key,
                         "sandbox_id": sandbox_id,
                         "state": "created",
                         "tracked": True,

@@ -9,14 +9,24 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis as AsyncRedis
 
-from workers import config, dispatch
+from wire import config
+from wire.messages import MinuteRollup, to_control
+from wire.spec import SandboxSpec
+from wire.telemetry import (
+    FLEET_GROUP,
+    AlertMessage,
+    GpuSampleMessage,
+    SandboxFigures,
+    fleet_message,
+    gpu_group,
+    sandbox_group,
+)
 from workers.alerts import AlertTracker
 from workers.batch_output import OutputPump
-from workers.drivers.base import SandboxSpec
 from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost, GpuSample
 from workers.host.faults import GpuFaults
 from workers.host.inventory import HostInventory
@@ -25,19 +35,7 @@ from workers.host.reports import HostReports
 from workers.host.sandboxes import HostSandboxes
 from workers.host.utilization import UtilizationWindows
 from workers.rollups import MinuteRollups
-from workers.telemetry import (
-    FLEET_GROUP,
-    AlertMessage,
-    GpuSampleMessage,
-    SandboxFigures,
-    fleet_message,
-    gpu_group,
-    make_layer,
-    publish,
-    sample_message,
-    sandbox_group,
-    store_latest,
-)
+from workers.telemetry import make_layer, publish, sample_message, store_latest
 
 log = logging.getLogger(__name__)
 FLEET_EVERY = 5  # the fleet group gets one sample in five
@@ -84,9 +82,8 @@ class Sampler:
             try:
                 closed = self.close_minute()
                 if closed is not None:
-                    await asyncio.to_thread(
-                        dispatch.to_control, "telemetry_host_rollups", [(self.host, closed)]
-                    )
+                    rollup = cast(MinuteRollup, closed)  # until workers/rollups.py returns one
+                    await asyncio.to_thread(to_control.telemetry_host_rollups, [(self.host, rollup)])
                 await self.publish_all(layer, tick, latest)
             except Exception:  # a bug must not stop the stream for good
                 log.exception("sampling failed")
@@ -202,7 +199,7 @@ class Sampler:
             for group in groups:
                 await publish(layer, group, change)
         log.warning("alerts on %s: %s", self.host, [(c["state"], c["message"]) for c in changes])
-        await asyncio.to_thread(dispatch.to_control, "telemetry_alerts", self.host, changes)
+        await asyncio.to_thread(to_control.telemetry_alerts, self.host, changes)
 
 
 class TickSamples:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from workers.drivers.base import SandboxHandle, SandboxSpec
+from wire.spec import SandboxHandle, SandboxSpec
 
 
 @dataclass

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from workers import dispatch
-from workers.config import AgentSettings
-from workers.drivers.base import SandboxDriver, SandboxSpec
+from wire.messages import to_control
+from wire.spec import SandboxSpec
+from workers.agent_settings import AgentSettings
+from workers.drivers.base import SandboxDriver
 from workers.drivers.storage import measure
 from workers.host.sandboxes import HostSandboxes
 
@@ -47,7 +48,7 @@ class StorageMeter:
                 measured[mount.volume] = list(found)
             usage[str(mount.volume)] = measured[mount.volume]
         if usage:
-            dispatch.to_control("storage_usage", spec.sandbox_id, usage)
+            to_control.storage_usage(spec.sandbox_id, usage)
 
     def round(self) -> None:
         """Every running sandbox's volumes, each walked once."""

@@ -1,5 +1,5 @@
 """A browser's terminal into a sandbox, or its web app's connection: a pty or a socket,
-relayed through Redis (``workers/terminal_relay.py``)."""
+relayed through Redis (``workers/relay.py``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from workers import config, terminal_relay
-from workers.drivers.base import DriverError, SandboxHandle, Terminal
+from wire import config, relay
+from wire.relay import Terminal
+from wire.spec import SandboxHandle
+from workers.drivers.base import DriverError
 
 log = logging.getLogger(__name__)
 
@@ -21,14 +23,14 @@ def relay_stream(
     opener: Callable[[SandboxHandle], Terminal],
     host: str,
     session: str,
-    allocation_id: str,
+    allocation_key: str,
     handle: SandboxHandle | None,
     idle_s: float,
     what: str,
 ) -> None:
     """Relay the stream ``opener`` gives (a terminal's pty: ``driver.exec_terminal``; a web
     app's connection: ``driver.open_app``) on a thread of its own, until either side ends it
-    (see ``workers.terminal_relay``); ``what`` names it in the log and the thread."""
+    (see ``wire.relay``); ``what`` names it in the log and the thread."""
 
     async def serve() -> None:
         try:
@@ -40,20 +42,20 @@ def relay_stream(
             logging.INFO if what == "terminal" else logging.DEBUG,
             "%s of %s ended: %s",
             what,
-            allocation_id,
+            allocation_key,
             reason,
         )
 
     async def opened_and_relayed(redis: Redis) -> str:
         if handle is None:
-            reason = f"sandbox {allocation_id} is not on host {host}"
-            await terminal_relay.refuse(redis, session, reason)
+            reason = f"sandbox {allocation_key} is not on host {host}"
+            await relay.refuse(redis, session, reason)
             return reason
         try:
             terminal = await asyncio.to_thread(opener, handle)
         except DriverError as exc:
-            await terminal_relay.refuse(redis, session, str(exc))
+            await relay.refuse(redis, session, str(exc))
             return f"not opened: {exc}"
-        return await terminal_relay.relay(redis, terminal, session, idle_s)
+        return await relay.relay(redis, terminal, session, idle_s)
 
     threading.Thread(target=asyncio.run, args=(serve(),), name=f"{what}-{session[:8]}", daemon=True).start()

@@ -39,17 +39,17 @@ class UtilizationWindows:
         self.window_s = window_s
         self._windows: dict[str, UtilWindow] = {}
 
-    def note(self, allocation_id: str, t_ms: int, util_pct: float | None) -> None:
-        self._windows.setdefault(allocation_id, UtilWindow(self.window_s)).add(t_ms, util_pct)
+    def note(self, allocation_key: str, t_ms: int, util_pct: float | None) -> None:
+        self._windows.setdefault(allocation_key, UtilWindow(self.window_s)).add(t_ms, util_pct)
 
-    def over_window(self, allocation_id: str) -> tuple[float | None, float] | None:
-        window = self._windows.get(allocation_id)
+    def over_window(self, allocation_key: str) -> tuple[float | None, float] | None:
+        window = self._windows.get(allocation_key)
         return window.mean() if window is not None else None
 
-    def keep_only(self, allocation_ids: Iterable[str]) -> None:
-        keep = set(allocation_ids)
+    def keep_only(self, allocation_keys: Iterable[str]) -> None:
+        keep = set(allocation_keys)
         for gone in set(self._windows) - keep:
             self._windows.pop(gone, None)
 
-    def forget(self, allocation_id: str) -> None:
-        self._windows.pop(allocation_id, None)
+    def forget(self, allocation_key: str) -> None:
+        self._windows.pop(allocation_key, None)

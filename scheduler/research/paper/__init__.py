@@ -1,6 +1,6 @@
 """Re-implementations of the six policies of the FGD paper (ATC'23), for trace replay.
 
-Each maps a policy name, as ``python -m scheduler.simulate --policy`` takes it, to a
+Each maps a policy name, as ``python -m scheduler.research.replay --policy`` takes it, to a
 factory that builds the policy for one replay.
 """
 

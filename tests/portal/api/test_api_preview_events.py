@@ -22,6 +22,7 @@ from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox, SandboxEvent
 from tests.portal.api.test_api import ALL, READ, WRITE, api, create_body, post
 from tests.portal.helpers import client_for, place_all, request
+from wire.spec import HandleJson
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
@@ -165,7 +166,9 @@ def test_no_host_pid_reaches_the_tenant(people: Any, catalog: Any, fleet: Any, s
     sandbox = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
     place_all()
     sandbox.refresh_from_db()
-    handle = {"driver": "process", "allocation_id": sandbox.allocation_key, "ref": HOST_PID}
+    handle = HandleJson(
+        driver="process", allocation_key=sandbox.allocation_key, sandbox_id=sandbox.pk, ref=HOST_PID
+    )
     tasks.sandbox_launched(sandbox.allocation_key, handle, int(timezone.now().timestamp() * 1000))
     assert sandbox.events.get(to_state="running").message == "running (process)"
     events = api(people["owner"], [READ]).get(f"/api/v1/sandboxes/{sandbox.pk}/events/")

@@ -4,7 +4,7 @@ take no new sandboxes."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from django.test import Client
@@ -14,6 +14,8 @@ from portal.fleet.models import FleetEvent, Gpu
 from portal.telemetry.alerts import do_record_alerts
 from portal.telemetry.models import Alert
 from tests.portal.helpers import place_all, request
+from wire.messages import FaultReport
+from wire.telemetry import AlertMessage
 from workers.agent import Agent
 from workers.drivers.process import ProcessDriver
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
@@ -27,7 +29,7 @@ def first_gpu(fleet: Any) -> Gpu:
 
 def test_an_xid_drains_the_gpu_once(fleet: Any) -> None:
     gpu = first_gpu(fleet)
-    event = {"uuid": gpu.uuid, "kind": "xid", "xid": 79, "detail": "fell off the bus", "t_ms": 0}
+    event = FaultReport(uuid=gpu.uuid, kind="xid", xid=79, detail="fell off the bus", t_ms=0)
     assert do_fault_event(gpu.host.name, event) is True
     assert do_fault_event(gpu.host.name, event) is False  # the same fault again: nothing new
     gpu.refresh_from_db()
@@ -46,7 +48,7 @@ def test_an_application_xid_is_recorded_and_never_drains(fleet: Any, kind: str) 
     assert gpu is not None
     instance = gpu.mig_instances.first()
     assert instance is not None
-    event = {"uuid": instance.uuid, "kind": kind, "xid": 31, "detail": "XID 31", "t_ms": 0}
+    event = FaultReport(uuid=instance.uuid, kind=kind, xid=31, detail="XID 31", t_ms=0)
     assert do_fault_event(gpu.host.name, event) is False
     gpu.refresh_from_db()
     assert gpu.state == "available" and gpu.drain_reason == ""
@@ -54,7 +56,12 @@ def test_an_application_xid_is_recorded_and_never_drains(fleet: Any, kind: str) 
     assert (noted.kind, noted.severity) == ("app_xid", "info")
     assert noted.message.startswith("XID 31: GPU memory page fault") and instance.uuid in noted.message
     assert not do_fault_event("other-host", event)
-    assert do_fault_event(gpu.host.name, {**event, "kind": "xid", "xid": 48}) is True  # a device XID
+    assert (
+        do_fault_event(
+            gpu.host.name, FaultReport(uuid=instance.uuid, kind="xid", xid=48, detail="XID 48", t_ms=0)
+        )
+        is True
+    )  # a device XID
 
 
 def test_a_fault_on_a_mig_device_drains_its_gpu(fleet: Any) -> None:
@@ -62,16 +69,18 @@ def test_a_fault_on_a_mig_device_drains_its_gpu(fleet: Any) -> None:
     assert mig_gpu is not None
     instance = mig_gpu.mig_instances.first()
     assert instance is not None
-    assert do_fault_event(mig_gpu.host.name, {"uuid": instance.uuid, "kind": "ecc_dbe", "detail": "1"})
+    assert do_fault_event(
+        mig_gpu.host.name, FaultReport(uuid=instance.uuid, kind="ecc_dbe", detail="1", t_ms=0)
+    )
     mig_gpu.refresh_from_db()
     assert mig_gpu.state == "drained" and "double-bit ECC" in mig_gpu.drain_reason
 
 
 def test_unknown_kinds_and_devices_are_ignored(fleet: Any) -> None:
     gpu = first_gpu(fleet)
-    assert not do_fault_event(gpu.host.name, {"uuid": gpu.uuid, "kind": "cosmic-ray"})
-    assert not do_fault_event(gpu.host.name, {"uuid": "GPU-nope", "kind": "xid"})
-    assert not do_fault_event("other-host", {"uuid": gpu.uuid, "kind": "xid"})
+    assert not do_fault_event(gpu.host.name, FaultReport(uuid=gpu.uuid, kind="cosmic-ray", detail="", t_ms=0))
+    assert not do_fault_event(gpu.host.name, FaultReport(uuid="GPU-nope", kind="xid", detail="", t_ms=0))
+    assert not do_fault_event("other-host", FaultReport(uuid=gpu.uuid, kind="xid", detail="", t_ms=0))
     assert not Gpu.objects.filter(state="drained").exists()
 
 
@@ -92,10 +101,20 @@ def test_drained_gpus_take_no_new_sandboxes(people: Any, catalog: Any, fleet: An
 
 def test_undrain_closes_the_gpus_fault_alerts(people: Any, fleet: Any) -> None:
     gpu = first_gpu(fleet)
-    fault = {"key": "h:gpu:ecc:1", "state": "raised", "kind": "ecc", "gpu": gpu.uuid, "sandbox": None}
+    fault: dict[str, Any] = {
+        "key": "h:gpu:ecc:1",
+        "state": "raised",
+        "kind": "ecc",
+        "gpu": gpu.uuid,
+        "sandbox": None,
+    }
     hot = {**fault, "key": "h:gpu:temperature:1", "kind": "temperature"}
-    do_record_alerts(gpu.host.name, [{**fault, "message": "2 double-bit ECC errors", "t": 0}, hot])
-    do_fault_event(gpu.host.name, {"uuid": gpu.uuid, "kind": "ecc_dbe", "detail": "2"})
+    # What a rule's alert carries that these do not is read with defaults: partial on purpose.
+    do_record_alerts(
+        gpu.host.name,
+        cast(list[AlertMessage], [{**fault, "message": "2 double-bit ECC errors", "t": 0}, hot]),
+    )
+    do_fault_event(gpu.host.name, FaultReport(uuid=gpu.uuid, kind="ecc_dbe", detail="2", t_ms=0))
     assert do_undrain_gpu(gpu.uuid, people["admin"])
     # The agent never sees an ECC error go away: undraining is what clears it. A temperature
     # alert clears itself as the GPU cools.

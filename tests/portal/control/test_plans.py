@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from django.utils import timezone
@@ -35,9 +35,11 @@ from scheduler.cluster import DeviceGrant
 from scheduler.defrag import MigPlan, apply_mig_plan
 from scheduler.gpus import CATALOG, check_layout
 from tests.portal.helpers import client_for, request
+from wire.messages import HostFacts
+from wire.spec import SandboxHandle, SandboxSpec
 from workers.agent import Agent
-from workers.config import AgentSettings
-from workers.drivers.base import SandboxHandle, SandboxSpec, SandboxStatus
+from workers.agent_settings import AgentSettings
+from workers.drivers.base import SandboxStatus
 from workers.gpu.simulated import SimulatedBackend, SimulatedGpuConfig, parse_sim_spec
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
@@ -57,20 +59,20 @@ class MemoryDriver:
         pass
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
-        handle = self.live.get(spec.allocation_id)
+        handle = self.live.get(spec.allocation_key)
         if handle is None:
             handle = SandboxHandle(
-                self.name, spec.allocation_id, spec.sandbox_id, f"m-{spec.allocation_id[:8]}"
+                self.name, spec.allocation_key, spec.sandbox_id, f"m-{spec.allocation_key[:8]}"
             )
-            self.live[spec.allocation_id] = handle
+            self.live[spec.allocation_key] = handle
         return handle
 
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
-        if self.live.pop(handle.allocation_id, None) is not None:
-            self.stopped.append(handle.allocation_id)
+        if self.live.pop(handle.allocation_key, None) is not None:
+            self.stopped.append(handle.allocation_key)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
-        state = "running" if handle.allocation_id in self.live else "missing"
+        state = "running" if handle.allocation_key in self.live else "missing"
         return SandboxStatus(state=state, started_at_ms=int(time.time() * 1000))
 
     def list_owned(self) -> list[SandboxHandle]:
@@ -84,7 +86,7 @@ def pump(sent: list[Any], agents: dict[str, Agent]) -> None:
     while sent:
         queue, task, args = sent.pop(0)
         if queue == "control":
-            getattr(control, task)(*args)
+            control.TASKS[task](*args)
             continue
         agent = agents[queue.removeprefix("host.")]
         if task == "launch_sandbox":
@@ -104,7 +106,9 @@ def simulated_host(name: str, configs: list[SimulatedGpuConfig], tmp_path: Path)
     # does) under the test's own directory, not a root agent's /run/gpushare.
     settings = AgentSettings(host=name, mps_dir=str(tmp_path / "mps"))
     agent = Agent(name, SimulatedBackend(name, configs), MemoryDriver(), tmp_path / name, settings)  # type: ignore[arg-type]
-    do_sync_inventory(name, "simulated", "memory", agent.inventory.refresh(), agent.inventory.facts())
+    do_sync_inventory(
+        name, "simulated", "memory", agent.inventory.refresh(), cast(HostFacts, agent.inventory.facts())
+    )
     return agent
 
 

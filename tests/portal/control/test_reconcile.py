@@ -22,13 +22,13 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 def entry(sandbox: Sandbox | None = None, key: str = "", state: str = "running", **kw: Any) -> dict[str, Any]:
     key = key or (sandbox.allocation_key if sandbox else "")
     return {
-        "allocation_id": key,
+        "allocation_key": key,
         "sandbox_id": sandbox.pk if sandbox else 0,
         "state": state,
         "exit_code": kw.get("exit_code"),
         "reason": kw.get("reason"),
         "started_at_ms": kw.get("started_at_ms"),
-        "handle": {"driver": "docker", "allocation_id": key, "sandbox_id": 0, "ref": "c1"},
+        "handle": {"driver": "docker", "allocation_key": key, "sandbox_id": 0, "ref": "c1"},
         "tracked": kw.get("tracked", True),
     }
 
@@ -159,7 +159,7 @@ def test_a_sandbox_still_being_launched_when_the_report_was_taken_is_not_vanishe
     sandbox = placed(people, catalog)
     report = [
         {
-            "allocation_id": sandbox.allocation_key,
+            "allocation_key": sandbox.allocation_key,
             "sandbox_id": sandbox.pk,
             "state": "created",
             "tracked": True,
@@ -187,7 +187,7 @@ def test_a_lost_launch_message_is_sent_again(people: Any, catalog: Any, fleet: A
     repairs = do_reconcile_host(host_of(sandbox), later(LAUNCH_RESEND_S + 1), [])
     assert repairs.launches_resent == [sandbox.pk]
     [(_, _, (spec,))] = [t for t in sent_tasks if t[1] == "launch_sandbox"]
-    assert spec["allocation_id"] == sandbox.allocation_key
+    assert spec["allocation_key"] == sandbox.allocation_key
     # Reports within LAUNCH_RESEND_S of that resend leave the slow launch alone; then it
     # is sent once more.
     assert not do_reconcile_host(host_of(sandbox), later(5), [])
@@ -247,7 +247,7 @@ def test_a_host_whose_agent_still_beats_is_not_lost_while_its_beats_wait_in_the_
     import redis
     from django.conf import settings
 
-    from workers import liveness
+    from wire import liveness
 
     sandbox = placed(people, catalog)
     host = Host.objects.get(name=host_of(sandbox))

@@ -19,6 +19,7 @@ from portal.fleet import actions
 from portal.fleet.actions import GPU_TRANSITIONS, HOST_TRANSITIONS, FleetTransitionError
 from portal.fleet.models import FleetEvent, Gpu, Host
 from tests.factories import beat
+from wire.messages import FaultReport
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
 pytestmark = pytest.mark.django_db
@@ -98,7 +99,7 @@ def test_a_drained_gpu_stays_drained_through_a_lost_host_and_a_missing_gpu(host:
     """Only an admin undrains: neither the host coming back nor the GPU reappearing in its
     inventory puts a faulty GPU back in service."""
     first, second = _inventory("a100")
-    assert do_fault_event(host.name, {"uuid": first["uuid"], "kind": "ecc_dbe", "detail": "2"})
+    assert do_fault_event(host.name, FaultReport(uuid=first["uuid"], kind="ecc_dbe", detail="2", t_ms=0))
     _silence(host)
     mark_lost_hosts(timezone.now())
     tasks.agent_heartbeats([beat(host.name)])

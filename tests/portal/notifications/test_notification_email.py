@@ -24,6 +24,7 @@ from portal.sandboxes.models import EmailChoice, Notification, Sandbox
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import client_for, place_all, request
 from tests.portal.smtp import Inbox
+from wire.spec import HandleJson
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs", "fleet")]
 Sent = list[tuple[str, str, tuple[Any, ...]]]
@@ -38,9 +39,14 @@ def deliver(sent_tasks: Sent) -> int:
     while batch := [args for _, task, args in sent_tasks if task == "email_notifications"]:
         sent_tasks[:] = [t for t in sent_tasks if t[1] != "email_notifications"]
         for args in batch:
-            control.email_notifications.apply(args=args).get()
+            control.TASKS["email_notifications"].apply(args=args).get()
             runs += 1
     return runs
+
+
+def handle(sandbox: Sandbox, ref: str) -> HandleJson:
+    """What the sandbox's agent reports it launched (a container)."""
+    return HandleJson(driver="docker", allocation_key=sandbox.allocation_key, sandbox_id=sandbox.pk, ref=ref)
 
 
 def mails_to(inbox: Inbox, address: str) -> list[Message]:
@@ -58,7 +64,7 @@ def running(people: Any, catalog: Any, tier: Any = None, **kw: Any) -> Sandbox:
     )
     place_all()
     sandbox.refresh_from_db()
-    tasks.sandbox_launched(sandbox.allocation_key, {"driver": "docker", "ref": "c"}, int(time.time() * 1000))
+    tasks.sandbox_launched(sandbox.allocation_key, handle(sandbox, "c"), int(time.time() * 1000))
     sandbox.refresh_from_db()
     return sandbox
 
@@ -213,7 +219,7 @@ def test_each_user_hears_of_their_own_only(people: Any, catalog: Any, sent_tasks
     request(people["outsider"], people["other_project"], catalog["dedicated"], catalog["image"])
     place_all()
     theirs = Sandbox.objects.get(owner=people["outsider"])
-    tasks.sandbox_launched(theirs.allocation_key, {"driver": "docker", "ref": "d"}, int(time.time() * 1000))
+    tasks.sandbox_launched(theirs.allocation_key, handle(theirs, "d"), int(time.time() * 1000))
     deliver(sent_tasks)
     assert sorted(recipients[0] for recipients, _ in smtp.messages) == [OWNER, "oscar@example.org"]
 
@@ -247,13 +253,13 @@ def test_a_refusing_server_is_retried_and_nothing_is_sent_twice(
     smtp.data_answers = ["250 OK", "451 4.3.0 Try again later", "451 4.3.0 Try again later"]
     from workers import control
 
-    control.email_notifications.apply(args=(ids,)).get()  # the task and its two retries
+    control.TASKS["email_notifications"].apply(args=(ids,)).get()  # the task and its two retries
     assert smtp.refusals == 2
     subjects = sorted(str(m["Subject"]) for m in mails_to(smtp, OWNER))
     assert subjects == sorted(
         f"[gpushare] Started: Sandbox {s.pk} is running on {host_of(s)}." for s in (first, second)
     )
-    control.email_notifications.apply(args=(ids,)).get()  # a duplicate message
+    control.TASKS["email_notifications"].apply(args=(ids,)).get()  # a duplicate message
     assert emails.send_notification_emails(ids) is None  # and a late retry
     assert len(smtp.messages) == 2  # still one each
     assert Notification.objects.filter(pk__in=ids, emailed_at__isnull=True).count() == 0
@@ -284,7 +290,9 @@ def test_a_server_that_is_not_there_is_given_up_with_a_line_naming_the_problem(
     from workers import control
 
     with mail_settings(free_port()), caplog.at_level(logging.INFO, logger="portal.sandboxes.emails"):
-        control.email_notifications.apply(args=([note.pk],)).get()  # every retry refused a connection
+        control.TASKS["email_notifications"].apply(
+            args=([note.pk],)
+        ).get()  # every retry refused a connection
     given_up = [r.getMessage() for r in caplog.records if "given up" in r.getMessage()]
     assert given_up == [
         f"notification {note.pk}: email to {OWNER} given up after {emails.MAX_ATTEMPTS} attempts: "
@@ -317,7 +325,7 @@ def test_an_address_that_cannot_be_written_is_given_up_and_the_rest_still_sent(
     request(people["outsider"], people["other_project"], catalog["dedicated"], catalog["image"])
     place_all()
     theirs = Sandbox.objects.get(owner=people["outsider"])
-    tasks.sandbox_launched(theirs.allocation_key, {"driver": "docker", "ref": "d"}, int(time.time() * 1000))
+    tasks.sandbox_launched(theirs.allocation_key, handle(theirs, "d"), int(time.time() * 1000))
     ids = sorted(Notification.objects.filter(kind="started").values_list("pk", flat=True))
     with caplog.at_level(logging.WARNING, logger="portal.sandboxes.emails"):
         assert emails.send_notification_emails(ids) is None

@@ -35,7 +35,7 @@ def test_request_place_run_stop_records_every_transition(
     # Either host has two idle GPUs; which one is the policy's call (it keeps the largest whole).
     assert sandbox.state == "starting" and sandbox.host.name in ("a100", "h100")
     [(queue, _task, (spec,))] = [t for t in sent_tasks if t[1] == "launch_sandbox"]
-    assert queue == f"host.{sandbox.host.name}" and spec["allocation_id"] == sandbox.allocation_key
+    assert queue == f"host.{sandbox.host.name}" and spec["allocation_key"] == sandbox.allocation_key
     assert len(spec["device_uuids"]) == 2 and spec["real_gpu"] is False
     started = timezone.now()
     actions.do_mark_running(sandbox.allocation_key, {"driver": "docker", "ref": "abc"}, started)

@@ -54,7 +54,7 @@ def test_a_gap_the_host_dropped_is_counted(batch: Sandbox) -> None:
 
 
 def test_the_control_task_decodes_and_stores(batch: Sandbox) -> None:
-    control.sandbox_output(batch.allocation_key, 0, base64.b64encode(b"hello\n").decode(), 6)
+    control.TASKS["sandbox_output"](batch.allocation_key, 0, base64.b64encode(b"hello\n").decode(), 6)
     assert read_output(batch).data == b"hello\n"
 
 

@@ -19,7 +19,7 @@ from portal.sandboxes.preview import preview_request
 from portal.sandboxes.snapshot import build_queue, build_snapshot
 from tests.factories import PriorityClassFactory, TierFactory
 from tests.portal.helpers import client_for, place_all, request
-from workers.drivers.base import SandboxSpec
+from wire.spec import SandboxSpec
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 GRACE = timedelta(seconds=90)

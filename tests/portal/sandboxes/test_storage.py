@@ -16,7 +16,7 @@ from portal.sandboxes.specs import launch_spec
 from portal.sandboxes.storage_usage import do_record_storage_usage
 from tests.factories import TierFactory
 from tests.portal.helpers import client_for, place_all, request, request_form
-from workers.drivers import uids
+from wire import uids
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 GIB = 1024**3

@@ -32,9 +32,10 @@ from portal.telemetry.metrics import CLOCK_EVENT_BITS, clock_event_bits
 from portal.telemetry.models import Alert
 from tests.conftest import seed_host
 from tests.portal.helpers import client_for, place_all, request
+from wire.telemetry import LATEST_PREFIX, GpuSampleMessage, SandboxFigures
 from workers.gpu.base import GpuSample
 from workers.gpu.nvml import decode_clock_reasons
-from workers.telemetry import LATEST_PREFIX, GpuSampleMessage, SandboxFigures, sample_message, store_latest
+from workers.telemetry import sample_message, store_latest
 
 # Placing and launching go through on_commit, so the tests commit.
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]

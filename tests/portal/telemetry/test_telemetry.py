@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from django.utils import timezone
@@ -23,7 +23,7 @@ from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
 from portal.webhooks.models import WebhookDelivery, WebhookEndpoint
 from tests.factories import beat
 from tests.portal.helpers import client_for, place_all, request
-from workers.telemetry import sandbox_group
+from wire.telemetry import AlertMessage, sandbox_group
 
 
 @pytest.fixture
@@ -173,12 +173,12 @@ def test_history_endpoints_follow_the_streams_permissions(people: Any, sandbox: 
     assert history["cost_micros"][-1] == UsageRecord.objects.get(sandbox=sandbox).cost_micros
 
 
-def change(state: str, key: str, **extra: Any) -> dict[str, Any]:
-    return {
+def change(state: str, key: str, **extra: Any) -> AlertMessage:
+    return cast(AlertMessage, {
         "type": "alert.changed", "key": key, "state": state, "kind": "temperature", "host": "h100",
         "gpu": extra.pop("gpu", ""), "sandbox": None, "value": 88.0, "threshold": 85.0,
         "message": "GPU hot", "t": 1_700_000_000_000, **extra,
-    }  # fmt: skip
+    })  # fmt: skip
 
 
 def test_the_sandbox_stream_adds_billings_running_cost_to_its_samples(people: Any, sandbox: Any) -> None:
@@ -241,19 +241,19 @@ def test_heartbeat_sends_a_changed_policy_and_a_restart_closes_alerts(
     from workers import control
 
     policy = alert_policy()
-    control.agent_heartbeats([beat("h100", alerts_version=policy["version"])])
+    control.TASKS["agent_heartbeats"]([beat("h100", alerts_version=policy["version"])])
     assert not [t for t in sent_tasks if t[1] == "set_alert_policy"]
     fleet = AlertPolicy.objects.get(tier__isnull=True)
     fleet.temp_high_c = 80
     fleet.temp_clear_c = 75
     fleet.save()
     AlertPolicy.objects.create(tier=sandbox.tier, mem_high_pct=80, mem_clear_pct=70)
-    control.agent_heartbeats([beat("h100", alerts_version=policy["version"])])
+    control.TASKS["agent_heartbeats"]([beat("h100", alerts_version=policy["version"])])
     [(queue, _task, (sent,))] = [t for t in sent_tasks if t[1] == "set_alert_policy"]
     assert queue == "host.h100" and sent["fleet"]["temp_high_c"] == 80
     assert sent["tiers"][sandbox.tier.slug]["mem_high_pct"] == 80 and sent["version"] != policy["version"]
     do_record_alerts("h100", [change("raised", "open-1")])
-    control.telemetry_agent_started("h100")
+    control.TASKS["telemetry_agent_started"]("h100")
     assert Alert.objects.get(key="open-1").clear_reason == "agent restarted"
 
 

@@ -21,7 +21,8 @@ from django.contrib.sessions.backends.db import SessionStore
 from portal.telemetry.consumers import GpuSamples
 from tests.e2e.platform import Platform
 from tests.factories import UserFactory
-from workers.telemetry import FLEET_GROUP, make_layer
+from wire.telemetry import FLEET_GROUP
+from workers.telemetry import make_layer
 
 
 def gpu_sample(uuid: str, t: int, padding: int = 0) -> dict[str, Any]:

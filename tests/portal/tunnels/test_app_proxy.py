@@ -33,8 +33,8 @@ from portal.sandboxes.models import Sandbox
 from tests.factories import ImageFactory
 from tests.portal.helpers import client_for
 from tests.portal.tunnels.test_terminal import WAIT_S, running_sandbox
+from wire.spec import SandboxHandle
 from workers.drivers import app_socket
-from workers.drivers.base import SandboxHandle
 from workers.host.terminals import relay_stream
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the consumer reads in its own thread

@@ -1,5 +1,5 @@
 """The web terminal's relay, end to end in one process: the browser's WebSocket, the Redis
-Redis streams, and the agent's relay (``workers.terminal_relay``) over a pty stand-in.
+Redis streams, and the agent's relay (``wire.relay``) over a pty stand-in.
 The real ptys (Docker exec, bubblewrap) have their own driver tests; the browser test
 types ``echo hi`` into a real container."""
 
@@ -21,7 +21,7 @@ from portal.asgi import application
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
 from tests.portal.helpers import client_for, place_all, request
-from workers.terminal_relay import relay
+from wire.relay import relay
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the consumers read in their own thread
 # How long a test waits for a message through Redis and the relay's threads: generous, as

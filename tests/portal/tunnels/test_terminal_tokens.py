@@ -28,7 +28,7 @@ from portal.accounts.streams import current_user
 from portal.asgi import application
 from tests.portal.helpers import client_for
 from tests.portal.tunnels.test_terminal import WAIT_S, EchoShell, running_sandbox
-from workers.terminal_relay import relay
+from wire.relay import relay
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the consumers read in their own thread
 ALL = list(ApiToken.Scope.values)

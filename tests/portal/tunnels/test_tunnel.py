@@ -1,4 +1,4 @@
-"""The relay's Redis streams (``workers/terminal_relay.py``, the portal's end in
+"""The relay's Redis streams (``wire/relay.py``, the portal's end in
 ``portal/sandboxes/tunnel.py``): a slow reader gets every piece while the agent waits for
 it, reads cancelled halfway lose nothing, and a piece missing all the same ends the stream
 instead of corrupting it."""
@@ -21,7 +21,7 @@ from portal.sandboxes import app_access
 from portal.sandboxes.tunnel import Tunnel, TunnelClosed
 from tests.portal.tunnels.test_app_proxy import APPS, app_host, app_session_for, with_app
 from tests.portal.tunnels.test_terminal import WAIT_S, running_sandbox
-from workers.terminal_relay import WINDOW, InOrder, StreamBroken, out_stream, post, relay
+from wire.relay import WINDOW, InOrder, StreamBroken, out_stream, post, relay
 
 PIECE = 64 * 1024
 

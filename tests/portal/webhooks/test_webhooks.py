@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from django.core.exceptions import ValidationError
@@ -33,6 +33,7 @@ from portal.telemetry.alerts import do_record_alerts
 from portal.webhooks import deliveries
 from portal.webhooks.models import WebhookDelivery, WebhookEndpoint, new_secret
 from tests.portal.helpers import client_for, place_all, request
+from wire.telemetry import AlertMessage
 
 ALERTS = ["alert.raised", "alert.cleared"]
 
@@ -138,12 +139,12 @@ def test_usage_closed_is_signed_and_delivered(
     assert deliveries.attempt_delivery(delivery.pk) is None and len(receiver.received) == 1  # not twice
 
 
-def alert_change(state: str, key: str, **extra: Any) -> dict[str, Any]:
-    return {
+def alert_change(state: str, key: str, **extra: Any) -> AlertMessage:
+    return cast(AlertMessage, {
         "type": "alert.changed", "key": key, "state": state, "kind": "temperature", "host": "h100",
         "gpu": "", "sandbox": None, "value": 88.0, "threshold": 85.0, "message": "GPU hot",
         "t": 1_700_000_000_000, **extra,
-    }  # fmt: skip
+    })  # fmt: skip
 
 
 def test_alert_events_go_through_the_same_deliveries(
@@ -409,7 +410,7 @@ def test_the_control_tasks_call_the_delivery(sandbox: Any, receiver: Receiver, s
     delivery = WebhookDelivery.objects.get()
     receiver.statuses = [503]
     with pytest.raises(Exception) as retry:  # celery.exceptions.Retry, with the recorded backoff
-        control.deliver_webhook.run(delivery.pk)
+        control.TASKS["deliver_webhook"].run(delivery.pk)
     assert type(retry.value).__name__ == "Retry"
     delivery.refresh_from_db()
     assert delivery.attempts == 1 and delivery.last_status == 503

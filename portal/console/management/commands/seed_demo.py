@@ -19,7 +19,7 @@ from portal.demo import DEMO_HOSTS, DEMO_USERS
 from portal.fleet.inventory import do_sync_inventory
 from portal.fleet.models import Gpu, GpuMode
 from portal.quotas.models import QuotaPolicy
-from workers.config import storage_root
+from wire.config import storage_root
 from workers.drivers.docker import image_present
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 

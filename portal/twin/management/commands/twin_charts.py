@@ -8,7 +8,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from portal.twin import benchmarks, charts
-from scheduler.bench import write_section
+from scheduler.research.bench_markdown import write_section
 
 
 class Command(BaseCommand):

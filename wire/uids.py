@@ -23,7 +23,7 @@ import os
 import zlib
 from pathlib import Path
 
-from workers.drivers.base import SandboxSpec
+from wire.spec import SandboxSpec
 
 SANDBOX_UID_BASE = int(os.environ.get("SANDBOX_UID_BASE") or 1_000_000_000)
 SPAN = 1_000_000  # sandboxes' uids, then MPS GPUs', storage volumes' gids, owners' uids

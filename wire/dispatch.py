@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.celery import CONTROL_QUEUE, app, host_queue
+from wire.celery import CONTROL_QUEUE, app, host_queue
 
 
 def to_host(host: str, task: str, *args: Any) -> None:

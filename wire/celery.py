@@ -13,8 +13,8 @@ from typing import Any
 
 from celery import Celery, signals
 
-from portal.env import env_choice, env_int
-from workers import config
+from wire import config
+from wire.env import env_choice, env_int
 
 CONTROL_QUEUE = "control"
 ROLES = ("control", "agent", "beat", "client")

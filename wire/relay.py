@@ -34,9 +34,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from typing import Any
-
-from workers.drivers.base import Terminal
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 READ_TIMEOUT_S = 0.2
@@ -48,6 +46,21 @@ WINDOW = 8
 # entry (its ids grow with time, so its reader's place holds).
 KEY_TTL_S = 600
 _PREFIX = "gpushare:relay:"
+# What an agent says when a sandbox's app has not opened its socket: the portal tells an app
+# still starting from the other refusals by it.
+NOT_LISTENING = "its app is not listening"
+
+
+class Terminal(Protocol):
+    """An interactive pty into a sandbox, for the portal's web terminal."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def read(self, timeout_s: float = 0.1) -> bytes: ...
+
+    def resize(self, rows: int, cols: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def out_stream(session: str) -> str:
