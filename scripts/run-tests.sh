@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-LEDGER=tests/portal/test_ledger_properties.py
+LEDGER=tests/portal/billing/test_ledger_properties.py
 VAR="${GPUSHARE_VAR_DIR:-var/test}"
 export TEST_DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/gpushare}"
 export TEST_REDIS_URL="${TEST_REDIS_URL:-redis://127.0.0.1:6379/15}"
@@ -46,6 +46,43 @@ PY
 # `make test`; its output follows the foreground's.
 declare -a bg_order=() bg_pids=()
 declare -A bg_log bg_rc
+
+# When the script ends, however it ends (a failure, Ctrl-C, kill), nothing it started stays:
+# the background chains and their pytests with what they started, then each embedded pass's
+# Redis (each pytest stops the one it started as it exits, tests/testenv.py; a killed one
+# cannot). The TERM and INT traps run once the foreground pytest has returned (bash waits for
+# it): Ctrl-C, or TERM to the process group, stops that one.
+tree() {  # tree PID: PID and the processes under it, parents first
+  local child
+  echo "$1"
+  for child in $(pgrep -P "$1"); do tree "$child"; done
+}
+cleanup() {
+  local pid name
+  local -a pids=()
+  for pid in "${bg_pids[@]}"; do mapfile -t -O "${#pids[@]}" pids < <(tree "$pid"); done
+  if ((${#pids[@]})); then
+    kill "${pids[@]}" 2>/dev/null  # a pytest tears down on TERM (tests/testenv.py)
+    for _ in {1..60}; do  # up to 30 s
+      kill -0 "${pids[@]}" 2>/dev/null || break
+      sleep 0.5
+    done
+    kill -KILL "${pids[@]}" 2>/dev/null
+  fi
+  "$PY" - "$VAR-embedded" "$VAR-embedded-quiet" "$VAR-embedded-ledger" <<'PY'
+import sys
+from pathlib import Path
+
+from wire.embedded_redis import stop
+
+for var in sys.argv[1:]:
+    stop(Path(var) / "redis")
+PY
+  for name in "${bg_order[@]}"; do rm -f "${bg_log[$name]}" "${bg_rc[$name]}"; done
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 # background_step NAME NICE ENV... -- PYTEST_ARGS... : one pytest, niced; its output and status kept.
 background_step() {

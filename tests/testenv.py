@@ -6,6 +6,10 @@ comes from the environment (DATABASE_URL, REDIS_URL) as in ``make test``.
 """
 
 import os
+import signal
+from pathlib import Path
+
+import pytest
 
 # Long and varied enough for production's start-up check (DEBUG is off in tests).
 os.environ.setdefault("SECRET_KEY", "test-only-secret-key-not-for-production-0123456789abcdef")
@@ -67,3 +71,34 @@ def pytest_collection_modifyitems(config: object, items: list[object]) -> None:
     if dropped:
         config.hook.pytest_deselected(items=dropped)  # type: ignore[attr-defined]
         items[:] = keep
+
+
+# The embedded Redis a run starts (conftest's session fixture, or portal.asgi when a test
+# module imports it; it daemonizes) is stopped when the run ends, interrupted or not, so a
+# run leaves no server behind. One that already answered (a `make run` on the same var dir)
+# is left alone.
+_STARTED_REDIS = pytest.StashKey[Path]()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # SIGTERM (run-tests.sh's exit trap, a CI timeout) stops a run as Ctrl-C does: fixtures
+    # tear down (a platform's processes, in sessions of their own, stop) and the Redis below.
+    signal.signal(signal.SIGTERM, _interrupt)
+    from wire.config import embedded_redis_dir
+    from wire.embedded_redis import is_running
+
+    embedded = embedded_redis_dir()
+    if embedded is not None and not is_running(embedded):
+        config.stash[_STARTED_REDIS] = embedded
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    embedded = config.stash.get(_STARTED_REDIS, None)
+    if embedded is not None:
+        from wire.embedded_redis import stop
+
+        stop(embedded)

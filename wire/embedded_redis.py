@@ -24,6 +24,10 @@ def _ping(socket_path: Path) -> bool:
         return False
 
 
+def is_running(var_dir: Path) -> bool:
+    return _ping(var_dir / "redis.sock")
+
+
 def ensure_running(var_dir: Path) -> str:
     """Start the embedded server unless it already answers; return its URL."""
     var_dir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ at 6,212 GPUs and 8,040 sandboxes that is 670,000 checks for 100,000 lines, 1.1 
 scrape's 1.8 s. Our families' names and label names are fixed identifiers, so each set is
 checked once, with the library's own rules, and the lines are written with its value
 formatting. Anything this writer does not know (another metric type, OpenMetrics-only
-samples) goes to ``generate_latest`` whole. ``tests/portal/test_metrics.py`` holds the two
+samples) goes to ``generate_latest`` whole. ``tests/portal/telemetry/test_metrics.py`` holds the two
 outputs equal.
 """
 

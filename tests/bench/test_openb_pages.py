@@ -30,7 +30,7 @@ from portal.telemetry.models import GpuRollup
 from scheduler.research.bench_markdown import write_section
 from tests.bench.openb_fleet import OPENB_BENCH, seed_openb
 from tests.portal.helpers import client_for
-from tests.portal.test_metrics import TOKEN, message
+from tests.portal.telemetry.test_metrics import TOKEN, message
 from wire.telemetry import SandboxFigures
 from workers.host.telemetry import store_latest
 

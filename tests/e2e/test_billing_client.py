@@ -16,7 +16,7 @@ from portal.accounts.models import ApiToken
 from portal.billing.invoices import do_draft_invoices, do_finalize
 from portal.billing.models import Invoice
 from tests.e2e.platform import Platform
-from tests.portal.test_invoices import usage
+from tests.portal.billing.test_invoices import usage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 CLIENT = Path(__file__).resolve().parents[1] / "clients" / "reconcile_invoice.py"

@@ -64,7 +64,7 @@ route("GET", "/login/", all=200)
 # (tests/identity/test_oidc_sign_in.py signs in through a real one).
 route("GET", "/oidc/authenticate/", all=404)
 route("GET", "/oidc/callback/", all=404)
-# Prometheus brings a bearer token (tests/portal/test_metrics.py); people need staff.
+# Prometheus brings a bearer token (tests/portal/telemetry/test_metrics.py); people need staff.
 route("GET", "/metrics", **signed_in(403, anonymous=401, admin=200))
 route("GET", "/sandboxes/", **signed_in(200))
 route("GET", "/sandboxes/new/", **signed_in(200))

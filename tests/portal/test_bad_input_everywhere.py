@@ -121,6 +121,7 @@ def _two_values(*key: str) -> list[str]:
     return ["²", VALUES[sum(map(ord, "".join(key))) % len(VALUES)]]
 
 
+@pytest.mark.slow  # ~22 s on 2 cores: make test runs it, make test-fast leaves it out
 def test_every_parameter_of_every_route(world: dict[str, Any]) -> None:
     """Each route, each parameter alone (an API refuses an unknown one before reading the
     rest), as a member and as an admin."""

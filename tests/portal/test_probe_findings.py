@@ -3,7 +3,7 @@
 1 co-tenant figures and sockets that outlive their reason, 3 malformed values that were 500s,
 7 commands shown without their quoting and bidi controls accepted. (2: tests/workers/
 test_batch_output.py; 4: tests/workers/test_process_confinement.py; 5:
-tests/portal/test_sign_in_throttle.py; 6: tests/portal/test_api.py
+tests/portal/accounts/test_sign_in_throttle.py; 6: tests/portal/api/test_api.py
 ::test_bad_requests_name_the_field; 8: tests/portal/test_security.py
 ::test_websockets_accept_only_the_sites_own_origin.)
 """

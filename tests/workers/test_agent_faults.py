@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import settings
 from redis.asyncio import Redis as AsyncRedis
 
 import workers.agent
@@ -99,7 +100,7 @@ def test_the_alert_policys_temperature_rule_is_the_one_that_drains(
     layer = FakeLayer()
 
     async def ticks(n: int) -> None:
-        client = AsyncRedis.from_url("redis://127.0.0.1:6379/14")
+        client = AsyncRedis.from_url(settings.REDIS_URL)
         for tick in range(n):
             await agent.sampler.publish_all(layer, tick, client)
             clock["now"] += 1000
@@ -125,7 +126,7 @@ def test_a_lost_gpu_is_reported_once_and_the_rest_of_the_host_keeps_streaming(
     layer = FakeLayer()
 
     async def tick(n: int) -> None:
-        client = AsyncRedis.from_url("redis://127.0.0.1:6379/14")
+        client = AsyncRedis.from_url(settings.REDIS_URL)
         await agent.sampler.publish_all(layer, n, client)
         await client.aclose()
 

@@ -319,6 +319,7 @@ class AgentAgainstTheControlPlane(RuleBasedStateMachine):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+@pytest.mark.slow  # ~20 s on 2 cores: make test runs it, make test-fast leaves it out
 @pytest.mark.timeout(600)
 def test_the_mps_daemon_follows_the_gpus_mode() -> None:
     run_state_machine_as_test(

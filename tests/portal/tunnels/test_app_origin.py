@@ -23,10 +23,10 @@ from portal.sandboxes.models import Sandbox
 from portal.tunnels import app_access
 from portal.tunnels.app_origin import GRANT_PATH, AppLabel, AppsDomain, AppsDomainError
 from tests.portal.helpers import client_for
-from tests.portal.test_app_proxy import APPS, app_host, app_session_for, with_app
-from tests.portal.test_terminal import WAIT_S, running_sandbox
+from tests.portal.tunnels.test_app_proxy import APPS, app_host, app_session_for, with_app
+from tests.portal.tunnels.test_terminal import WAIT_S, running_sandbox
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)

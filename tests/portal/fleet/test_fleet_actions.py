@@ -23,7 +23,7 @@ from wire.messages import FaultReport
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
 pytestmark = pytest.mark.django_db
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WRITER = Path("portal/fleet/actions.py")
 
 

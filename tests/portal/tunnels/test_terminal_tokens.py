@@ -27,7 +27,7 @@ from portal.accounts.models import ApiToken
 from portal.accounts.streams import current_user
 from portal.asgi import application
 from tests.portal.helpers import client_for
-from tests.portal.test_terminal import WAIT_S, EchoShell, running_sandbox
+from tests.portal.tunnels.test_terminal import WAIT_S, EchoShell, running_sandbox
 from wire.relay import relay
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the consumers read in their own thread

@@ -15,8 +15,8 @@ from portal.control import tasks
 from portal.control.reconcile import LAUNCH_RESEND_S, do_reconcile_host
 from portal.sandboxes.models import Sandbox
 from portal.sandboxes.specs import launch_spec
+from tests.portal.control.test_reconcile import host_of, later, placed
 from tests.portal.helpers import client_for
-from tests.portal.test_reconcile import host_of, later, placed
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 

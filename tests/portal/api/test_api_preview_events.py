@@ -20,8 +20,8 @@ from portal.control import tasks
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox, SandboxEvent
+from tests.portal.api.test_api import ALL, READ, WRITE, api, create_body, post
 from tests.portal.helpers import client_for, place_all, request
-from tests.portal.test_api import ALL, READ, WRITE, api, create_body, post
 from wire.spec import HandleJson
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]

@@ -215,7 +215,7 @@ def test_alerts_are_recorded_once_notified_and_listed(
         assert do_record_alerts("h100", raised) == []  # redelivered: nothing new
     assert Alert.objects.filter(cleared_at__isnull=True).count() == 2
     assert Notification.objects.filter(user=people["owner"], kind="alert").count() == 1
-    # Each raised alert is a webhook delivery, sent after commit (tests/portal/test_webhooks.py).
+    # Each raised alert is a webhook delivery, sent after commit (tests/portal/webhooks/test_webhooks.py).
     raised_events = WebhookDelivery.objects.filter(event="alert.raised")
     assert sorted(d.payload["key"] for d in raised_events) == ["k1", "k2"]
     assert [t[2] for t in sent_tasks if t[1] == "deliver_webhook"] == [

@@ -19,8 +19,8 @@ from redis.asyncio import Redis
 from portal.asgi import application
 from portal.tunnels import app_access
 from portal.tunnels.tunnel import Tunnel, TunnelClosed
-from tests.portal.test_app_proxy import APPS, app_host, app_session_for, with_app
-from tests.portal.test_terminal import WAIT_S, running_sandbox
+from tests.portal.tunnels.test_app_proxy import APPS, app_host, app_session_for, with_app
+from tests.portal.tunnels.test_terminal import WAIT_S, running_sandbox
 from wire.relay import WINDOW, InOrder, StreamBroken, out_stream, post, relay
 
 PIECE = 64 * 1024

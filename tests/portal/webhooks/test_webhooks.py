@@ -65,7 +65,7 @@ class Receiver:
 @pytest.fixture
 def loopback_allowed(settings: Any) -> None:
     """The receivers here listen on loopback, which webhooks reach only when the operator
-    allows it (tests/portal/test_webhook_destinations.py: refused by default)."""
+    allows it (tests/portal/webhooks/test_webhook_destinations.py: refused by default)."""
     settings.WEBHOOK_ALLOWED_NETWORKS = (ipaddress.ip_network("127.0.0.0/8"),)
 
 

@@ -33,7 +33,7 @@ from portal.tunnels import app_access
 from portal.tunnels.app_origin import AppLabel, AppsDomain
 from tests.factories import ImageFactory
 from tests.portal.helpers import client_for
-from tests.portal.test_terminal import WAIT_S, running_sandbox
+from tests.portal.tunnels.test_terminal import WAIT_S, running_sandbox
 from wire.spec import SandboxHandle
 from workers.drivers import app_socket
 from workers.host.terminals import relay_stream
