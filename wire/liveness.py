@@ -10,10 +10,28 @@ database alone decides, as before.
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
+
+from wire.spec import HandleJson
 
 KEY = "gpushare:agent:alive:{host}"
 TTL_S = 300  # far longer than any lost-host window; the value, not the key's life, is judged
+
+
+class OwnedSandbox(TypedDict):
+    """One sandbox in a host's report of what it runs (``Beat.owned``), read by the control
+    worker's reconciliation (``portal/control/reconcile.py``)."""
+
+    allocation_key: str
+    sandbox_id: int
+    state: str  # "running" | "exited" | "created" (made, or still being launched)
+    tracked: bool  # this agent launched it and holds its spec (else: found by its labels)
+    # From the driver's status, for a sandbox it listed (one still being launched has none):
+    exit_code: NotRequired[int | None]
+    reason: NotRequired[str | None]  # why it exited, when the driver knows
+    started_at_ms: NotRequired[int | None]
+    handle: NotRequired[HandleJson]
+    util: NotRequired[tuple[float | None, float] | None]  # (mean util %, window s) for idle culling
 
 
 class Beat(TypedDict):
@@ -24,7 +42,7 @@ class Beat(TypedDict):
     t_ms: int
     backend: str
     driver: str
-    owned: list[dict[str, Any]] | None  # the report of what the host runs, when one is ready
+    owned: list[OwnedSandbox] | None  # the report of what the host runs, when one is ready
     owned_ms: int | None  # when that report's listing began
     alerts_version: str | None  # the alert thresholds the agent holds
 

@@ -1,11 +1,13 @@
-"""Every task on the ``control`` queue, declared once: its name, its arguments and their types.
+"""Every task on the ``control`` queue and on the hosts' queues, declared once: its name, its
+arguments and their types.
 
 ``ControlTasks`` is the contract. Senders call ``to_control.<task>(...)``, which sends the
 task by name (``wire/dispatch.py``), so mypy checks each call against the declaration; the
 control worker registers the handlers of ``portal/control/tasks.py`` under the same names
 (``workers/control.py``), and mypy checks that module against the declaration too. A changed
 argument is then an error at every sender and at the handler, not a message that fails in
-a worker.
+a worker. ``AgentTasks`` is the hosts' side of the same contract: the portal sends with
+``to_host(host).<task>(...)``, and a test holds the agent's handlers to it.
 
 What goes on the wire is unchanged by the types: arguments are positional (a Celery
 message's ``args`` list), payloads are TypedDicts (plain JSON objects), so agents and
@@ -132,11 +134,46 @@ class ControlTasks(Protocol):
     def telemetry_agent_started(self, host: str, /) -> None: ...
 
 
+class StopOrder(TypedDict):
+    """A sandbox a plan asks its host to stop (``execute_plan``'s ``stops``)."""
+
+    allocation_key: str
+    sandbox_id: int
+    handle: HandleJson | None  # as the portal keeps it; None: the agent finds it by its key
+
+
+class AgentTasks(Protocol):
+    """The tasks of a host's queue (``workers.agent.<name>``, ``host.<host>``), as the portal
+    sends them through ``to_host(host)``. The agent's handlers (``workers/agent.py``) take the
+    same arguments after Celery's bound task; a test holds them to this declaration."""
+
+    def launch_sandbox(self, spec: dict[str, Any], /) -> None: ...  # SandboxSpec.to_json()
+    def stop_sandbox(self, allocation_key: str, sandbox_id: int, handle: HandleJson | None, /) -> None: ...
+    def warn_sandbox(
+        self, allocation_key: str, sandbox_id: int, handle: HandleJson | None, stop_at: float, /
+    ) -> None: ...
+    def open_terminal(self, session: str, allocation_key: str, handle: HandleJson | None, /) -> None: ...
+    def open_app(self, session: str, allocation_key: str, handle: HandleJson | None, /) -> None: ...
+    def execute_plan(
+        self, plan_id: int, stops: list[StopOrder], mig_plan: dict[str, Any] | None, busy: dict[str, str], /
+    ) -> None: ...
+    def gpu_mode(self, gpu_uuid: str, mode: str, /) -> None: ...
+    def set_alert_policy(self, policy: dict[str, Any], /) -> None: ...
+    def report_inventory(self, /) -> None: ...
+
+
+def _declared(tasks: type) -> list[str]:
+    return [name for name, value in vars(tasks).items() if callable(value) and not name.startswith("_")]
+
+
+def agent_task_names() -> list[str]:
+    """Every task ``AgentTasks`` declares, in declaration order."""
+    return _declared(AgentTasks)
+
+
 def control_task_names() -> list[str]:
     """Every task ``ControlTasks`` declares, in declaration order."""
-    return [
-        name for name, value in vars(ControlTasks).items() if callable(value) and not name.startswith("_")
-    ]
+    return _declared(ControlTasks)
 
 
 class _ByName:
@@ -158,3 +195,13 @@ def _send_to_control(task: str, *args: Any) -> None:
 # ``to_control.sandbox_stopped(key, ended_ms)``: the task sent by name, its arguments checked
 # against ``ControlTasks`` by mypy.
 to_control = cast(ControlTasks, _ByName(_send_to_control))
+
+
+def _send_to_host(host: str, task: str, *args: Any) -> None:
+    dispatch.to_host(host, task, *args)  # looked up at each call: tests capture dispatch's sends
+
+
+def to_host(host: str) -> AgentTasks:
+    """``to_host(name).stop_sandbox(key, pk, handle)``: the task sent by name to that host's
+    queue, its arguments checked against ``AgentTasks`` by mypy."""
+    return cast(AgentTasks, _ByName(partial(_send_to_host, host)))

@@ -27,7 +27,8 @@ from kombu import Queue
 from wire import config
 from wire.celery import app, host_queue
 from wire.env import ConfigError
-from wire.spec import SandboxSpec
+from wire.messages import StopOrder
+from wire.spec import HandleJson, SandboxSpec
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.base import SandboxDriver
 from workers.gpu import make_backend
@@ -133,7 +134,7 @@ def report_inventory(task: AnyTask) -> None:
 def execute_plan(
     task: AnyTask,
     plan_id: int,
-    stops: list[dict[str, Any]],
+    stops: list[StopOrder],
     mig_plan: dict[str, Any] | None,
     busy: dict[str, str],
 ) -> None:
@@ -141,12 +142,12 @@ def execute_plan(
 
 
 @app.task(name="workers.agent.open_app", ignore_result=True, bind=True)
-def open_app(task: AnyTask, session: str, allocation_key: str, handle: dict[str, Any] | None) -> None:
+def open_app(task: AnyTask, session: str, allocation_key: str, handle: HandleJson | None) -> None:
     agent_for(task).open_app(session, allocation_key, handle)
 
 
 @app.task(name="workers.agent.open_terminal", ignore_result=True, bind=True)
-def open_terminal(task: AnyTask, session: str, allocation_key: str, handle: dict[str, Any] | None) -> None:
+def open_terminal(task: AnyTask, session: str, allocation_key: str, handle: HandleJson | None) -> None:
     agent_for(task).open_terminal(session, allocation_key, handle)
 
 
@@ -156,13 +157,13 @@ def gpu_mode(task: AnyTask, gpu_uuid: str, mode: str) -> None:
 
 
 @app.task(name="workers.agent.stop_sandbox", ignore_result=True, bind=True)
-def stop_sandbox(task: AnyTask, allocation_key: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:
+def stop_sandbox(task: AnyTask, allocation_key: str, sandbox_id: int, handle: HandleJson | None) -> None:
     agent_for(task).stop(allocation_key, handle)
 
 
 @app.task(name="workers.agent.warn_sandbox", ignore_result=True, bind=True)
 def warn_sandbox(
-    task: AnyTask, allocation_key: str, sandbox_id: int, handle: dict[str, Any] | None, stop_at: float
+    task: AnyTask, allocation_key: str, sandbox_id: int, handle: HandleJson | None, stop_at: float
 ) -> None:
     agent_for(task).warn(allocation_key, handle, stop_at)
 

@@ -30,8 +30,9 @@ from portal.sandboxes.models import Sandbox, SandboxState
 from portal.scheduling.snapshot import HOLDING
 from portal.telemetry import control_figures
 from portal.telemetry.alerts import alert_policy
-from wire import dispatch, liveness
+from wire import liveness
 from wire.liveness import Beat
+from wire.messages import to_host
 
 log = logging.getLogger(__name__)
 MISSED_BEATS_LOST = 3
@@ -116,7 +117,7 @@ def agent_heartbeats(beats: list[Beat]) -> None:
             # Back from lost: its GPUs were made unavailable; the agent's inventory says
             # which are really there.
             log.warning("host %s is back: asking for its inventory", host)
-            dispatch.to_host(host, "report_inventory")
+            to_host(host).report_inventory()
     policy: dict[str, Any] | None = None
     oldest_ms = min((beat["t_ms"] for beat in beats), default=None)
     for beat in beats:
@@ -129,7 +130,7 @@ def agent_heartbeats(beats: list[Beat]) -> None:
         if beat["alerts_version"] is not None:
             policy = policy or alert_policy()
             if policy["version"] != beat["alerts_version"] and _policy_due(host, policy["version"]):
-                dispatch.to_host(host, "set_alert_policy", policy)
+                to_host(host).set_alert_policy(policy)
     if oldest_ms is not None:
         now_ms = int(time.time() * 1000)
         control_figures.record(redis_client(), control_figures.HEARTBEAT_LAG, now_ms, now_ms - oldest_ms)

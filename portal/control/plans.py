@@ -67,8 +67,7 @@ from scheduler.defrag import (
     plan_mig,
 )
 from scheduler.defrag import MigInstance as PlannedMigInstance
-from wire import dispatch
-from wire.messages import MigStepReport, MoveReport, PlanInventory
+from wire.messages import MigStepReport, MoveReport, PlanInventory, StopOrder, to_host
 
 log = logging.getLogger(__name__)
 S = SandboxState
@@ -88,8 +87,8 @@ def _live_allocations(gpus: list[Gpu]) -> list[Allocation]:
     )
 
 
-def _stop_order(sandbox: Sandbox) -> dict[str, Any]:
-    return {"allocation_key": sandbox.allocation_key, "sandbox_id": sandbox.pk, "handle": sandbox.handle}
+def _stop_order(sandbox: Sandbox) -> StopOrder:
+    return StopOrder(allocation_key=sandbox.allocation_key, sandbox_id=sandbox.pk, handle=sandbox.handle)
 
 
 def _begin_moves(plan: FleetPlan, sandbox_ids: list[int]) -> list[Sandbox]:
@@ -258,9 +257,7 @@ def do_start_mig_plan(
         )
         stops = [_stop_order(s) for s in disturbed]
         plan_json, plan_id = plan.to_json(), record.pk
-        transaction.on_commit(
-            lambda: dispatch.to_host(host_name, "execute_plan", plan_id, stops, plan_json, busy)
-        )
+        transaction.on_commit(lambda: to_host(host_name).execute_plan(plan_id, stops, plan_json, busy))
     log.info("fleet plan %s started: %s", record.pk, record.purpose)
     return record
 
@@ -418,7 +415,7 @@ def do_start_consolidation(max_migrations: int | None = None, actor: Any = None)
         )
         moving = _begin_moves(record, [int(m["sandbox"]) for m in migrations])
         by_id = {s.pk: s for s in moving}
-        orders: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        orders: dict[str, list[StopOrder]] = defaultdict(list)
         for m in migrations:
             _step(
                 record,
@@ -433,7 +430,7 @@ def do_start_consolidation(max_migrations: int | None = None, actor: Any = None)
         plan_id = record.pk
         for host_name, stops in orders.items():
             transaction.on_commit(
-                lambda h=host_name, st=stops: dispatch.to_host(h, "execute_plan", plan_id, st, None, {})  # type: ignore[misc]
+                lambda h=host_name, st=stops: to_host(h).execute_plan(plan_id, st, None, {})  # type: ignore[misc]
             )
     log.info("fleet plan %s started: %s", record.pk, record.purpose)
     return record

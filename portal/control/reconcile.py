@@ -36,8 +36,9 @@ from django.db import transaction
 from portal.fleet.models import Host
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox, SandboxState
-from wire import dispatch
-from wire.spec import renamed
+from wire.liveness import OwnedSandbox
+from wire.messages import to_host
+from wire.spec import HandleJson, renamed
 
 log = logging.getLogger(__name__)
 S = SandboxState
@@ -69,13 +70,13 @@ def exit_message(entry: dict[str, Any]) -> str:
     return f"exited with code {code}" if code is not None else "exited"
 
 
-def do_reconcile_host(host_name: str, taken_at: datetime, owned: list[dict[str, Any]]) -> Repairs:
+def do_reconcile_host(host_name: str, taken_at: datetime, owned_report: list[OwnedSandbox]) -> Repairs:
     """Repair the drift between ``owned`` (the agent's report at ``taken_at``) and the database."""
     repairs = Repairs()
     host = Host.objects.filter(name=host_name).first()
     if host is None:
         return repairs
-    owned = [renamed(entry) for entry in owned]  # an agent not yet upgraded says allocation_id
+    owned = [renamed(entry) for entry in owned_report]  # an agent not yet upgraded says allocation_id
     by_key = {entry["allocation_key"]: entry for entry in owned}
     sandboxes = {
         s.allocation_key: s
@@ -218,8 +219,8 @@ def _launch_overdue(sandbox: Sandbox, taken_at: datetime) -> bool:
     return sent is not None and sent < taken_at - timedelta(seconds=LAUNCH_RESEND_S)
 
 
-def _stop_after_commit(host_name: str, key: str, sandbox_id: int, handle: dict[str, Any] | None) -> None:
-    transaction.on_commit(lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle))
+def _stop_after_commit(host_name: str, key: str, sandbox_id: int, handle: HandleJson | None) -> None:
+    transaction.on_commit(lambda: to_host(host_name).stop_sandbox(key, sandbox_id, handle))
 
 
 def from_ms(t_ms: int) -> datetime:

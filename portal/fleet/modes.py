@@ -21,7 +21,7 @@ from typing import Any
 from django.db import transaction
 
 from portal.fleet.models import SETTABLE_MODES, FleetEvent, Gpu, GpuMode
-from wire import dispatch
+from wire.messages import to_host
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,6 @@ def do_set_gpu_mode(uuid: str, mode: str, actor: Any = None) -> Gpu:
             actor=actor if getattr(actor, "is_authenticated", False) else None,
         )
         host_name = gpu.host.name
-        transaction.on_commit(lambda: dispatch.to_host(host_name, "gpu_mode", uuid, mode))
+        transaction.on_commit(lambda: to_host(host_name).gpu_mode(uuid, mode))
     log.info("GPU %s %s", uuid, message)
     return gpu

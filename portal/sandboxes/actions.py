@@ -57,7 +57,7 @@ from portal.sandboxes.transitions import (
 )
 from scheduler.cluster import DeviceGrant
 from scheduler.gpus import MODELS
-from wire import dispatch
+from wire.messages import to_host
 
 log = logging.getLogger(__name__)
 S = SandboxState
@@ -351,7 +351,7 @@ def do_send_launches(sandbox_ids: list[int]) -> None:
                 continue  # launched already, stopped meanwhile, or its booking rolled back
             spec = launch_spec(sandbox)
             transition(sandbox, S.STARTING, message=f"launch sent to {sandbox.host.name}")
-            dispatch.to_host(sandbox.host.name, "launch_sandbox", spec.to_json())
+            to_host(sandbox.host.name).launch_sandbox(spec.to_json())
 
 
 def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:
@@ -371,7 +371,7 @@ def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:
                 message=LAUNCH_RESENT,
             )  # fmt: skip
         host_name, spec = sandbox.host.name, launch_spec(sandbox).to_json()
-        transaction.on_commit(lambda: dispatch.to_host(host_name, "launch_sandbox", spec))
+        transaction.on_commit(lambda: to_host(host_name).launch_sandbox(spec))
 
 
 def do_set_pending_reasons(reasons: dict[int, str]) -> None:

@@ -21,7 +21,7 @@ from django.utils import timezone
 from portal.sandboxes import notify
 from portal.sandboxes.models import Notification, Sandbox, SandboxEvent, SandboxState, StopCause
 from portal.sandboxes.transitions import locked, locked_by_key, send_stop_after_commit, transition
-from wire import dispatch
+from wire.messages import to_host
 
 log = logging.getLogger(__name__)
 S = SandboxState
@@ -80,7 +80,7 @@ def _warn(victim: Sandbox, beneficiary_id: int, reason: str, grace: timedelta) -
         victim.pk,
     )
     stop_at = victim.preempt_at.timestamp()  # a time, not a delay: the message may wait in a queue
-    transaction.on_commit(lambda: dispatch.to_host(host, "warn_sandbox", key, pk, handle, stop_at))
+    transaction.on_commit(lambda: to_host(host).warn_sandbox(key, pk, handle, stop_at))
 
 
 def do_stop_warned(now: datetime) -> list[int]:

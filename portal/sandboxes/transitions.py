@@ -18,7 +18,7 @@ from portal.audit import trail
 from portal.billing import ledger
 from portal.sandboxes import notify, nudge, webhooks
 from portal.sandboxes.models import ENDED_STATES, Allocation, Sandbox, SandboxEvent, SandboxState, StopCause
-from wire import dispatch
+from wire.messages import to_host
 
 log = logging.getLogger(__name__)
 S = SandboxState
@@ -163,4 +163,4 @@ def end(sandbox: Sandbox, to: str, ended_at: datetime, message: str, also: tuple
 def send_stop_after_commit(sandbox: Sandbox) -> None:
     host_name = sandbox.host.name if sandbox.host else ""
     key, handle, sandbox_id = sandbox.allocation_key, sandbox.handle, sandbox.pk
-    transaction.on_commit(lambda: dispatch.to_host(host_name, "stop_sandbox", key, sandbox_id, handle))
+    transaction.on_commit(lambda: to_host(host_name).stop_sandbox(key, sandbox_id, handle))

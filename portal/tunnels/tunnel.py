@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Literal
 
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -21,8 +21,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from portal.accounts.streams import Recheck
-from wire import dispatch
+from wire.messages import to_host
 from wire.relay import Inbox, InOrder, in_stream, kind, out_stream, post, text
+from wire.spec import HandleJson
 
 # The agent opens the stream: a Celery message, then a thread. 10 s was not enough for a
 # JupyterLab page's first burst of requests on a loaded two-core CI machine.
@@ -50,11 +51,19 @@ class Tunnel:
         self._acked = 0
         self._agent_done = False  # it said "closed": nothing to tell it at close
 
-    async def open(self, host: str, task: str, allocation_key: str, handle: dict[str, Any] | None) -> None:
+    async def open(
+        self,
+        host: str,
+        task: Literal["open_terminal", "open_app"],
+        allocation_key: str,
+        handle: HandleJson | None,
+    ) -> None:
         """Ask ``host``'s agent to open the stream (its Celery task ``task``)."""
         self._redis = Redis.from_url(settings.REDIS_URL)
         self._inbox = Inbox(self._redis, out_stream(self.session))
-        await asyncio.to_thread(dispatch.to_host, host, task, self.session, allocation_key, handle)
+        agent = to_host(host)
+        opener = agent.open_terminal if task == "open_terminal" else agent.open_app
+        await asyncio.to_thread(opener, self.session, allocation_key, handle)
 
     async def wait_opened(self, timeout_s: float) -> None:
         entry = await self._next(timeout_s, "the sandbox's host did not answer")
@@ -63,7 +72,7 @@ class Tunnel:
 
     async def read(self, timeout_s: float | None = None) -> bytes:
         """The next piece. TunnelClosed when the stream ended (TunnelSilent: nothing came
-        for ``timeout_s``); ``terminal_relay.StreamBroken`` when a piece was lost.
+        for ``timeout_s``); ``relay.StreamBroken`` when a piece was lost.
 
         Asking for the next piece acknowledges the one before (it has been passed on), and
         nothing is awaited once a piece is taken: a read cancelled at any point loses none."""

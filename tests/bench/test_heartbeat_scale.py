@@ -32,7 +32,7 @@ from portal.fleet.models import Host
 from portal.sandboxes.models import Sandbox
 from scheduler.research.bench_markdown import write_section
 from tests.bench.openb_fleet import OPENB_BENCH, WRITES, percentile, seed_openb
-from wire.liveness import Beat
+from wire.liveness import Beat, OwnedSandbox
 from workers.host.reports import ReportGate
 
 pytestmark = OPENB_BENCH
@@ -41,9 +41,9 @@ BEGIN, END = "<!-- bench:heartbeats:begin -->", "<!-- bench:heartbeats:end -->"
 FULL_REPORT_S = 60.0  # what the twin's agent sets
 
 
-def reports() -> dict[str, list[dict[str, Any]]]:
+def reports() -> dict[str, list[OwnedSandbox]]:
     """Each host's report of what it runs: every running sandbox, tracked, busy."""
-    owned: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    owned: dict[str, list[OwnedSandbox]] = defaultdict(list)
     rows = Sandbox.objects.filter(state="running").values_list(
         "host__name", "pk", "allocation_key", "started_at", "handle"
     )
@@ -72,7 +72,7 @@ class Round:
     rounds: int = 1
 
 
-def beats(hosts: list[str], owned: dict[str, list[dict[str, Any]]] | None) -> list[Beat]:
+def beats(hosts: list[str], owned: dict[str, list[OwnedSandbox]] | None) -> list[Beat]:
     now_ms = int(time.time() * 1000)
     return [
         Beat(
@@ -103,7 +103,7 @@ def beat_round(name: str, calls: list[list[Beat]], rounds: int = 1) -> Round:
     return Round(name, len(calls), reports, times, counts["statements"], counts["writes"], rounds)
 
 
-def gated_rounds(hosts: list[str], owned: dict[str, list[dict[str, Any]]], period: float) -> list[list[Beat]]:
+def gated_rounds(hosts: list[str], owned: dict[str, list[OwnedSandbox]], period: float) -> list[list[Beat]]:
     """A minute of rounds, every ``AGENT_HEARTBEAT_S``, from agents whose ``ReportGate`` sends
     a report only when it changed or its full report is due (none changes here: the steady
     state), after the round where every host sent its first."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from wire.liveness import OwnedSandbox
 from wire.spec import MpsShare, SandboxHandle, SandboxSpec
 from wire.storage import StorageMount
 from workers.drivers.base import SandboxStatus
@@ -180,7 +181,7 @@ class SlowListingDriver(RecordingDriver):
     def __init__(self) -> None:
         super().__init__()
         self.listed: list[SandboxHandle] = []
-        self.report_mid_launch: list[dict[str, Any]] = []
+        self.report_mid_launch: list[OwnedSandbox] = []
         self.agent: Agent | None = None
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:

@@ -92,7 +92,7 @@ def test_a_report_stuck_in_the_driver_is_logged_with_where_it_waits(
     assert len(beats_sent) == 3 and all(sent["owned"] is None for sent in beats_sent)
 
 
-def entry(allocation: str, state: str = "running", util: tuple[float, float] = (50.0, 1.0)) -> dict[str, Any]:
+def entry(allocation: str, state: str = "running", util: tuple[float, float] = (50.0, 1.0)) -> Any:
     return {"allocation_key": allocation, "state": state, "tracked": True, "util": util}
 
 

@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
-from wire.messages import PlanInventory, to_control
+from wire.messages import PlanInventory, StopOrder, to_control
 from wire.relay import Terminal
 from wire.spec import SandboxHandle, SandboxSpec
 from workers.drivers.base import SandboxDriver
@@ -95,7 +95,7 @@ class Agent:
         relay_stream(opener, self.host, session, allocation_key, handle, idle_s, kind)
 
     def execute_plan(
-        self, plan_id: int, stops: list[dict[str, Any]], mig_plan: dict[str, Any] | None, busy: dict[str, str]
+        self, plan_id: int, stops: list[StopOrder], mig_plan: dict[str, Any] | None, busy: dict[str, str]
     ) -> None:
         outcome = self.plans.execute(plan_id, stops, mig_plan, busy)
         results, steps, error = outcome.report()

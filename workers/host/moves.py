@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.defrag import DESTROY, MIGRATE, MigPlan
-from wire.messages import MigStepReport, MoveReport
+from wire.messages import MigStepReport, MoveReport, StopOrder
 from wire.spec import SandboxHandle, renamed
 from workers.drivers.base import DriverError
 from workers.gpu.mig import MigError, MigManager, MigStep
@@ -83,7 +83,7 @@ class FleetPlans:
         self.mig = MigManager(context.backend)
 
     def execute(
-        self, plan_id: int, stops: list[dict[str, Any]], mig_plan: dict[str, Any] | None, busy: dict[str, str]
+        self, plan_id: int, stops: list[StopOrder], mig_plan: dict[str, Any] | None, busy: dict[str, str]
     ) -> PlanOutcome:
         """Checkpoint and stop each sandbox in ``stops``, then apply ``mig_plan`` (if any).
 

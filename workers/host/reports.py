@@ -12,12 +12,11 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any
 
 import redis
 
 from wire import config, liveness
-from wire.liveness import Beat
+from wire.liveness import Beat, OwnedSandbox
 from wire.messages import to_control
 from wire.spec import SandboxHandle
 from workers.drivers.base import DriverError
@@ -64,7 +63,7 @@ class HostReports:
         self._job_thread: int | None = None  # ident of the thread building it
         self._stuck_logged = False
         self._job_lock = threading.Lock()
-        self.ready: tuple[list[dict[str, Any]], int] | None = None
+        self.ready: tuple[list[OwnedSandbox], int] | None = None
         self.gate = ReportGate(context.host, context.settings.full_report_s)
 
     def heartbeat(self) -> None:
@@ -158,7 +157,7 @@ class HostReports:
 
     def owned(
         self, handles: list[SandboxHandle], launching: dict[str, int] | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[OwnedSandbox]:
         """Every sandbox the driver owns on this host (``handles``, found by labels or names,
         so they survive a restart of this agent), with its state and whether this agent
         tracks it; and those still being launched (``launching``), as ``created``: without
@@ -166,34 +165,31 @@ class HostReports:
         vanished (the driver's start time precedes the report, its listing does not)."""
         tracked = set(self.context.sandboxes.specs())
         self.context.utilization.keep_only(tracked)
-        report = []
+        report: list[OwnedSandbox] = []
         for handle in handles:
             status = self.context.driver.status(handle)
             if status.state == "missing":
                 continue
             report.append(
-                {
-                    "allocation_key": handle.allocation_key,
-                    "sandbox_id": handle.sandbox_id,
-                    "state": status.state,
-                    "exit_code": status.exit_code,
-                    "reason": status.reason,
-                    "started_at_ms": status.started_at_ms,
-                    "handle": handle.to_json(),
-                    "tracked": handle.allocation_key in tracked,
-                    "util": self.context.utilization.over_window(handle.allocation_key),
-                }
+                OwnedSandbox(
+                    allocation_key=handle.allocation_key,
+                    sandbox_id=handle.sandbox_id,
+                    state=status.state,
+                    exit_code=status.exit_code,
+                    reason=status.reason,
+                    started_at_ms=status.started_at_ms,
+                    handle=handle.to_json(),
+                    tracked=handle.allocation_key in tracked,
+                    util=self.context.utilization.over_window(handle.allocation_key),
+                )
             )
         listed = {entry["allocation_key"] for entry in report}
         for allocation_key, sandbox_id in (launching or {}).items():
             if allocation_key not in listed:
                 report.append(
-                    {
-                        "allocation_key": allocation_key,
-                        "sandbox_id": sandbox_id,
-                        "state": "created",
-                        "tracked": True,
-                    }
+                    OwnedSandbox(
+                        allocation_key=allocation_key, sandbox_id=sandbox_id, state="created", tracked=True
+                    )
                 )
         return report
 
@@ -215,7 +211,7 @@ class ReportGate:
         self._sent: list[str] | None = None  # the last report sent, utilization aside
         self._full_due = 0.0
 
-    def passes(self, owned: list[dict[str, Any]]) -> bool:
+    def passes(self, owned: list[OwnedSandbox]) -> bool:
         if self.period <= 0:
             return True
         now = self.clock()

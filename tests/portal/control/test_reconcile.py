@@ -19,7 +19,9 @@ from tests.portal.helpers import place_all, request
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
 
-def entry(sandbox: Sandbox | None = None, key: str = "", state: str = "running", **kw: Any) -> dict[str, Any]:
+def entry(
+    sandbox: Sandbox | None = None, key: str = "", state: str = "running", **kw: Any
+) -> Any:  # an agent's report entry, as JSON
     key = key or (sandbox.allocation_key if sandbox else "")
     return {
         "allocation_key": key,
@@ -157,7 +159,7 @@ def test_a_sandbox_still_being_launched_when_the_report_was_taken_is_not_vanishe
     """The agent reports a launch under way as ``created`` (the driver lists it only once set
     up); read after the sandbox was marked running, that report must leave it running."""
     sandbox = placed(people, catalog)
-    report = [
+    report: list[Any] = [
         {
             "allocation_key": sandbox.allocation_key,
             "sandbox_id": sandbox.pk,
@@ -270,7 +272,7 @@ def test_the_utilization_window_is_stored_for_idle_culling(
 ) -> None:
     sandbox = placed(people, catalog)
     at = later()
-    report = [{**entry(sandbox), "util": [3.5, 590.0]}]
+    report: list[Any] = [{**entry(sandbox), "util": [3.5, 590.0]}]
     assert not do_reconcile_host(host_of(sandbox), at, report)  # not a repair
     sandbox.refresh_from_db()
     assert (sandbox.gpu_util_pct, sandbox.gpu_util_window_s, sandbox.gpu_util_at) == (3.5, 590.0, at)
@@ -284,7 +286,8 @@ def test_an_unmeasured_utilization_window_stops_culling_counting(
     sandbox = placed(people, catalog)
     Sandbox.objects.filter(pk=sandbox.pk).update(gpu_util_pct=0.0, idle_since=later(), idle_warned_at=later())
     at = later()
-    assert not do_reconcile_host(host_of(sandbox), at, [{**entry(sandbox), "util": [None, 590.0]}])
+    report: list[Any] = [{**entry(sandbox), "util": (None, 590.0)}]
+    assert not do_reconcile_host(host_of(sandbox), at, report)
     sandbox.refresh_from_db()
     assert (sandbox.gpu_util_pct, sandbox.gpu_util_at, sandbox.idle_since, sandbox.idle_warned_at) == (
         None,

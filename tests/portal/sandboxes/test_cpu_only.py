@@ -164,8 +164,15 @@ def test_reconcile_treats_it_like_any_sandbox(
     sandbox.refresh_from_db()
     assert sandbox.host is not None
     started_ms = int(START.timestamp() * 1000)
-    report = [{"allocation_key": sandbox.allocation_key, "sandbox_id": sandbox.pk, "state": "running",
-               "started_at_ms": started_ms, "handle": {"driver": "docker", "ref": "c"}}]  # fmt: skip
+    report: list[Any] = [
+        {
+            "allocation_key": sandbox.allocation_key,
+            "sandbox_id": sandbox.pk,
+            "state": "running",
+            "started_at_ms": started_ms,
+            "handle": {"driver": "docker", "ref": "c"},
+        }
+    ]
     assert do_reconcile_host(sandbox.host.name, timezone.now(), report).marked_running == [sandbox.pk]
     later = timezone.now() + timedelta(seconds=5)
     assert do_reconcile_host(sandbox.host.name, later, []).vanished == [sandbox.pk]
