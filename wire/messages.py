@@ -45,7 +45,7 @@ class FaultReport(TypedDict):
 
 
 class MoveReport(TypedDict):
-    """What became of one sandbox a plan asked its host to stop (``workers.moves.MoveResult``)."""
+    """What became of one sandbox a plan asked its host to stop (``workers.host.moves.MoveResult``)."""
 
     sandbox_id: int
     allocation_key: str
@@ -74,7 +74,7 @@ class PlanInventory(TypedDict):
 
 
 class MinuteRollup(TypedDict):
-    """One host's closed minute of samples (``workers/rollups.py``): per GPU uuid and per
+    """One host's closed minute of samples (``workers/host/rollups.py``): per GPU uuid and per
     sandbox id, [min, mean, max] triples and counts, as ``portal/telemetry/rollups.py`` reads."""
 
     minute: int  # epoch seconds of the minute's start

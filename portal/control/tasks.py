@@ -176,7 +176,7 @@ def storage_usage(sandbox_id: int, usage: StorageUsage) -> None:
 
 
 def sandbox_output(allocation_key: str, start: int, data_b64: str, total: int) -> None:
-    """A piece of a batch's output (workers/batch_output.py), kept for its owner."""
+    """A piece of a batch's output (workers/host/batch_output.py), kept for its owner."""
     do_store_output(allocation_key, int(start), base64.b64decode(data_b64), int(total))
 
 

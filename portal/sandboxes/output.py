@@ -1,4 +1,4 @@
-"""A batch sandbox's output, kept for its owner: what the agents send (workers/batch_output.py)
+"""A batch sandbox's output, kept for its owner: what the agents send (workers/host/batch_output.py)
 stored as chunks, trimmed to the newest ``BATCH_OUTPUT_MAX_BYTES``, read back by the page, the
 download and the API."""
 

@@ -1,7 +1,7 @@
 """Alerts on the control side: the policy agents evaluate, storing what they raise and
 clear, and the webhook events that tell an operator's tooling.
 
-Agents run the rules (workers/alerts.py); here a raised alert becomes a row (once, keyed
+Agents run the rules (workers/host/alerts.py); here a raised alert becomes a row (once, keyed
 by the agent's key), its clearing closes that row, a sandbox's owner is notified, and an
 ``alert.raised`` / ``alert.cleared`` webhook event is emitted (``portal.webhooks``: every
 endpoint subscribed to it, the global ones and, for a sandbox's alert, its project's;

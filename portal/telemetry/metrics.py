@@ -15,7 +15,7 @@ dcgm-exporter's ``pci_bus_id`` and ``DCGM_FI_DRIVER_VERSION`` labels are left ou
 do not report them, and Prometheus reads an absent label as an empty one.
 
 The figures are the newest sample of every device that the agents keep in Redis
-(``workers.telemetry.read_latest``). A device without a fresh sample has no such series, so
+(``wire.telemetry.read_latest``). A device without a fresh sample has no such series, so
 a GPU that went silent shows as a gap rather than as its last values. The ``gpushare_*``
 series describe the platform from the database: inventory, sandboxes, queue, alerts, cost.
 Each scrape reads the database in a fixed number of queries, however large the fleet.

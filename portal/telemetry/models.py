@@ -135,7 +135,7 @@ class AlertPolicy(models.Model):
             raise ValidationError(errors)
 
     def rules(self) -> dict[str, Any]:
-        """The thresholds as the agent evaluates them (workers/alerts.py)."""
+        """The thresholds as the agent evaluates them (workers/host/alerts.py)."""
         return {
             "enabled": self.enabled,
             "temp_high_c": self.temp_high_c,

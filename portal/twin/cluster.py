@@ -1,5 +1,5 @@
 """The twin's control plane and fleet as processes: a control worker, celery beat, and one
-agent process serving every simulated host of the trace (``workers.agent_pool``), each
+agent process serving every simulated host of the trace (``workers.host.agent_pool``), each
 with its log under the run's folder. Production runs these as separate services; here
 they share the machine with the twin that drives them.
 """

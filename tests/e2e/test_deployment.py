@@ -162,9 +162,10 @@ def test_unit_command_lines_match_the_code() -> None:
     ]
 
     # Every credential is handed to the settings as NAME_FILE, for a NAME they read.
-    settings_source = (ROOT / "portal" / "settings.py").read_text() + (
-        ROOT / "workers" / "config.py"
-    ).read_text()
+    settings_source = "".join(
+        (ROOT / path).read_text()
+        for path in ("portal/settings.py", "wire/config.py", "workers/host/agent_settings.py")
+    )
     for name in ("migrate", "web", "control", "beat", "agent"):
         creds = {c.split(":", 1)[0] for c in unit(f"gpushare-{name}.service")["LoadCredential"]}
         files = {k: v for k, v in unit_env(f"gpushare-{name}.service").items() if k.endswith("_FILE")}
