@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -110,4 +111,4 @@ def request_batch(page: Any, base: str, command: str, who: str = "olivia") -> No
     page.select_option("select[name=run]", "batch")
     page.fill("input[name=command]", command)
     page.click("form.request-form button[type=submit]")
-    page.wait_for_url("**/sandboxes/*/")
+    page.wait_for_url(re.compile(r".*/sandboxes/\d+/$"))  # not the form's own URL

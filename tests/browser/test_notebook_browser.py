@@ -8,6 +8,7 @@ sandbox has no network. Screenshot: docs/screenshots/notebook-*.png."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -65,7 +66,9 @@ def start_notebook(page: Any, base: str) -> Sandbox:
     page.select_option("select[name=image]", label="JupyterLab")
     page.select_option("select[name=isolation]", "container")
     page.click("form.request-form button[type=submit]")
-    page.wait_for_url("**/sandboxes/*/")
+    # The form's own URL (/sandboxes/new/) would match a glob at once, before the submit
+    # has navigated: wait for the sandbox's page, by its number.
+    page.wait_for_url(re.compile(r".*/sandboxes/\d+/$"))
     sandbox_id = int(page.url.rstrip("/").rsplit("/", 1)[1])
     wait_for(
         lambda: Sandbox.objects.get(pk=sandbox_id).state == "running", 120, "the notebook sandbox to run"

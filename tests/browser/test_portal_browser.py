@@ -7,6 +7,7 @@ docs/screenshots/ (the README shows them).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -90,7 +91,7 @@ class TestSignInRequestWatchAndStop:
 
     def test_03_request_opens_the_sandbox_page(self, scenario_page: Any) -> None:
         scenario_page.click("form.request-form button[type=submit]")
-        scenario_page.wait_for_url("**/sandboxes/*/")
+        scenario_page.wait_for_url(re.compile(r".*/sandboxes/\d+/$"))  # not the form's own URL
 
     def test_04_sandbox_reaches_running_with_a_live_chart(self, scenario_page: Any) -> None:
         page = scenario_page
@@ -255,7 +256,7 @@ class TestEverySharingModeALoweredQuotaAndADrain:
                 page.fill(selector, value)
         page.locator("#preview .verdict-now").wait_for(timeout=10_000)
         page.click("form.request-form button[type=submit]")
-        page.wait_for_url("**/sandboxes/*/")
+        page.wait_for_url(re.compile(r".*/sandboxes/\d+/$"))  # not the form's own URL
         page.wait_for_selector("#sandbox-state:text('Running')", timeout=60_000)
 
     def test_03_the_list_shows_four_running(self, scenario_page: Any, base: str) -> None:
