@@ -81,16 +81,16 @@ test: setup-test
 FAST_MARKERS := not slow and not e2e and not browser and not docker and not bwrap and not libvirt \
 	and not races and not gpu and not bench
 TEST_FAST_VAR_DIR ?= var/test-fast
+# The embedded default (SQLite, the embedded Redis): no server named, not even as a secret file.
+EMBEDDED := env -u DATABASE_URL -u DATABASE_URL_FILE -u REDIS_URL -u REDIS_URL_FILE
 test-fast: install
-	env -u DATABASE_URL -u DATABASE_URL_FILE -u REDIS_URL -u REDIS_URL_FILE GPUSHARE_VAR_DIR=$(TEST_FAST_VAR_DIR) \
-		$(PY) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+	$(EMBEDDED) GPUSHARE_VAR_DIR=$(TEST_FAST_VAR_DIR) $(PY) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 # The screenshots the README and docs/ show, renewed by the browser tests (tests/browser/),
 # which otherwise write theirs under the run's var dir. Needs Chromium, Docker and bubblewrap
 # (make setup-test installs them); runs on SQLite and the embedded Redis.
 screenshots: install frontend
-	env -u DATABASE_URL -u DATABASE_URL_FILE -u REDIS_URL -u REDIS_URL_FILE \
-		GPUSHARE_VAR_DIR=$(TEST_VAR_DIR)-screenshots GPUSHARE_SCREENSHOTS=$(CURDIR)/docs/screenshots \
+	$(EMBEDDED) GPUSHARE_VAR_DIR=$(TEST_VAR_DIR)-screenshots GPUSHARE_SCREENSHOTS=$(CURDIR)/docs/screenshots \
 		CI=$${CI:-true} $(PY) -m pytest -m browser tests/browser $(PYTEST_ARGS)
 
 # The openb cluster live (portal/twin): 1,213 simulated hosts on PostgreSQL and Redis, the
