@@ -41,6 +41,25 @@ class MpsShare:
     memory_mib: int  # CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for each visible device
 
 
+# What happens to a sandbox that holds more GPU memory than its share (MemoryShare).
+OVER_SHARE_WARN = "warn"  # its owner is warned; it keeps running
+OVER_SHARE_STOP = "stop"  # its owner is warned at once, and it is stopped after the grace
+
+
+@dataclass(frozen=True)
+class MemoryShare:
+    """What a sandbox on a shared GPU (an MPS share or a time-slice replica) may hold of each
+    of its devices' memory, summed over all its processes: MPS limits bind one process each
+    and time-slicing limits nothing, so the agent watches the sandbox's total (pid -> cgroup
+    -> sandbox) and acts as the tier says."""
+
+    kind: str  # "mps" | "timeslice"
+    memory_mib: int  # per device: the MPS share's memory, or the GPU's memory / replicas
+    replicas: int = 0  # time-slice: how many replicas the GPU is cut into (0 for MPS)
+    over_share: str = OVER_SHARE_WARN  # OVER_SHARE_WARN | OVER_SHARE_STOP
+    grace_s: int = 0  # OVER_SHARE_STOP: how long it may stay over before it is stopped
+
+
 @dataclass(frozen=True)
 class SandboxSpec:
     allocation_key: str  # idempotency key, unique per placement
@@ -75,6 +94,8 @@ class SandboxSpec:
     app: bool = False  # the image serves a web app on its app socket (workers/drivers/app_socket.py)
     pull: bool = False  # its image is from a registry an admin approved: pulled when missing
     owner_id: int = 0  # the owner's portal user id: their sandboxes run as their uid (uids.owner_uid)
+    # On a shared GPU (MPS, time-slice): the memory it may hold, watched per sandbox.
+    memory_share: MemoryShare | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +107,8 @@ class SandboxSpec:
         values["device_uuids"] = tuple(values.get("device_uuids") or ())
         mps = values.get("mps")
         values["mps"] = MpsShare(**mps) if mps else None
+        share = values.get("memory_share")
+        values["memory_share"] = MemoryShare(**share) if share else None
         values["env"] = dict(values.get("env") or {})
         values["mounts"] = tuple(StorageMount(**m) for m in values.get("mounts") or ())
         return cls(**values)

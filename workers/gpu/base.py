@@ -69,6 +69,10 @@ class GpuSample:
     # memory held by each process / sandbox key on this GPU, when the backend knows it;
     # NVML keys are "pid:<pid>", so the agent can map a pid to the sandbox that owns it
     mem_by_owner: dict[str, int] = field(default_factory=dict)
+    # SM utilization (%) of each process / sandbox key over the last sample period, keyed as
+    # mem_by_owner; None when the device cannot measure it per process (then a sandbox on a
+    # shared GPU has no utilization of its own: unmeasured, never its neighbours' figure).
+    util_by_owner: dict[str, float] | None = None
     # Volatile ECC error counts of the board (since the last driver load); 0 when the GPU
     # has no ECC or does not report it. A MIG device reports its parent's counts.
     ecc_corrected: int = 0
