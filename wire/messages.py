@@ -82,6 +82,21 @@ class MinuteRollup(TypedDict):
     sandboxes: dict[str, dict[str, Any]]
 
 
+class OverShareReport(TypedDict):
+    """A sandbox on a shared GPU holding more memory than its share (``wire.spec.MemoryShare``),
+    summed over all its processes, as its host's agent measured it."""
+
+    sandbox_id: int
+    allocation_key: str
+    gpu: str  # the device it was measured on
+    mem_mib: int  # what it held when this was sent
+    share_mib: int
+    since_ms: int  # when it went over
+    # "warn": first seen over (its owner is told at once); "stop": over for its tier's grace
+    # under MemoryShare.over_share == "stop" (the portal stops it); "clear": back within its share
+    action: str
+
+
 # A stopped sandbox's volumes: {volume id (JSON keys are strings): [bytes, whether measured whole]}.
 StorageUsage = dict[str, list[Any]]
 
@@ -132,6 +147,7 @@ class ControlTasks(Protocol):
     def telemetry_host_rollups(self, rollups: list[tuple[str, MinuteRollup]], /) -> None: ...
     def telemetry_alerts(self, host: str, changes: list[AlertMessage], /) -> None: ...
     def telemetry_agent_started(self, host: str, /) -> None: ...
+    def sandbox_over_share(self, host: str, report: OverShareReport, /) -> None: ...
 
 
 class StopOrder(TypedDict):
