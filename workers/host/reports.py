@@ -155,6 +155,20 @@ class HostReports:
             return sample.mem_by_owner[allocation_key]
         return sum(m for k, m in sample.mem_by_owner.items() if self._pid_owner.get(k) == allocation_key)
 
+    def util_of(self, sample: GpuSample, allocation_key: str) -> float | None:
+        """A sandbox's own utilization on a shared GPU (% of the device's time): the backend's
+        figure for it (simulated), or the sum over its processes through the same pid ->
+        sandbox map as memory_of (NVML); 0 when none of them was busy. None when the device
+        cannot measure it per process (MIG, MPS where NVML names the server: see
+        workers/gpu/process_util.py): unmeasured, never its neighbours' figure."""
+        by_owner = sample.util_by_owner
+        if by_owner is None:
+            return None
+        if allocation_key in by_owner:
+            return round(min(100.0, by_owner[allocation_key]), 1)
+        own = sum(u for k, u in by_owner.items() if self._pid_owner.get(k) == allocation_key)
+        return round(min(100.0, own), 1)
+
     def owned(
         self, handles: list[SandboxHandle], launching: dict[str, int] | None = None
     ) -> list[OwnedSandbox]:
