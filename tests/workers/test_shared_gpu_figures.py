@@ -368,3 +368,19 @@ def test_simulated_tenants_on_one_time_sliced_gpu_busy_idle_and_over_their_share
     assert agent.context.utilization.over_window("busy") == (90.0, 4.0)
     assert agent.context.utilization.over_window("idle") == (0.0, 4.0)
     assert over_share_sent(sent_tasks) == [(3, "warn", 30 * GIB), (3, "stop", 30 * GIB)]
+
+
+def test_a_sandbox_whose_processes_are_not_known_is_unmeasured_not_idle(
+    fake: FakeNvml, nvml_agent: tuple[Agent, FakeLayer, dict[str, int]], sent_tasks: Any
+) -> None:
+    """Before the first report lists its pids, or on a driver that cannot list them, summing
+    its processes would give 0 %: an idle reading culling would act on."""
+    agent, layer, clock = nvml_agent
+    agent.context.driver.pid_map["late"] = [303]  # type: ignore[attr-defined]
+    running = agent.context.sandboxes.running
+    running["late"] = timeslice_spec("late", 9, H100_UUID, running["idle"].memory_share)
+    ticks(agent, layer, clock, 1, lambda _: fake.record_process_util(fake.h100, {303: 50}))
+    assert agent.context.utilization.over_window("late") == (None, 0.0)
+    agent.reports.refresh_pid_owners(agent.context.driver.list_owned())
+    ticks(agent, layer, clock, 1, lambda _: fake.record_process_util(fake.h100, {303: 50}))
+    assert agent.context.utilization.over_window("late") == (50.0, 1.0)
