@@ -38,7 +38,9 @@ class FaultReport(TypedDict):
     """A GPU fault the control worker drains for (``workers.gpu.base.FaultEvent`` as JSON)."""
 
     uuid: str  # the GPU, or the MIG device the fault was tied to
-    kind: str  # "xid" | "ecc_dbe" | "gpu_lost" | "overheat" (application XIDs never come here)
+    # "xid" | "ecc_dbe" | "gpu_lost" | "overheat" | "remap_failed" | "remap_pending" |
+    # "retirement_pending" (application XIDs never come here)
+    kind: str
     detail: str
     t_ms: int
     xid: NotRequired[int | None]  # an overheat carries none

@@ -38,9 +38,23 @@ class GpuAdminForm(forms.ModelForm):
 @admin.register(Gpu)
 class GpuAdmin(admin.ModelAdmin):
     form = GpuAdminForm
-    list_display = ("host", "index", "model", "uuid", "sharing_mode", "mig_enabled", "state", "drain_reason")
+    list_display = (
+        "host",
+        "index",
+        "model",
+        "uuid",
+        "sharing_mode",
+        "mig_enabled",
+        "state",
+        "drain_reason",
+        "unavailable_reason",
+    )
     list_filter = ("host", "sharing_mode", "state")
-    readonly_fields = ("state", "drain_reason")  # changed through the drain actions only
+    readonly_fields = (
+        "state",
+        "drain_reason",
+        "unavailable_reason",
+    )  # changed through the drain actions only
     actions = ["drain", "undrain"]
 
     def save_model(self, request: HttpRequest, obj: Gpu, form: forms.ModelForm, change: bool) -> None:

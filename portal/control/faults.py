@@ -1,8 +1,10 @@
 """GPU faults, and draining GPUs: by hand (an admin), or automatically on a fault.
 
 A drained GPU takes no new sandboxes; what already runs on it keeps running (an admin
-stops or migrates it). A device XID, a double-bit ECC error, a GPU that fell off the bus
-or a temperature over the alert policy's rule drains the GPU automatically, writes a fleet
+stops or migrates it). A device XID, a double-bit ECC error, a GPU that fell off the bus,
+a temperature over the alert policy's rule, or a memory repair the board reports (a row
+remap that failed: replace the GPU; one pending, or pages pending retirement: reset it when
+idle) drains the GPU automatically, writes a fleet
 event and logs an error; only an admin undrains it. The fault's one alert is the agent's
 (``portal.telemetry.alerts``: stored, webhooks, owners told); undraining closes it. Every
 call is one transaction and idempotent: a second report of the same fault changes nothing.
@@ -38,6 +40,11 @@ DRAINING_FAULTS = {
     "ecc_dbe": "double-bit ECC error",
     "gpu_lost": "GPU lost (fell off the bus or stopped answering)",
     "overheat": "temperature over the limit",
+    # The board's memory repairs, read by the agent at start and periodically
+    # (workers.gpu.base.MemoryRepairs): state from before the agent started, too.
+    "remap_failed": "row remapping failed",
+    "remap_pending": "a row remap is pending",
+    "retirement_pending": "a page retirement is pending",
 }
 # The alert kinds of faults that drain a GPU (the temperature's clears itself as it cools).
 FAULT_ALERTS = ("xid", "ecc", "gpu_lost")

@@ -17,7 +17,9 @@ here, explicitly.
 Host states: ``up`` (its agent beats), ``lost`` (it missed heartbeats), ``draining`` (in
 the table, set by nothing yet). GPU states: ``available``, ``drained`` (out of service
 until an admin undrains it: a fault or an admin's drain), ``unavailable`` (its host is
-lost or its agent no longer sees it).
+lost, its agent no longer sees it, or its agent sees it but cannot offer it: an NVLink
+fabric Fabric Manager has not registered). Unavailability ends by itself, when the agent
+offers the GPU again; the reason is kept with the GPU meanwhile (``unavailable_reason``).
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def _gpus_to(
 ) -> list[Gpu]:
     """Move locked GPUs to ``to``, one UPDATE and one event each (written together).
 
-    ``reason``: the drain reason stored with a drain; leaving ``drained`` clears it.
+    ``reason``: the reason stored with a drain or with unavailability; leaving ``drained``
+    or ``unavailable`` clears it.
     ``kind``: the event's kind when not the table's (a drain's cause). Every transition is
     checked before anything is written. Returns the GPUs changed (those already in ``to``
     are left, as a repeated report changes nothing)."""
@@ -132,6 +135,10 @@ def _gpus_to(
         fields["drain_reason"] = (reason or "")[:200]
     elif any(gpu.state == G.DRAINED for gpu in moving):
         fields["drain_reason"] = ""
+    if to == G.UNAVAILABLE:
+        fields["unavailable_reason"] = (reason or "")[:200]
+    elif any(gpu.state == G.UNAVAILABLE for gpu in moving):
+        fields["unavailable_reason"] = ""
     Gpu.objects.filter(pk__in=[gpu.pk for gpu in moving]).update(**fields)
     person = _user(actor)
     for gpu in moving:
@@ -151,7 +158,9 @@ def lose_host(host: Host, message: str) -> list[Gpu]:
     drained). Returns the GPUs made unavailable."""
     _host_to(host, H.LOST, message)
     gpus = list(Gpu.objects.select_for_update().filter(host=host, state=G.AVAILABLE))
-    return _gpus_to(gpus, G.UNAVAILABLE, f"unavailable: host {host.name} lost")
+    return _gpus_to(
+        gpus, G.UNAVAILABLE, f"unavailable: host {host.name} lost", reason=f"host {host.name} lost"
+    )
 
 
 def regain_host(host: Host, message: str = "heartbeats again") -> None:
@@ -176,10 +185,25 @@ def undrain_gpu(gpu: Gpu, actor: Any = None, message: str = "undrained") -> bool
     return bool(_gpus_to([gpu], G.AVAILABLE, message, actor=actor))
 
 
-def gpus_unavailable(gpus: Iterable[Gpu], message: str) -> list[Gpu]:
+def gpus_unavailable(
+    gpus: Iterable[Gpu], message: str, reason: str = "its agent no longer sees it"
+) -> list[Gpu]:
     """Locked available GPUs no longer there (their agent does not see them). A drained
     GPU stays drained; one unavailable already is left. Returns those changed."""
-    return _gpus_to([gpu for gpu in gpus if gpu.state == G.AVAILABLE], G.UNAVAILABLE, message)
+    return _gpus_to([gpu for gpu in gpus if gpu.state == G.AVAILABLE], G.UNAVAILABLE, message, reason=reason)
+
+
+def gpu_not_ready(gpu: Gpu, reason: str) -> bool:
+    """A locked GPU its agent sees but cannot offer, for ``reason`` (its NVLink fabric is
+    not ready): an available one becomes unavailable with it; an unavailable one takes it
+    as its reason (it is there, and this is why it is not offered); a drained one stays
+    drained, as only an admin undrains. True when the state changed."""
+    if gpu.state == G.AVAILABLE:
+        return bool(_gpus_to([gpu], G.UNAVAILABLE, f"unavailable: {reason}", reason=reason))
+    if gpu.state == G.UNAVAILABLE and gpu.unavailable_reason != reason[:200]:
+        gpu.unavailable_reason = reason[:200]
+        gpu.save(update_fields=["unavailable_reason"])
+    return False
 
 
 def gpu_available(gpu: Gpu, message: str) -> bool:

@@ -49,6 +49,10 @@ def do_sync_inventory(
     GPUs are matched by UUID. A new GPU follows demand, or is shared by MIG when it is in
     MIG mode. An admin's pin is kept; only a change of MIG mode (a GPU reset on the host)
     changes the mode: into MIG, or out of it to following demand.
+
+    A GPU the agent reports ``not_ready`` (its NVLink fabric not registered by Fabric
+    Manager: CUDA would fail on it) is unavailable with that reason, and available again
+    once an inventory reports it ready (the agent re-sends one when that changes).
     """
     host, _ = Host.objects.select_for_update().get_or_create(
         name=host_name, defaults={"backend": backend, "driver": driver}
@@ -83,7 +87,12 @@ def do_sync_inventory(
             elif gpu.sharing_mode == GpuMode.MIG:
                 gpu.sharing_mode = GpuMode.AUTO
             gpu.save(update_fields=["name", "model", "memory_mib", "mig_enabled", "sharing_mode"])
-            actions.gpu_available(gpu, f"available: host {host.name}'s agent sees it again")
+        not_ready = str(info.get("not_ready") or "")  # an agent before fabric checks sends none
+        if not_ready:
+            actions.gpu_not_ready(gpu, not_ready)
+        elif not created:
+            was = f" (it was unavailable: {gpu.unavailable_reason})" if gpu.unavailable_reason else ""
+            actions.gpu_available(gpu, f"available: host {host.name}'s agent offers it again{was}")
         _sync_mig(gpu, info.get("mig_devices") or [])
     gone = [gpu for uuid, gpu in known.items() if uuid not in seen]
     actions.gpus_unavailable(gone, f"unavailable: host {host.name}'s agent no longer sees it")

@@ -63,7 +63,8 @@ class Gpu(models.Model):
     class State(models.TextChoices):
         AVAILABLE = "available", "Available"
         DRAINED = "drained", "Drained"
-        UNAVAILABLE = "unavailable", "Unavailable"  # host lost or GPU vanished
+        # host lost, GPU vanished, or its agent sees it but cannot offer it (not_ready)
+        UNAVAILABLE = "unavailable", "Unavailable"
 
     host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="gpus")
     index = models.PositiveSmallIntegerField()
@@ -78,6 +79,10 @@ class Gpu(models.Model):
     timeslice_replicas = models.PositiveSmallIntegerField(default=4)
     state = models.CharField(max_length=16, choices=State.choices, default=State.AVAILABLE)
     drain_reason = models.CharField(max_length=200, blank=True)
+    # Why it is unavailable ("host … lost", "its agent no longer sees it", or the agent's
+    # reason, e.g. "NVLink fabric not ready: …"); empty in any other state. Unlike a drain,
+    # unavailability ends by itself when the agent offers the GPU again.
+    unavailable_reason = models.CharField(max_length=200, blank=True)
 
     class Meta:
         ordering = ["host__name", "index"]
@@ -143,7 +148,7 @@ class FleetEvent(models.Model):
     host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="events")
     gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, null=True, blank=True, related_name="events")
     # host_lost, host_regained, drained, undrained, unavailable, available, mode, or a fault:
-    # xid, app_xid, ecc_dbe, gpu_lost, overheat
+    # xid, app_xid, ecc_dbe, gpu_lost, overheat, remap_failed, remap_pending, retirement_pending
     kind = models.CharField(max_length=32)
     severity = models.CharField(max_length=8, choices=Severity.choices, default=Severity.INFO)
     message = models.CharField(max_length=300)

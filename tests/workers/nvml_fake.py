@@ -81,6 +81,17 @@ class Dev:
     # Volatile ECC counts by pynvml.NVML_MEMORY_ERROR_TYPE_*; None: ECC not supported.
     ecc: dict[int, int] | None = None
     profiles: Profiles = field(default_factory=lambda: A100_PROFILES)
+    # -- NVLink fabric and memory repairs (issue 36) ---------------------------------------
+    # (state, status) nvmlDeviceGetGpuFabricInfoV fills in: NVML_GPU_FABRIC_STATE_*, and an
+    # nvmlReturn_t once COMPLETED. None: the call answers NOT_SUPPORTED (no NVSwitch fabric).
+    fabric: tuple[int, int] | None = None
+    # nvmlDeviceGetRemappedRows: (corrected, uncorrected, isPending, failureOccurred); None:
+    # NOT_SUPPORTED (a board before Ampere, which retires pages instead)
+    remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)
+    # Page retirement (before Ampere): retired page addresses by NVML_PAGE_RETIREMENT_CAUSE_*,
+    # and whether pages wait for the next reset. None: NOT_SUPPORTED (Ampere and later).
+    retired_pages: dict[int, list[int]] | None = None
+    retirement_pending: bool = False
 
     def profile(self, profile_id: int) -> tuple[int, str, int, int, int]:
         return next(p for p in self.profiles.values() if p[0] == profile_id)
@@ -205,6 +216,9 @@ class FakeNvml:
         self._make_instance(self.a100, 9, start=4, gi_id=2)
         self.mig(2).procs = [SimpleNamespace(pid=404, usedGpuMemory=2_048 * MIB)]
         self.mig(2).used_mib = 2_100
+        # NVLink fabric (issue 36): the H100 as on an HGX board Fabric Manager has registered;
+        # the A100 answers NOT_SUPPORTED (the fabric call is Hopper's).
+        self.h100.fabric = (pynvml.NVML_GPU_FABRIC_STATE_COMPLETED, pynvml.NVML_SUCCESS)
 
     # -- helpers for tests -------------------------------------------------------------------
 
@@ -584,6 +598,53 @@ class FakeNvml:
 
     def nvmlEventSetFree(self, event_set: str) -> None:
         self.freed = True
+
+    # -- NVLink fabric and memory repairs (issue 36) -----------------------------------------
+    # NVML answers these for whole GPUs: a MIG device handle gets NOT_SUPPORTED (ask the parent).
+
+    FUNCTIONS = FUNCTIONS | {
+        "nvmlDeviceGetGpuFabricInfoV",
+        "nvmlDeviceGetGpuFabricInfo",
+        "nvmlDeviceGetRemappedRows",
+        "nvmlDeviceGetRetiredPages",
+        "nvmlDeviceGetRetiredPagesPendingStatus",
+    }
+
+    def nvmlDeviceGetGpuFabricInfoV(self, dev: Dev, info_ref: Any) -> int:
+        info = info_ref._obj  # ctypes.byref(c_nvmlGpuFabricInfoV_t())
+        assert isinstance(info, pynvml.c_nvmlGpuFabricInfo_v2_t)
+        assert info.version == pynvml.nvmlGpuFabricInfo_v2
+        return self._fill_fabric(dev, info)
+
+    def nvmlDeviceGetGpuFabricInfo(self, dev: Dev, info_ref: Any) -> int:
+        info = info_ref._obj  # the deprecated call's structure: no version field
+        assert isinstance(info, pynvml.c_nvmlGpuFabricInfo_t)
+        return self._fill_fabric(dev, info)
+
+    def _fill_fabric(self, dev: Dev, info: Any) -> int:
+        fabric = self._board_only(self._live(dev)).fabric
+        if fabric is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        info.state, info.status = fabric
+        return pynvml.NVML_SUCCESS
+
+    def nvmlDeviceGetRemappedRows(self, dev: Dev) -> tuple[int, int, int, int]:
+        rows = self._board_only(self._live(dev)).remapped_rows
+        if rows is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return rows
+
+    def nvmlDeviceGetRetiredPages(self, dev: Dev, cause: int) -> list[int]:
+        pages = self._board_only(self._live(dev)).retired_pages
+        if pages is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return list(pages.get(cause, []))
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, dev: Dev) -> int:
+        board = self._board_only(self._live(dev))
+        if board.retired_pages is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return pynvml.NVML_FEATURE_ENABLED if board.retirement_pending else pynvml.NVML_FEATURE_DISABLED
 
 
 def event(dev: Dev, kind: int, data: int = 0, gi: int = NO_INSTANCE) -> SimpleNamespace:

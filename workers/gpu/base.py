@@ -48,6 +48,11 @@ class GpuInfo:
     # GPU instances with no or several compute instances (MigDevice.usable is False): no
     # sandbox can have them, but their memory slices are taken. mig_layout lists them too.
     unusable_mig: tuple[MigDevice, ...] = ()
+    # Why the GPU, though present and answering NVML, cannot run CUDA work now ("" when it
+    # can): on Hopper + NVSwitch a GPU serves CUDA only once Fabric Manager has registered
+    # it in the NVLink fabric (until then every CUDA call fails with 802). The portal shows
+    # the GPU unavailable with this reason, and it comes back by itself once it is "".
+    not_ready: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,7 +89,7 @@ class FaultEvent:
     uuid: str  # the GPU, or the MIG device the fault was tied to
     # "xid" (a device XID: the GPU is drained) | "app_xid" (an application XID: the tenant's
     # own fault, for the sandbox's owner; the GPU stays in service) | "ecc_dbe" | "gpu_lost"
-    # | "overheat"
+    # | "overheat" | "remap_failed" | "remap_pending" | "retirement_pending" (MemoryRepairs)
     kind: str
     detail: str
     t_ms: int
@@ -95,6 +100,56 @@ def xid_event(uuid: str, xid: int, t_ms: int) -> FaultEvent:
     """The fault event for ``xid``: ``app_xid`` or ``xid`` as wire.xids classes it."""
     kind = "app_xid" if is_application(xid) else "xid"
     return FaultEvent(uuid, kind, describe(xid), t_ms, xid=xid)
+
+
+@dataclass(frozen=True)
+class MemoryRepairs:
+    """What a GPU's memory repair state says, read from the board (it persists in the
+    InfoROM across driver loads, unlike the volatile ECC counts): row remapping (Ampere and
+    later) and dynamic page retirement (before Ampere). None: the GPU does not report it.
+
+    A row remap or a page retirement takes effect only at the next GPU reset (or, for pages,
+    a driver reload): until then it is *pending*. The GPU is drained so it empties and can be
+    reset (NVIDIA's page-retirement guide: no new CUDA context is made on a board whose
+    double-bit error waits to be mapped out). A *failed* remap means a bank ran out of spare
+    rows: a case for NVIDIA's RMA policy, i.e. replacing the board."""
+
+    remapped_uncorrectable: int | None = None  # rows remapped for uncorrectable errors
+    remapped_correctable: int | None = None  # rows remapped for correctable errors
+    remap_pending: bool = False
+    remap_failed: bool = False
+    retired_pages_dbe: int | None = None  # pages retired for double-bit ECC errors
+    retirement_pending: bool = False
+
+    def faults(self) -> list[tuple[str, str]]:
+        """(fault kind, what an operator should know) for each condition that takes the GPU
+        out of service; [] for a healthy board. The kinds drain like an XID (portal.control.faults)."""
+        found = []
+        rows = (
+            f" ({self.remapped_uncorrectable} rows remapped for uncorrectable errors, "
+            f"{self.remapped_correctable} for correctable ones)"
+            if self.remapped_uncorrectable is not None
+            else ""
+        )
+        if self.remap_failed:
+            found.append(
+                ("remap_failed", f"the GPU needs replacement (RMA): a memory row could not be remapped{rows}")
+            )
+        if self.remap_pending:
+            found.append(("remap_pending", f"reset the GPU when idle; sandboxes on it keep running{rows}"))
+        if self.retirement_pending:
+            pages = (
+                f" ({self.retired_pages_dbe} pages retired for double-bit ECC errors)"
+                if self.retired_pages_dbe
+                else ""
+            )
+            found.append(
+                (
+                    "retirement_pending",
+                    f"reset the GPU when idle to map the bad pages out; sandboxes on it keep running{pages}",
+                )
+            )
+        return found
 
 
 class GpuBackendError(RuntimeError):
@@ -129,6 +184,16 @@ class GpuBackend(Protocol):
     def fault_events(self) -> list[FaultEvent]:
         """The device faults (XIDs, ECC, a lost GPU) since the last call. What goes wrong
         with a GPU is a fault: "health" is only the portal's ``/healthz``."""
+        ...
+
+    def fabric_problem(self, uuid: str) -> str:
+        """Why the GPU cannot run CUDA work now for its NVLink fabric (GpuInfo.not_ready), or
+        "" when it can (ready, or no fabric). Cheap enough to ask every heartbeat."""
+        ...
+
+    def memory_repairs(self, uuid: str) -> MemoryRepairs:
+        """The GPU's row-remapping and page-retirement state (not its MIG devices': a
+        board's). Raises GpuLost for a lost GPU."""
         ...
 
     def note_load(self, owner: str, device_uuids: list[str], mem_mib: int, util_pct: float) -> None:

@@ -28,12 +28,14 @@ from typing import Any, TypeVar
 import pynvml
 
 from scheduler.gpus import model_for_name
+from workers.gpu import nvml_board
 from workers.gpu.base import (
     FaultEvent,
     GpuBackendError,
     GpuInfo,
     GpuLost,
     GpuSample,
+    MemoryRepairs,
     MigDevice,
     xid_event,
 )
@@ -185,6 +187,9 @@ class NvmlBackend:
             memory_mib = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB
             mig_enabled = _mig_enabled(handle)
             migs = self._mig_devices(handle, uuid) if mig_enabled else []
+            not_ready = nvml_board.fabric_problem(handle)
+        if not_ready:
+            log.warning("GPU %s is not offered: %s", uuid, not_ready)
         model = model_for_name(name, memory_mib)
         unusable = [d for d in migs if not d.usable]
         if unusable:
@@ -206,7 +211,27 @@ class NvmlBackend:
             mig_devices=tuple(d for d in migs if d.usable),
             simulated=False,
             unusable_mig=tuple(unusable),
+            not_ready=not_ready,
         )
+
+    def fabric_problem(self, uuid: str) -> str:
+        """The GPU's NVLink fabric registration (nvml_board.fabric_problem), asked of the
+        board for a MIG device."""
+        with self._guard("read NVLink fabric state", uuid):
+            return nvml_board.fabric_problem(self._board(uuid))
+
+    def memory_repairs(self, uuid: str) -> MemoryRepairs:
+        """Row remapping and page retirement (nvml_board.memory_repairs) of the board."""
+        with self._guard("read memory repairs", uuid):
+            return nvml_board.memory_repairs(self._board(uuid))
+
+    @staticmethod
+    def _board(uuid: str) -> Any:
+        """The whole GPU's handle for a GPU or MIG uuid (the caller guards the calls)."""
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        if uuid.startswith("MIG-"):
+            return pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+        return handle
 
     def mig_layout(self, uuid: str) -> list[MigDevice]:
         with self._guard("read MIG layout", uuid):

@@ -26,7 +26,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.gpus import CATALOG, COMPUTE_SLICES, GpuModel, check_layout
-from workers.gpu.base import FaultEvent, GpuBackendError, GpuInfo, GpuLost, GpuSample, MigDevice, xid_event
+from workers.gpu.base import (
+    FaultEvent,
+    GpuBackendError,
+    GpuInfo,
+    GpuLost,
+    GpuSample,
+    MemoryRepairs,
+    MigDevice,
+    xid_event,
+)
 
 # Fixed namespace so UUIDs are stable across processes and releases.
 _UUID_NAMESPACE = uuidlib.UUID("6f1d2c1e-5a7b-4c59-9a43-0b6d5f3e8a21")
@@ -201,6 +210,9 @@ class SimulatedBackend:
         self._mig_parent: dict[str, str] = {}  # MIG uuid -> GPU uuid
         self._loads: dict[str, _Load] = {}
         self._events: list[FaultEvent] = []
+        # What set_fabric_problem / set_memory_repairs put on a GPU (none: ready and clean).
+        self._not_ready: dict[str, str] = {}
+        self._repairs: dict[str, MemoryRepairs] = {}
         now = clock()
         for index, config in enumerate(gpus):
             model = _model(config.model)
@@ -233,6 +245,7 @@ class SimulatedBackend:
                     mig_enabled=gpu.mig_enabled,
                     mig_devices=tuple(self._sorted_migs(gpu)),
                     simulated=True,
+                    not_ready=self._not_ready.get(gpu.uuid, ""),
                 )
                 for gpu in self._gpus.values()
                 if not gpu.lost  # as with NVML, a GPU that fell off the bus is gone
@@ -487,6 +500,31 @@ class SimulatedBackend:
             if not gpu.lost:
                 gpu.lost = True
                 self._events.append(FaultEvent(gpu.uuid, "gpu_lost", "GPU is lost", self._now_ms()))
+
+    def fabric_problem(self, uuid: str) -> str:
+        with self._lock:
+            gpu, _ = self._device(uuid)
+            return self._not_ready.get(gpu.uuid, "")
+
+    def memory_repairs(self, uuid: str) -> MemoryRepairs:
+        with self._lock:
+            gpu, _ = self._device(uuid)
+            return self._repairs.get(
+                gpu.uuid, MemoryRepairs(remapped_uncorrectable=0, remapped_correctable=0)
+            )
+
+    def set_fabric_problem(self, uuid: str, problem: str) -> None:
+        """The GPU's NVLink fabric is not ready for ``problem`` ("": ready again), as NVML
+        reports a GPU Fabric Manager has not registered (nvml_board.fabric_problem)."""
+        with self._lock:
+            gpu, _ = self._device(uuid)
+            self._not_ready[gpu.uuid] = problem
+
+    def set_memory_repairs(self, uuid: str, repairs: MemoryRepairs) -> None:
+        """The board's row-remapping / page-retirement state from now on."""
+        with self._lock:
+            gpu, _ = self._device(uuid)
+            self._repairs[gpu.uuid] = repairs
 
     def close(self) -> None:
         """Nothing to release: all state lives in this object."""

@@ -34,6 +34,7 @@ class AgentSettings:
     checkpoint_timeout_s: int = 300
     storage_measure_s: float = 20.0  # the longest walk measuring one volume
     storage_interval_s: float = 600.0  # how often running sandboxes' volumes are measured
+    memory_check_s: float = 600.0  # how often each GPU's row remapping / page retirement is read
 
     @classmethod
     def from_env(cls, host: str | None = None) -> AgentSettings:
@@ -58,6 +59,7 @@ class AgentSettings:
             checkpoint_hook=env_str("SANDBOX_CHECKPOINT_HOOK", "-"),
             storage_measure_s=float(env_int("STORAGE_MEASURE_S", 20, minimum=1)),
             storage_interval_s=float(env_int("STORAGE_INTERVAL_S", 600, minimum=10)),
+            memory_check_s=float(env_int("GPU_MEMORY_CHECK_S", 600, minimum=10)),
             checkpoint_timeout_s=env_int("SANDBOX_CHECKPOINT_TIMEOUT_S", 300, minimum=1),
         )
 

@@ -6,6 +6,9 @@ for the GPU. An application XID (the tenant's kernel faulted: NVIDIA's device pl
 ignores these, the GPU is healthy) drains nothing: it raises one alert for the sandboxes
 on the device that faulted, and their owners hear of it.
 
+A GPU's memory repair state (a failed or pending row remap, pages waiting for retirement:
+``workers.host.memory_repairs``) is read at start and on a period, and drains the same way.
+
 The temperature has one rule, the alert policy's (``temp_high_c``, held ``hold_s``): the
 alert it raises for a GPU is that fault's alert, and the GPU is drained with it.
 """
@@ -22,10 +25,20 @@ from wire.spec import SandboxSpec
 from wire.telemetry import AlertMessage
 from wire.xids import describe, is_application
 from workers.host.context import HostContext
+from workers.host.memory_repairs import MemoryRepairWatch
 
 log = logging.getLogger(__name__)
 # Fault event kind -> the alert kind that tells of it.
-ALERT_KIND = {"xid": "xid", "app_xid": "xid", "ecc_dbe": "ecc", "gpu_lost": "gpu_lost"}
+ALERT_KIND = {
+    "xid": "xid",
+    "app_xid": "xid",
+    "ecc_dbe": "ecc",
+    "gpu_lost": "gpu_lost",
+    # the board's memory repairs: an ECC matter, open until an admin undrains the GPU
+    "remap_failed": "ecc",
+    "remap_pending": "ecc",
+    "retirement_pending": "ecc",
+}
 
 
 def is_application_fault(event: dict[str, Any]) -> bool:
@@ -41,6 +54,7 @@ class GpuFaults:
         self.host = context.host
         self.last_xid: dict[str, int] = {}  # GPU uuid -> the last XID it reported (for /metrics)
         self.lost: set[str] = set()  # GPUs that stopped answering: their alerts stay open
+        self.memory = MemoryRepairWatch(context)
 
     def gpu_lost(self, uuid: str) -> None:
         """Sampling the GPU failed for good: stop sampling it (the backend queued the
@@ -57,7 +71,8 @@ class GpuFaults:
         """This tick's faults: the device faults to the control worker (it drains), one
         alert per fault. ``alert_changes`` are this tick's rule alerts: a GPU's raised
         temperature alert is a fault (its own alert already)."""
-        events = [dataclasses.asdict(e) for e in self.context.backend.fault_events()]
+        found = self.context.backend.fault_events() + self.memory.due_faults()
+        events = [dataclasses.asdict(e) for e in found]
         for change in alert_changes:
             if change["kind"] == "temperature" and change["state"] == "raised" and change["sandbox"] is None:
                 events.append(

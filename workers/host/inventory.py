@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from wire.messages import HostFacts, to_control
 from workers.drivers.base import SandboxDriver
-from workers.gpu.base import GpuBackend, GpuInfo
+from workers.gpu.base import GpuBackend, GpuBackendError, GpuInfo
 from workers.host.agent_settings import AgentSettings
+
+log = logging.getLogger(__name__)
 
 
 class HostInventory:
@@ -21,6 +24,32 @@ class HostInventory:
     def refresh(self) -> list[dict[str, Any]]:
         self.gpus = self.backend.list_gpus()
         return [g.to_json() for g in self.gpus]
+
+    def fabric_changed(self) -> bool:
+        """Whether any GPU's NVLink fabric readiness differs from what the last inventory
+        said (GpuInfo.not_ready). Asked every heartbeat: Fabric Manager registers GPUs in
+        the seconds to minutes after a boot, and loses them if it stops, and the GPU must
+        come back (or leave) by itself, without an agent restart. A GPU that cannot be read
+        is left to the sampler (a lost one is reported as such)."""
+        for gpu in list(self.gpus):
+            try:
+                problem = self.backend.fabric_problem(gpu.uuid)
+            except GpuBackendError as err:
+                log.debug("fabric state of %s not read: %s", gpu.uuid, err)
+                continue
+            if problem != gpu.not_ready:
+                log.warning("GPU %s NVLink fabric: %s", gpu.uuid, problem or "ready")
+                return True
+        return False
+
+    def recheck_fabric(self) -> bool:
+        """Send the inventory again when a GPU's fabric readiness changed: the portal takes
+        a GPU that is not ready out of placement, with the reason, and returns it once ready.
+        True when it was sent."""
+        if not self.fabric_changed():
+            return False
+        self.report()
+        return True
 
     def drop(self, uuid: str) -> None:
         """A GPU that stopped answering (lost): no longer sampled; the next inventory

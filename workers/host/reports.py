@@ -20,7 +20,7 @@ from wire.liveness import Beat, OwnedSandbox
 from wire.messages import to_control
 from wire.spec import SandboxHandle
 from workers.drivers.base import DriverError
-from workers.gpu.base import GpuSample
+from workers.gpu.base import GpuBackendError, GpuSample
 from workers.host.context import HostContext
 from workers.host.lifecycle import now_ms
 
@@ -68,7 +68,14 @@ class HostReports:
         self.gate = ReportGate(context.host, context.settings.full_report_s)
 
     def heartbeat(self) -> None:
-        """Beat: this host's liveness in Redis, and its beat to the control queue."""
+        """Beat: this host's liveness in Redis, and its beat to the control queue. First,
+        each GPU's NVLink fabric readiness: a change goes to the portal as a new inventory
+        (a GPU Fabric Manager has not registered is not offered, and is offered again once
+        it is)."""
+        try:
+            self.context.inventory.recheck_fabric()
+        except GpuBackendError as exc:  # the beat goes all the same
+            log.warning("GPU inventory not re-read for its fabric state: %s", exc)
         send_beats(self._liveness_redis(), [self.beat()])
 
     def beat(self) -> Beat:
