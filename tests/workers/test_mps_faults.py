@@ -232,6 +232,22 @@ def test_recovery_terminates_the_faulted_clients_within_the_bound(
     control.stop(GPU)
 
 
+def test_clients_that_exit_with_the_fault_are_not_terminated(control: MpsManager, programs: Programs) -> None:
+    """The common case: the faulted programs died of the error; the server serves again once
+    they are gone, and no command is needed."""
+    daemons = faulted_server(control, programs)
+    recovery = quick(daemons)
+    recovery.grace_s = 5.0
+    recovery.begin(GPU, "XID 31")
+    programs.stop_all()
+    assert recovery.join(GPU, BOUND_S) and recovery.failure(GPU) == ""
+    log = control_log(control, GPU)
+    assert not [line for line in log if "terminate_client" in line] and log.count("START") == 1
+    assert connect(control, GPU, programs.start()).startswith("connected ")
+    programs.stop_all()
+    control.stop(GPU)
+
+
 def test_a_server_whose_clients_do_not_let_go_is_restarted_with_its_limits(
     control: MpsManager, programs: Programs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
