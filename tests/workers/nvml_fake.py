@@ -649,3 +649,16 @@ class FakeNvml:
 
 def event(dev: Dev, kind: int, data: int = 0, gi: int = NO_INSTANCE) -> SimpleNamespace:
     return SimpleNamespace(device=dev, eventType=kind, eventData=data, gpuInstanceId=gi, computeInstanceId=gi)
+
+
+# -- issue 36, the MPS fault domain: an application XID on a device ----------------------------
+
+
+def app_xid(fake: FakeNvml, dev: Dev, xid: int = 31) -> None:
+    """Queue the event NVML gives for a tenant kernel's fault (13, 31, 43, ...) on ``dev``: a
+    whole GPU, or a MIG device (then its GPU and GPU instance are named, as NVML does). Under
+    MPS, the fault has ended every client of that device's server (tests/workers/
+    mps_control_fake.py models the server's side)."""
+    board = dev.parent or dev
+    instance = dev.gi_id if dev.parent is not None else NO_INSTANCE
+    fake.pending.append(event(board, pynvml.nvmlEventTypeXidCriticalError, xid, instance))

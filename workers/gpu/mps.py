@@ -39,6 +39,7 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -65,6 +66,7 @@ SOCKET_PATH_MAX = 108  # sun_path of struct sockaddr_un on Linux, NUL included
 DEVICE_INDEX = 0
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
+KILL_TIMEOUT_S = 2.0  # SIGKILL of a daemon that did not quit (restart)
 COMMAND_TIMEOUT_S = 15.0
 SYSTEMD_RUN = "systemd-run"
 UNIT_PREFIX = "gpushare-mps-"  # + device_key(uuid): the daemon's transient systemd unit
@@ -509,6 +511,47 @@ class MpsManager:
         except subprocess.TimeoutExpired as err:
             raise MpsError(f"{self.control_binary} {' '.join(args)} for {device_uuid} timed out") from err
 
+    # -- fault recovery (workers.gpu.mps_recovery drives these) -------------------------------------
+
+    def terminate_client(self, device_uuid: str, server_pid: int, client_pid: int) -> None:
+        """``terminate_client <server pid> <client pid>``: NVIDIA's control command that ends one
+        client's work on one server (``man nvidia-cuda-mps-control``). After a fault the
+        server holds every client that shared it, and refuses new ones until they are gone."""
+        self.command(device_uuid, f"terminate_client {int(server_pid)} {int(client_pid)}")
+
+    def restart(self, device_uuid: str, servers: list[int] | None = None) -> None:
+        """Quit and start the device's daemon: a faulted server that would not let go of its
+        clients goes, and the next client gets a new one. ``quit`` waits for the servers'
+        clients to finish, so a daemon that does not quit in ``STOP_TIMEOUT_S`` (or does not
+        answer) is killed, with the MPS servers it listed (``servers``), checked by their
+        command line to be NVIDIA's MPS processes before the signal; every client of a faulted
+        server has lost its CUDA context already, so this costs no share anything more.
+        Under systemd the daemon is its unit's main process: its end stops the unit, whose
+        cgroup goes with it. MpsError when it cannot be stopped or started again."""
+        with self._lock:
+            try:
+                self.stop(device_uuid)
+            except MpsError as exc:
+                log.warning("MPS daemon of %s did not quit (%s): killed with its servers", device_uuid, exc)
+                self._kill_daemon(device_uuid, servers or [])
+            self.start(device_uuid)
+            log.info("MPS control daemon of %s restarted", device_uuid)
+
+    def _kill_daemon(self, device_uuid: str, servers: list[int]) -> None:
+        pid = self._daemon_pid(device_uuid)
+        for victim in [*servers, *([pid] if pid is not None else [])]:
+            if _is_mps_process(victim):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGKILL)
+                log.warning("MPS process %d of %s killed", victim, device_uuid)
+        deadline = self._clock() + KILL_TIMEOUT_S
+        while pid is not None and _alive(pid):
+            if self._clock() > deadline:
+                raise MpsError(f"MPS daemon {pid} for {device_uuid} did not die in {KILL_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        self._known.discard(device_uuid)
+        self._restore_mode(device_uuid)  # as a stop would; the start sets it again
+
 
 class SimulatedMps(MpsManager):
     """The MPS control daemons of a simulated host: no binary and no GPU, the same lifecycle.
@@ -573,6 +616,13 @@ class SimulatedMps(MpsManager):
             return None
         return int(pct), int(mib)
 
+    def clients(self, device_uuid: str) -> dict[int, list[int]]:
+        """A simulated daemon serves no CUDA process: no server, no client (a fault on a
+        simulated GPU finds nothing to recover, as on a GPU whose clients all exited)."""
+        if not self.running(device_uuid):
+            raise MpsError(f"no MPS daemon runs for {device_uuid}")
+        return {}
+
 
 def _claim_key(directory: Path, device_uuid: str) -> None:
     """Name the device in its directory, or refuse one another device's UUID named first."""
@@ -611,6 +661,16 @@ def _not_zombie(pid: int) -> bool:
     except OSError:
         return True  # no procfs: trust kill(0)
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _is_mps_process(pid: int) -> bool:
+    """``pid`` runs NVIDIA's MPS control daemon or server (their command line names
+    ``nvidia-cuda-mps``): a pid the daemon listed, checked before it is killed, so that a
+    pid reused meanwhile by another process is left alone."""
+    try:
+        return b"nvidia-cuda-mps" in Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
 
 
 def _pids(text: str) -> list[int]:

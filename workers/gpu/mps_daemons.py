@@ -180,6 +180,22 @@ class MpsDaemons:
             if self.control.running(device) and self.control.stop(device):
                 log.info("MPS daemon of %s stopped: the instance is to be destroyed", device)
 
+    def restart(self, device: str, servers: list[int] | None = None) -> bool:
+        """Start the device's daemon afresh (``MpsManager.restart``: a faulted MPS server that
+        would not recover, workers.gpu.mps_recovery), under the lock so that no share's claim
+        or release meets it halfway, and give the new daemon the server limits of the shares
+        on the device. False when no share holds the device and it is not pinned: then its
+        daemon (if any) is only stopped, as the last share's release would have. MpsError
+        when it does not stop or start."""
+        with self._changed:
+            self._applied.pop(device, None)  # a new daemon has no limits yet
+            if device not in self._shares and device not in self._pinned:
+                self._stop(device)
+                return False
+            self.control.restart(device, servers)
+            self._limit(device)
+            return True
+
     # -- internals (the lock held) ------------------------------------------------------------
 
     @staticmethod

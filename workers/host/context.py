@@ -14,13 +14,14 @@ a concrete engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.drivers.base import SandboxDriver
 from workers.gpu.base import GpuBackend
 from workers.gpu.mps import MpsManager, SimulatedMps, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
+from workers.gpu.mps_recovery import MpsRecovery
 from workers.host.agent_settings import AgentSettings
 from workers.host.alerts import AlertTracker
 from workers.host.batch_output import OutputPump
@@ -43,6 +44,12 @@ class HostContext:
     mps_daemons: MpsDaemons  # each GPU's MPS daemon, up while shares hold it
     utilization: UtilizationWindows  # each sandbox's GPU use, for idle culling
     output: OutputPump  # batch sandboxes' output, shipped as it grows
+    # MPS servers after a fault: recovered, and new shares held meanwhile (over ``mps_daemons``;
+    # a test that swaps those makes a new one too).
+    mps_recovery: MpsRecovery = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mps_recovery = MpsRecovery(self.mps_daemons)
 
     @property
     def host(self) -> str:

@@ -9,6 +9,12 @@ on the device that faulted, and their owners hear of it.
 A GPU's memory repair state (a failed or pending row remap, pages waiting for retirement:
 ``workers.host.memory_repairs``) is read at start and on a period, and drains the same way.
 
+On a device MPS shares run on, an application XID is not one sandbox's bug: NVIDIA's MPS
+delivers a fatal fault in one client to every client of the GPU's server (see
+workers.gpu.mps_recovery). Every share on the device is told that its CUDA processes were
+ended by a program on the GPU, not necessarily its own (``MPS_FAULT_TEXT``), and the
+device's MPS server is recovered in the background, new shares waiting for it.
+
 The temperature has one rule, the alert policy's (``temp_high_c``, held ``hold_s``): the
 alert it raises for a GPU is that fault's alert, and the GPU is drained with it.
 """
@@ -39,6 +45,13 @@ ALERT_KIND = {
     "remap_pending": "ecc",
     "retirement_pending": "ecc",
 }
+# What the owner of a share on an MPS device hears after an application XID there, after
+# "XID <n>: ". Not the XID's description: that says "a kernel touched memory it does not
+# own", which for every share but one is someone else's kernel.
+MPS_FAULT_TEXT = (
+    "its CUDA processes were ended by a fault of a program on this GPU, not necessarily its own "
+    "(under MPS one fault ends every share's); the GPU itself is fine: start them again"
+)
 
 
 def is_application_fault(event: dict[str, Any]) -> bool:
@@ -120,8 +133,29 @@ class GpuFaults:
         if not on_device:
             log.warning("application XID %s on %s with no sandbox on it: %s", event["xid"], device, detail)
             return []
-        text = f"{detail or describe(int(event['xid']))}, from a program in the sandbox; the GPU is fine"
+        if mps_shares_on(device, running):
+            self._recover_mps(device, event)
+            text = f"XID {int(event['xid'])}: {MPS_FAULT_TEXT}"
+        else:
+            text = f"{detail or describe(int(event['xid']))}, from a program in the sandbox; the GPU is fine"
         return self.context.alerts.note_fault(gpu_uuid, kind, float(event["xid"]), text, t_ms, on_device)
+
+    def _recover_mps(self, device: str, event: dict[str, Any]) -> None:
+        why = str(event.get("detail") or describe(int(event["xid"])))
+        if self.context.mps_recovery.begin(device, why):
+            log.warning(
+                "application XID on %s, which serves MPS shares: its server is being recovered", device
+            )
+
+
+def mps_shares_on(device_uuid: str, running: Mapping[str, SandboxSpec]) -> list[int]:
+    """The sandboxes with an MPS share on ``device_uuid`` (a GPU, or a MIG instance with a
+    daemon of its own): the clients of one MPS server, one fault domain."""
+    return sorted(
+        spec.sandbox_id
+        for spec in running.values()
+        if spec.mps is not None and spec.device_uuids[:1] == (device_uuid,)
+    )
 
 
 def sandboxes_hit(

@@ -43,6 +43,12 @@ class SandboxLifecycle:
             # message, and running it anyway would give weaker isolation than was asked for.
             self._failed(spec, f"host {self.context.host} runs {gives} sandboxes, not {spec.isolation}")
             return
+        # A share on a device whose MPS server recovers from a fault waits for it: started now,
+        # its CUDA would fail with 807 (workers.gpu.mps_recovery).
+        refusal = self._wait_for_mps(spec)
+        if refusal:
+            self._failed(spec, refusal)
+            return
         # Before the driver: its GPU's MPS daemon up for a share, down for anything else. A
         # repeated launch of what runs or is being launched claims nothing (``claim.new``), so
         # its failure leaves the first copy's claim alone.
@@ -138,6 +144,23 @@ class SandboxLifecycle:
 
     def find(self, allocation_key: str) -> SandboxHandle | None:
         return next((h for h in self.context.driver.list_owned() if h.allocation_key == allocation_key), None)
+
+    def _wait_for_mps(self, spec: SandboxSpec) -> str:
+        """Hold an MPS share while its device's server recovers from a fault (bounded); why it
+        cannot start, or "". Meanwhile its heartbeat lists it as being launched, so the control
+        plane waits rather than resends it."""
+        recovery = self.context.mps_recovery
+        if spec.mps is None or not spec.device_uuids or not recovery.holds(spec.device_uuids[0]):
+            return ""  # the common case: nothing to wait for, and nothing registered early
+        device, key = spec.device_uuids[0], spec.allocation_key
+        box = self.context.sandboxes
+        with box.lock:
+            box.launching[key] = spec.sandbox_id
+        try:
+            return recovery.wait_until_accepting(device, lambda line: to_control.launch_progress(key, line))
+        finally:
+            with box.lock:
+                box.launching.pop(key, None)  # set again just before the driver, as for every launch
 
     def _failed(self, spec: SandboxSpec, message: str) -> None:
         to_control.sandbox_launch_failed(spec.sandbox_id, spec.allocation_key, message)
