@@ -153,6 +153,8 @@ def nvml() -> None:
     backend = NvmlBackend()
     try:
         tried("project inventory", backend.list_gpus)
+        tried("project fabric problem ('' = ready)", lambda: backend.fabric_problem(uuid))
+        tried("project memory repairs", lambda: backend.memory_repairs(uuid))
     finally:
         backend.close()
     busy, idle = client("busy", 1024, 14, "/nonexistent"), client("idle", 2048, 14, "/nonexistent")
@@ -222,8 +224,17 @@ def fault() -> None:
         started = time.monotonic()
         said(client("idle", 64, 0, pipe, uid), "C during recovery: expect 807")
         print(f"C answered after {time.monotonic() - started:.1f} s; clients now {manager.clients(uuid)}")
-        said(a, "A (the neighbour)")
-        said(client("idle", 64, 0, pipe, uid), "D after A exited")
+        # What the project's recovery (workers/gpu/mps_recovery.py) does next: terminate_client
+        # for the faulted clients still attached (A), then a new client should get in.
+        for server, clients in manager.clients(uuid).items():
+            for pid in clients:
+                tried(
+                    f"terminate_client {server} {pid}",
+                    lambda s=server, c=pid: manager.terminate_client(uuid, s, c),
+                )
+        time.sleep(3)
+        said(a, "A (the neighbour), after terminate_client")
+        said(client("idle", 64, 0, pipe, uid), "D after the recovery: expect ok")
         time.sleep(2)
         tried("fault events", backend.fault_events)
     finally:
