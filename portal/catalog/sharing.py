@@ -79,10 +79,14 @@ def _others(replicas: int | None) -> str:
     return f"up to {replicas - 1} other{'s' if replicas > 2 else ''}"
 
 
+def _fraction(replicas: int | None) -> str:
+    return f"1/{replicas}" if replicas and replicas > 0 else "1/N"
+
+
 def _memory_share(replicas: int | None, gpu_memory_mib: int | None) -> str:
     if replicas and gpu_memory_mib:
         return f"1/{replicas} of the GPU's memory ({gpu_memory_mib / replicas / 1024:.1f} GiB)"
-    return "1/N of the GPU's memory"
+    return f"{_fraction(replicas)} of the GPU's memory"
 
 
 def terms(mode: str, replicas: int | None = None, gpu_memory_mib: int | None = None) -> SharingTerms:
@@ -124,8 +128,8 @@ def terms(mode: str, replicas: int | None = None, gpu_memory_mib: int | None = N
                 "for each of its processes by the GPU's MPS server",
                 "the GPU in EXCLUSIVE_PROCESS compute mode, which keeps every tenant's processes "
                 "inside MPS: none can leave it to take the whole GPU",
-                "gpushare sums the memory of all its processes and warns — or stops, as the tier "
-                "says — a sandbox that holds more than its share",
+                "its memory watched as a whole: gpushare sums all its processes' memory and warns "
+                "— or stops, as the tier says — a sandbox that holds more than its share",
             ),
             lacks=(
                 "no fault isolation: one client's GPU fault ends every MPS client on the GPU, "
@@ -142,9 +146,9 @@ def terms(mode: str, replicas: int | None = None, gpu_memory_mib: int | None = N
             gives=(
                 "the whole GPU's compute and memory while its processes hold their turn (the GPU "
                 "switches between processes, not between replicas)",
-                f"gpushare watches its memory against {_memory_share(replicas, gpu_memory_mib)} and "
-                "warns — or stops, as the tier says — a replica that holds more; the utilization "
-                "shown is its own processes'",
+                f"its memory watched, not reserved: gpushare checks it against "
+                f"{_memory_share(replicas, gpu_memory_mib)} and warns — or stops, as the tier says "
+                "— a replica that holds more; the utilization shown is its own processes'",
             ),
             lacks=(
                 "no memory reservation: another replica can use all the GPU's memory, and then "
@@ -152,8 +156,8 @@ def terms(mode: str, replicas: int | None = None, gpu_memory_mib: int | None = N
                 "no compute reservation: a replica running more processes gets more turns",
                 "no fault isolation: one replica's crash can end the others' work",
             ),
-            billing="Billed, and counted in quota and fair share, as 1/N of a GPU: that is its "
-            "price, not a part of the GPU set aside for it.",
+            billing=f"Billed, and counted in quota and fair share, as {_fraction(replicas)} of a GPU: "
+            "that is its price, not a part of the GPU set aside for it.",
         )
     if mode == CPU:
         return SharingTerms(

@@ -126,7 +126,7 @@ def test_an_invoice_says_a_replica_is_billed_as_a_quarter_but_reserves_none_of_i
     words = _text(page)
     assert "time-slice replica · billed as 25 % of a gpu" in words
     _says_what_a_replica_is(page)
-    assert "not a part of the gpu set aside for it" in words
+    assert "as 1/4 of a gpu: that is its price, not a part of the gpu set aside for it" in words
 
 
 def test_the_api_and_its_schema_give_the_same_words(people: Any, catalog: Any, fleet: Any) -> None:
