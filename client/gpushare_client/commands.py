@@ -157,6 +157,8 @@ def request(args: argparse.Namespace, ctx: Context) -> Any:
         return {"preview": preview}
     sandbox = api.call(REQUEST, body=body)
     ctx.say(f"Requested sandbox {sandbox['id']}: {sandbox['state']}.")
+    if sandbox.get("sharing_terms"):  # the portal's words for what its sharing mode gives
+        ctx.say(f"Sharing: {sandbox['sharing_terms']}")
     if args.wait:
         try:
             sandbox = wait_until_running(api, sandbox, timeout_s=args.timeout, say=ctx.say)
@@ -198,7 +200,8 @@ def _describe(sandbox: dict[str, Any]) -> list[tuple[str, Any]]:
         ("waits", sandbox.get("pending_reason") if sandbox["state"] == "queued" else ""),
         ("progress", sandbox.get("launch_progress")), ("failure", sandbox.get("failure")),
         ("project", sandbox["project"]), ("owner", sandbox["owner"]), ("tier", sandbox["tier"]),
-        ("asks for", shape), ("image", sandbox.get("image")), ("isolation", sandbox["isolation"]),
+        ("asks for", shape), ("sharing", sandbox.get("sharing_terms")),
+        ("image", sandbox.get("image")), ("isolation", sandbox["isolation"]),
         ("host", sandbox.get("host")), ("kind", "batch" if sandbox.get("batch") else "interactive"),
         ("command", shlex.join(sandbox.get("command") or [])),
         ("time limit", hours(sandbox.get("max_duration_hours"))),

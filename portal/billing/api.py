@@ -33,6 +33,7 @@ from portal.api.schema import list_and_retrieve_schema
 from portal.api.views import ApiView
 from portal.billing.models import CreditNote, Invoice, InvoiceLine, InvoiceState, UsageRecord
 from portal.catalog.models import Tier
+from portal.catalog.sharing import modes_text
 
 
 class UsageRecordSerializer(serializers.ModelSerializer[UsageRecord]):
@@ -290,7 +291,7 @@ class InvoiceViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Invoice]):
 
 
 class PriceSerializer(serializers.ModelSerializer[Tier]):
-    mode = serializers.CharField(source="sharing_mode")
+    mode = serializers.CharField(source="sharing_mode", help_text=f"The tier's sharing mode. {modes_text()}")
     max_duration_hours = serializers.SerializerMethodField()
 
     class Meta:

@@ -16,6 +16,7 @@ from portal.accounts.access import visible_projects
 from portal.billing.invoices import period_bounds
 from portal.billing.models import Invoice
 from portal.billing.pricing import format_money
+from portal.catalog.sharing import LABELS, TIMESLICE
 
 
 @login_required
@@ -38,8 +39,12 @@ def invoice_detail(request: HttpRequest, slug: str, pk: int) -> HttpResponse:
             "price": money(row["price_per_gpu_hour_micros"]),
             # No GPU held: a CPU-only tier's lines, priced per hour of each sandbox.
             "cpu_only": not row["milli_gpu"],
+            "mode_label": LABELS.get(row["tier__sharing_mode"], row["tier__sharing_mode"]),
+            "replicas": _replicas(row["tier__sharing_mode"], row["milli_gpu"]),
         }
-        for row in invoice.lines.values("tier__name", "gpu_model", "milli_gpu", "price_per_gpu_hour_micros")
+        for row in invoice.lines.values(
+            "tier__name", "tier__sharing_mode", "gpu_model", "milli_gpu", "price_per_gpu_hour_micros"
+        )
         .annotate(
             intervals=Count("pk"),
             sandboxes=Count("sandbox_id", distinct=True),
@@ -49,6 +54,9 @@ def invoice_detail(request: HttpRequest, slug: str, pk: int) -> HttpResponse:
         )
         .order_by("tier__name", "gpu_model", "milli_gpu", "price_per_gpu_hour_micros")
     ]
+    # What each kind of share billed here gives and does not (a time-slice replica is billed
+    # as 1/N of a GPU-hour, which reserves none of it): once per mode and replica count.
+    shares = sorted({(row["tier__sharing_mode"], row["replicas"]) for row in summary}, key=str)
     credit_notes = list(invoice.credit_notes.all())
     credited = sum(note.amount_micros for note in credit_notes)
     start, end = period_bounds(invoice.period_start)
@@ -60,6 +68,7 @@ def invoice_detail(request: HttpRequest, slug: str, pk: int) -> HttpResponse:
             "invoice": invoice,
             "project": invoice.project,
             "summary": summary,
+            "shares": shares,
             "credit_notes": [(note, money(note.amount_micros)) for note in credit_notes],
             "total": money(invoice.total_micros),
             "credited": money(credited) if credited else None,
@@ -68,3 +77,8 @@ def invoice_detail(request: HttpRequest, slug: str, pk: int) -> HttpResponse:
             "api_url": reverse("api:invoice-detail", args=[invoice.pk]),
         },
     )
+
+
+def _replicas(mode: str, milli_gpu: int) -> int | None:
+    """A time-slice line's replica count: its GPU's thousandths are 1000 // replicas."""
+    return round(1000 / milli_gpu) if mode == TIMESLICE and milli_gpu else None

@@ -7,6 +7,7 @@ from typing import Any
 from django import forms
 
 from portal.catalog.models import ImageRegistry, IsolationLevel, PriorityClass, SandboxImage, Storage, Tier
+from portal.catalog.sharing import TIER_DESCRIPTION_HELP, tier_mode_help
 from portal.fleet.models import SETTABLE_MODES, Gpu, Host
 from portal.identity.models import GroupRule
 from portal.quotas.models import QuotaPolicy
@@ -104,6 +105,11 @@ class TierForm(forms.ModelForm):
             "preempt_after": "Preemptible after (minimum runtime, hh:mm:ss)",
             "preempt_grace": "Preemption warning (grace before the stop, hh:mm:ss)",
         }
+        help_texts = {"description": TIER_DESCRIPTION_HELP}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["sharing_mode"].help_text = tier_mode_help()
 
     def clean_storages(self) -> Any:
         storages = self.cleaned_data["storages"]

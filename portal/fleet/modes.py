@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Max
 
 from portal.fleet.models import SETTABLE_MODES, FleetEvent, Gpu, GpuMode
 from wire.messages import to_host
@@ -39,6 +40,18 @@ MODE_WORDS: dict[str, str] = {
     GpuMode.MPS: "MPS",
     GpuMode.TIMESLICE: "time-slice",
 }
+
+
+def most_replicas() -> int | None:
+    """The most time-slice replicas a GPU of the fleet is cut into (None: no GPU may be
+    time-sliced): a request does not know its GPU yet, and shares it with at most this
+    many less one."""
+    most: int | None = (
+        Gpu.objects.filter(mig_enabled=False, sharing_mode__in=(GpuMode.AUTO, GpuMode.TIMESLICE))
+        .aggregate(most=Max("timeslice_replicas"))
+        .get("most")
+    )
+    return most
 
 
 class GpuModeError(Exception):

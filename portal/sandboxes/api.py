@@ -33,6 +33,7 @@ from portal.api.strict import StrictSerializer, Text, WholeNumber, choices_messa
 from portal.api.text import refuse_unexpected_fields
 from portal.api.views import ApiView
 from portal.catalog.models import IsolationLevel, SandboxImage, SharingMode, Tier
+from portal.catalog.sharing import terms
 from portal.inputs import whole_number
 from portal.sandboxes import actions
 from portal.sandboxes.forms import EXTEND_CHOICES_H, MIG_PROFILES, SandboxRequestForm
@@ -58,6 +59,11 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
         read_only=True,
         help_text="The tier's: dedicated, mig, mps, timeslice, or cpu (CPU only: no GPU).",
     )
+    sharing_terms = serializers.SerializerMethodField(
+        help_text="What its sharing mode gives and does not give, in gpushare's words (the "
+        "sandbox page's): e.g. that a time-slice replica shares the whole GPU and has no memory "
+        "or compute reserved."
+    )
     gpu_count = serializers.SerializerMethodField(
         help_text="Whole GPUs it asks for; 0 for a CPU-only sandbox."
     )
@@ -72,6 +78,7 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
             "tier",
             "image",
             "sharing_mode",
+            "sharing_terms",
             "isolation",
             "state",
             "pending_reason",
@@ -98,6 +105,10 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
 
     def get_max_duration_hours(self, obj: Sandbox) -> float:
         return obj.max_duration.total_seconds() / 3600
+
+    def get_sharing_terms(self, obj: Sandbox) -> str:
+        # The rule, not its GPU's figures: a list would otherwise read each sandbox's GPU.
+        return terms(obj.tier.sharing_mode).text
 
     def get_gpu_count(self, obj: Sandbox) -> int:
         return 0 if obj.tier.cpu_only else obj.gpu_count

@@ -17,11 +17,13 @@ from django.views.decorators.http import require_POST
 from portal.accounts.access import can_manage_sandbox, visible_projects
 from portal.billing.ledger import cost_by
 from portal.catalog.models import Tier
+from portal.catalog.sharing import LABELS, TIMESLICE
 from portal.catalog.storage import storage_lines
+from portal.fleet.modes import most_replicas
 from portal.inputs import whole_number
 from portal.sandboxes import actions
 from portal.sandboxes.forms import EXTEND_CHOICES_H, SandboxRequestForm
-from portal.sandboxes.models import Notification, Sandbox
+from portal.sandboxes.models import Allocation, Notification, Sandbox
 from portal.sandboxes.output import read_output
 from portal.sandboxes.reach import TERMINAL_ISOLATION, app_origin
 
@@ -58,10 +60,17 @@ def sandbox_new(request: HttpRequest) -> HttpResponse:
         else:
             return redirect("sandbox-detail", pk=sandbox.pk)
     tier_modes = {str(t.pk): t.sharing_mode for t in Tier.objects.filter(active=True)}
+    # What each mode the tiers offer gives and does not, stated before anyone chooses.
+    offered = [mode for mode in LABELS if mode in tier_modes.values()]
     return render(
         request,
         "sandboxes/new.html",
-        {"form": form, "tier_modes": tier_modes},
+        {
+            "form": form,
+            "tier_modes": tier_modes,
+            "offered_modes": offered,
+            "replicas": most_replicas() if TIMESLICE in offered else None,
+        },
         status=400 if form.errors else 200,
     )
 
@@ -84,11 +93,16 @@ def _detail_context(sandbox: Sandbox) -> dict[str, object]:
     usage = list(sandbox.usage.all())
     now = timezone.now()
     cost = cost_by(usage, now)
+    allocations = list(sandbox.allocations.select_related("gpu", "mig_instance"))
+    # The GPU a time-slice replica shares: its replica count and memory make its terms concrete.
+    shared_gpu = next((a.gpu for a in allocations if a.kind == Allocation.Kind.TIMESLICE), None)
     return {
         "sandbox": sandbox,
         "extend_hours": EXTEND_CHOICES_H,
         "events": sandbox.events.select_related("actor"),
-        "allocations": sandbox.allocations.select_related("gpu", "mig_instance"),
+        "allocations": allocations,
+        "share_replicas": shared_gpu.timeslice_replicas if shared_gpu else None,
+        "share_memory_mib": shared_gpu.memory_mib if shared_gpu else None,
         "usage": usage,
         "storage": storage_lines(sandbox.tier, sandbox.owner, sandbox.project),
         "app_origin": app_origin(sandbox) if sandbox.image.app else None,

@@ -9,7 +9,9 @@ from django.shortcuts import render
 from django.views.decorators.http import require_POST
 
 from portal.catalog.models import Tier
+from portal.catalog.sharing import TIMESLICE
 from portal.catalog.storage import storage_lines
+from portal.fleet.modes import most_replicas
 from portal.inputs import whole_number
 from portal.sandboxes.forms import SandboxRequestForm
 from portal.scheduling.preview import Preview, preview_request
@@ -37,7 +39,13 @@ def sandbox_preview(request: HttpRequest) -> HttpResponse:
     # The storage it would mount, with its usage: only for one of the user's own projects.
     project = getattr(form, "cleaned_data", {}).get("project")
     storage = storage_lines(tier, request.user, project) if tier is not None and project is not None else []
-    return render(request, "sandboxes/_preview.html", {"preview": answer, "tier": tier, "storage": storage})
+    # What its sharing mode gives and does not: a time-slice replica's with the fleet's count.
+    replicas = most_replicas() if tier is not None and tier.sharing_mode == TIMESLICE else None
+    return render(
+        request,
+        "sandboxes/_preview.html",
+        {"preview": answer, "tier": tier, "storage": storage, "replicas": replicas},
+    )
 
 
 CHOICES_FIRST = ("project", "tier", "image")

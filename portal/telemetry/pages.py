@@ -14,7 +14,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
 from portal.fleet.models import Gpu
-from portal.fleet.modes import describe
+from portal.fleet.modes import describe, serving
 from portal.sandboxes.models import Allocation
 from portal.telemetry.views import FLEET_METRICS
 
@@ -45,6 +45,8 @@ def gpu_page(request: HttpRequest, uuid: str) -> HttpResponse:
             "allocations": live,
             "layout": layout,
             "mode": describe(gpu.sharing_mode, (a.kind for a in live)),
+            # What the mode it serves now gives its sandboxes (none while idle, following demand).
+            "serving": serving(gpu.sharing_mode, (a.kind for a in live)),
         },
     )
 

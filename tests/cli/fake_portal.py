@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from portal.catalog.sharing import terms
+
 TOKEN = "gps_the-right-token"
 BASE = "http://portal.test"
 
@@ -21,6 +23,11 @@ def page(results: list[Any], following: str | None = None) -> dict[str, Any]:
 
 
 def sandbox(pk: int = 7, **fields: Any) -> dict[str, Any]:
+    mode = fields.get("sharing_mode", "dedicated")
+    return {"sharing_terms": terms(mode).text, **_sandbox(pk, **fields)}
+
+
+def _sandbox(pk: int, **fields: Any) -> dict[str, Any]:
     return {
         "id": pk, "name": "", "project": "vision", "owner": "olivia", "tier": "dedicated", "image": "busybox",
         "sharing_mode": "dedicated", "isolation": "container", "state": "queued",

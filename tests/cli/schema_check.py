@@ -11,9 +11,10 @@ from gpushare_client.routes import PREVIEW, REQUEST, REQUEST_COMPONENT, REQUEST_
 # The fields the client reads from each answer (commands.py, render.py, waiting.py).
 READS = {
     "Sandbox": {
-        "id", "name", "project", "owner", "tier", "image", "sharing_mode", "isolation", "state",
-        "pending_reason", "launch_progress", "failure", "host", "gpu_count", "mig_profile", "mps_memory_mib",
-        "mps_thread_pct", "max_duration_hours", "batch", "command", "requested_at", "started_at", "ended_at",
+        "id", "name", "project", "owner", "tier", "image", "sharing_mode", "sharing_terms", "isolation",
+        "state", "pending_reason", "launch_progress", "failure", "host", "gpu_count", "mig_profile",
+        "mps_memory_mib", "mps_thread_pct", "max_duration_hours", "batch", "command", "requested_at",
+        "started_at", "ended_at",
     },
     "Preview": {"verdict", "message", "host", "position", "earliest_start", "alternatives"},
     "SandboxEvent": {"id", "at", "from_state", "to_state", "actor", "message"},

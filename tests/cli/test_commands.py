@@ -288,6 +288,15 @@ def test_a_page_link_to_another_address_is_not_followed(gpushare: Run) -> None:
     assert all(path.startswith("/api/") for _, path, _ in gpushare.portal.seen)
 
 
+def test_show_says_what_a_time_slice_replica_shares_in_the_portals_words(gpushare: Run) -> None:
+    gpushare.portal.states = [sandbox(state="running", sharing_mode="timeslice", tier="timeslice")]
+    shown = gpushare("show", "7").out
+    assert "asks for:   1 time-slice replica" in shown
+    [line] = [line for line in shown.splitlines() if line.startswith("sharing:")]
+    assert "Shares the whole GPU with up to N-1 others" in line and "no memory or compute reservation" in line
+    assert "one replica's crash can end the others' work" in line
+
+
 def test_show_logs_extend_stop(gpushare: Run) -> None:
     shown = gpushare("show", "7").out
     assert "state:" in shown and "asks for:   1 GPU(s)" in shown and "image:      busybox" in shown

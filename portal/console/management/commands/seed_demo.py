@@ -70,7 +70,8 @@ TIERS = [
         0.20,
         "batch",
         1,
-        "One of four time-sliced replicas of a GPU: cheap, no isolation beyond the process.",
+        "Cheap, best-effort batch work: a replica of a GPU time-sliced four ways, sharing the "
+        "whole GPU with up to three others; nothing is reserved for it.",
     ),
     (
         "cpu",
