@@ -127,9 +127,11 @@ class GpuNodes:
         back read-only from this host's ``<proc>/gpus``. A GPU's directory is told by its
         ``information`` file's ``Device Minor``. [] for no device, or a host without the
         directory (no driver loaded), where a fresh procfs has nothing to hide."""
-        minors = {self.ids(u).minor for u in uuids}
         gpus = self.proc_root / "gpus"
-        if not minors or not gpus.is_dir():
+        if not gpus.is_dir():
+            return []
+        minors = {self.ids(u).minor for u in uuids}
+        if not minors:
             return []
         target = f"{sandbox_root.rstrip('/')}/gpus"
         args = ["--perms", "0555", "--tmpfs", target]
