@@ -30,7 +30,7 @@ from wire.env import ConfigError
 from wire.messages import StopOrder
 from wire.spec import HandleJson, SandboxSpec
 from workers.drivers import DriverUnavailable, make_driver
-from workers.drivers.base import SandboxDriver
+from workers.drivers.base import ChecksGpuPath, SandboxDriver
 from workers.gpu import make_backend
 from workers.gpu.base import GpuBackend
 from workers.host import selftest
@@ -53,6 +53,22 @@ def refuse_state_only_on_real_gpus(backend: GpuBackend, driver: SandboxDriver) -
         )
 
 
+def refuse_gpus_the_driver_cannot_hand_out(backend: GpuBackend, driver: SandboxDriver) -> None:
+    """The start-up self-test launches a CPU-only sandbox: on a host whose real GPUs the
+    driver has no way to hand out (Docker without the NVIDIA Container Toolkit's hook or a
+    CDI spec, or in a toolkit mode that refuses Docker's request) it would pass, and every
+    GPU launch placed here would then fail. Such an agent refuses to start, saying what is
+    missing and how to add it. Simulated GPUs need no path."""
+    if backend.simulated or not isinstance(driver, ChecksGpuPath):
+        return
+    problem = driver.gpu_path_problem()
+    if problem is not None and backend.list_gpus():
+        reason, remedy = problem
+        raise DriverUnavailable(
+            driver.name, f"this host's GPUs cannot be given to sandboxes: {reason}", remedy
+        )
+
+
 AnyTask = Task[Any, Any]  # a bound task: its request says which queue a message came in on
 _agent: Agent | None = None
 _pool: AgentPool | None = None
@@ -70,6 +86,7 @@ def get_agent() -> Agent:
             backend = make_backend(settings.gpu_backend, host, settings.sim_gpus)
             driver = make_driver(settings.sandbox_driver, host, var / "sandboxes")
             refuse_state_only_on_real_gpus(backend, driver)
+            refuse_gpus_the_driver_cannot_hand_out(backend, driver)
             log.info("agent %s: GPU backend %s, sandbox driver %s", host, backend.name, driver.name)
             _agent = Agent(host, backend, driver, var, settings)
         return _agent

@@ -30,6 +30,7 @@ from workers.drivers.docker import (
     docker_available,
     sandbox_user,
 )
+from workers.drivers.docker_gpus import GpuPaths
 from workers.drivers.process import ProcessDriver
 
 IMAGE = "gpushare/sandbox-base:1"
@@ -459,7 +460,9 @@ def test_container_that_cannot_start_leaves_nothing(
 ) -> None:
     if "nvidia" in client.info().get("Runtimes", {}):
         pytest.skip("this engine can satisfy GPU device requests")
-    # Without the NVIDIA runtime the engine refuses the device request at start.
+    # Told the toolkit's hook is there when it is not, the driver sends the legacy request,
+    # and the engine refuses it at start.
+    driver.gpu_paths = GpuPaths(lambda: {}, hook=lambda: "/usr/bin/nvidia-container-runtime-hook")
     with pytest.raises(DriverError, match="Docker engine refused"):
         driver.launch(make_spec(host, real_gpu=True))
     assert driver.list_owned() == []

@@ -126,7 +126,7 @@ _ARITY = {
     "--uid": 1, "--gid": 1, "--hostname": 1, "--tmpfs": 1, "--proc": 1, "--dev": 1, "--size": 1,
     "--perms": 1, "--chdir": 1, "--json-status-fd": 1,
     "--ro-bind": 2, "--ro-bind-try": 2, "--bind": 2, "--dev-bind": 2, "--symlink": 2, "--setenv": 2,
-    "--ro-bind-data": 2,
+    "--ro-bind-data": 2, "--remount-ro": 1,
 }  # fmt: skip
 _RO_SOURCES = {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/sys"}
 
@@ -172,7 +172,9 @@ def test_bwrap_never_shares_the_host(spec: SandboxSpec) -> None:
             allowed = source.startswith("/dev/nvidia") or (spec.mps and source == spec.mps.pipe_dir)
             assert allowed, f"read-write bind of {source}"
         if name in ("--ro-bind", "--ro-bind-try"):
-            assert args[0] in _RO_SOURCES or args[0].startswith("/etc/"), args
+            # (on a host with the NVIDIA driver: the sandbox's own GPUs' /proc entries)
+            own_gpu = args[0].startswith("/proc/driver/nvidia/gpus/") and spec.device_uuids
+            assert args[0] in _RO_SOURCES or args[0].startswith("/etc/") or own_gpu, args
         if "bind" in name:
             assert args[0] not in ("/", "/home", "/var/run/docker.sock", "/run/docker.sock", "/etc")
         if not spec.device_uuids:  # CPU only: no GPU node at all, never "every node" for none named

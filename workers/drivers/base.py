@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from wire.relay import Terminal
 from wire.spec import SandboxHandle, SandboxSpec
@@ -192,4 +192,15 @@ class SandboxDriver(Protocol):
         """At most ``limit`` bytes of the sandbox's stdout and stderr from ``offset`` (into
         all it wrote) on. The host keeps the last ``SANDBOX_OUTPUT_MAX_BYTES`` of it: a chunk
         starting beyond ``offset`` says the bytes in between were dropped."""
+        ...
+
+
+@runtime_checkable
+class ChecksGpuPath(Protocol):
+    """A driver whose way of handing a sandbox its GPUs depends on how the host was set up
+    (Docker: the NVIDIA toolkit's hook or a CDI spec), and which can tell at start that
+    there is none."""
+
+    def gpu_path_problem(self) -> tuple[str, str] | None:
+        """(what is missing, how to fix it) when no GPU can be handed out; None otherwise."""
         ...

@@ -5,8 +5,9 @@ Every container runs as an unprivileged uid of its own, from the range no host a
 with all capabilities dropped, no-new-privileges, a
 read-only root (writable size-limited tmpfs at /tmp and /home/sandbox), memory, CPU and
 pids limits, and no network unless the spec allows it. GPUs are handed over with a device
-request by GPU or MIG UUID, which the NVIDIA container runtime turns into device nodes;
-on simulated hosts (``spec.real_gpu`` false) there is no device request and only the
+request by GPU or MIG UUID, by CDI name where the host's CDI spec names the device, else
+through the NVIDIA toolkit's hook (workers/drivers/docker_gpus.py says which works, and
+why); on simulated hosts (``spec.real_gpu`` false) there is no device request and only the
 ``NVIDIA_VISIBLE_DEVICES`` variable says what the sandbox was given.
 
 When the spec allows network the container joins the engine's default network. On hosts
@@ -41,6 +42,7 @@ from wire.config import apps_root, storage_root
 from wire.spec import LABEL_PREFIX, SandboxHandle, SandboxSpec
 from workers.drivers import app_socket, image_pull, storage
 from workers.drivers.base import DriverError, SandboxStatus, checked_pipe_dir, require_mps_pipe
+from workers.drivers.docker_gpus import GpuPaths
 from workers.drivers.docker_logs import ContainerLogReader, log_config
 from workers.drivers.output import OutputChunk, cap_bytes
 from workers.drivers.storage import BoundStorage
@@ -77,9 +79,12 @@ def container_kwargs(
     output_cap: int | None = None,
     bound: Sequence[BoundStorage] = (),
     app_dir: Path | None = None,
+    gpu_request: docker.types.DeviceRequest | None = None,
 ) -> dict[str, Any]:
     """The ``containers.create`` arguments for ``spec`` and its storage, resolved on this host
-    (pure, so it is unit-testable)."""
+    (pure, so it is unit-testable). ``gpu_request``: how this host's engine hands out the
+    spec's GPUs (``HostGpuFacts.device_request``); the legacy ``--gpus`` request when not
+    given."""
     tmpfs_size = f"size={_tmpfs_mib(spec)}m"
     uid = sandbox_user(spec)
     tmpfs = {SANDBOX_TMP: f"rw,nosuid,nodev,mode=1777,{tmpfs_size}"}
@@ -126,7 +131,8 @@ def container_kwargs(
         kwargs["network_mode"] = "none"
     if spec.real_gpu and spec.device_uuids:  # a CPU-only sandbox asks the runtime for no GPU
         kwargs["device_requests"] = [
-            docker.types.DeviceRequest(device_ids=list(spec.device_uuids), capabilities=[["gpu"]])
+            gpu_request
+            or docker.types.DeviceRequest(device_ids=list(spec.device_uuids), capabilities=[["gpu"]])
         ]
     if spec.mps is not None:
         # Read-write: clients create and connect to sockets in the pipe directory. The IPC
@@ -270,12 +276,26 @@ class DockerDriver:
         host: str = "",
         storage_dir: Path | None = None,
         apps_dir: Path | None = None,
+        gpu_paths: GpuPaths | None = None,
     ) -> None:
         self._client = client
         self.host = host
         self.storage_dir = storage_root() if storage_dir is None else storage_dir
         self.apps_dir = apps_root() if apps_dir is None else apps_dir
         self._logs = ContainerLogReader()
+        self.gpu_paths = gpu_paths or GpuPaths(lambda: dict(self.client.info()))
+
+    def gpu_path_problem(self) -> tuple[str, str] | None:
+        """(what is missing, how to fix it) when this engine can hand out no NVIDIA GPU at
+        all; None when it can (or the engine cannot be asked: the self-test says so)."""
+        try:
+            with _engine_errors("ask the Docker engine how it hands out GPUs"):
+                facts = self.gpu_paths.facts()
+        except DriverError as exc:
+            log.warning("%s", exc)
+            return None
+        log.info("Docker GPU path: %s", facts.describe())
+        return facts.problem()
 
     @property
     def client(self) -> docker.DockerClient:
@@ -351,11 +371,14 @@ class DockerDriver:
                 require_mps_pipe(spec.mps.pipe_dir, sandbox_user(spec), real_gpu=spec.real_gpu)
             try:
                 bound = storage.resolve(self.storage_dir, spec.mounts)
+                gpu_request = None
+                if spec.real_gpu and spec.device_uuids:  # before anything is made for it
+                    gpu_request = self.gpu_paths.facts().device_request(spec.device_uuids)
                 app_dir = None
                 if spec.app:
                     app_dir = app_socket.make_dir(self.apps_dir, spec.allocation_key, sandbox_user(spec))
                 container = self.client.containers.create(
-                    **container_kwargs(spec, bound=bound, app_dir=app_dir)
+                    **container_kwargs(spec, bound=bound, app_dir=app_dir, gpu_request=gpu_request)
                 )
             except docker.errors.ImageNotFound as exc:
                 raise DriverError(

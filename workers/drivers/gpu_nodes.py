@@ -27,6 +27,12 @@ so CUDA would fail with ``CUDA_ERROR_UNKNOWN`` (999) or "no CUDA-capable device"
 nodes of a freshly made MIG instance and ``/dev/nvidia-uvm`` before anything loaded the
 module are the usual cases.
 
+The same devices say which ``<proc>/gpus/<bus id>`` directories a sandbox may see
+(``proc_mask_args``): the driver lists every GPU of the host there, and a fresh procfs shows
+them all; libnvidia-container gives a container only its own GPUs' entries, and so does the
+process driver, with a read-only tmpfs over the directory and each own GPU's entry bound
+back (a MIG device's is its parent's).
+
 ``GpuNodes`` takes the /proc and /dev roots and the NVML lookup as parameters, so tests run
 it against fake trees.
 """
@@ -43,6 +49,8 @@ from workers.drivers.base import DriverError
 from workers.gpu.nvml_session import DeviceIds, device_ids
 
 PROC_ROOT = Path("/proc/driver/nvidia")
+# Where a sandbox, in the fresh procfs bwrap gives it, finds the driver's directory.
+SANDBOX_PROC_ROOT = "/proc/driver/nvidia"
 DEV_ROOT = Path("/dev")
 _REQUIRED_CONTROL = ("nvidiactl", "nvidia-uvm")
 _OPTIONAL_CONTROL = ("nvidia-uvm-tools",)  # profiling only: bound when present
@@ -112,6 +120,26 @@ class GpuNodes:
                 "enable persistence mode, nvidia-smi -pm 1)"
             )
         return DeviceIds(minor=minor)
+
+    def proc_mask_args(self, uuids: Iterable[str], sandbox_root: str = SANDBOX_PROC_ROOT) -> list[str]:
+        """bwrap arguments (after its ``--proc``) that leave only the GPUs of ``uuids`` in
+        ``<sandbox_root>/gpus``: a read-only tmpfs over it, each of their directories bound
+        back read-only from this host's ``<proc>/gpus``. A GPU's directory is told by its
+        ``information`` file's ``Device Minor``. [] for no device, or a host without the
+        directory (no driver loaded), where a fresh procfs has nothing to hide."""
+        gpus = self.proc_root / "gpus"
+        if not gpus.is_dir():
+            return []
+        minors = {self.ids(u).minor for u in uuids}
+        if not minors:
+            return []
+        target = f"{sandbox_root.rstrip('/')}/gpus"
+        args = ["--perms", "0555", "--tmpfs", target]
+        for entry in sorted(gpus.iterdir()):
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                if int(_fields(entry / "information")["Device Minor"]) in minors:
+                    args += ["--ro-bind", str(entry), f"{target}/{entry.name}"]
+        return [*args, "--remount-ro", target]
 
     def _cap_minor(self, access: Path, device_uuid: str) -> int:
         try:

@@ -35,7 +35,8 @@ The web terminal's shell enters the sandbox with the same confinement (enter_san
 GPU isolation is by device node: the sandbox's /dev holds exactly its GPUs' nodes (for a MIG
 device its parent's node and the capability nodes of its GPU and compute instance), found
 by workers/drivers/gpu_nodes.py; a node that is missing fails the launch with the command
-that creates it. ``CUDA_VISIBLE_DEVICES``, which the tenant can unset, is not what isolates.
+that creates it. Its /proc/driver/nvidia/gpus lists only those GPUs (the parent's, for MIG).
+``CUDA_VISIBLE_DEVICES``, which the tenant can unset, is not what isolates.
 
 Driver libraries reach the sandbox through the host's /usr, /lib* and ld.so.cache. A host
 whose driver is found only through ``LD_LIBRARY_PATH`` (a containerised driver under
@@ -382,6 +383,10 @@ class ProcessDriver:
         for node in nodes:
             args += ["--dev-bind", str(node.host), node.path]
         if nodes:
+            # Only its own GPUs under /proc/driver/nvidia/gpus, as libnvidia-container does:
+            # the fresh procfs lists every GPU of the host, and NVML in the sandbox would
+            # count (and fail on) those it has no node for.
+            args += self.gpu_nodes.proc_mask_args(spec.device_uuids)
             # CUDA and NVML read PCI topology and NUMA nodes from sysfs; containers get a
             # read-only sysfs as well.
             args += ["--ro-bind", "/sys", "/sys"]

@@ -53,14 +53,14 @@ class Agent:
         self.context = HostContext.assemble(settings or AgentSettings(host=host), backend, driver, var_dir)
         self.meter = StorageMeter(self.context)
         self.lifecycle = SandboxLifecycle(self.context, self.meter)
-        self.plans = FleetPlans(self.context, self.lifecycle)
+        # Real GPUs: the device nodes a sandbox binds (MIG caps nodes exist only once asked
+        # for, /dev/nvidia-uvm once something loaded the module) are made at start and after
+        # each MIG change (FleetPlans), as libcuda would make them on the host.
+        self.device_nodes = None if backend.simulated else GpuNodes()
+        self.plans = FleetPlans(self.context, self.lifecycle, self.device_nodes)
         self.reports = HostReports(self.context, report_builder)
         self.faults = GpuFaults(self.context)
         self.sampler = Sampler(self.context, self.reports, self.faults)
-        # Real GPUs: the device nodes a sandbox binds (MIG caps nodes exist only once asked
-        # for, /dev/nvidia-uvm once something loaded the module) are made at start and after
-        # each MIG change, as libcuda would make them on the host.
-        self.device_nodes = None if backend.simulated else GpuNodes()
 
     # What the Celery tasks call.
 

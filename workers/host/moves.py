@@ -22,6 +22,7 @@ from scheduler.defrag import DESTROY, MIGRATE, MigPlan
 from wire.messages import MigStepReport, MoveReport, StopOrder
 from wire.spec import SandboxHandle, renamed
 from workers.drivers.base import DriverError
+from workers.drivers.gpu_nodes import GpuNodes
 from workers.gpu.mig import MigError, MigManager, MigStep
 from workers.gpu.mps import MpsError
 from workers.host.checkpoint import run_checkpoint_hook
@@ -75,12 +76,22 @@ class PlanOutcome:
 
 class FleetPlans:
     """This host's part of fleet plans. It owns the MIG manager: nothing else on the host
-    changes the MIG layout."""
+    changes the MIG layout.
 
-    def __init__(self, context: HostContext, lifecycle: SandboxLifecycle) -> None:
+    ``device_nodes`` (real GPUs only) makes the /dev nodes of the instances a re-layout
+    created: a MIG instance's capability nodes (/dev/nvidia-caps/nvidia-cap<N>) do not exist
+    until something asks for them, libcuda on the host would, but a process sandbox has no
+    setuid nvidia-modprobe to call, so its launch into the new instance would fail until the
+    agent restarted (review 3, #5). mig-parted does the same after each change (``nvidia-ctk
+    system create-device-nodes``)."""
+
+    def __init__(
+        self, context: HostContext, lifecycle: SandboxLifecycle, device_nodes: GpuNodes | None = None
+    ) -> None:
         self.context = context
         self.lifecycle = lifecycle
         self.mig = MigManager(context.backend)
+        self.device_nodes = device_nodes
 
     def execute(
         self, plan_id: int, stops: list[StopOrder], mig_plan: dict[str, Any] | None, busy: dict[str, str]
@@ -142,6 +153,25 @@ class FleetPlans:
         except MigError as exc:
             outcome.error, outcome.mig_steps = str(exc), exc.steps
             log.error("fleet plan %s: MIG re-layout failed: %s", plan_id, exc)
+        # Also after a failure part-way: the instances it did create are offered all the same.
+        self.make_device_nodes(plan_id, outcome.mig_steps)
+
+    def make_device_nodes(self, plan_id: int, steps: list[MigStep]) -> None:
+        """Create the missing nodes of every instance the plan leaves standing for a sandbox
+        (created or kept), as the agent does for all its devices at start. A node that still
+        cannot be made is left to the launch, which fails naming it and its command."""
+        if self.device_nodes is None:
+            return
+        uuids = [s.mig_uuid for s in steps if s.action in ("create", "keep") and s.mig_uuid]
+        if not uuids:
+            return
+        try:
+            ran = self.device_nodes.create_missing(uuids)
+        except DriverError as exc:
+            log.warning("fleet plan %s: device nodes of the new MIG instances not made: %s", plan_id, exc)
+            return
+        if ran:
+            log.info("fleet plan %s: made device nodes with %s", plan_id, [" ".join(argv) for argv in ran])
 
     def retire_mps(self, plan: MigPlan, busy: dict[str, str]) -> None:
         """Quit the MPS daemon of each free instance the plan destroys, before the destroy: an
