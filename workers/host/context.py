@@ -64,10 +64,12 @@ class HostContext:
             sandboxes=sandboxes,
             inventory=HostInventory(settings, backend, driver),
             alerts=AlertTracker(settings.host),
+            # The backend sets and reads each MPS device's compute mode (EXCLUSIVE_PROCESS while
+            # its daemon runs): MPS is always enforced, there is no setting to turn it off.
             mps_daemons=MpsDaemons(
-                SimulatedMps(root)
+                SimulatedMps(root, compute_modes=backend)
                 if backend.simulated
-                else MpsManager(root, exclusive_process=settings.mps_exclusive_process)
+                else MpsManager(root, compute_modes=backend)
             ),
             utilization=UtilizationWindows(settings.util_window_s),
             output=OutputPump(driver, sandboxes.handles.get),
