@@ -92,6 +92,10 @@ class Dev:
     # and whether pages wait for the next reset. None: NOT_SUPPORTED (Ampere and later).
     retired_pages: dict[int, list[int]] | None = None
     retirement_pending: bool = False
+    # -- compute mode (issue 36 item 1, MPS enforced): each GPU's and each MIG device's own --
+    compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
+    compute_mode_refused: int | None = None  # the NVML error Set raises (NO_PERMISSION: not root)
+    compute_mode_sticks: bool = True  # False: Set answers SUCCESS and the mode stays as it was
 
     def profile(self, profile_id: int) -> tuple[int, str, int, int, int]:
         return next(p for p in self.profiles.values() if p[0] == profile_id)
@@ -166,6 +170,8 @@ class FakeNvml:
             "nvmlGpmSampleFree",
         }
     )
+    # compute modes (issue 36 item 1): per GPU and per MIG device handle
+    FUNCTIONS = FUNCTIONS | frozenset({"nvmlDeviceGetComputeMode", "nvmlDeviceSetComputeMode"})
 
     def __init__(self) -> None:
         self.initialised = 0
@@ -645,6 +651,23 @@ class FakeNvml:
         if board.retired_pages is None:
             raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return pynvml.NVML_FEATURE_ENABLED if board.retirement_pending else pynvml.NVML_FEATURE_DISABLED
+
+    # -- compute mode (issue 36 item 1) --------------------------------------------------------
+    # A MIG device handle keeps its own mode, independent of its parent's and its siblings'.
+    # nvml.h (nvmlDeviceSetComputeMode): "If MIG is enabled on a GPU, device must be MIG device
+    # handle": the fake refuses the parent of a GPU in MIG mode, so a test sees which was used.
+
+    def nvmlDeviceGetComputeMode(self, dev: Dev) -> int:
+        return self._live(dev).compute_mode
+
+    def nvmlDeviceSetComputeMode(self, dev: Dev, mode: int) -> None:
+        self._live(dev)
+        if dev.mig_mode == pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if dev.compute_mode_refused is not None:
+            raise nvml_error(dev.compute_mode_refused)
+        if dev.compute_mode_sticks:
+            dev.compute_mode = mode
 
 
 def event(dev: Dev, kind: int, data: int = 0, gi: int = NO_INSTANCE) -> SimpleNamespace:

@@ -320,8 +320,9 @@ def test_mps_env_and_mount(driver: DockerDriver, client: docker.DockerClient, ho
     with tempfile.TemporaryDirectory(prefix="gpushare-mps-") as pipe_dir:
         mps = MpsShare(pipe_dir=pipe_dir, thread_pct=30, memory_mib=2048)
         spec = make_spec(host, mps=mps, device_uuids=("GPU-aaaa",))
-        if os.geteuid() == 0:  # the agent's MpsManager gives the pipe directory to the MPS uid
-            os.chown(pipe_dir, sandbox_user(spec), -1)
+        if os.geteuid() == 0:  # as the agent's MpsManager makes it: root:<MPS gid> 1770
+            os.chown(pipe_dir, 0, sandbox_user(spec))
+            os.chmod(pipe_dir, 0o1770)  # noqa: S103 - the MPS group's, sticky: as the agent makes it
         else:
             os.chmod(pipe_dir, 0o711)  # noqa: S103 - what a client of another uid needs
         handle = driver.launch(spec)

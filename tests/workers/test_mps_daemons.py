@@ -41,8 +41,9 @@ from wire import dispatch
 from wire.spec import MpsShare, SandboxHandle, SandboxSpec
 from workers.drivers.base import DriverError, SandboxStatus
 from workers.drivers.output import OutputChunk
-from workers.gpu.mps import MpsError, SimulatedMps
+from workers.gpu.mps import MpsError
 from workers.gpu.mps_daemons import MpsDaemons
+from workers.gpu.mps_simulated import SimulatedMps
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 from workers.host.agent import Agent
 from workers.host.agent_settings import AgentSettings

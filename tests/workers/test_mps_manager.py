@@ -8,6 +8,10 @@ and prints the answers; ``quit`` ends the daemon. The daemon writes every comman
 received to ``control.log`` in ``CUDA_MPS_LOG_DIRECTORY`` (as the real one logs ``Cmd:``
 lines there), which is what the tests read. tests/workers/test_mps_real.py runs the same
 calls against the real binary on a GPU host.
+
+Compute modes go through ``NvmlBackend`` over the fake NVML (tests/workers/nvml_fake.py),
+which holds the devices these tests name (``modes``); tests/workers/test_mps_enforced.py
+follows them.
 """
 
 from __future__ import annotations
@@ -21,18 +25,18 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.workers.nvml_fake import Dev, FakeNvml
 from wire import uids
 from wire.spec import MpsShare, SandboxSpec
 from workers.gpu import mps
-from workers.gpu.mps import PID_FILE, MpsError, MpsManager, SimulatedMps, _alive, device_key, mps_root
-from workers.host.agent_settings import AgentSettings
+from workers.gpu.mps import PID_FILE, MpsError, MpsManager, _alive, _start_time, device_key, mps_root
+from workers.gpu.nvml import NvmlBackend
 
 GPU_A = "GPU-0d6bde6e-8b1e-4a4a-9a64-6a3c2c2f5a10"
 GPU_B = "GPU-5b3f0b83-2f5e-4b63-a3a8-9a0b5f1c7e22"
@@ -169,8 +173,18 @@ def var_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def manager(var_dir: Path, control_binary: Path) -> MpsManager:
-    return MpsManager(var_dir / "mps", control_binary=str(control_binary))
+def modes(fake: FakeNvml) -> Iterator[NvmlBackend]:
+    """The GPU backend that sets and reads compute modes: NVML, faked, with GPU_A and GPU_B
+    beside the fake's own H100 and A100 (whose MIG devices the MIG tests use)."""
+    fake.gpus += [Dev(GPU_A, "NVIDIA H100 80GB HBM3", 81559), Dev(GPU_B, "NVIDIA H100 80GB HBM3", 81559)]
+    backend = NvmlBackend()
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def manager(var_dir: Path, control_binary: Path, modes: NvmlBackend) -> MpsManager:
+    return MpsManager(var_dir / "mps", control_binary=str(control_binary), compute_modes=modes)
 
 
 def control_log(manager: MpsManager, uuid: str) -> list[str]:
@@ -193,22 +207,25 @@ def test_start_gives_the_pipe_dir_to_the_devices_clients_alone_and_binds_the_dae
     assert (manager.pipe_dir(GPU_A), manager.log_dir(GPU_A)) == (pipe, logs)
     assert (var_dir / "mps" / key / "device").read_text() == GPU_A + "\n"
     # Traversable down to the pipe directory, listable by nobody else; only the device's MPS
-    # uid (every client of this daemon runs as it) may enter the pipe directory.
-    dirs = (var_dir / "mps", var_dir / "mps" / key, pipe, logs)
-    assert [mode(d) for d in dirs] == [0o711, 0o711, 0o700, 0o700]
-    client = uids.mps_uid(GPU_A) if os.geteuid() == 0 else os.geteuid()
-    assert pipe.stat().st_uid == client
+    # group (every client of this daemon, and its MPS server, runs in it) may enter the pipe
+    # directory and make its sockets there, and the sticky bit keeps root's from them.
+    dirs = (var_dir / "mps", var_dir / "mps" / key, pipe, logs, var_dir / "mps" / key / "state")
+    assert [mode(d) for d in dirs] == [0o711, 0o711, 0o1770, 0o700, 0o700]
+    group = uids.mps_uid(GPU_A) if os.geteuid() == 0 else os.getegid()
+    assert (pipe.stat().st_uid, pipe.stat().st_gid) == (os.geteuid(), group)
     assert logs.stat().st_uid == os.geteuid()
     assert control_log(manager, GPU_A) == [f"START visible={GPU_A} pipe={pipe} log={logs}"]
     assert (pipe / "control").is_socket()
     manager.stop(GPU_A)
 
 
-def test_start_is_idempotent_also_for_a_new_manager(manager: MpsManager, control_binary: Path) -> None:
+def test_start_is_idempotent_also_for_a_new_manager(
+    manager: MpsManager, control_binary: Path, modes: NvmlBackend
+) -> None:
     manager.start(GPU_A)
     assert manager.start(GPU_A) is False
-    # An agent restart: a fresh manager finds the daemon through its pid file.
-    again = MpsManager(manager.root, control_binary=str(control_binary))
+    # An agent restart: a fresh manager finds the daemon through the root-only state it recorded.
+    again = MpsManager(manager.root, control_binary=str(control_binary), compute_modes=modes)
     assert again.running(GPU_A) and again.start(GPU_A) is False
     assert [line for line in control_log(manager, GPU_A) if line.startswith("START")] != []
     assert len([line for line in control_log(manager, GPU_A) if line.startswith("START")]) == 1
@@ -238,15 +255,18 @@ def test_defaults_are_sent_as_nvidia_documents_them(manager: MpsManager) -> None
     manager.stop(GPU_A)
 
 
-def test_server_and_client_lists(manager: MpsManager, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_server_and_client_lists(
+    manager: MpsManager, monkeypatch: pytest.MonkeyPatch, fake: FakeNvml
+) -> None:
     monkeypatch.setenv("FAKE_MPS_SERVERS", json.dumps({"4100": [4242, 4243], "4200": []}))
-    manager.start(MIG)  # MIG devices get their own daemon the same way
-    assert manager.server_pids(MIG) == [4100, 4200]
-    assert manager.client_pids(MIG, 4100) == [4242, 4243]
-    assert manager.client_pids(MIG, 999) == []  # "Server 999 not found" is no pid
-    assert manager.clients(MIG) == {4100: [4242, 4243], 4200: []}
-    assert "Cmd:get_client_list 4100" in control_log(manager, MIG)
-    manager.stop(MIG)
+    mig = fake.mig(3).uuid
+    manager.start(mig)  # mig devices get their own daemon the same way
+    assert manager.server_pids(mig) == [4100, 4200]
+    assert manager.client_pids(mig, 4100) == [4242, 4243]
+    assert manager.client_pids(mig, 999) == []  # "Server 999 not found" is no pid
+    assert manager.clients(mig) == {4100: [4242, 4243], 4200: []}
+    assert "Cmd:get_client_list 4100" in control_log(manager, mig)
+    manager.stop(mig)
 
 
 def test_stop_quits_through_stdin_and_leaves_other_devices_alone(manager: MpsManager) -> None:
@@ -272,7 +292,9 @@ def test_a_stale_pid_file_does_not_count_as_a_daemon(manager: MpsManager) -> Non
     manager.stop(GPU_A)
 
 
-def test_errors_are_mps_errors(manager: MpsManager, var_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_errors_are_mps_errors(
+    manager: MpsManager, var_dir: Path, monkeypatch: pytest.MonkeyPatch, modes: NvmlBackend
+) -> None:
     with pytest.raises(MpsError, match=f"no MPS daemon runs for {GPU_A}"):
         manager.command(GPU_A, "get_server_list")
     with pytest.raises(MpsError, match="not a device UUID"):
@@ -280,7 +302,7 @@ def test_errors_are_mps_errors(manager: MpsManager, var_dir: Path, monkeypatch: 
     monkeypatch.setenv("FAKE_MPS_FAIL", "no CUDA-capable device is detected")
     with pytest.raises(MpsError, match=r"-d for GPU-0d6b.* exited 1: Failed to start .* no CUDA-capable"):
         manager.start(GPU_A)
-    missing = MpsManager(var_dir / "mps", control_binary=str(var_dir / "nope"))
+    missing = MpsManager(var_dir / "mps", control_binary=str(var_dir / "nope"), compute_modes=modes)
     with pytest.raises(MpsError, match="not found: is the NVIDIA driver installed"):
         missing.start(GPU_B)
     deep = MpsManager(var_dir / ("x" * 80) / "mps", control_binary=str(var_dir / "nope"))
@@ -315,7 +337,7 @@ exit 1
 
 
 def test_start_returns_while_the_daemon_holds_the_inherited_stdout(
-    var_dir: Path, monkeypatch: pytest.MonkeyPatch
+    var_dir: Path, monkeypatch: pytest.MonkeyPatch, modes: NvmlBackend
 ) -> None:
     """Under capture_output the start read the daemon's stdout to its end, which comes only
     when the daemon exits: it timed out (15 s) with the daemon up."""
@@ -323,7 +345,7 @@ def test_start_returns_while_the_daemon_holds_the_inherited_stdout(
     binary.write_text(HOLDS_STDOUT)
     binary.chmod(0o755)
     monkeypatch.setattr(mps, "COMMAND_TIMEOUT_S", 3.0)  # the old code's wait, shortened
-    manager = MpsManager(var_dir / "mps", control_binary=str(binary))
+    manager = MpsManager(var_dir / "mps", control_binary=str(binary), compute_modes=modes)
     try:
         assert manager.start(GPU_A) is True
         assert (manager.log_dir(GPU_A) / mps.START_LOG).read_text() == "starting the daemon\n"
@@ -333,11 +355,11 @@ def test_start_returns_while_the_daemon_holds_the_inherited_stdout(
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
-def test_a_failed_start_says_what_the_binary_printed(var_dir: Path) -> None:
+def test_a_failed_start_says_what_the_binary_printed(var_dir: Path, modes: NvmlBackend) -> None:
     binary = var_dir / "fails"
     binary.write_text('#!/bin/sh\necho "An instance of this daemon is already running" >&2\nexit 1\n')
     binary.chmod(0o755)
-    manager = MpsManager(var_dir / "mps", control_binary=str(binary))
+    manager = MpsManager(var_dir / "mps", control_binary=str(binary), compute_modes=modes)
     with pytest.raises(MpsError, match="exited 1: An instance of this daemon is already running"):
         manager.start(GPU_A)
 
@@ -382,30 +404,58 @@ def test_server_limits_are_the_defaults_and_each_running_servers_own(
     manager.stop(GPU_A)
 
 
-def test_under_systemd_each_daemon_is_a_unit_of_its_own_with_only_its_environment(
-    var_dir: Path, control_binary: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Finding 4: daemons started by the agent stayed in its service's cgroup, and every
-    agent stop or restart (KillMode=mixed) killed them and the servers under running
-    sandboxes. Here systemd-run is emulated: it runs the command with --setenv alone."""
-    calls: list[list[str]] = []
+class FakeSystemd:
+    """``systemd-run`` and ``systemctl show -p MainPID``, emulated: a unit runs its command
+    with its ``--setenv`` alone, and its main pid is the process ``Type=forking`` leaves
+    behind, which systemd itself tracks (here: found once, the first time it is asked for,
+    through the daemon's pid file, before any test touches it)."""
 
-    def systemd_run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
-        calls.append(list(argv))
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.main_pids: dict[str, int] = {}  # unit -> main pid
+        self.pid_files: dict[str, Path] = {}  # unit -> its daemon's pid file, until read once
+
+    def __call__(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        self.calls.append(list(argv))
+        if argv[:2] == ["systemctl", "show"]:
+            assert argv[2:5] == ["-p", "MainPID", "--value"], argv
+            unit = argv[5]
+            pid_file = self.pid_files.get(unit)
+            if pid_file is not None and pid_file.exists():
+                self.main_pids[unit] = int(pid_file.read_text())
+                del self.pid_files[unit]
+            pid = self.main_pids.get(unit, 0)
+            pid = pid if pid and _alive(pid) else 0
+            return subprocess.CompletedProcess(argv, 0, f"{pid}\n", "")
         if argv[0] != "systemd-run":
             return subprocess.run(argv, **kwargs)
         split = argv.index("--")
         env = dict(arg.removeprefix("--setenv=").split("=", 1) for arg in argv[:split] if "--setenv=" in arg)
         env["PATH"] = os.environ["PATH"]
-        return subprocess.run(argv[split + 1 :], **{**kwargs, "env": env})
+        result = subprocess.run(argv[split + 1 :], **{**kwargs, "env": env})
+        if result.returncode == 0:
+            unit = next(arg.removeprefix("--unit=") for arg in argv if arg.startswith("--unit="))
+            self.main_pids.pop(unit, None)
+            self.pid_files[unit] = Path(env["CUDA_MPS_PIPE_DIRECTORY"], PID_FILE)
+        return result
 
+
+def test_under_systemd_each_daemon_is_a_unit_of_its_own_with_only_its_environment(
+    var_dir: Path, control_binary: Path, monkeypatch: pytest.MonkeyPatch, modes: NvmlBackend
+) -> None:
+    """Finding 4: daemons started by the agent stayed in its service's cgroup, and every
+    agent stop or restart (KillMode=mixed) killed them and the servers under running
+    sandboxes. Here systemd-run is emulated: it runs the command with --setenv alone."""
+    systemd = FakeSystemd()
     monkeypatch.setenv("FAKE_MPS_FAIL", "")  # the agent's environment does not reach the unit
     manager = MpsManager(
-        var_dir / "mps", control_binary=str(control_binary), runner=systemd_run, systemd=True
+        var_dir / "mps", control_binary=str(control_binary), runner=systemd, systemd=True, compute_modes=modes
     )
     assert manager.start(GPU_A) is True
     key = device_key(GPU_A)
-    assert calls[0] == [
+    calls = systemd.calls
+    assert calls[0] == ["systemctl", "show", "-p", "MainPID", "--value", f"gpushare-mps-{key}.service"]
+    assert calls[1] == [
         "systemd-run",
         f"--unit=gpushare-mps-{key}.service",
         f"--description=gpushare MPS control daemon of {GPU_A}",
@@ -425,97 +475,29 @@ def test_under_systemd_each_daemon_is_a_unit_of_its_own_with_only_its_environmen
 
 
 def test_a_restarted_agent_adopts_a_daemon_that_answers_and_refuses_one_that_does_not(
-    manager: MpsManager, control_binary: Path
+    manager: MpsManager, control_binary: Path, modes: NvmlBackend
 ) -> None:
     manager.start(GPU_A)
-    again = MpsManager(manager.root, control_binary=str(control_binary))
+    again = MpsManager(manager.root, control_binary=str(control_binary), compute_modes=modes)
     assert again.start(GPU_A) is False and again.start(GPU_A) is False
     log = control_log(manager, GPU_A)
     assert [line for line in log if line.startswith("START")] == [log[0]]
     assert log.count("Cmd:get_server_list") == 1  # asked once, on adoption
     again.stop(GPU_A)
 
-    # A pid file naming a live process with no control socket: a daemon that hangs.
+    # The recorded daemon (root-only state) is a live process with no control socket: a
+    # daemon that hangs. A restarted agent refuses it rather than send shares to it.
     hung = subprocess.Popen(["sleep", "60"])
     try:
-        manager.pipe_dir(GPU_B).mkdir(parents=True)
-        (manager.pipe_dir(GPU_B) / PID_FILE).write_text(str(hung.pid))
-        fresh = MpsManager(manager.root, control_binary=str(control_binary))
+        state = manager.root / device_key(GPU_B) / mps.STATE_DIR
+        state.mkdir(parents=True)
+        (state / mps.DAEMON_STATE).write_text(f"{hung.pid} {_start_time(hung.pid)}\n")
+        fresh = MpsManager(manager.root, control_binary=str(control_binary), compute_modes=modes)
         with pytest.raises(MpsError, match=f"daemon {hung.pid} of {GPU_B} does not answer.*kill {hung.pid}"):
             fresh.start(GPU_B)
     finally:
         hung.kill()
         hung.wait()
-
-
-class RecordedModes:
-    """The ComputeMode seam: records what NVML would be told, and whether a daemon ran then."""
-
-    def __init__(self, manager: Callable[[], MpsManager | None]) -> None:
-        self.manager = manager
-        self.calls: list[tuple[str, str, bool]] = []
-
-    def _note(self, mode: str, gpu: str) -> None:
-        manager = self.manager()
-        self.calls.append((mode, gpu, manager is not None and manager.running(gpu)))
-
-    def exclusive_process(self, gpu_uuid: str) -> None:
-        self._note("exclusive", gpu_uuid)
-
-    def default(self, gpu_uuid: str) -> None:
-        self._note("default", gpu_uuid)
-
-
-def test_exclusive_process_while_a_whole_gpus_daemon_runs_when_the_operator_allows_it(
-    var_dir: Path, control_binary: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Review §3.2: in DEFAULT mode a client that cannot reach MPS quietly runs without it
-    (and without limits); EXCLUSIVE_PROCESS makes it fail instead."""
-    holder: list[MpsManager] = []
-    modes = RecordedModes(lambda: holder[0] if holder else None)
-    manager = MpsManager(
-        var_dir / "mps", control_binary=str(control_binary), exclusive_process=True, compute_mode=modes
-    )
-    holder.append(manager)
-    manager.start(GPU_A)
-    manager.start(MIG)  # a MIG device: the mode is its GPU's, not touched
-    assert modes.calls == [("exclusive", GPU_A, False)]  # before the daemon
-    manager.stop(MIG)
-    manager.stop(GPU_A)
-    assert modes.calls[1:] == [("default", GPU_A, False)]  # after it
-    # A start that fails puts the mode back.
-    monkeypatch.setenv("FAKE_MPS_FAIL", "no CUDA-capable device is detected")
-    with pytest.raises(MpsError, match="no CUDA-capable"):
-        manager.start(GPU_B)
-    assert modes.calls[2:] == [("exclusive", GPU_B, False), ("default", GPU_B, False)]
-    # A later agent with the setting off still undoes what the first one set.
-    monkeypatch.delenv("FAKE_MPS_FAIL")
-    manager.start(GPU_A)
-    later = MpsManager(manager.root, control_binary=str(control_binary), compute_mode=modes)
-    assert later.exclusive_process is False
-    later.stop(GPU_A)
-    assert modes.calls[-1] == ("default", GPU_A, False)
-    # A daemon killed -9 leaves the mode behind: the next stop (before a dedicated sandbox)
-    # puts it back although no daemon runs.
-    manager.start(GPU_A)
-    os.kill(int((manager.pipe_dir(GPU_A) / PID_FILE).read_text()), signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while manager.running(GPU_A) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert manager.stop(GPU_A) is False
-    assert modes.calls[-2:] == [("exclusive", GPU_A, False), ("default", GPU_A, False)]
-
-
-def test_compute_mode_is_left_alone_unless_the_operator_asks(
-    manager: MpsManager, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert manager.exclusive_process is False
-    manager.start(GPU_A)  # no ComputeMode given: NVML would be called, and there is none here
-    manager.stop(GPU_A)
-    monkeypatch.setenv("MPS_EXCLUSIVE_PROCESS", "true")
-    monkeypatch.setenv("GPUSHARE_HOST", "h")
-    assert AgentSettings.from_env().mps_exclusive_process is True
-    assert SimulatedMps(manager.root).exclusive_process is False
 
 
 def test_the_agent_unit_loads_nvidia_uvm_before_its_hardening_forbids_it() -> None:

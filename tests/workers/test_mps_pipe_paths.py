@@ -1,8 +1,9 @@
 """An MPS pipe directory is written by the GPU's tenants (their CUDA and MPS servers make their
-pipes there, as the GPU's MPS uid): what they plant in it (a FIFO or a symlink for the
-daemon's pid file, a link or a socket of their own for its control socket, folders) is never
-followed, opened or waited on by the agent. Real bubblewrap and Docker sandboxes plant them,
-on a stand-in control daemon (tests/workers/test_mps_manager.py)."""
+pipes there, as the GPU's MPS uid and gid): root's 1770 (sticky), so they cannot remove or
+replace the daemon's ``control`` socket and pid file while it runs, and what they plant while
+none runs (a FIFO or a symlink for the pid file, a link or a socket of their own for the
+control socket, folders) is never followed, opened or waited on by the agent. Real bubblewrap
+and Docker sandboxes plant them, on a stand-in control daemon (tests/workers/test_mps_manager.py)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import pytest
 
 from tests.workers.test_app_socket_paths import Listener
 from tests.workers.test_driver_storage import driver_for, make_spec, output_of
-from tests.workers.test_mps_manager import GPU_A, _no_systemd, control_binary, var_dir  # noqa: F401 - fixtures
+from tests.workers.test_mps_manager import GPU_A, _no_systemd, control_binary, modes, var_dir  # noqa: F401 - fixtures
 from wire import uids
 from wire.spec import SandboxHandle
 from workers.drivers.base import DriverError, SandboxDriver, require_mps_pipe
 from workers.gpu.mps import PID_FILE, MpsManager
+from workers.gpu.nvml import NvmlBackend
 
 PIPE = "$CUDA_MPS_PIPE_DIRECTORY"
 PID = f"{PIPE}/{PID_FILE}"
@@ -60,17 +62,20 @@ def tenants(
     tmp_path: Path,
     var_dir: Path,  # noqa: F811
     control_binary: Path,  # noqa: F811
+    modes: NvmlBackend,  # noqa: F811
 ) -> Iterator[Tenants]:
     var_dir.chmod(0o711)  # a process sandbox's uid binds the pipe directory: it passes through
     storage = Path(tempfile.mkdtemp(prefix="gpushare-storage-", dir="/var/tmp"))
     host = f"test-{uuid.uuid4().hex[:8]}"
     driver, image = driver_for(request.param, host, storage, tmp_path / "state")
-    manager = MpsManager(var_dir / "mps", control_binary=str(control_binary))
+    manager = MpsManager(var_dir / "mps", control_binary=str(control_binary), compute_modes=modes)
     manager.start(GPU_A)
     daemon = int((manager.pipe_dir(GPU_A) / PID_FILE).read_text())
     yield Tenants(driver, image, host, manager)
     for handle in driver.list_owned():
         driver.stop(handle, grace_s=0)
+    with contextlib.suppress(Exception):  # MpsError or OSError: a test left it broken on purpose
+        manager.stop(GPU_A)  # the daemon a test started again, which the kill below misses
     with contextlib.suppress(ProcessLookupError):
         os.kill(daemon, signal.SIGTERM)  # its pid file may be the tenant's by now
     planted = manager.pipe_dir(GPU_A) / PID_FILE  # var_dir's cleanup reads it: no FIFO there
@@ -94,15 +99,32 @@ def secret() -> Iterator[Path]:
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a non-root agent's sandboxes run as its own uid")
 
 
-def test_a_fifo_planted_as_the_pid_file_is_not_waited_on(tenants: Tenants) -> None:
-    """Opening a FIFO nobody writes blocks: the agent's MPS lock, and every MPS launch, with it."""
-    tenants.launch(701, f"rm -f {PID} && mkfifo {PID}")
+def test_a_tenant_cannot_remove_or_replace_the_running_daemons_socket_or_pid_file(tenants: Tenants) -> None:
+    """The pipe directory was the MPS uid's 0700: a tenant's ``rm control`` sent every later
+    CUDA process of every tenant on the GPU past MPS (review 3 §1.1 item 2)."""
+    daemon = tenants.daemon_pid()
+    tried = f"rm -f {PID} {PIPE}/control; mv {PIPE}/control {PIPE}/moved; mkfifo {PIPE}/mine; true"
+    tenants.launch(701, tried)
+    for name in ("control", PID_FILE):
+        assert (tenants.pipe / name).lstat().st_uid == os.geteuid(), name  # root's, still there
+    assert (tenants.pipe / "control").is_socket() and tenants.daemon_pid() == daemon
+    assert stat.S_ISFIFO((tenants.pipe / "mine").lstat().st_mode)  # its own files it may make
+    assert tenants.manager.running(GPU_A)
+
+
+@pytest.mark.parametrize("planted", ["fifo", "symlink"])
+def test_a_pid_file_planted_while_no_daemon_runs_is_never_read(
+    tenants: Tenants, secret: Path, planted: str
+) -> None:
+    """Opening a FIFO nobody writes blocks (the agent's MPS lock, and every MPS launch, with
+    it); a link would have the agent read a root-only file naming a live pid. Neither is the
+    daemon's identity any more: it is not read at all."""
+    tenants.manager.stop(GPU_A)  # a daemon gone while its tenants stay (it crashed, say)
+    plant = f"mkfifo {PID}" if planted == "fifo" else f"ln -s {secret} {PID}"
+    tenants.launch(702, plant)
     assert not tenants.manager.running(GPU_A)
-
-
-def test_a_symlink_planted_as_the_pid_file_is_not_read(tenants: Tenants, secret: Path) -> None:
-    tenants.launch(702, f"rm -f {PID} && ln -s {secret} {PID}")
-    assert not tenants.manager.running(GPU_A)  # the secret names a live pid: it was not read
+    assert tenants.manager.start(GPU_A) is True  # cleared, and a daemon of its own again
+    assert tenants.manager.running(GPU_A)
 
 
 def test_what_tenants_left_in_a_stopped_daemons_pipe_dir_is_cleared_not_followed(tenants: Tenants) -> None:
@@ -145,6 +167,7 @@ def test_a_control_socket_the_daemon_did_not_make_fails_the_launch_check(
             bind = "IO::Socket::UNIX->new(Type => SOCK_STREAM(), Local => $ARGV[0], Listen => 1);"
             bind += " chmod 0777, $ARGV[0]"
             plant = f"rm -f {PIPE}/control && perl -MIO::Socket::UNIX -e '{bind}' {PIPE}/control"
+        tenants.manager.stop(GPU_A)  # the daemon's own socket cannot be removed while it runs
         tenants.launch(704, plant)
         with pytest.raises(DriverError, match="is not the MPS daemon's socket"):
             require_mps_pipe(str(tenants.pipe), uids.mps_uid(GPU_A), real_gpu=True, socket_wait_s=0)

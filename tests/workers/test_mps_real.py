@@ -2,8 +2,14 @@
 
 Starts a private daemon (its own pipe and log directories under /tmp, bound to one device
 by ``CUDA_VISIBLE_DEVICES``), so it never meets a daemon someone else runs on the default
-``/tmp/nvidia-mps``, and quits it at the end. Changes no driver setting (compute mode left
-as it is). The first test only configures it; the second connects a client the way a
+``/tmp/nvidia-mps``, and quits it at the end. Changes no driver setting: on a lent GPU the
+rule is never to change compute mode, MIG mode or clocks, so the manager is built here with
+``enforce=False`` (compute mode neither set nor read), never through the agent's
+``HostContext``, which always enforces EXCLUSIVE_PROCESS. The shares here are therefore the
+unenforced kind (a client that leaves MPS gets the whole device: the baseline below does
+exactly that); tests/workers/test_mps_enforced.py covers enforcement on the fake NVML.
+
+The first test only configures the daemon; the second connects a client the way a
 sandbox does (review §3.5, gpu-checks/mps_checks.sh): a CUDA program running as the GPU's
 MPS uid, not root, through the pipe directory the agent makes, with none of the
 ``CUDA_MPS_*`` limits in its environment, so that only the server's limits can bind it.
@@ -96,8 +102,9 @@ def var_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def manager(device_uuid: str, var_dir: Path) -> Iterator[MpsManager]:
-    # Started directly (no systemd unit left behind by a test), compute mode left alone.
-    manager = MpsManager(var_dir / "mps", systemd=False, exclusive_process=False)
+    # Started directly (no systemd unit left behind by a test); enforce=False: the lent GPU's
+    # compute mode is never changed (nor read) by these tests.
+    manager = MpsManager(var_dir / "mps", systemd=False, enforce=False)
     yield manager
     manager.stop(device_uuid)
 
@@ -188,7 +195,8 @@ def test_a_non_root_client_is_held_to_the_servers_limits_without_its_environment
     manager.set_server_limits(device_uuid, THREAD_PCT, LIMIT_MIB)  # what MpsDaemons.claim does
     pipe = manager.pipe_dir(device_uuid)
     uid = uids.mps_uid(device_uuid)
-    assert pipe.stat().st_uid == uid  # the agent's layout: the pipe directory is the MPS uid's
+    info = pipe.stat()  # the agent's layout: root's, the MPS uid's group, sticky
+    assert (info.st_uid, info.st_gid, info.st_mode & 0o7777) == (0, uid, 0o1770)
     client = _run_client(argv, device_uuid, pipe, uid=uid, hold_s=HOLD_S)
     try:
         servers: list[int] = []

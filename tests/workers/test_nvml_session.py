@@ -8,7 +8,6 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from workers.gpu.mps import MpsError, NvmlComputeMode
 from workers.gpu.nvml_session import NvmlDidNotStart, nvml_session
 
 
@@ -60,18 +59,3 @@ def test_a_failing_shutdown_hides_neither_the_answer_nor_the_error(nvml: Counted
     assert answer == 42
     with pytest.raises(pynvml.NVMLError, match="Not Found"), nvml_session():
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
-
-
-def test_setting_a_compute_mode_survives_a_failing_shutdown(
-    nvml: Counted, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The MPS manager's compute-mode setter once let a shutdown error fail a mode it had set."""
-    modes: list[int] = []
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", lambda uuid: uuid)
-    monkeypatch.setattr(pynvml, "nvmlDeviceSetComputeMode", lambda handle, mode: modes.append(mode))
-    nvml.shutdown_fails = pynvml.NVML_ERROR_UNKNOWN
-    NvmlComputeMode().exclusive_process("GPU-a")
-    assert modes == [pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS]
-    nvml.init_fails = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
-    with pytest.raises(MpsError, match=r"compute mode of GPU-a not set to .*did not initialise"):
-        NvmlComputeMode().default("GPU-a")

@@ -164,7 +164,9 @@ def test_an_mps_share_that_could_not_reach_its_daemon_is_refused(
         if os.geteuid() == 0:  # 0700, root's: the sandbox's uid cannot enter it
             with pytest.raises(DriverError, match=r"cannot be entered by the sandbox's uid \d+"):
                 driver.launch(make_spec(mps=share, real_gpu=real_gpu))
-            os.chown(pipe, uids.mps_uid("GPU-aaaa"), -1)
+            # As the agent's MpsManager makes it: root's, the GPU's MPS group, 1770 (sticky).
+            os.chown(pipe, 0, uids.mps_uid("GPU-aaaa"))
+            os.chmod(pipe, 0o1770)  # noqa: S103 - the MPS group's, sticky: as the agent makes it
         uid = uids.mps_uid("GPU-aaaa") if os.geteuid() == 0 else os.geteuid()
         if real_gpu:  # the directory, but no daemon's socket in it
             with pytest.raises(DriverError, match="control is missing"):

@@ -152,6 +152,16 @@ class MemoryRepairs:
         return found
 
 
+# Compute modes as the backends name them (nvml.h ``nvmlComputeMode_t``). MPS shares need
+# EXCLUSIVE_PROCESS on their device (workers.gpu.mps): then the MPS server holds the device's
+# one context, and a tenant who steers its CUDA past the MPS daemon gets no context at all
+# instead of the whole device without limits.
+COMPUTE_DEFAULT = "default"
+COMPUTE_EXCLUSIVE_PROCESS = "exclusive_process"
+COMPUTE_PROHIBITED = "prohibited"
+COMPUTE_MODES = (COMPUTE_DEFAULT, COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED)
+
+
 class GpuBackendError(RuntimeError):
     """A backend operation that cannot be done (illegal MIG placement, unknown GPU...)."""
 
@@ -201,5 +211,14 @@ class GpuBackend(Protocol):
 
     def forget_load(self, owner: str) -> None:
         """The sandbox ``owner`` is gone (real GPUs ignore this)."""
+
+    def compute_mode(self, uuid: str) -> str:
+        """The compute mode (one of ``COMPUTE_MODES``) of a whole GPU or of one MIG device: in
+        MIG mode each MIG device has its own (nvml.h). GpuBackendError when it cannot be read."""
+        ...
+
+    def set_compute_mode(self, uuid: str, mode: str) -> None:
+        """Set it (root), on the MIG device itself for a MIG uuid. GpuBackendError when the
+        driver refuses; the caller reads it back (``compute_mode``) to know it holds."""
 
     def close(self) -> None: ...

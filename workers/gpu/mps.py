@@ -10,9 +10,24 @@ Sandboxes get the pipe directory (``MpsShare.pipe_dir``); the drivers mount it a
 Everything goes through the control binary as NVIDIA documents it (``man
 nvidia-cuda-mps-control``): ``-d`` starts the daemon in the background; commands are lines
 written to the binary's stdin (``echo quit | nvidia-cuda-mps-control``), which forwards them
-to the daemon found through ``CUDA_MPS_PIPE_DIRECTORY`` and prints its answers. The daemon
-writes ``nvidia-cuda-mps-control.pid`` into that directory, which is how a running one is
-recognised, so ``start`` is idempotent across agent restarts.
+to the daemon found through ``CUDA_MPS_PIPE_DIRECTORY`` and prints its answers.
+
+Which process is the daemon (issue 36; review 3, §1.1 item 2). The daemon writes
+``nvidia-cuda-mps-control.pid`` into its pipe directory, where the GPU's tenants write too:
+a tenant who removed or forged it made the agent start a second daemon over the first, or
+wait in ``stop`` on a process of its choosing. So that file is never the daemon's identity.
+Under systemd the daemon is its unit's ``MainPID`` (``systemctl show -p MainPID``); without
+systemd, the pid the agent found right after its own ``-d`` returned (read once, from a
+file only root can have made in the sticky pipe directory), kept with the process's start
+time in the device's ``state`` directory (root's, 0700, never bound into a sandbox), so a
+restarted agent still adopts it and a reused pid is not taken for it. Either way ``start``
+is idempotent across agent restarts.
+
+Pipe directory: ``root:<the GPU's MPS gid>``, mode 1770 (sticky). The MPS server runs as the
+GPU's MPS uid and makes its sockets there (group rwx); root's ``control`` socket and pid
+file can be removed by nobody else (the sticky bit), where the earlier ``<mps uid>`` 0700
+let any tenant unlink ``control`` and send every later CUDA process of every tenant on the
+GPU past MPS.
 
 Lifetime. Where systemd runs (and the agent is root), each daemon starts as a transient
 unit of its own, ``gpushare-mps-<device_key>.service`` (``systemd-run``), outside the agent
@@ -23,13 +38,20 @@ its control socket) rather than start a second. Without systemd (development, te
 daemon starts directly, stays in whatever cgroup the agent runs in, and a service manager
 that kills that cgroup kills it too; the agent logs so once.
 
-Compute mode. With ``MPS_EXCLUSIVE_PROCESS=true`` (default false) a whole GPU is set to
-EXCLUSIVE_PROCESS before its daemon starts, and back to DEFAULT once it stopped, as NVIDIA's
-multi-user recipe does (MPS docs, "Appendix: Common Tasks"): the MPS server then holds the
-GPU's one context, and a client that cannot reach the daemon (a pipe directory it cannot
-enter, say) fails instead of quietly running without MPS and without limits. A driver
-setting, changed through NVML (``ComputeMode``); MIG devices are left alone (the mode is
-the whole GPU's).
+Compute mode: MPS is enforced. A CUDA client that does not reach the daemon (its tenant
+unset or changed ``CUDA_MPS_PIPE_DIRECTORY``) "continues to run as it normally would without
+MPS": the whole device, every SM, any memory, past every server limit. Only
+EXCLUSIVE_PROCESS closes that: the MPS server then holds the device's one context, and such a
+client gets none. So every GPU or MIG device whose daemon runs is set to EXCLUSIVE_PROCESS
+before the daemon starts (NVIDIA's multi-user recipe, MPS docs "Appendix: Common Tasks";
+k8s-device-plugin does it unconditionally), read back after every start and every adoption,
+and set back to DEFAULT once the daemon stopped (a dedicated sandbox runs several processes).
+A MIG device is set on its own handle (nvml.h: "If MIG is enabled on a GPU, device must be MIG
+device handle"). It goes through the GPU backend (``ComputeModes``: ``NvmlBackend``, or the
+simulated one). A device that cannot be set, reads back anything else, or fails to answer
+starts no daemon and serves no share: ``MpsNotEnforced`` says why, and the launch fails
+with it. The one way round is ``enforce=False``, for the ``gpu``-marked tests on a lent GPU,
+whose compute mode must never change; the agent never passes it.
 """
 
 from __future__ import annotations
@@ -47,12 +69,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import pynvml
-
 from wire import uids
 from wire.spec import MpsShare
 from workers.drivers import tenant_paths
-from workers.gpu.nvml_session import NvmlDidNotStart, nvml_session
+from workers.gpu.base import COMPUTE_DEFAULT, COMPUTE_EXCLUSIVE_PROCESS, GpuBackendError
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +91,9 @@ COMMAND_TIMEOUT_S = 15.0
 SYSTEMD_RUN = "systemd-run"
 UNIT_PREFIX = "gpushare-mps-"  # + device_key(uuid): the daemon's transient systemd unit
 EXCLUSIVE_MARK = "compute-mode-exclusive"  # in the device's directory: set by us, to undo
+STATE_DIR = "state"  # in the device's directory: root's 0700, what only the agent may say
+DAEMON_STATE = "daemon"  # in STATE_DIR: "<pid> <start time>" of a daemon started without systemd
+SYSTEMCTL = "systemctl"
 START_LOG = "start.log"  # in the log directory: what ``-d`` printed before it forked
 # How the manager runs the control binary (and systemd-run): subprocess.run's signature, a seam
 # for tests that check command lines.
@@ -111,31 +134,18 @@ class MpsError(RuntimeError):
     """An MPS daemon did not start, stop or answer as asked."""
 
 
-class ComputeMode(Protocol):
-    """Sets a whole GPU's compute mode: the seam between the manager and NVML."""
-
-    def exclusive_process(self, gpu_uuid: str) -> None: ...
-
-    def default(self, gpu_uuid: str) -> None: ...
+class MpsNotEnforced(MpsError):
+    """The device's MPS shares cannot be enforced (its compute mode is not, or cannot be made,
+    EXCLUSIVE_PROCESS): no share may start there; the message says why."""
 
 
-class NvmlComputeMode:
-    """``nvmlDeviceSetComputeMode`` (root); what ``nvidia-smi -c`` does. MpsError on failure."""
+class ComputeModes(Protocol):
+    """The compute-mode half of the GPU backend (``GpuBackend.compute_mode`` and
+    ``set_compute_mode``): NVML on a GPU host, the simulated backend's model elsewhere."""
 
-    def exclusive_process(self, gpu_uuid: str) -> None:
-        self._set(gpu_uuid, "NVML_COMPUTEMODE_EXCLUSIVE_PROCESS")
+    def compute_mode(self, uuid: str) -> str: ...
 
-    def default(self, gpu_uuid: str) -> None:
-        self._set(gpu_uuid, "NVML_COMPUTEMODE_DEFAULT")
-
-    @staticmethod
-    def _set(gpu_uuid: str, mode: str) -> None:
-        try:
-            with nvml_session():
-                handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
-                pynvml.nvmlDeviceSetComputeMode(handle, getattr(pynvml, mode))
-        except (NvmlDidNotStart, pynvml.NVMLError) as exc:
-            raise MpsError(f"compute mode of {gpu_uuid} not set to {mode}: {exc}") from exc
+    def set_compute_mode(self, uuid: str, mode: str) -> None: ...
 
 
 class MpsManager:
@@ -153,8 +163,8 @@ class MpsManager:
         clock: Callable[[], float] = time.monotonic,
         runner: Runner = subprocess.run,
         systemd: bool | None = None,
-        exclusive_process: bool = False,
-        compute_mode: ComputeMode | None = None,
+        compute_modes: ComputeModes | None = None,
+        enforce: bool = True,
     ) -> None:
         self.root = Path(root)  # mps_root(): holds <key>/pipe and <key>/log per device
         self.control_binary = control_binary
@@ -162,13 +172,18 @@ class MpsManager:
         self._runner = runner
         # Daemons as units of their own (they outlive the agent), or as the agent's children.
         self.systemd = systemd_runs() if systemd is None else systemd
-        # EXCLUSIVE_PROCESS while a whole GPU's daemon runs: the operator's choice (None: read
-        # MPS_EXCLUSIVE_PROCESS), through NVML unless a test gives its own ComputeMode.
-        self.exclusive_process = exclusive_process
-        self._compute_mode = compute_mode
+        # EXCLUSIVE_PROCESS on every device whose daemon runs, through the GPU backend. Without
+        # a backend nothing can be enforced, and no daemon starts. enforce=False leaves compute
+        # modes alone and so runs shares a tenant can escape: only for tests on a lent GPU.
+        self._compute_modes = compute_modes
+        self.enforce = enforce
         self._lock = threading.RLock()
         self._known: set[str] = set()  # devices whose daemon this manager started or adopted
+        # device -> (pid, start time) of its daemon, as this manager last found it
+        self._pids: dict[str, tuple[int, int]] = {}
         self._warned = False
+        if not enforce:
+            log.warning("MPS compute modes left as they are: shares on this manager are not enforced")
 
     # -- paths and environment ----------------------------------------------------------------
 
@@ -203,19 +218,23 @@ class MpsManager:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def running(self, device_uuid: str) -> bool:
-        """A daemon runs for this device: its pid file names a live process."""
+        """A daemon runs for this device: its unit's main process (systemd), or the process
+        the agent recorded when it started it, is alive."""
         return self._daemon_pid(device_uuid) is not None
 
     def start(self, device_uuid: str) -> bool:
-        """Start the device's daemon unless one runs; True when this call started it.
+        """Start the device's daemon unless one runs; True when this call started it. Either
+        way the device is left in EXCLUSIVE_PROCESS, read back, or nothing runs on it.
 
-        MpsError when the binary fails or the daemon does not come up in ``START_TIMEOUT_S``.
+        MpsNotEnforced when the compute mode cannot be made EXCLUSIVE_PROCESS; MpsError when
+        the binary fails or the daemon does not come up in ``START_TIMEOUT_S``.
         """
         with self._lock:
             pid = self._daemon_pid(device_uuid)
             if pid is not None:
                 if device_uuid not in self._known:
                     self._adopt(device_uuid, pid)
+                self._enforce(device_uuid)  # every share's start checks it, not only the first
                 return False
             self._known.discard(device_uuid)
             socket_path = self.pipe_dir(device_uuid) / CONTROL_SOCKET
@@ -231,22 +250,28 @@ class MpsManager:
             # the new one, and whatever the device's tenants left there (they write in it) could
             # stand where the daemon makes its socket and pid file.
             self._clear_pipe_dir(device_uuid)
-            self._exclusive(device_uuid)  # before the daemon, as NVIDIA's recipe has it
+            self._forget(device_uuid)
+            pid = None
             try:
+                self._enforce(device_uuid)  # before the daemon, as NVIDIA's recipe has it
                 self._spawn_daemon(device_uuid)
                 deadline = self._clock() + START_TIMEOUT_S
-                while not self.running(device_uuid):
+                while (pid := self._started_pid(device_uuid)) is None:
                     if self._clock() > deadline:
                         raise MpsError(
                             f"MPS daemon for {device_uuid} did not come up in {START_TIMEOUT_S:.0f} s"
                         )
                     time.sleep(0.05)
+                self._enforce(device_uuid, set_it=False)  # read back with the daemon up
             except MpsError:
+                with contextlib.suppress(MpsError, OSError):
+                    if pid is not None:
+                        self._quit(device_uuid, pid)  # not left up on a device it cannot hold
                 with contextlib.suppress(MpsError):
                     self._restore_mode(device_uuid)
                 raise
             self._known.add(device_uuid)
-            log.info("started MPS control daemon for %s", device_uuid)
+            log.info("started MPS control daemon %d for %s", pid, device_uuid)
             return True
 
     def unit(self, device_uuid: str) -> str:
@@ -268,46 +293,73 @@ class MpsManager:
 
     def stop(self, device_uuid: str) -> bool:
         """Quit the device's daemon; False when none ran. Its clients should be gone first:
-        quitting under running clients ends their MPS server with them. Also puts back the
-        compute mode a daemon that died (killed, crashed) left behind."""
+        quitting under running clients ends their MPS server with them. Puts the compute mode
+        back to DEFAULT, also the one a daemon that died (killed, crashed) left behind."""
         with self._lock:
             pid = self._daemon_pid(device_uuid)
             if pid is None:
                 self._restore_mode(device_uuid)
                 return False
-            self.command(device_uuid, "quit")
-            deadline = self._clock() + STOP_TIMEOUT_S
-            while _alive(pid):
-                if self._clock() > deadline:
-                    raise MpsError(
-                        f"MPS daemon {pid} for {device_uuid} did not quit in {STOP_TIMEOUT_S:.0f} s"
-                    )
-                time.sleep(0.05)
-            with contextlib.suppress(OSError):  # unlink follows nothing; a planted folder stays
-                (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
-            self._known.discard(device_uuid)
+            self._quit(device_uuid, pid)
             log.info("stopped MPS control daemon for %s", device_uuid)
             self._restore_mode(device_uuid)  # MpsError: the next sandbox must not meet it
             return True
 
-    def _exclusive(self, device_uuid: str) -> None:
-        """EXCLUSIVE_PROCESS for a whole GPU when the operator asked for it; the mark in its
-        directory says we set it, so whoever stops the daemon (a later agent, the setting
-        since turned off) puts DEFAULT back."""
-        if not self.exclusive_process:
+    def _quit(self, device_uuid: str, pid: int) -> None:
+        """``quit`` to the daemon ``pid`` and wait until that process is gone."""
+        self.command(device_uuid, "quit")
+        deadline = self._clock() + STOP_TIMEOUT_S
+        while _alive(pid):
+            if self._clock() > deadline:
+                raise MpsError(f"MPS daemon {pid} for {device_uuid} did not quit in {STOP_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        with contextlib.suppress(OSError):  # unlink follows nothing; a planted folder stays
+            (self.pipe_dir(device_uuid) / PID_FILE).unlink(missing_ok=True)
+        self._known.discard(device_uuid)
+        self._forget(device_uuid)
+
+    # -- compute mode ------------------------------------------------------------------------------
+
+    def _enforce(self, device_uuid: str, set_it: bool = True) -> None:
+        """Make the device's compute mode EXCLUSIVE_PROCESS (unless ``set_it`` is False) and
+        read it back; MpsNotEnforced, naming the device and what was found, when it is not.
+        The mark in the device's directory says we set it, so whoever stops the daemon (a
+        later agent included) puts DEFAULT back."""
+        if not self.enforce:
             return
-        if not device_uuid.startswith("GPU-"):
-            log.info("MPS on %s: compute mode is the whole GPU's, left as it is", device_uuid)
-            return
-        (self._compute_mode or NvmlComputeMode()).exclusive_process(device_uuid)
-        (self._device_dir(device_uuid) / EXCLUSIVE_MARK).touch()
-        log.info("compute mode of %s: EXCLUSIVE_PROCESS, for its MPS daemon", device_uuid)
+        refused = f"this MPS share cannot be enforced on {device_uuid}"
+        modes = self._compute_modes
+        if modes is None:
+            raise MpsNotEnforced(f"{refused}: no GPU backend to set its compute mode to EXCLUSIVE_PROCESS")
+        try:
+            if set_it:
+                # Marked also when it was EXCLUSIVE_PROCESS already: leaving MPS means DEFAULT.
+                (self._device_dir(device_uuid) / EXCLUSIVE_MARK).touch()
+                if modes.compute_mode(device_uuid) != COMPUTE_EXCLUSIVE_PROCESS:
+                    modes.set_compute_mode(device_uuid, COMPUTE_EXCLUSIVE_PROCESS)
+                    log.info("compute mode of %s: EXCLUSIVE_PROCESS, for its MPS daemon", device_uuid)
+            found = modes.compute_mode(device_uuid)
+        except GpuBackendError as exc:
+            raise MpsNotEnforced(f"{refused}: compute mode not set to EXCLUSIVE_PROCESS ({exc})") from exc
+        if found != COMPUTE_EXCLUSIVE_PROCESS:
+            raise MpsNotEnforced(
+                f"{refused}: compute mode is {found.upper()} after setting EXCLUSIVE_PROCESS (a tenant "
+                "could run its CUDA past the MPS daemon, with the whole device and no limits)"
+            )
 
     def _restore_mode(self, device_uuid: str) -> None:
+        """DEFAULT again on a device we set to EXCLUSIVE_PROCESS (the mark says so): whatever
+        runs there next (a dedicated sandbox's several processes) needs more than one context.
+        MpsError when the backend refuses; the mark stays, so the next stop tries again."""
         mark = self._device_dir(device_uuid) / EXCLUSIVE_MARK
-        if not mark.exists():
+        if not self.enforce or not mark.exists():
             return
-        (self._compute_mode or NvmlComputeMode()).default(device_uuid)
+        if self._compute_modes is None:
+            raise MpsError(f"compute mode of {device_uuid} not set back to DEFAULT: no GPU backend")
+        try:
+            self._compute_modes.set_compute_mode(device_uuid, COMPUTE_DEFAULT)
+        except GpuBackendError as exc:
+            raise MpsError(f"compute mode of {device_uuid} not set back to DEFAULT: {exc}") from exc
         mark.unlink(missing_ok=True)
         log.info("compute mode of %s: DEFAULT again", device_uuid)
 
@@ -392,11 +444,14 @@ class MpsManager:
         it: a client that cannot runs as if MPS did not exist, with no thread or memory
         limit (seen on an H200: uid 1000 against a root-only 0700 pipe directory got all
         132 SMs and any memory), and bwrap cannot even bind it. Every MPS client on a device
-        runs as that device's uid (``uids.mps_uid``), so a root agent gives the pipe
-        directory to that uid alone (0700); the directories above it are 0711, traversable
-        but not listable, and the log directory stays the agent's (the daemon writes the
-        logs, its servers send their lines through the pipe directory). A non-root agent's
-        sandboxes run as the agent's own uid, which owns everything already.
+        runs as that device's uid and gid (``uids.mps_uid``), and so does its MPS server,
+        which makes its sockets in the pipe directory. A root agent makes the pipe directory
+        ``root:<mps gid>`` 1770: the group may enter and create, and the sticky bit keeps
+        root's ``control`` socket and pid file from being removed or replaced by anyone but
+        root. The directories above it are 0711, traversable but not listable; the log and
+        state directories stay the agent's, 0700 (the daemon writes the logs, its servers
+        send their lines through the pipe directory). A non-root agent's sandboxes run as
+        the agent's own uid, which owns everything already.
         """
         self.root.parent.mkdir(parents=True, exist_ok=True)
         for directory in (self.root, self._device_dir(device_uuid)):
@@ -404,18 +459,61 @@ class MpsManager:
         _claim_key(self._device_dir(device_uuid), device_uuid)
         pipe, logs = self._dirs(device_uuid)
         _make_dir(logs, 0o700)
-        _make_dir(pipe, 0o700)
-        if os.geteuid() == 0:
-            client = uids.mps_uid(device_uuid)
-            os.chown(pipe, client, client)
+        _make_dir(self._device_dir(device_uuid) / STATE_DIR, 0o700)
+        group = uids.mps_uid(device_uuid) if os.geteuid() == 0 else os.getegid()
+        _make_dir(pipe, 0o1770, owner=(os.geteuid(), group))
 
     def _dirs(self, device_uuid: str) -> tuple[Path, Path]:
         return self.pipe_dir(device_uuid), self.log_dir(device_uuid)
 
     def _daemon_pid(self, device_uuid: str) -> int | None:
-        """The pid the daemon wrote in its pipe directory, where the device's tenants write too:
-        read only from a file the agent's uid (the daemon's) made, never through a link, and
-        never waiting on a FIFO planted in its place."""
+        """The device's live daemon: the one this manager last found, while that very process
+        (pid and start time) lives; else the unit's main pid (systemd), or the one recorded in
+        the root-only state directory. Never the pid file in the pipe directory, which the
+        device's tenants could remove or forge."""
+        known = self._pids.get(device_uuid)
+        if known is not None and _start_time(known[0]) == known[1] and _alive(known[0]):
+            return known[0]
+        self._pids.pop(device_uuid, None)
+        pid = self._main_pid(device_uuid) if self.systemd else self._recorded_pid(device_uuid)
+        if pid is None or not _alive(pid):
+            return None
+        started = _start_time(pid)
+        if started is not None:
+            self._pids[device_uuid] = (pid, started)
+        return pid
+
+    def _main_pid(self, device_uuid: str) -> int | None:
+        """``MainPID`` of the daemon's unit (0, or no such unit: none runs). With
+        ``Type=forking`` systemd takes the process ``-d`` left behind as the main one."""
+        argv = [SYSTEMCTL, "show", "-p", "MainPID", "--value", self.unit(device_uuid)]
+        try:
+            result = self._runner(
+                argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise MpsError(f"{' '.join(argv)}: {exc}") from exc
+        text = (result.stdout or "").strip()
+        if result.returncode != 0 or not text.isdigit():
+            raise MpsError(f"{' '.join(argv)} exited {result.returncode}: {(result.stderr or text).strip()}")
+        return int(text) or None
+
+    def _recorded_pid(self, device_uuid: str) -> int | None:
+        """The daemon this agent (or one before a restart) started without systemd, from the
+        state directory, if that process (same pid, same start time) still lives."""
+        try:
+            pid, started = (int(word) for word in self._state_file(device_uuid).read_text().split())
+        except (OSError, ValueError):
+            return None
+        return pid if pid > 0 and _start_time(pid) == started else None
+
+    def _started_pid(self, device_uuid: str) -> int | None:
+        """The daemon this manager just started, once it is up: under systemd its unit's main
+        pid; else the pid it wrote in its pipe directory, read this once (a file owned by the
+        agent's uid, which in the sticky directory no tenant can have made or replaced) and
+        recorded in the state directory."""
+        if self.systemd:
+            return self._daemon_pid(device_uuid)
         try:
             folder = tenant_paths.open_folder(self.pipe_dir(device_uuid))
         except OSError:
@@ -424,10 +522,25 @@ class MpsManager:
             text = tenant_paths.read_file(folder, PID_FILE, PID_FILE, owner=os.geteuid(), limit=32)
             pid = int(text.strip())
         except (OSError, ValueError):
-            return None  # none, being written, garbage or planted: not a daemon we can talk to
+            return None  # not yet written (or being written)
         finally:
             os.close(folder)
-        return pid if pid > 0 and _alive(pid) else None
+        started = _start_time(pid) if pid > 0 and _alive(pid) else None
+        if started is None:
+            return None
+        state = self._state_file(device_uuid)
+        state.with_suffix(".tmp").write_text(f"{pid} {started}\n")
+        state.with_suffix(".tmp").replace(state)
+        self._pids[device_uuid] = (pid, started)
+        return pid
+
+    def _state_file(self, device_uuid: str) -> Path:
+        return self._device_dir(device_uuid) / STATE_DIR / DAEMON_STATE
+
+    def _forget(self, device_uuid: str) -> None:
+        """The device's daemon is gone (or about to be replaced): no pid is its any more."""
+        self._pids.pop(device_uuid, None)
+        self._state_file(device_uuid).unlink(missing_ok=True)
 
     def _clear_pipe_dir(self, device_uuid: str) -> None:
         folder = tenant_paths.open_folder(self.pipe_dir(device_uuid))
@@ -553,77 +666,6 @@ class MpsManager:
         self._restore_mode(device_uuid)  # as a stop would; the start sets it again
 
 
-class SimulatedMps(MpsManager):
-    """The MPS control daemons of a simulated host: no binary and no GPU, the same lifecycle.
-
-    ``start``, ``stop`` and ``running`` behave as the real manager's: idempotent, and a
-    daemon outlives the agent that started it (a marker file in the device's directory
-    stands in for the daemon's pid file), so an agent restart finds it up as it would a
-    real one. Each start and stop is kept in ``history`` for whoever follows a GPU's
-    daemon (the tests). The server limits a daemon was given are kept beside its marker
-    (``limits``), and go with it. Other commands fail as they would on a host without the
-    NVIDIA driver.
-    """
-
-    MARKER = "simulated-daemon"
-    LIMITS = "simulated-limits"
-
-    def __init__(self, root: Path | str) -> None:
-        super().__init__(root, systemd=False, exclusive_process=False)
-        self.history: list[tuple[str, str]] = []  # ("start" | "stop", device uuid), in order
-
-    def running(self, device_uuid: str) -> bool:
-        return (self._device_dir(device_uuid) / self.MARKER).exists()
-
-    def start(self, device_uuid: str) -> bool:
-        with self._lock:
-            if self.running(device_uuid):
-                return False
-            pipe = self.pipe_dir(device_uuid)
-            pipe.mkdir(parents=True, exist_ok=True)
-            _claim_key(self._device_dir(device_uuid), device_uuid)
-            # The mount is real: the sandbox's uid must be able to traverse down to it (mkdir's
-            # mode is cut by the umask).
-            for directory in (pipe, *pipe.parents):
-                if directory == self.root.parent:
-                    break
-                directory.chmod(0o755)
-            (self._device_dir(device_uuid) / self.MARKER).write_text(f"{os.getpid()}\n")
-            self.history.append(("start", device_uuid))
-            log.info("simulated MPS control daemon for %s started", device_uuid)
-            return True
-
-    def stop(self, device_uuid: str) -> bool:
-        with self._lock:
-            if not self.running(device_uuid):
-                return False
-            (self._device_dir(device_uuid) / self.MARKER).unlink(missing_ok=True)
-            (self._device_dir(device_uuid) / self.LIMITS).unlink(missing_ok=True)
-            self.history.append(("stop", device_uuid))
-            log.info("simulated MPS control daemon for %s stopped", device_uuid)
-            return True
-
-    def set_server_limits(self, device_uuid: str, thread_pct: int, memory_mib: int) -> None:
-        if not self.running(device_uuid):
-            raise MpsError(f"no MPS daemon runs for {device_uuid}")
-        (self._device_dir(device_uuid) / self.LIMITS).write_text(f"{int(thread_pct)} {int(memory_mib)}\n")
-
-    def limits(self, device_uuid: str) -> tuple[int, int] | None:
-        """(thread %, pinned MiB) the device's daemon holds its clients to; None when unset."""
-        try:
-            pct, mib = (self._device_dir(device_uuid) / self.LIMITS).read_text().split()
-        except FileNotFoundError:
-            return None
-        return int(pct), int(mib)
-
-    def clients(self, device_uuid: str) -> dict[int, list[int]]:
-        """A simulated daemon serves no CUDA process: no server, no client (a fault on a
-        simulated GPU finds nothing to recover, as on a GPU whose clients all exited)."""
-        if not self.running(device_uuid):
-            raise MpsError(f"no MPS daemon runs for {device_uuid}")
-        return {}
-
-
 def _claim_key(directory: Path, device_uuid: str) -> None:
     """Name the device in its directory, or refuse one another device's UUID named first."""
     named = directory / DEVICE_FILE
@@ -636,12 +678,28 @@ def _claim_key(directory: Path, device_uuid: str) -> None:
         raise MpsError(f"{directory} belongs to {owner}, not {device_uuid}: their keys collide")
 
 
-def _make_dir(path: Path, mode: int) -> None:
-    """Create ``path`` with ``mode`` (the umask cannot narrow it), or set it on one that exists.
-    By name, safely: every one of these lies in a directory only the agent writes (the pipe
-    directory is the tenants', but its own name is in the device's 0711 directory)."""
-    path.mkdir(mode=mode, exist_ok=True)
+def _make_dir(path: Path, mode: int, owner: tuple[int, int] | None = None) -> None:
+    """Create ``path`` with ``mode`` (the umask cannot narrow it) and ``owner`` (uid, gid), or
+    set them on one that exists. By name, safely: every one of these lies in a directory only
+    the agent writes (the pipe directory is the tenants', but its own name is in the device's
+    0711 directory). The mode last: chown may drop set-id bits."""
+    path.mkdir(mode=mode & 0o777, exist_ok=True)
+    if owner is not None:
+        os.chown(path, *owner)
     os.chmod(path, mode)
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22):
+    with the pid, what names one process; None when there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:
+        return int(stat.rsplit(")", 1)[-1].split()[19])
+    except (IndexError, ValueError):
+        return None
 
 
 def _alive(pid: int) -> bool:

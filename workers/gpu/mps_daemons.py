@@ -21,6 +21,12 @@ start and stop under the same lock, so:
   same holds the other way round, for a share arriving while a whole GPU or a replica of
   it still runs.
 
+Enforcement. ``control.start`` leaves a share's device in EXCLUSIVE_PROCESS, read back, on
+every claim (not only the one that starts the daemon), or raises ``MpsNotEnforced``: the share
+is then refused with that message (the launch fails, ``sandbox_launch_failed``), never run
+where its tenant could leave MPS. Stopping a daemon (last share gone, a dedicated sandbox
+arriving, a MIG instance retired) puts DEFAULT back.
+
 After a restart the agent knows none of this: its driver still lists what runs, and the
 control plane has it adopted (a launch again, which claims it). ``sweep`` stops daemons
 that no share holds once everything listed is tracked again.
@@ -47,7 +53,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from wire.spec import SandboxSpec
-from workers.gpu.mps import MpsError, MpsManager
+from workers.gpu.mps import MpsError, MpsManager, MpsNotEnforced
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +128,8 @@ class MpsDaemons:
             except (MpsError, OSError) as exc:
                 if share and devices[0] not in self._shares and devices[0] not in self._pinned:
                     self._stop(devices[0])  # started for this share alone: not left up idle
+                if isinstance(exc, MpsNotEnforced):  # it names the device and says why
+                    return Claim(str(exc), new=False)
                 return Claim(f"MPS daemon for {', '.join(targets)}: {exc}", new=False)
             for device in targets:
                 (self._shares if share else self._others).setdefault(device, set()).add(key)
@@ -153,7 +161,7 @@ class MpsDaemons:
                 self._pinned.add(device)
                 return
             self._pinned.discard(device)
-            if device not in self._shares and self.control.running(device):
+            if device not in self._shares and self._up(device):
                 self._stop(device)
 
     def sweep(self, devices: Iterable[str]) -> None:
@@ -162,7 +170,7 @@ class MpsDaemons:
         restarted agent has adopted its sandboxes, an MPS share may hold a daemon unseen."""
         with self._changed:
             for device in devices:
-                if device not in self._shares and device not in self._pinned and self.control.running(device):
+                if device not in self._shares and device not in self._pinned and self._up(device):
                     log.info("MPS daemon of %s runs without shares: stopped", device)
                     self._stop(device)
 
@@ -197,6 +205,15 @@ class MpsDaemons:
             return True
 
     # -- internals (the lock held) ------------------------------------------------------------
+
+    def _up(self, device: str) -> bool:
+        """Whether the device's daemon runs, for the housekeeping that stops idle ones: when
+        that cannot be told (systemd does not answer), it is logged and left for next time."""
+        try:
+            return self.control.running(device)
+        except (MpsError, OSError) as exc:
+            log.warning("cannot tell whether the MPS daemon of %s runs: %s", device, exc)
+            return False
 
     @staticmethod
     def _held(by: dict[str, set[str]], devices: Iterable[str]) -> bool:

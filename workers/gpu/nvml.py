@@ -30,6 +30,9 @@ import pynvml
 from scheduler.gpus import model_for_name
 from workers.gpu import nvml_board
 from workers.gpu.base import (
+    COMPUTE_DEFAULT,
+    COMPUTE_EXCLUSIVE_PROCESS,
+    COMPUTE_PROHIBITED,
     FaultEvent,
     GpuBackendError,
     GpuInfo,
@@ -103,6 +106,15 @@ _UNSUPPORTED = (
 )
 
 T = TypeVar("T")
+
+# nvmlComputeMode_t <-> the backends' names (workers.gpu.base.COMPUTE_MODES). EXCLUSIVE_THREAD
+# (1) is deprecated and read as what it is not: never asked for, never mistaken for ours.
+_COMPUTE_MODE_VALUES = {
+    COMPUTE_DEFAULT: pynvml.NVML_COMPUTEMODE_DEFAULT,
+    COMPUTE_EXCLUSIVE_PROCESS: pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
+    COMPUTE_PROHIBITED: pynvml.NVML_COMPUTEMODE_PROHIBITED,
+}
+_COMPUTE_MODE_NAMES = {value: name for name, value in _COMPUTE_MODE_VALUES.items()}
 
 
 @dataclass(frozen=True)
@@ -571,6 +583,25 @@ class NvmlBackend:
             raise GpuLost(f"{what}: {uuid} is lost ({err})", gpu) from err
         except pynvml.NVMLError as err:
             raise GpuBackendError(f"{what} on {where}: {err}") from err
+
+    # -- compute mode (MPS enforcement: workers.gpu.mps) ---------------------------------------
+
+    def compute_mode(self, uuid: str) -> str:
+        """``nvmlDeviceGetComputeMode`` of the device ``uuid`` names: the GPU, or for a MIG
+        uuid the MIG device handle, whose mode is its own (nvml.h)."""
+        with self._guard("read compute mode", uuid):
+            value = int(pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid)))
+        return _COMPUTE_MODE_NAMES.get(value, f"unknown ({value})")
+
+    def set_compute_mode(self, uuid: str, mode: str) -> None:
+        """``nvmlDeviceSetComputeMode`` (root; what ``nvidia-smi -c`` does). nvml.h: "If MIG is
+        enabled on a GPU, device must be MIG device handle", so a MIG uuid is set on its own
+        handle, never on its parent (which would refuse, or change every instance)."""
+        if mode not in _COMPUTE_MODE_VALUES:
+            raise GpuBackendError(f"no compute mode {mode!r}: one of {', '.join(_COMPUTE_MODE_VALUES)}")
+        with self._guard(f"set compute mode {mode}", uuid):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            pynvml.nvmlDeviceSetComputeMode(handle, _COMPUTE_MODE_VALUES[mode])
 
     # -- load (nothing to do: real GPUs measure it) -----------------------------------------
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from scheduler.gpus import CATALOG, COMPUTE_SLICES, GpuModel, check_layout
 from workers.gpu.base import (
+    COMPUTE_DEFAULT,
+    COMPUTE_MODES,
     FaultEvent,
     GpuBackendError,
     GpuInfo,
@@ -213,6 +215,10 @@ class SimulatedBackend:
         # What set_fabric_problem / set_memory_repairs put on a GPU (none: ready and clean).
         self._not_ready: dict[str, str] = {}
         self._repairs: dict[str, MemoryRepairs] = {}
+        # Compute mode per GPU or MIG device, as NVML keeps it (a MIG device's is its own);
+        # absent: DEFAULT. ``refuse_compute_mode`` makes a device refuse to change it.
+        self._compute_modes: dict[str, str] = {}
+        self.refuse_compute_mode: set[str] = set()
         now = clock()
         for index, config in enumerate(gpus):
             model = _model(config.model)
@@ -270,6 +276,7 @@ class SimulatedBackend:
                 raise GpuBackendError(f"{mig_uuid} is in use by {', '.join(users)}")
             del gpu.migs[mig_uuid]
             del self._mig_parent[mig_uuid]
+            self._compute_modes.pop(mig_uuid, None)  # a new instance (same uuid) starts DEFAULT
 
     def _create_mig(self, gpu: _Gpu, profile_name: str, start: int) -> MigDevice:
         if not gpu.mig_enabled:
@@ -525,6 +532,24 @@ class SimulatedBackend:
         with self._lock:
             gpu, _ = self._device(uuid)
             self._repairs[gpu.uuid] = repairs
+
+    def compute_mode(self, uuid: str) -> str:
+        with self._lock:
+            self._device(uuid)
+            return self._compute_modes.get(uuid, COMPUTE_DEFAULT)
+
+    def set_compute_mode(self, uuid: str, mode: str) -> None:
+        if mode not in COMPUTE_MODES:
+            raise GpuBackendError(f"no compute mode {mode!r}: one of {', '.join(COMPUTE_MODES)}")
+        with self._lock:
+            gpu, mig = self._device(uuid)
+            if mig is None and gpu.mig_enabled:  # nvml.h: in MIG mode, only a MIG device handle
+                raise GpuBackendError(
+                    f"set compute mode {mode} on {uuid}: in MIG mode, set it per MIG device"
+                )
+            if uuid in self.refuse_compute_mode:
+                raise GpuBackendError(f"set compute mode {mode} on {uuid}: Insufficient Permissions")
+            self._compute_modes[uuid] = mode
 
     def close(self) -> None:
         """Nothing to release: all state lives in this object."""

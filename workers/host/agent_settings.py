@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 from wire.config import gpu_backend_kind, sandbox_driver_kind
 from wire.env import ConfigError, env_bool, env_int, env_str
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,6 @@ class AgentSettings:
     terminal_idle_s: float = 900.0
     self_test: bool = True
     mps_dir: str = ""  # MPS_DIR: "" for the default (workers.gpu.mps.mps_root)
-    mps_exclusive_process: bool = False  # EXCLUSIVE_PROCESS compute mode while a GPU runs MPS
     checkpoint_hook: str = "-"  # "-": none (workers.host.moves)
     checkpoint_timeout_s: int = 300
     storage_measure_s: float = 20.0  # the longest walk measuring one volume
@@ -40,6 +42,7 @@ class AgentSettings:
     def from_env(cls, host: str | None = None) -> AgentSettings:
         """``host``: the name to use instead of GPUSHARE_HOST (a process serving many)."""
         cpus, memory_mib = _sim_host(env_str("GPUSHARE_SIM_HOST", "cpus=64,memory_gib=512"))
+        _note_retired_settings()
         return cls(
             host=env_str("GPUSHARE_HOST") if host is None else host,
             gpu_backend=gpu_backend_kind(),
@@ -55,13 +58,31 @@ class AgentSettings:
             terminal_idle_s=float(env_int("TERMINAL_IDLE_S", 900, minimum=10)),
             self_test=env_bool("AGENT_SELFTEST", True),
             mps_dir=os.environ.get("MPS_DIR", ""),
-            mps_exclusive_process=env_bool("MPS_EXCLUSIVE_PROCESS", False),
             checkpoint_hook=env_str("SANDBOX_CHECKPOINT_HOOK", "-"),
             storage_measure_s=float(env_int("STORAGE_MEASURE_S", 20, minimum=1)),
             storage_interval_s=float(env_int("STORAGE_INTERVAL_S", 600, minimum=10)),
             memory_check_s=float(env_int("GPU_MEMORY_CHECK_S", 600, minimum=10)),
             checkpoint_timeout_s=env_int("SANDBOX_CHECKPOINT_TIMEOUT_S", 300, minimum=1),
         )
+
+
+# Settings an agent no longer reads, and what to tell an operator whose environment file
+# still sets one.
+RETIRED = {
+    "MPS_EXCLUSIVE_PROCESS": (
+        "every GPU or MIG device that serves MPS is now set to EXCLUSIVE_PROCESS while its daemon "
+        "runs (DEFAULT again after), and a share whose device cannot be set is refused with the "
+        "reason, since without it a tenant leaves MPS and its limits by unsetting "
+        "CUDA_MPS_PIPE_DIRECTORY; remove the line from the environment file"
+    ),
+}
+
+
+def _note_retired_settings() -> None:
+    for name, why in RETIRED.items():
+        value = os.environ.get(name)
+        if value is not None:
+            log.warning("%s=%s is no longer read: %s", name, value, why)
 
 
 def _sim_host(value: str) -> tuple[int, int]:

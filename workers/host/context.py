@@ -19,9 +19,10 @@ from pathlib import Path
 
 from workers.drivers.base import SandboxDriver
 from workers.gpu.base import GpuBackend
-from workers.gpu.mps import MpsManager, SimulatedMps, mps_root
+from workers.gpu.mps import MpsManager, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.mps_recovery import MpsRecovery
+from workers.gpu.mps_simulated import SimulatedMps
 from workers.host.agent_settings import AgentSettings
 from workers.host.alerts import AlertTracker
 from workers.host.batch_output import OutputPump
@@ -71,10 +72,12 @@ class HostContext:
             sandboxes=sandboxes,
             inventory=HostInventory(settings, backend, driver),
             alerts=AlertTracker(settings.host),
+            # The backend sets and reads each MPS device's compute mode (EXCLUSIVE_PROCESS while
+            # its daemon runs): MPS is always enforced, there is no setting to turn it off.
             mps_daemons=MpsDaemons(
-                SimulatedMps(root)
+                SimulatedMps(root, compute_modes=backend)
                 if backend.simulated
-                else MpsManager(root, exclusive_process=settings.mps_exclusive_process)
+                else MpsManager(root, compute_modes=backend)
             ),
             utilization=UtilizationWindows(settings.util_window_s),
             output=OutputPump(driver, sandboxes.handles.get),
