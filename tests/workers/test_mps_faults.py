@@ -180,7 +180,8 @@ def programs() -> Iterator[Programs]:
 
 @pytest.fixture
 def control(var_dir: Path) -> MpsManager:
-    return MpsManager(var_dir / "mps", control_binary=str(install(var_dir)), systemd=False)
+    # The recovery alone: compute modes (EXCLUSIVE_PROCESS) are test_mps_enforced.py's.
+    return MpsManager(var_dir / "mps", control_binary=str(install(var_dir)), systemd=False, enforce=False)
 
 
 def connect(control: MpsManager, device: str, pid: int) -> str:
