@@ -1,7 +1,7 @@
 """The device checks' steps that need Python: each prints what a lent H100/H200 answers, for
 the issue's note. Read-only as to the GPU's modes: never a MIG, compute-mode, clock, power or
 persistence change, never a reset (the MPS daemons it starts are private, compute mode left
-alone: ``exclusive_process=False``). Run by scripts/gpu-checks/run.sh as root, from the repo
+alone: ``enforce=False``). Run by scripts/gpu-checks/run.sh as root, from the repo
 root, with the client built at $GPUSHARE_CHECK_CLIENT.
 
     python3 scripts/gpu-checks/checks.py unit|nvml|mps|fault
@@ -174,7 +174,7 @@ def mps() -> None:
     uuid = first_gpu()
     var = Path(tempfile.mkdtemp(prefix="gc-", dir="/tmp"))
     var.chmod(0o755)
-    manager = MpsManager(var / "mps", systemd=False, exclusive_process=False)
+    manager = MpsManager(var / "mps", systemd=False, enforce=False)
     uid = mps_uid(uuid)
     try:
         print("daemon started:", manager.start(uuid))
@@ -211,7 +211,7 @@ def fault() -> None:
     uuid = first_gpu()
     var = Path(tempfile.mkdtemp(prefix="gf-", dir="/tmp"))
     var.chmod(0o755)
-    manager = MpsManager(var / "mps", systemd=False, exclusive_process=False)
+    manager = MpsManager(var / "mps", systemd=False, enforce=False)
     uid = mps_uid(uuid)
     backend = NvmlBackend()
     try:
