@@ -417,7 +417,10 @@ def do_mark_running(allocation_key: str, handle: dict[str, Any], started_at: dat
         # container or VM id for the others), host detail the tenant reading the timeline
         # has no use for. Staff find the whole handle on the sandbox in the admin.
         said = f"running ({handle.get('driver')})"
-        transition(sandbox, S.RUNNING, message=said, also=("handle", "started_at"))
+        # A new placement (a move, a requeue) starts within its GPU memory share until its
+        # agent says otherwise.
+        sandbox.over_share_since = None
+        transition(sandbox, S.RUNNING, message=said, also=("handle", "started_at", "over_share_since"))
         ledger.open_interval(sandbox, started_at)
 
 
