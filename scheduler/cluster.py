@@ -45,6 +45,11 @@ class GpuState:
     mps_used_threads: int = 0
     replicas: int = 0  # time-slice replicas it offers when shared by time-slicing
     replicas_used: set[int] = field(default_factory=set)
+    # The size (memory MiB, thread %) of every MPS share on it; None while it holds none.
+    # An MPS GPU serves shares of one size, as NVIDIA's device plugin does: the MPS server's
+    # limits are per client process and the daemon's one set of defaults is the ceiling, so
+    # beside a larger share a small share's process could take the larger one's memory.
+    mps_share: tuple[int, int] | None = None
 
     @property
     def idle(self) -> bool:
@@ -290,6 +295,10 @@ def _set(gpu: GpuState, grant: DeviceGrant, taken: bool) -> None:
         sign = 1 if taken else -1
         gpu.mps_used_mib += sign * grant.mps_memory_mib
         gpu.mps_used_threads += sign * grant.mps_thread_pct
+        if taken and gpu.mps_share is None:
+            gpu.mps_share = (grant.mps_memory_mib, grant.mps_thread_pct)
+        elif not taken and gpu.mps_used_mib <= 0 and gpu.mps_used_threads <= 0:
+            gpu.mps_share = None  # its last share gone: the next may be of any size
     elif grant.kind == "timeslice" and grant.replica is not None:
         if taken:
             gpu.replicas_used.add(grant.replica)

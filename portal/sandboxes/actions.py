@@ -334,6 +334,13 @@ def _check_fits(gpu: Gpu, live: list[Allocation], alloc: Allocation) -> None:
             or sum(a.mps_thread_pct for a in shares) > 100
         ):
             raise SlotTaken(f"GPU {gpu.uuid} has no room for another MPS share")
+        # One size per MPS GPU (scheduler.cluster.GpuState.mps_share): beside a larger share,
+        # a small share's process could take the larger one's memory.
+        if (
+            shares[0].mps_memory_mib != alloc.mps_memory_mib
+            or shares[0].mps_thread_pct != alloc.mps_thread_pct
+        ):
+            raise SlotTaken(f"GPU {gpu.uuid} serves MPS shares of another size")
 
 
 def do_send_launch(sandbox_id: int) -> None:

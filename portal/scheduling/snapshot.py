@@ -71,6 +71,7 @@ class _Held:
     mps_mib: int = 0
     mps_threads: int = 0
     replicas: set[int] = field(default_factory=set)
+    mps_share: tuple[int, int] | None = None  # the size of its MPS shares (the oldest's)
 
 
 def _live_grants(
@@ -94,6 +95,8 @@ def _live_grants(
         held.exclusive = held.exclusive or kind == Allocation.Kind.EXCLUSIVE
         held.mps_mib += mps_mib
         held.mps_threads += mps_threads
+        if kind == Allocation.Kind.MPS and held.mps_share is None:
+            held.mps_share = (mps_mib, mps_threads)
         if replica is not None:
             held.replicas.add(replica)
         if mig_id is not None:
@@ -196,6 +199,7 @@ def build_snapshot() -> Snapshot:
                 mps_used_threads=used.mps_threads,
                 replicas=offered_replicas(sharing_mode, replicas),
                 replicas_used=set(used.replicas),
+                mps_share=used.mps_share,
             )
         )
     states = [

@@ -104,6 +104,7 @@ def grant_on(gpu: GpuState, request: Request) -> DeviceGrant | None:
         if (
             gpu.mps_used_mib + request.mps_memory_mib <= gpu.memory_mib
             and gpu.mps_used_threads + request.mps_thread_pct <= 100
+            and gpu.mps_share in (None, (request.mps_memory_mib, request.mps_thread_pct))
         ):
             return DeviceGrant(
                 gpu.uuid,
@@ -177,5 +178,8 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
             return f"no MIG instance of profile {request.mig_profile} exists in the fleet"
         return f"every {request.mig_profile} MIG slice is in use"
     if request.mode == MPS:
-        return f"no MPS GPU has {request.mps_memory_mib} MiB and {request.mps_thread_pct}% threads free"
+        return (
+            f"no MPS GPU has {request.mps_memory_mib} MiB and {request.mps_thread_pct}% threads free "
+            "beside shares of that size (an MPS GPU serves shares of one size)"
+        )
     return "every time-slice replica is in use"

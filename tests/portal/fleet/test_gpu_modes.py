@@ -184,6 +184,9 @@ def test_a_booking_rechecks_the_gpus_mode_and_mps_room(
 
     assert actions.do_place(first.pk, "a100", share(first))
     assert not actions.do_place(late.pk, "a100", share(late))  # 120 % of the threads: no room
+    small = _ask(people, catalog, "mps", mps_memory_mib=10240, mps_thread_pct=10)
+    small_share = DeviceGrant(gpu.uuid, gpu.uuid, "mps", 100, mps_memory_mib=10240, mps_thread_pct=10)
+    assert not actions.do_place(small.pk, "a100", (small_share,))  # room, but one size per MPS GPU
     assert not actions.do_place(whole.pk, "a100", (DeviceGrant(gpu.uuid, gpu.uuid, "exclusive", 1000),))
     assert not actions.do_place(
         replica.pk, "a100", (DeviceGrant(gpu.uuid, gpu.uuid, "timeslice", 250, replica=0),)
@@ -194,7 +197,8 @@ def test_a_booking_rechecks_the_gpus_mode_and_mps_room(
     assert actions.do_place(
         replica.pk, "a100", (DeviceGrant(other.uuid, other.uuid, "timeslice", 250, replica=0),)
     )
-    assert set(Sandbox.objects.filter(state="queued").values_list("pk", flat=True)) == {late.pk, whole.pk}
+    queued = set(Sandbox.objects.filter(state="queued").values_list("pk", flat=True))
+    assert queued == {late.pk, whole.pk, small.pk}
     with pytest.raises(GpuModeError, match="holds 1 time-slice sandbox"):
         do_set_gpu_mode(other.uuid, GpuMode.DEDICATED)
 
