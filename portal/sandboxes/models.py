@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from portal.accounts.models import Project
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
+from portal.durations import duration_text
 from portal.fleet.models import Gpu, Host, MigInstance
 from wire.sizes import human_size
 
@@ -176,6 +177,13 @@ class Sandbox(models.Model):
         if self.over_share_since is None or self.tier.over_share != "stop":
             return None
         return self.over_share_since + self.tier.over_share_grace
+
+    @property
+    def over_share_for(self) -> str:
+        """How long it had been over its share when it was stopped for it ("" if unknown)."""
+        if self.over_share_since is None or self.stop_requested_at is None:
+            return ""
+        return duration_text(max(0, int((self.stop_requested_at - self.over_share_since).total_seconds())))
 
     @property
     def over_share_figures(self) -> str:

@@ -136,13 +136,14 @@ class TestTenantsSharingOneTimeSlicedGpu:
         page.goto(f"{base}/sandboxes/{state['idle']}/")  # mark's own
         page.locator("#status", has_text="GPU use").wait_for()
         text = page.locator("#status").inner_text()
-        assert re.search(r"GPU use\s+0%", text), text
+        assert re.search(r"GPU use\s+0%", text, re.IGNORECASE), text
         page.locator("#idle-warning").wait_for(timeout=30_000)  # the tier warns at once
+        wait_until(page, "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3")
         shot(page, "sharing-idle-tenant")
         sign_in_as(page, base, "olivia", f"/sandboxes/{state['busy']}/")
         page.locator("#status", has_text="GPU use").wait_for()
         text = page.locator("#status").inner_text()
-        assert re.search(r"GPU use\s+(9\d|8\d|7\d|6\d|5\d)%", text), text
+        assert re.search(r"GPU use\s+[5-9]\d%", text, re.IGNORECASE), text
         assert page.locator("#idle-warning").count() == 0
         wait_until(page, "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3")
         shot(page, "sharing-busy-tenant")
@@ -167,6 +168,7 @@ class TestTenantsSharingOneTimeSlicedGpu:
         state["over"] = request_on_the_shared_gpu(page, base, "mark", OVER)
         wait_for(lambda: sandbox(state["over"]).over_share_since is not None, 60, platform.logs)
         assert running_on_one_gpu(state["over"]) == running_on_one_gpu(state["busy"])
+        page.reload()  # loaded while it queued: the page as it is now it runs
         warning = page.locator("#over-share-warning")
         warning.wait_for(timeout=10_000)
         assert "holds 29.3 GiB of its 20.0 GiB" in warning.inner_text(), warning.inner_text()
@@ -175,6 +177,7 @@ class TestTenantsSharingOneTimeSlicedGpu:
 
         note = Notification.objects.get(sandbox_id=state["over"], kind="over_share")
         assert "share of GPU memory" in note.message and f"stopped after {GRACE_S} s" in note.message
+        wait_until(page, "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 3")
         shot(page, "sharing-over-share-warned")
 
     def test_05_then_stopped_after_the_grace_and_its_neighbour_keeps_running(
@@ -190,7 +193,8 @@ class TestTenantsSharingOneTimeSlicedGpu:
         page.reload()
         stop = page.locator("#over-share-stop")
         stop.wait_for(timeout=10_000)
-        assert "Stopped for holding 29.3 GiB of its 20.0 GiB" in stop.inner_text(), stop.inner_text()
+        said = stop.inner_text()  # over for the grace, and the time its report took to arrive
+        assert re.search(r"Stopped: it held 29.3 GiB of its 20.0 GiB share for (2\d|3\d) s", said), said
         assert "GPU memory share on GPU-" in page.locator("#events").inner_text()
         shot(page, "sharing-over-share-stopped")
         sign_in_as(page, base, "olivia", f"/sandboxes/{state['busy']}/")

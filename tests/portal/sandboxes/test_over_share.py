@@ -163,7 +163,10 @@ def test_over_its_share_past_the_grace_it_is_stopped_with_the_reason_and_billed_
     ended = Notification.objects.filter(sandbox=sandbox, kind="ended")
     assert not ended.exists()  # told once, with the figures, when it was stopped
     page = client_for(people["owner"]).get(f"/sandboxes/{sandbox.pk}/").content.decode()
-    assert 'id="over-share-stop"' in page and "Stopped for holding 22.9 GiB of its 20.0 GiB" in page
+    assert (
+        'id="over-share-stop"' in page
+        and "Stopped: it held 22.9 GiB of its 20.0 GiB share for 2 min 10 s" in page
+    )
     assert stopping in page  # its history
     neighbour.refresh_from_db()
     assert neighbour.state == "running"
