@@ -45,11 +45,15 @@ class GpuState:
     mps_used_threads: int = 0
     replicas: int = 0  # time-slice replicas it offers when shared by time-slicing
     replicas_used: set[int] = field(default_factory=set)
-    # The size (memory MiB, thread %) of every MPS share on it; None while it holds none.
-    # An MPS GPU serves shares of one size, as NVIDIA's device plugin does: the MPS server's
-    # limits are per client process and the daemon's one set of defaults is the ceiling, so
-    # beside a larger share a small share's process could take the larger one's memory.
+    # The size (memory MiB, thread %) of its first MPS share; None while it holds none.
     mps_share: tuple[int, int] | None = None
+    # It takes only MPS shares of that size, as NVIDIA's device plugin gives every MPS replica
+    # an equal fraction: the MPS server's limits bind each client process and the daemon's
+    # defaults (the largest share's) are the ceiling, so beside a larger share a small share's
+    # process could take the larger one's memory. Off, shares of any size pack together (the
+    # fractional packing the trace replays measure) and the agent's per-sandbox memory watch
+    # warns and stops a sandbox over its share (portal setting MPS_ONE_SIZE_PER_GPU).
+    mps_one_size: bool = False
 
     @property
     def idle(self) -> bool:

@@ -444,8 +444,8 @@ class SharedGpu:
     capacity_milli: int = 1000
     available: bool = True  # False when drained: it takes no new share, and should empty
     host: str = ""
-    # It takes only shares of the size of those it holds (an MPS GPU: its server's limits are
-    # per process, the largest share's the ceiling; see scheduler.cluster.GpuState.mps_share).
+    # It takes only shares of the size of those it holds (an MPS GPU held to one size:
+    # scheduler.cluster.GpuState.mps_one_size).
     one_size: bool = False
 
 

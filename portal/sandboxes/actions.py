@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import DateTimeField, ExpressionWrapper, F, Q
 from django.utils import timezone
@@ -334,9 +335,8 @@ def _check_fits(gpu: Gpu, live: list[Allocation], alloc: Allocation) -> None:
             or sum(a.mps_thread_pct for a in shares) > 100
         ):
             raise SlotTaken(f"GPU {gpu.uuid} has no room for another MPS share")
-        # One size per MPS GPU (scheduler.cluster.GpuState.mps_share): beside a larger share,
-        # a small share's process could take the larger one's memory.
-        if (
+        # One size per MPS GPU, where the operator chose it (GpuState.mps_one_size says why).
+        if settings.MPS_ONE_SIZE_PER_GPU and (
             shares[0].mps_memory_mib != alloc.mps_memory_mib
             or shares[0].mps_thread_pct != alloc.mps_thread_pct
         ):

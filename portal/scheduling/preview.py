@@ -257,16 +257,27 @@ def alternatives(snapshot: Snapshot, mine: Request) -> list[str]:
             for profile, host in sorted(free.items(), key=lambda item: -int(item[0].split("g")[0]))
         ]
     elif mine.mode == MPS:
-        # A GPU that holds shares takes only more of their size (scheduler.cluster.GpuState.mps_share).
-        empty = max(((gpu.memory_mib, host) for host, gpu in gpus if gpu.mps_share is None), default=None)
-        if empty is not None:
-            memory_gib, host = empty[0] // 1024, empty[1]
-            found = [f"an MPS share of up to {memory_gib} GiB and 100% of the threads is free now on {host}"]
+        # A GPU held to one size (MPS_ONE_SIZE_PER_GPU) that holds shares takes only more of
+        # their size; any other takes what its memory and threads have left.
+        best = max(
+            (
+                (gpu.memory_mib - gpu.mps_used_mib, 100 - gpu.mps_used_threads, host)
+                for host, gpu in gpus
+                if not (gpu.mps_one_size and gpu.mps_share)
+            ),
+            default=None,
+        )
+        if best is not None and best[0] > 0 and best[1] > 0:
+            memory_gib, threads, host = best[0] // 1024, best[1], best[2]
+            found = [
+                f"an MPS share of up to {memory_gib} GiB and {threads}% of the threads is free now on {host}"
+            ]
         sizes: dict[tuple[int, int], str] = {}
         for host, gpu in gpus:
             size = gpu.mps_share
             if (
-                size
+                gpu.mps_one_size
+                and size
                 and gpu.mps_used_mib + size[0] <= gpu.memory_mib
                 and gpu.mps_used_threads + size[1] <= 100
             ):

@@ -182,6 +182,7 @@ def build_snapshot() -> Snapshot:
     # VM waits instead of being placed where its launch can only fail.
     no_gpus = {pk for pk, *_, driver, backend in hosts if driver == "libvirt" and backend != "simulated"}
     gpus: dict[int, list[GpuState]] = defaultdict(list)
+    one_size = settings.MPS_ONE_SIZE_PER_GPU
     for pk, host_id, index, uuid, model, memory_mib, sharing_mode, replicas, state in gpu_rows:
         used = held.get(pk) or _Held()
         gpus[host_id].append(
@@ -200,6 +201,7 @@ def build_snapshot() -> Snapshot:
                 replicas=offered_replicas(sharing_mode, replicas),
                 replicas_used=set(used.replicas),
                 mps_share=used.mps_share,
+                mps_one_size=one_size,
             )
         )
     states = [

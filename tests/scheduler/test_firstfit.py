@@ -83,7 +83,7 @@ def test_mps_shares_stay_within_memory_and_threads() -> None:
     assert "40% threads free" in decisions[2].reason  # type: ignore[union-attr]
 
 
-def test_an_mps_gpu_takes_only_shares_of_the_size_it_serves() -> None:
+def test_an_mps_gpu_held_to_one_size_takes_only_shares_of_that_size() -> None:
     """Its server's limits bind each process and the largest share's are the ceiling, so beside
     a 40 GiB share a 10 GiB share's process could take 40 GiB: one size per GPU, as NVIDIA's
     device plugin gives every MPS replica an equal fraction."""
@@ -91,6 +91,9 @@ def test_an_mps_gpu_takes_only_shares_of_the_size_it_serves() -> None:
     same = req(2, "mps", at=2, mps_memory_mib=40000, mps_thread_pct=40)
     small = req(3, "mps", at=3, mps_memory_mib=10240, mps_thread_pct=10)
     snapshot = fleet()
+    [mixed] = run_cycle(snapshot, [big, small], POLICY, now=0)[1:]
+    assert isinstance(mixed, Place)  # by default shares of any size pack together
+    snapshot.hosts[1].gpus[0].mps_one_size = True  # MPS_ONE_SIZE_PER_GPU
     decisions = run_cycle(snapshot, [big, same, small], POLICY, now=0, in_place=True)
     assert [type(d).__name__ for d in decisions] == ["Place", "Place", "Pending"]
     assert "beside shares of that size" in decisions[2].reason  # type: ignore[union-attr]
@@ -195,8 +198,7 @@ def test_every_reason_to_wait_names_what_is_missing() -> None:
         slot.busy = True
     assert why_not(busy, req(1, "mig", mig_profile="1g.10gb")) == "every 1g.10gb MIG slice is in use"
     assert why_not(fleet(), req(1, "mps", mps_memory_mib=90000, mps_thread_pct=10)) == (
-        "no MPS GPU has 90000 MiB and 10% threads free beside shares of that size (an MPS GPU serves "
-        "shares of one size)"
+        "no MPS GPU has 90000 MiB and 10% threads free"
     )
     assert (
         why_not(fleet(), req(1, "timeslice", isolation="container")) == "every time-slice replica is in use"

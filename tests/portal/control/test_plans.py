@@ -357,8 +357,7 @@ def test_consolidation_moves_mps_shares_and_frees_a_gpu(
             mps_memory_mib=8192, mps_thread_pct=threads,
         )  # fmt: skip
 
-    # One size per MPS GPU: the lonely 30 % share may join the two of its size on mps2.
-    lonely = run_on(people, catalog, sent_tasks, agents, share("mps1", 0, 30))
+    lonely = run_on(people, catalog, sent_tasks, agents, share("mps1", 0, 20))
     run_on(people, catalog, sent_tasks, agents, share("mps1", 1, 40))
     run_on(people, catalog, sent_tasks, agents, share("mps2", 0, 30))
     run_on(people, catalog, sent_tasks, agents, share("mps2", 0, 30))
@@ -373,7 +372,7 @@ def test_consolidation_moves_mps_shares_and_frees_a_gpu(
     assert plan.state == "done" and lonely.state == "running"
     alloc = lonely.allocations.get(active=True)
     assert alloc.gpu.uuid == migration["to_gpu"] and (alloc.mps_thread_pct, alloc.mps_memory_mib) == (
-        30,
+        20,
         8192,
     )
     assert lonely.host is not None and lonely.host.name == migration["to_host"]

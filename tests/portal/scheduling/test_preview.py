@@ -75,14 +75,12 @@ def test_a_full_fleet_gives_a_place_an_eta_and_alternatives(
 def test_mps_alternative_and_refusal_naming_the_quota(
     people: Any, catalog: Any, fleet: Any, sent_tasks: Any
 ) -> None:
-    running(people, catalog, "mps", mps_memory_mib=20480, mps_thread_pct=25)
+    running(people, catalog, "mps", mps_memory_mib=61440, mps_thread_pct=50)
     answer = preview_request(
         people["owner"], ask(people, catalog, "mps", mps_memory_mib=40960, mps_thread_pct=20)
     )
-    assert answer.verdict == "waits"  # the MPS GPU has room, but serves 20 GiB / 25 % shares only
-    assert answer.alternatives == [
-        "an MPS share of 20 GiB and 25% of the threads (the size its GPU serves) is free now on a100"
-    ]
+    assert answer.verdict == "waits"
+    assert answer.alternatives == ["an MPS share of up to 20 GiB and 50% of the threads is free now on a100"]
     QuotaPolicy.objects.create(project=people["project"], max_live_sandboxes=1)
     answer = preview_request(people["owner"], ask(people, catalog, "timeslice"))
     assert answer.verdict == "refused" and "quota of 1 live sandboxes" in answer.message

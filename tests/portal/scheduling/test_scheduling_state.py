@@ -192,7 +192,7 @@ def test_the_published_state_is_what_the_database_holds_after_the_cycle(
         priority_class=PriorityClassFactory(name="batch", value=10, preemptible=True),
     )
     fillers = [request(people["owner"], people["project"], batch, catalog["image"]) for _ in range(4)]
-    ask(people, catalog, "mps", 1, mps_memory_mib=20480, mps_thread_pct=30)
+    ask(people, catalog, "mps", 2, mps_memory_mib=20480, mps_thread_pct=30)
     place_all()
     assert_published_state_is_the_database()
     for sandbox in fillers:
@@ -210,7 +210,7 @@ def test_the_published_state_is_what_the_database_holds_after_the_cycle(
     assert urgent.pk not in {r.id for r in state.pending}
 
     # A placement the database refuses (a device taken meanwhile) stays queued.
-    refused = ask(people, catalog, "mps", 2, mps_memory_mib=20480, mps_thread_pct=30)  # its GPU's size
+    refused = ask(people, catalog, "mps", 2, mps_memory_mib=10240, mps_thread_pct=10)
     real_place = actions.do_place
     monkeypatch.setattr(
         actions,
