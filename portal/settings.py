@@ -328,6 +328,13 @@ BACKFILL_WINDOW_S = env_int("BACKFILL_WINDOW_S", 86_400, minimum=0)
 # Placement policy of the live scheduling cycle: gpushare (fragmentation-aware, learns the
 # workload; what the trace benchmarks measure) or first-fit (a plain baseline).
 SCHEDULER_POLICY = env_choice("SCHEDULER_POLICY", POLICY_NAMES, DEFAULT_POLICY)
+# An MPS GPU takes only shares of one size (its first share's memory and threads), as
+# NVIDIA's device plugin does: the MPS server's limits bind each client process and the
+# largest share's are its ceiling, so beside a larger share a small share's process can take
+# the larger one's memory until the agent's memory watch stops it. Off by default: shares of
+# any size pack onto a GPU, which is what keeps fractional GPUs from fragmenting (the openb
+# replays: 3.8 % of GPUs unallocated at arrived 100 % with it off, 10.2 % on).
+MPS_ONE_SIZE_PER_GPU = env_bool("MPS_ONE_SIZE_PER_GPU", False)
 # Half-life of past usage in the fair-share order (hours).
 FAIRSHARE_HALF_LIFE_H = env_int("FAIRSHARE_HALF_LIFE_H", 168, minimum=1)
 # MIG re-layout on its own, for a queued MIG request no free instance fits: at most this

@@ -45,6 +45,15 @@ class GpuState:
     mps_used_threads: int = 0
     replicas: int = 0  # time-slice replicas it offers when shared by time-slicing
     replicas_used: set[int] = field(default_factory=set)
+    # The size (memory MiB, thread %) of its first MPS share; None while it holds none.
+    mps_share: tuple[int, int] | None = None
+    # It takes only MPS shares of that size, as NVIDIA's device plugin gives every MPS replica
+    # an equal fraction: the MPS server's limits bind each client process and the daemon's
+    # defaults (the largest share's) are the ceiling, so beside a larger share a small share's
+    # process could take the larger one's memory. Off, shares of any size pack together (the
+    # fractional packing the trace replays measure) and the agent's per-sandbox memory watch
+    # warns and stops a sandbox over its share (portal setting MPS_ONE_SIZE_PER_GPU).
+    mps_one_size: bool = False
 
     @property
     def idle(self) -> bool:
@@ -290,6 +299,10 @@ def _set(gpu: GpuState, grant: DeviceGrant, taken: bool) -> None:
         sign = 1 if taken else -1
         gpu.mps_used_mib += sign * grant.mps_memory_mib
         gpu.mps_used_threads += sign * grant.mps_thread_pct
+        if taken and gpu.mps_share is None:
+            gpu.mps_share = (grant.mps_memory_mib, grant.mps_thread_pct)
+        elif not taken and gpu.mps_used_mib <= 0 and gpu.mps_used_threads <= 0:
+            gpu.mps_share = None  # its last share gone: the next may be of any size
     elif grant.kind == "timeslice" and grant.replica is not None:
         if taken:
             gpu.replicas_used.add(grant.replica)

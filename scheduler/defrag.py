@@ -444,6 +444,9 @@ class SharedGpu:
     capacity_milli: int = 1000
     available: bool = True  # False when drained: it takes no new share, and should empty
     host: str = ""
+    # It takes only shares of the size of those it holds (an MPS GPU held to one size:
+    # scheduler.cluster.GpuState.mps_one_size).
+    one_size: bool = False
 
 
 @dataclass
@@ -482,6 +485,7 @@ class _Bin:
             and self.milli + share.milli <= self.gpu.capacity_milli
             and self.memory + share.memory_mib <= self.gpu.memory_mib
             and (not share.models or self.gpu.model in share.models)
+            and not (self.gpu.one_size and any(_size(s) != _size(share) for s in self.gpu.shares))
         ):
             return False
         if rooms is None or self.gpu.host == source_host:
@@ -492,6 +496,10 @@ class _Bin:
             and room.cpu_milli >= share.cpu_milli
             and (room.memory_mib >= share.host_memory_mib)
         )
+
+
+def _size(share: Share) -> tuple[int, int]:
+    return share.milli, share.memory_mib
 
 
 def _book_host(rooms: dict[str, HostRoom] | None, source: str, dest: str, share: Share, sign: int) -> None:

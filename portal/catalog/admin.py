@@ -16,6 +16,7 @@ class TierAdmin(admin.ModelAdmin):
         "price_display",
         "priority_class",
         "max_duration",
+        "over_share",
         "active",
     )
 

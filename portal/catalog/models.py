@@ -12,7 +12,11 @@ from django.db import models
 from portal.catalog import registries
 from portal.durations import duration_text
 from wire import uids
+from wire.spec import OVER_SHARE_STOP, OVER_SHARE_WARN
 from wire.storage import StorageMount, StorageRefused, checked_source, checked_target
+
+# A sandbox over its GPU memory share starves its neighbours meanwhile: an hour at most.
+MAX_OVER_SHARE_GRACE = timedelta(hours=1)
 
 
 class SharingMode(models.TextChoices):
@@ -25,6 +29,15 @@ class SharingMode(models.TextChoices):
     TIMESLICE = "timeslice", "Time-slice replica"
     # Host CPU and memory only (data preparation, CPU jobs): no device, no GPU quota.
     CPU = "cpu", "CPU only (no GPU)"
+
+
+class OverShare(models.TextChoices):
+    """What happens to a sandbox on a shared GPU (MPS, time-slice) that holds more GPU memory
+    than its share, summed over all its processes (the agent measures it: pid -> cgroup ->
+    sandbox). Its owner is warned at once either way."""
+
+    WARN = OVER_SHARE_WARN, "Warn its owner only"
+    STOP = OVER_SHARE_STOP, "Warn its owner, then stop it after the grace"
 
 
 class IsolationLevel(models.TextChoices):
@@ -105,6 +118,20 @@ class Tier(models.Model):
     idle_grace_minutes = models.PositiveIntegerField(
         default=10, help_text="Still idle this long after the warning: the sandbox is stopped."
     )
+    # A shared GPU's memory is first come, first served: MPS limits bind one process each,
+    # time-slicing limits nothing. A sandbox over its share takes its neighbours' memory (they
+    # fail to allocate, or their jobs die), so by default it is stopped once the grace is over:
+    # its owner, warned at once, has that long to free memory; warn-only protects no one.
+    over_share = models.CharField(
+        max_length=8,
+        choices=OverShare.choices,
+        default=OverShare.STOP,
+        help_text="A sandbox on a shared GPU (MPS, time-slice) holding more GPU memory than its share.",
+    )
+    over_share_grace = models.DurationField(
+        default=timedelta(minutes=2),
+        help_text="How long it may stay over its GPU memory share before it is stopped (hh:mm:ss).",
+    )
     storages: models.ManyToManyField[Storage, Any] = models.ManyToManyField(
         "Storage", blank=True, related_name="tiers", help_text="Persistent storage its sandboxes mount."
     )
@@ -140,10 +167,47 @@ class Tier(models.Model):
                 violation_error_message="A CPU-only tier has no GPU utilization to cull by: "
                 "leave its idle threshold at 0 %.",
             ),
+            models.CheckConstraint(
+                condition=models.Q(
+                    over_share_grace__gte=timedelta(0), over_share_grace__lte=MAX_OVER_SHARE_GRACE
+                ),
+                name="%(app_label)s_%(class)s_over_share_grace",
+                violation_error_message="The grace for a sandbox over its GPU memory share is 0 to 1 h.",
+            ),
         ]
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        """The grace as a form error on its field (the constraint is the database's guard)."""
+        grace = self.over_share_grace
+        if grace is not None and grace < timedelta(0):
+            raise ValidationError({"over_share_grace": "The grace cannot be negative."})
+        if grace is not None and grace > MAX_OVER_SHARE_GRACE:
+            raise ValidationError(
+                {
+                    "over_share_grace": f"At most {duration_text(MAX_OVER_SHARE_GRACE)}: while a sandbox "
+                    "is over its GPU memory share, its neighbours on the GPU may run out of memory."
+                }
+            )
+
+    @property
+    def shares_gpu(self) -> bool:
+        """Its sandboxes share a GPU's memory with others: an MPS share, a time-slice replica."""
+        return self.sharing_mode in (SharingMode.MPS, SharingMode.TIMESLICE)
+
+    @property
+    def over_share_rule(self) -> str:
+        """What happens over the GPU memory share, in words ("" for tiers that share no GPU)."""
+        if not self.shares_gpu:
+            return ""
+        if self.over_share == OverShare.WARN:
+            return "over its GPU memory share, its owner is warned (it keeps running)"
+        return (
+            "over its GPU memory share, its owner is warned at once and it is stopped "
+            f"after {duration_text(self.over_share_grace)} if it stays over"
+        )
 
     @property
     def max_duration_display(self) -> str:

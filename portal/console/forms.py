@@ -93,8 +93,8 @@ class TierForm(forms.ModelForm):
             "name", "slug", "description", "sharing_mode", "isolation_levels", "price_per_gpu_hour_micros",
             "currency", "priority_class", "max_duration", "max_gpus", "cpu_limit", "memory_limit_mib",
             "pids_limit", "shm_size_mib", "network", "requeue_on_failure", "preempt_after", "preempt_grace",
-            "requeue_on_preemption", "idle_util_pct", "idle_minutes", "idle_grace_minutes", "storages",
-            "active",
+            "requeue_on_preemption", "idle_util_pct", "idle_minutes", "idle_grace_minutes", "over_share",
+            "over_share_grace", "storages", "active",
         ]  # fmt: skip
         widgets = {"storages": forms.CheckboxSelectMultiple}
         labels = {
@@ -104,6 +104,8 @@ class TierForm(forms.ModelForm):
             "pids_limit": "Processes and threads",
             "preempt_after": "Preemptible after (minimum runtime, hh:mm:ss)",
             "preempt_grace": "Preemption warning (grace before the stop, hh:mm:ss)",
+            "over_share": "Over its GPU memory share (MPS and time-slice tiers)",
+            "over_share_grace": "Over its GPU memory share: grace before the stop (hh:mm:ss)",
         }
         help_texts = {"description": TIER_DESCRIPTION_HELP}
 

@@ -373,6 +373,7 @@ def shared_fleet(mode: str) -> list[SharedGpu]:
                 capacity_milli=1000 if mode == SharingMode.MPS else (1000 // replicas) * replicas,
                 available=gpu.state == Gpu.State.AVAILABLE,
                 host=gpu.host.name,
+                one_size=mode == SharingMode.MPS and settings.MPS_ONE_SIZE_PER_GPU,
             )
         )
     return fleet

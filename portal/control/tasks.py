@@ -36,6 +36,7 @@ from portal.notifications.emails import send_notification_emails
 from portal.sandboxes import actions, preemption
 from portal.sandboxes.models import Sandbox, SandboxState
 from portal.sandboxes.output import do_store_output
+from portal.sandboxes.over_share import do_over_share
 from portal.sandboxes.storage_usage import do_record_storage_usage
 from portal.telemetry.alerts import do_close_host_alerts, do_record_alerts
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
@@ -48,6 +49,7 @@ from wire.messages import (
     MigStepReport,
     MinuteRollup,
     MoveReport,
+    OverShareReport,
     PlanInventory,
     StorageUsage,
 )
@@ -168,6 +170,13 @@ def sandbox_stopped(allocation_key: str, ended_ms: int, message: str = "stopped"
 
 def sandbox_warned(allocation_key: str, checkpoint: str) -> None:
     preemption.do_record_warning(allocation_key, checkpoint)
+
+
+def sandbox_over_share(host: str, report: OverShareReport) -> None:
+    """A sandbox on a shared GPU over its memory share (or back within): its owner warned,
+    or it is stopped under its tier's rule (portal.sandboxes.over_share). A stale or
+    malformed report is ignored, never retried."""
+    do_over_share(host, report)
 
 
 def storage_usage(sandbox_id: int, usage: StorageUsage) -> None:

@@ -47,7 +47,7 @@ K = Notification.Kind
 # often (the request form says at once why a request waits; a project near its quota is told
 # at every request; a drained GPU or an alert leaves the sandbox running).
 DEFAULT_EMAIL_KINDS = frozenset(
-    {K.STARTED, K.PREEMPTED, K.FAILED, K.EXPIRING, K.ENDED, K.IDLE, K.CULLED, K.STORAGE}
+    {K.STARTED, K.PREEMPTED, K.FAILED, K.EXPIRING, K.ENDED, K.IDLE, K.CULLED, K.STORAGE, K.OVER_SHARE}
 )
 # What each kind tells, as the settings page offers it (every kind, in this order).
 DESCRIPTIONS: dict[str, str] = {
@@ -60,6 +60,7 @@ DESCRIPTIONS: dict[str, str] = {
     K.IDLE: "an idle sandbox is warned that it will be stopped",
     K.CULLED: "an idle sandbox was stopped",
     K.STORAGE: "your home or project folder nears or reaches its limit",
+    K.OVER_SHARE: "a sandbox on a shared GPU holds more GPU memory than its share (warned, or stopped)",
     K.QUOTA: "your project nears a quota limit when you request a sandbox",
     K.DRAINED: "the GPU of a running sandbox is taken out of service",
     K.ALERT: "a GPU alert concerns your sandbox",

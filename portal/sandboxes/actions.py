@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import DateTimeField, ExpressionWrapper, F, Q
 from django.utils import timezone
@@ -334,6 +335,12 @@ def _check_fits(gpu: Gpu, live: list[Allocation], alloc: Allocation) -> None:
             or sum(a.mps_thread_pct for a in shares) > 100
         ):
             raise SlotTaken(f"GPU {gpu.uuid} has no room for another MPS share")
+        # One size per MPS GPU, where the operator chose it (GpuState.mps_one_size says why).
+        if settings.MPS_ONE_SIZE_PER_GPU and (
+            shares[0].mps_memory_mib != alloc.mps_memory_mib
+            or shares[0].mps_thread_pct != alloc.mps_thread_pct
+        ):
+            raise SlotTaken(f"GPU {gpu.uuid} serves MPS shares of another size")
 
 
 def do_send_launch(sandbox_id: int) -> None:
@@ -417,7 +424,10 @@ def do_mark_running(allocation_key: str, handle: dict[str, Any], started_at: dat
         # container or VM id for the others), host detail the tenant reading the timeline
         # has no use for. Staff find the whole handle on the sandbox in the admin.
         said = f"running ({handle.get('driver')})"
-        transition(sandbox, S.RUNNING, message=said, also=("handle", "started_at"))
+        # A new placement (a move, a requeue) starts within its GPU memory share until its
+        # agent says otherwise.
+        sandbox.over_share_since = None
+        transition(sandbox, S.RUNNING, message=said, also=("handle", "started_at", "over_share_since"))
         ledger.open_interval(sandbox, started_at)
 
 

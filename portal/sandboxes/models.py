@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from datetime import datetime
 
 from django.conf import settings
 from django.db import models
@@ -10,7 +11,9 @@ from django.utils import timezone
 
 from portal.accounts.models import Project
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
+from portal.durations import duration_text
 from portal.fleet.models import Gpu, Host, MigInstance
+from wire.sizes import human_size
 
 
 class SandboxState(models.TextChoices):
@@ -58,6 +61,7 @@ class StopCause(models.TextChoices):
     EXPIRED = "expired", "Reached its time limit"
     PREEMPTED = "preempted", "Preempted"
     EXITED = "exited", "Exited by itself"
+    OVER_SHARE = "over_share", "Over its GPU memory share"
 
 
 class Sandbox(models.Model):
@@ -114,6 +118,12 @@ class Sandbox(models.Model):
     idle_warned_at = models.DateTimeField(null=True, blank=True)
     # When its owner was told it nears its time limit (cleared when it is extended).
     expiry_warned_at = models.DateTimeField(null=True, blank=True)
+    # On a shared GPU, its agent's last report that it held more memory than its share
+    # (``portal.sandboxes.over_share``): since when (null again once it is back within), what
+    # it held and the share it was held to. Kept after a stop for that reason: its page says why.
+    over_share_since = models.DateTimeField(null=True, blank=True)
+    over_share_mib = models.PositiveIntegerField(default=0)
+    memory_share_mib = models.PositiveIntegerField(default=0)
 
     requested_at = models.DateTimeField(default=timezone.now)
     placed_at = models.DateTimeField(null=True, blank=True)
@@ -159,6 +169,27 @@ class Sandbox(models.Model):
     @property
     def is_live(self) -> bool:
         return self.state in LIVE_STATES
+
+    @property
+    def over_share_stop_at(self) -> datetime | None:
+        """When it is stopped if it stays over its GPU memory share (None: not over, or its
+        tier only warns)."""
+        if self.over_share_since is None or self.tier.over_share != "stop":
+            return None
+        return self.over_share_since + self.tier.over_share_grace
+
+    @property
+    def over_share_for(self) -> str:
+        """How long it had been over its share when it was stopped for it ("" if unknown)."""
+        if self.over_share_since is None or self.stop_requested_at is None:
+            return ""
+        return duration_text(max(0, int((self.stop_requested_at - self.over_share_since).total_seconds())))
+
+    @property
+    def over_share_figures(self) -> str:
+        """ "23.1 GiB of its 20.0 GiB": what it held at the last report against its share."""
+        held, share = (human_size(mib * 1024**2) for mib in (self.over_share_mib, self.memory_share_mib))
+        return f"{held} of its {share}"
 
     @property
     def command_line(self) -> str:
@@ -276,6 +307,7 @@ class Notification(models.Model):
         QUOTA = "quota", "Quota"
         ALERT = "alert", "Alert"
         STORAGE = "storage", "Storage"
+        OVER_SHARE = "over_share", "GPU memory over its share"
 
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notifications")
     sandbox = models.ForeignKey(

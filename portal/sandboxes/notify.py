@@ -60,8 +60,10 @@ def on_transition(sandbox: Sandbox, to: str, message: str, actor: Any) -> None:
         kind = kinds.get(to, Notification.Kind.ENDED)
         notify_owner(sandbox, kind, f"{label}: {message}")
     elif to == S.STOPPED and sandbox.state == S.STOPPING:
-        if sandbox.stop_cause in (StopCause.ASKED, StopCause.CULLED):
-            return  # asked by a person (told then, or it was the owner) or by culling (told then)
+        if sandbox.stop_cause in (StopCause.ASKED, StopCause.CULLED, StopCause.OVER_SHARE):
+            # asked by a person (told then, or it was the owner), or by culling or the GPU
+            # memory rule (each told then, with its figures)
+            return
         notify_owner(sandbox, Notification.Kind.ENDED, f"{label}: {message}")
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from portal.catalog.models import ImageRegistry
+from portal.catalog.models import ImageRegistry, Tier
 from portal.catalog.storage import mounts_for
 from portal.fleet.models import GpuMode
 from portal.sandboxes.models import Allocation, Sandbox
 from portal.sandboxes.reach import app_token
-from wire.spec import MpsShare, SandboxSpec
+from wire.spec import MemoryShare, MpsShare, SandboxSpec
 
 
 def launch_spec(sandbox: Sandbox) -> SandboxSpec:
@@ -56,4 +56,27 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         mounts=mounts_for(tier, sandbox.owner, sandbox.project),
         app=bool(sandbox.image.app),
         pull=ImageRegistry.allows(sandbox.image.reference),
+        memory_share=memory_share(tier, allocations),
+    )
+
+
+def memory_share(tier: Tier, allocations: list[Allocation]) -> MemoryShare | None:
+    """What a sandbox on a shared GPU may hold of its device's memory, all its processes
+    together, and what its tier does when it holds more; None on a GPU of its own (whole or a
+    MIG instance, whose memory the hardware bounds) and for CPU-only sandboxes.
+
+    An MPS share's memory is what it asked for (the pinned limit binds each process, not the
+    sandbox). A time-slice replica reserves nothing on the device, so its fair part is the
+    GPU's memory over the replicas it is cut into: what the page shows as its share."""
+    shared = next(
+        (a for a in allocations if a.kind in (Allocation.Kind.MPS, Allocation.Kind.TIMESLICE)), None
+    )
+    if shared is None:
+        return None
+    over_share, grace_s = str(tier.over_share), int(tier.over_share_grace.total_seconds())
+    if shared.kind == Allocation.Kind.MPS:
+        return MemoryShare("mps", shared.mps_memory_mib, over_share=over_share, grace_s=grace_s)
+    replicas = max(1, shared.gpu.timeslice_replicas)
+    return MemoryShare(
+        "timeslice", shared.gpu.memory_mib // replicas, replicas, over_share=over_share, grace_s=grace_s
     )

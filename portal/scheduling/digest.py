@@ -158,6 +158,7 @@ def _host_row(host: HostState) -> list[Any]:
             g.uuid, g.index, g.model, g.memory_mib, g.mode, g.available, g.exclusive_busy,
             g.mps_used_mib, g.mps_used_threads, g.replicas, sorted(g.replicas_used),
             [[m.uuid, m.profile, m.start, m.memory_slices, m.busy] for m in g.mig],
+            list(g.mps_share) if g.mps_share else None, g.mps_one_size,
         ]
         for g in host.gpus
     ]  # fmt: skip
@@ -285,10 +286,11 @@ def _host(row: list[Any]) -> HostState:
         GpuState(
             uuid, name, index, model, memory_mib, mode, available, exclusive_busy,
             [MigSlot(*slot) for slot in mig], mps_mib, mps_threads, replicas, set(replicas_used),
+            tuple(sizing[0]) if sizing and sizing[0] else None, bool(sizing[1:] and sizing[1]),
         )
         for (
             uuid, index, model, memory_mib, mode, available, exclusive_busy,
-            mps_mib, mps_threads, replicas, replicas_used, mig,
+            mps_mib, mps_threads, replicas, replicas_used, mig, *sizing,  # none: a digest from before
         ) in gpus
     ]  # fmt: skip
     return HostState(name, up, states, cpu, memory, cpu_used, memory_used, tuple(isolation))

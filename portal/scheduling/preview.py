@@ -257,8 +257,14 @@ def alternatives(snapshot: Snapshot, mine: Request) -> list[str]:
             for profile, host in sorted(free.items(), key=lambda item: -int(item[0].split("g")[0]))
         ]
     elif mine.mode == MPS:
+        # A GPU held to one size (MPS_ONE_SIZE_PER_GPU) that holds shares takes only more of
+        # their size; any other takes what its memory and threads have left.
         best = max(
-            ((gpu.memory_mib - gpu.mps_used_mib, 100 - gpu.mps_used_threads, host) for host, gpu in gpus),
+            (
+                (gpu.memory_mib - gpu.mps_used_mib, 100 - gpu.mps_used_threads, host)
+                for host, gpu in gpus
+                if not (gpu.mps_one_size and gpu.mps_share)
+            ),
             default=None,
         )
         if best is not None and best[0] > 0 and best[1] > 0:
@@ -266,6 +272,21 @@ def alternatives(snapshot: Snapshot, mine: Request) -> list[str]:
             found = [
                 f"an MPS share of up to {memory_gib} GiB and {threads}% of the threads is free now on {host}"
             ]
+        sizes: dict[tuple[int, int], str] = {}
+        for host, gpu in gpus:
+            size = gpu.mps_share
+            if (
+                gpu.mps_one_size
+                and size
+                and gpu.mps_used_mib + size[0] <= gpu.memory_mib
+                and gpu.mps_used_threads + size[1] <= 100
+            ):
+                sizes.setdefault(size, host)
+        found += [
+            f"an MPS share of {mib / 1024:g} GiB and {pct}% of the threads (the size its GPU serves) "
+            f"is free now on {host}"
+            for (mib, pct), host in sorted(sizes.items(), reverse=True)[:3]
+        ]
     elif mine.mode == TIMESLICE:
         replicas = sum(gpu.replicas - len(gpu.replicas_used) for _, gpu in gpus)
         if replicas:

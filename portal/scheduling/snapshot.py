@@ -71,6 +71,7 @@ class _Held:
     mps_mib: int = 0
     mps_threads: int = 0
     replicas: set[int] = field(default_factory=set)
+    mps_share: tuple[int, int] | None = None  # the size of its MPS shares (the oldest's)
 
 
 def _live_grants(
@@ -94,6 +95,8 @@ def _live_grants(
         held.exclusive = held.exclusive or kind == Allocation.Kind.EXCLUSIVE
         held.mps_mib += mps_mib
         held.mps_threads += mps_threads
+        if kind == Allocation.Kind.MPS and held.mps_share is None:
+            held.mps_share = (mps_mib, mps_threads)
         if replica is not None:
             held.replicas.add(replica)
         if mig_id is not None:
@@ -179,6 +182,7 @@ def build_snapshot() -> Snapshot:
     # VM waits instead of being placed where its launch can only fail.
     no_gpus = {pk for pk, *_, driver, backend in hosts if driver == "libvirt" and backend != "simulated"}
     gpus: dict[int, list[GpuState]] = defaultdict(list)
+    one_size = settings.MPS_ONE_SIZE_PER_GPU
     for pk, host_id, index, uuid, model, memory_mib, sharing_mode, replicas, state in gpu_rows:
         used = held.get(pk) or _Held()
         gpus[host_id].append(
@@ -196,6 +200,8 @@ def build_snapshot() -> Snapshot:
                 mps_used_threads=used.mps_threads,
                 replicas=offered_replicas(sharing_mode, replicas),
                 replicas_used=set(used.replicas),
+                mps_share=used.mps_share,
+                mps_one_size=one_size,
             )
         )
     states = [

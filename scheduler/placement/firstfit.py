@@ -104,6 +104,10 @@ def grant_on(gpu: GpuState, request: Request) -> DeviceGrant | None:
         if (
             gpu.mps_used_mib + request.mps_memory_mib <= gpu.memory_mib
             and gpu.mps_used_threads + request.mps_thread_pct <= 100
+            and not (
+                gpu.mps_one_size
+                and gpu.mps_share not in (None, (request.mps_memory_mib, request.mps_thread_pct))
+            )
         ):
             return DeviceGrant(
                 gpu.uuid,
@@ -129,7 +133,7 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
     """
     mode, models = request.mode, request.gpu_models
     short: list[str] = []  # hosts where the GPUs fit but the CPU or memory does not
-    offering = accepted = in_service = has_profile = False
+    offering = accepted = in_service = has_profile = one_size = False
     most = 0  # the most idle GPUs a dedicated request could have on one host
     for host in snapshot.hosts:
         if not serves(host, request):
@@ -145,6 +149,7 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
             if not g.could_serve(mode):  # pinned to another mode, or MIG asked of a GPU not in it
                 continue
             offering = True
+            one_size = one_size or g.mps_one_size
             in_service = in_service or g.available
             if models and not accessible(g.model, models):
                 continue
@@ -177,5 +182,8 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
             return f"no MIG instance of profile {request.mig_profile} exists in the fleet"
         return f"every {request.mig_profile} MIG slice is in use"
     if request.mode == MPS:
-        return f"no MPS GPU has {request.mps_memory_mib} MiB and {request.mps_thread_pct}% threads free"
+        said = f"no MPS GPU has {request.mps_memory_mib} MiB and {request.mps_thread_pct}% threads free"
+        return said + (
+            " beside shares of that size (an MPS GPU serves shares of one size)" if one_size else ""
+        )
     return "every time-slice replica is in use"

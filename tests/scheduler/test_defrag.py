@@ -271,6 +271,16 @@ def test_consolidation_packs_onto_one_destination() -> None:
     assert sum(s.milli for s in after[1].shares) == 1000
 
 
+def test_consolidation_moves_an_mps_share_only_beside_shares_of_its_size() -> None:
+    """One size per MPS GPU: a 10 % share never joins 30 % ones, though there is room."""
+    mps = [replace(g, one_size=True) for g in (shared("A", 100), shared("B", 300, 300), shared("C", 100))]
+    plan = plan_consolidation(mps)
+    assert plan.migrations == (ShareMigration("A-0", "A", "C", 100),)
+    assert "B" not in {m.to_gpu for m in plan.migrations}
+    anywhere = plan_consolidation([shared("A", 100), shared("B", 300, 300), shared("C", 100)])
+    assert {m.to_gpu for m in anywhere.migrations} == {"B"}  # milli-GPU shares pack by size alone
+
+
 def test_consolidation_respects_models_memory_and_drain() -> None:
     pinned = SharedGpu("A", "T4", 15109, (Share("a", 100, 1000, ("T4",)),))  # no other T4
     big = SharedGpu("B", "V100M32", 32510, (Share("b", 100, 32400),))  # fits on no other GPU

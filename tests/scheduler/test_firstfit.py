@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.cluster import GpuState, HostState, MigSlot, Pending, Place, Request, Snapshot
+from scheduler.cluster import GpuState, HostState, MigSlot, Pending, Place, Request, Snapshot, release
 from scheduler.cycle import run_cycle
 from scheduler.fairshare import FairOrder
 from scheduler.placement import get_policy
@@ -81,6 +81,29 @@ def test_mps_shares_stay_within_memory_and_threads() -> None:
     decisions = run_cycle(fleet(), queue, POLICY, now=0)
     assert [type(d).__name__ for d in decisions] == ["Place", "Place", "Pending"]
     assert "40% threads free" in decisions[2].reason  # type: ignore[union-attr]
+
+
+def test_an_mps_gpu_held_to_one_size_takes_only_shares_of_that_size() -> None:
+    """Its server's limits bind each process and the largest share's are the ceiling, so beside
+    a 40 GiB share a 10 GiB share's process could take 40 GiB: one size per GPU, as NVIDIA's
+    device plugin gives every MPS replica an equal fraction."""
+    big = req(1, "mps", at=1, mps_memory_mib=40000, mps_thread_pct=40)
+    same = req(2, "mps", at=2, mps_memory_mib=40000, mps_thread_pct=40)
+    small = req(3, "mps", at=3, mps_memory_mib=10240, mps_thread_pct=10)
+    snapshot = fleet()
+    [mixed] = run_cycle(snapshot, [big, small], POLICY, now=0)[1:]
+    assert isinstance(mixed, Place)  # by default shares of any size pack together
+    snapshot.hosts[1].gpus[0].mps_one_size = True  # MPS_ONE_SIZE_PER_GPU
+    decisions = run_cycle(snapshot, [big, same, small], POLICY, now=0, in_place=True)
+    assert [type(d).__name__ for d in decisions] == ["Place", "Place", "Pending"]
+    assert "beside shares of that size" in decisions[2].reason  # type: ignore[union-attr]
+    gpu = snapshot.hosts[1].gpus[0]
+    assert gpu.mps_share == (40000, 40) and gpu.mps_used_mib == 80000
+    for decision in decisions[:2]:
+        release(gpu, decision.grants[0])  # type: ignore[union-attr]
+    assert gpu.mps_share is None  # empty again: the next share sets the size
+    [placed] = run_cycle(snapshot, [small], POLICY, now=0)
+    assert isinstance(placed, Place)
 
 
 def test_timeslice_replicas_run_out() -> None:

@@ -199,6 +199,41 @@ def test_a_booking_rechecks_the_gpus_mode_and_mps_room(
         do_set_gpu_mode(other.uuid, GpuMode.DEDICATED)
 
 
+@pytest.mark.parametrize("one_size", [False, True])
+def test_mps_one_size_per_gpu_keeps_a_gpu_to_its_first_shares_size(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any, settings: Any, one_size: bool
+) -> None:
+    """MPS_ONE_SIZE_PER_GPU: beside a 40 GiB share, a 10 GiB share's process could take 40 GiB
+    (the server's limits bind each process, the largest share's are the ceiling), so the
+    cycle, a booking made outside it and the preview keep an MPS GPU to one size. Off (the
+    default), shares of any size pack onto it."""
+    from portal.scheduling.preview import preview_request
+
+    settings.MPS_ONE_SIZE_PER_GPU = one_size
+    gpu = Gpu.objects.get(host__name="a100", index=2)  # the fleet's one MPS GPU
+    big = _ask(people, catalog, "mps", mps_memory_mib=40960, mps_thread_pct=40)
+    place_all()
+    small = _ask(people, catalog, "mps", mps_memory_mib=10240, mps_thread_pct=10)
+    place_all()
+    small.refresh_from_db()
+    assert small.state == ("queued" if one_size else "starting")
+    if one_size:
+        assert "beside shares of that size" in small.pending_reason, small.pending_reason
+        share = DeviceGrant(gpu.uuid, gpu.uuid, "mps", 100, mps_memory_mib=10240, mps_thread_pct=10)
+        assert not actions.do_place(small.pk, "a100", (share,))  # a stale decision: refused too
+        req = actions.SandboxRequest(
+            project=people["project"], tier=catalog["mps"], image=catalog["image"], isolation="container",
+            mps_memory_mib=20480, mps_thread_pct=20,
+        )  # fmt: skip
+        answer = preview_request(people["owner"], req)
+        assert answer.alternatives == [
+            "an MPS share of 40 GiB and 40% of the threads (the size its GPU serves) is free now on a100"
+        ]
+    assert set(Allocation.objects.filter(active=True, gpu=gpu).values_list("sandbox_id", flat=True)) == (
+        {big.pk} if one_size else {big.pk, small.pk}
+    )
+
+
 def test_an_agents_inventory_keeps_an_admins_pin(db: Any, sent_tasks: Any) -> None:
     gpus = [g.to_json() for g in SimulatedBackend("h", parse_sim_spec("A100-80GB:2")).list_gpus()]
     do_sync_inventory("h", "simulated", "process", gpus)
