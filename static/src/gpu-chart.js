@@ -134,6 +134,10 @@ function bandPlugin(track, bands) {
 const MIN_SPAN_S = 300;
 
 function timeRange(u, min, max) {
+  // uPlot widens a lone point's x range by a day of its unit (86,400 s here at ms = 1e-3
+  // seconds: 1,000 days), so a span is no sign of it: the data is.
+  const xs = (u.data && u.data[0]) || [];
+  if (xs.length === 1 && finite(xs[0])) return [xs[0] - MIN_SPAN_S, xs[0]];
   if (!finite(min) || !finite(max)) {
     const now = Date.now() / 1000;
     return [now - MIN_SPAN_S, now];
