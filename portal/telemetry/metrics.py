@@ -320,7 +320,8 @@ class FleetCollector(Collector):
         util = GaugeMetricFamily(
             "gpushare_sandbox_gpu_utilization_ratio",
             "Utilization (0-1) of the GPU or MIG device a running sandbox runs on; on a shared GPU "
-            "(MPS, time-slice) the whole GPU's.",
+            "(MPS, time-slice) its own processes' share of the GPU's time (no series where that "
+            "is not measured).",
             labels=names,
         )
         cost = CounterMetricFamily(

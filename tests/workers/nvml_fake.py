@@ -71,6 +71,9 @@ class Dev:
     events_supported: int = 0
     procs: list[SimpleNamespace] = field(default_factory=list)
     mps_procs: list[SimpleNamespace] = field(default_factory=list)  # MPS clients ("M+C")
+    # Per-process utilization samples NVML holds for the device (pid, timeStamp µs, smUtil, ...):
+    # only processes busy in a sample period have one (FakeNvml.record_process_util).
+    proc_util: list[SimpleNamespace] = field(default_factory=list)
     gpm: bool = False  # GPM (Hopper+): utilization of MIG instances through GPM samples
     parent: Dev | None = None  # set on MIG device handles
     gi_id: int = 0
@@ -141,6 +144,9 @@ class FakeNvml:
             "nvmlDeviceGetGpuInstances",
             "nvmlDeviceGetGpuInstancePossiblePlacements",
             "nvmlDeviceGetMPSComputeRunningProcesses",
+            # per-process utilization (issue 36)
+            "nvmlDeviceGetProcessUtilization",
+            "nvmlDeviceGetProcessesUtilizationInfo",
             "nvmlGpmQueryDeviceSupport",
             "nvmlGpmSampleAlloc",
             "nvmlGpmSampleGet",
@@ -425,6 +431,46 @@ class FakeNvml:
 
     def nvmlDeviceGetMPSComputeRunningProcesses(self, dev: Dev) -> list[SimpleNamespace]:
         return self._live(dev).mps_procs
+
+    # -- per-process utilization (issue 36) ---------------------------------------------------
+    # As nvml.h says: one sample per process busy in a sample period, each with its CPU
+    # timestamp; a read returns those newer than lastSeenTimeStamp, NOT_FOUND when there is
+    # none; NOT_SUPPORTED on MIG devices and on GPUs in MIG mode.
+
+    processes_util_info = True  # the driver has nvmlDeviceGetProcessesUtilizationInfo (R550+)
+
+    def record_process_util(self, dev: Dev, sm_by_pid: dict[int, int]) -> int:
+        """One sample period on ``dev``: each pid's SM %; idle ones (0) get no sample, as NVML
+        lists only processes with non-zero utilization. Returns the period's timestamp."""
+        every = [
+            s.timeStamp
+            for d in self.gpus + [m for g in self.gpus for m in self._migs(g)]
+            for s in d.proc_util
+        ]
+        stamp = max(every, default=1_700_000_000_000_000) + 1_000_000
+        for pid, sm in sm_by_pid.items():
+            if sm:
+                dev.proc_util.append(
+                    SimpleNamespace(pid=pid, timeStamp=stamp, smUtil=sm, memUtil=0, encUtil=0, decUtil=0)
+                )
+        return stamp
+
+    def _process_util(self, dev: Dev, last_seen: int) -> list[SimpleNamespace]:
+        self._live(dev)
+        if dev.parent is not None or dev.mig_mode == pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        found = [s for s in dev.proc_util if s.timeStamp > last_seen]
+        if not found:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        return found
+
+    def nvmlDeviceGetProcessUtilization(self, dev: Dev, last_seen: int) -> list[SimpleNamespace]:
+        return self._process_util(dev, last_seen)
+
+    def nvmlDeviceGetProcessesUtilizationInfo(self, dev: Dev, last_seen: int) -> list[SimpleNamespace]:
+        if not self.processes_util_info:
+            raise nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return self._process_util(dev, last_seen)
 
     # GPM: a sample records the utilization of its device when taken; two samples give the
     # second one's (the fake's "activity since the first").

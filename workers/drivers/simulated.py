@@ -10,6 +10,12 @@ simulated GPUs (``Host.simulated_sandboxes``).
 The record survives an agent's restart in one small JSON file per host, rewritten at each
 change, as a Docker container outlives its agent: a restarted agent still reports what it
 runs, so reconcile does not fail its sandboxes as vanished.
+
+What a simulated sandbox puts on its simulated GPU (``simulated_load``) is a steady load by
+default; its command can choose one instead, so a scenario can have a busy and an idle
+tenant on one shared GPU, or a tenant over its memory share (a batch's command, typed in the
+request form): ``gpushare-sim-load util=<0..100> mem_mib=<MiB per device>``, either word
+optional. Nothing runs it: the word is read here, and only here.
 """
 
 from __future__ import annotations
@@ -26,6 +32,48 @@ from workers.drivers.base import DriverError, SandboxStatus
 from workers.drivers.output import OutputChunk
 
 STATE_FILE = "simulated-sandboxes.json"
+SIM_LOAD_COMMAND = "gpushare-sim-load"
+
+
+def chosen_load(command: tuple[str, ...]) -> tuple[int | None, float | None]:
+    """(memory MiB per device, utilization %) a ``gpushare-sim-load`` command asks for; None
+    for what it leaves to the default, both None for any other command. Raises DriverError
+    naming the bad word."""
+    if not command or command[0].rsplit("/", 1)[-1] != SIM_LOAD_COMMAND:
+        return None, None
+    mem: int | None = None
+    util: float | None = None
+    usage = f"{SIM_LOAD_COMMAND} util=<0..100> mem_mib=<MiB per device>"
+    for word in command[1:]:
+        name, _, value = word.partition("=")
+        try:
+            if name == "util" and 0 <= float(value) <= 100:
+                util = float(value)
+                continue
+            if name == "mem_mib" and int(value) >= 0:
+                mem = int(value)
+                continue
+        except ValueError:
+            pass
+        raise DriverError(f"{SIM_LOAD_COMMAND}: cannot read {word!r}; say {usage}")
+    return mem, util
+
+
+def simulated_load(spec: SandboxSpec, device_memory_mib: int) -> tuple[int, float]:
+    """(memory MiB per device, utilization %) a sandbox puts on a simulated GPU: what its
+    command chose (``chosen_load``), else a busy sandbox holding most of what it may hold:
+    its memory share (a time-slice replica, an MPS share), its MPS limit, or 40 % of its
+    device, so that by default no share is exceeded and no memory alert is raised."""
+    mem, util = chosen_load(spec.command)
+    if spec.memory_share is not None:
+        default_mem = int(spec.memory_share.memory_mib * 0.8)
+    elif spec.mps is not None:
+        default_mem = int(spec.mps.memory_mib * 0.8)
+    else:
+        default_mem = int(device_memory_mib * 0.4)
+    # An MPS share runs on its share of the threads.
+    default_util = float(spec.mps.thread_pct) * 0.9 if spec.mps is not None else 85.0
+    return (default_mem if mem is None else mem), (default_util if util is None else util)
 
 
 class SimulatedDriver:
@@ -45,7 +93,9 @@ class SimulatedDriver:
         """Nothing to fetch: a simulated sandbox runs no image."""
 
     def launch(self, spec: SandboxSpec) -> SandboxHandle:
-        """Idempotent, keyed by the allocation: a repeated launch returns the same handle."""
+        """Idempotent, keyed by the allocation: a repeated launch returns the same handle. A
+        ``gpushare-sim-load`` command it cannot read is refused, saying why."""
+        chosen_load(spec.command)
         with self._lock:
             known = self._sandboxes.get(spec.allocation_key)
             if known is not None:

@@ -6,7 +6,9 @@ the device, so the agent handles one exception type. A GPU that answers
 subclass that names the GPU, and is reported once as a ``gpu_lost`` fault event.
 
 Utilization is None where NVML cannot measure it (a MIG device, a GPU in MIG mode) unless
-GPM can (Hopper: gpm.py). Never 0 for "unknown": idle culling reads 0 as idle.
+GPM can (Hopper: gpm.py). Never 0 for "unknown": idle culling reads 0 as idle. Each
+process's own utilization (``GpuSample.util_by_owner``, for sandboxes sharing a GPU) comes
+from process_util.py, which says what NVML reports per process and where it cannot (MIG, MPS).
 
 MIG: reading and changing GPU instances needs root (the agent runs as root on GPU hosts).
 Changing MIG *mode* is never done here: that needs a GPU reset and stays an operator's job.
@@ -37,6 +39,7 @@ from workers.gpu.base import (
 )
 from workers.gpu.gpm import GpmUtilization
 from workers.gpu.nvml_session import NvmlDidNotStart, nvml_session
+from workers.gpu.process_util import ProcessUtilization
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,7 @@ class NvmlBackend:
         self._gi_profiles_by_gpu: dict[str, dict[str, _GiProfile]] = {}
         self._closed = False
         self._gpm = GpmUtilization()
+        self._process_util = ProcessUtilization()
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as err:
@@ -383,6 +387,7 @@ class NvmlBackend:
             self._mig_parent.pop(device.uuid, None)
             self._mig_by_gi.pop((uuid, device.gpu_instance_id), None)
         self._gpm.forget(uuid, device.gpu_instance_id)
+        self._process_util.forget(device.uuid)
 
     # -- telemetry -------------------------------------------------------------------------
 
@@ -399,6 +404,8 @@ class NvmlBackend:
             reasons = _unless_unsupported(lambda: _clock_reasons(parent), 0)
             # ECC is counted per board: a MIG device reports its parent's counts.
             corrected, uncorrected = _unless_unsupported(lambda: _ecc_counts(parent), (0, 0))
+            no_processes: tuple[dict[str, int], set[int]] = ({}, set())
+            held, mps_clients = _unless_unsupported(lambda: _memory_by_pid(handle), no_processes)
             return GpuSample(
                 uuid=uuid,
                 t_ms=int(time.time() * 1000),
@@ -409,7 +416,8 @@ class NvmlBackend:
                 power_w=power_mw / 1000,
                 sm_clock_mhz=int(pynvml.nvmlDeviceGetClockInfo(parent, pynvml.NVML_CLOCK_SM)),
                 throttle=decode_clock_reasons(reasons),
-                mem_by_owner=_unless_unsupported(lambda: _memory_by_pid(handle), {}),
+                mem_by_owner=held,
+                util_by_owner=self._process_util.read(handle, uuid, mps_clients),
                 ecc_corrected=corrected,
                 ecc_uncorrected=uncorrected,
             )
@@ -649,17 +657,21 @@ def _ecc_counts(handle: Any) -> tuple[int, int]:
     return int(corrected), int(uncorrected)
 
 
-def _memory_by_pid(handle: Any) -> dict[str, int]:
+def _memory_by_pid(handle: Any) -> tuple[dict[str, int], set[int]]:
     """GPU memory per process, keyed "pid:<pid>" (host pids: the agent maps them to sandboxes
-    through their cgroups). On a MIG device handle NVML lists that instance's processes.
+    through their cgroups), and the pids of the device's MPS clients. On a MIG device handle
+    NVML lists that instance's processes.
 
     MPS clients are listed by a call of their own (nvidia-smi's "M+C"); a pid in both lists
     counts once."""
     held = _held(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    clients: set[int] = set()
     with suppress(*_UNSUPPORTED):
-        for key, mib in _held(pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)).items():
+        mps = pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)
+        clients = {int(process.pid) for process in mps}
+        for key, mib in _held(mps).items():
             held[key] = max(held.get(key, 0), mib)
-    return held
+    return held, clients
 
 
 def _held(processes: list[Any]) -> dict[str, int]:

@@ -4,8 +4,9 @@ What it models, and why each piece is there:
 
 * MIG geometry from ``scheduler.gpus``, so a placement the scheduler thinks legal is the
   one this backend accepts, and an illegal one fails the way NVML would.
-* Load that sandboxes report through ``note_load``: utilization, memory held per owner and,
-  from them, power, a first-order thermal response and clocks. The thermal state is solved
+* Load that sandboxes report through ``note_load``: utilization and memory held per owner
+  (``util_by_owner``, ``mem_by_owner``: keyed by owner, where NVML keys by pid) and, from
+  them, power, a first-order thermal response and clocks. The thermal state is solved
   exactly between two instants, so the curve is the same whether the agent samples every
   0.1 s or every 10 s.
 * Deterministic UUIDs from (host, index) and MIG UUIDs from (parent, GPU instance id), so
@@ -342,6 +343,8 @@ class SimulatedBackend:
             if util > 0:
                 util = _pct(util + self._noise(uuid, now, "util", 2.0))
             unmeasured = self._mig_util_unmeasured and gpu.mig_enabled
+            # As NVML: no per-process utilization on a MIG device nor on a GPU in MIG mode.
+            util_by_owner = None if gpu.mig_enabled else self._util_by_owner(uuid)
             return GpuSample(
                 uuid=uuid,
                 t_ms=int(now * 1000),
@@ -353,6 +356,7 @@ class SimulatedBackend:
                 sm_clock_mhz=clock_mhz,
                 throttle=throttle,
                 mem_by_owner=by_owner,
+                util_by_owner=util_by_owner,
                 ecc_corrected=gpu.ecc_corrected,
                 ecc_uncorrected=gpu.ecc_uncorrected,
             )
@@ -368,6 +372,14 @@ class SimulatedBackend:
                     profile = gpu.model.profile(gpu.migs[device].profile)
                     total += load.util_pct * profile.compute_slices / COMPUTE_SLICES
         return _pct(total)
+
+    def _util_by_owner(self, uuid: str) -> dict[str, float]:
+        """Each owner's share of a whole GPU's time: what it asked for, or, when the owners
+        together ask for more than all of it (time-slicing), their requests scaled down to
+        fit, as the GPU's time slices divide it."""
+        wanted = {o: ld.util_pct for o, ld in self._loads.items() if uuid in ld.device_uuids}
+        scale = min(1.0, 100.0 / total) if (total := sum(wanted.values())) > 0 else 1.0
+        return {owner: round(util * scale, 1) for owner, util in wanted.items()}
 
     def _mem_by_owner(self, on_device: Callable[[str], bool]) -> dict[str, int]:
         held: dict[str, int] = {}

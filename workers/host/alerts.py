@@ -86,8 +86,10 @@ class AlertTracker:
         now_ms: int,
     ) -> list[AlertMessage]:
         """A sandbox's alerts under its tier's rules (the fleet's when its tier has none):
-        its device's temperature, throttling, XIDs and utilization, and its own memory
-        against what it may hold (its MPS limit, or its device's memory)."""
+        its device's temperature, throttling and XIDs, its utilization (its own on a shared
+        GPU: the sampler passes ``device`` with the sandbox's figure), and its own memory,
+        summed over its processes, against what it may hold (its memory share on a shared
+        GPU, its MPS limit, or its device's memory)."""
         rules = self._rules_of[sandbox_id] = self.tiers.get(tier, self.fleet)
         mem_pct = 100 * mem_mib / max(1, mem_limit_mib)
         return self._observe(f"sandbox:{sandbox_id}", gpu_uuid, sandbox_id, rules, device, mem_pct, now_ms)

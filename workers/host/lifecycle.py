@@ -11,6 +11,7 @@ from typing import Any
 from wire.messages import to_control
 from wire.spec import DRIVER_ISOLATION, SandboxHandle, SandboxSpec
 from workers.drivers.base import DriverError
+from workers.drivers.simulated import simulated_load
 from workers.host.checkpoint import run_checkpoint_hook
 from workers.host.context import HostContext
 from workers.host.storage_meter import StorageMeter
@@ -142,7 +143,10 @@ class SandboxLifecycle:
         to_control.sandbox_launch_failed(spec.sandbox_id, spec.allocation_key, message)
 
     def _simulated_load(self, spec: SandboxSpec) -> tuple[int, float]:
-        """What a sandbox puts on a simulated GPU; real backends measure it instead."""
-        if spec.mps is not None:  # most of its pinned-memory limit, not all of it: no alert
-            return int(spec.mps.memory_mib * 0.8), float(spec.mps.thread_pct) * 0.9
-        return int(self.context.inventory.device_memory_mib(spec.device_uuids[0]) * 0.4), 85.0
+        """What a sandbox puts on a simulated GPU (``workers.drivers.simulated.simulated_load``:
+        its command may choose it); real backends measure it instead."""
+        device_mib = self.context.inventory.device_memory_mib(spec.device_uuids[0])
+        try:
+            return simulated_load(spec, device_mib)
+        except DriverError:  # an unreadable choice, on a driver that did not refuse it: the default
+            return simulated_load(dataclasses.replace(spec, command=()), device_mib)

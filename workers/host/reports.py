@@ -55,6 +55,7 @@ class HostReports:
         self.context = context
         self._redis: redis.Redis | None = None  # liveness key, written with each heartbeat
         self._pid_owner: dict[str, str] = {}  # "pid:<host pid>" -> allocation id
+        self._attributed: set[str] = set()  # allocation ids whose pids the driver listed
         # Its own thread, or a few a process serving many hosts shares (workers.host.agent_pool).
         self._own_builder = builder is None
         self._builder = builder or ThreadPoolExecutor(1, thread_name_prefix="agent-report")
@@ -141,12 +142,14 @@ class HostReports:
         if pids_of is None or self.context.backend.simulated:
             return
         owners: dict[str, str] = {}
+        attributed: set[str] = set()
         running = set(self.context.sandboxes.specs())
         for handle in handles:
             if handle.allocation_key in running:
                 with contextlib.suppress(DriverError):
                     owners.update({f"pid:{pid}": handle.allocation_key for pid in pids_of(handle)})
-        self._pid_owner = owners
+                    attributed.add(handle.allocation_key)
+        self._pid_owner, self._attributed = owners, attributed
 
     def memory_of(self, sample: GpuSample, allocation_key: str) -> int:
         """MiB of GPU memory a sandbox holds: the backend's figure for it (simulated), or the
@@ -154,6 +157,24 @@ class HostReports:
         if allocation_key in sample.mem_by_owner:
             return sample.mem_by_owner[allocation_key]
         return sum(m for k, m in sample.mem_by_owner.items() if self._pid_owner.get(k) == allocation_key)
+
+    def util_of(self, sample: GpuSample, allocation_key: str) -> float | None:
+        """A sandbox's own utilization on a shared GPU (% of the device's time): the backend's
+        figure for it (simulated), or the sum over its processes through the same pid ->
+        sandbox map as memory_of (NVML); 0 when none of them was busy. None when the device
+        cannot measure it per process (MIG, MPS where NVML names the server: see
+        workers/gpu/process_util.py), or when its processes are not known (a driver without
+        ``pids``, or before the first report listed them): unmeasured, never its neighbours'
+        figure, and never an idle 0 that culling would act on."""
+        by_owner = sample.util_by_owner
+        if by_owner is None:
+            return None
+        if allocation_key in by_owner:
+            return round(min(100.0, by_owner[allocation_key]), 1)
+        if allocation_key not in self._attributed:
+            return None
+        own = sum(u for k, u in by_owner.items() if self._pid_owner.get(k) == allocation_key)
+        return round(min(100.0, own), 1)
 
     def owned(
         self, handles: list[SandboxHandle], launching: dict[str, int] | None = None

@@ -1,6 +1,16 @@
 """The telemetry loop: every tick, sample each GPU and stream it, then each sandbox's device
 to the sandbox's group; fold everything into the minute's rollups, run the alert rules and
-the fault checks, keep the newest samples for /metrics, and ship batch output."""
+the fault checks, keep the newest samples for /metrics, and ship batch output.
+
+A sandbox's own figures (``SandboxFigures``): the memory its processes hold, and the
+utilization of its device when the device is its own. On a shared GPU (an MPS share or a
+time-slice replica: ``spec.mps`` or ``spec.memory_share`` set) the device's utilization is
+everyone's, so its utilization is its own processes' (``HostReports.util_of``), or None
+where the device cannot measure that (unmeasured, as for MIG: never its neighbours'
+figure). Those figures go everywhere the sandbox is shown or judged: its group's samples
+(its chart), the GPU's samples kept for /metrics, its rollups (the used/idle split of its
+bill), its utilization window (idle culling) and its alerts; and, on a shared GPU, its
+memory is watched against its share (``ShareWatch``)."""
 
 from __future__ import annotations
 
@@ -14,7 +24,7 @@ from typing import Any
 from redis.asyncio import Redis as AsyncRedis
 
 from wire import config
-from wire.messages import MinuteRollup, to_control
+from wire.messages import MinuteRollup, OverShareReport, to_control
 from wire.spec import SandboxSpec
 from wire.telemetry import (
     FLEET_GROUP,
@@ -31,6 +41,7 @@ from workers.host.faults import GpuFaults
 from workers.host.lifecycle import now_ms
 from workers.host.reports import HostReports
 from workers.host.rollups import MinuteRollups
+from workers.host.share_watch import ShareWatch
 from workers.host.telemetry import make_layer, publish, sample_message, store_latest
 
 log = logging.getLogger(__name__)
@@ -96,6 +107,7 @@ class Sampler:
         self.reports = reports
         self.faults = faults
         self.rollups = MinuteRollups()
+        self.share_watch = ShareWatch()
         self.stopping = threading.Event()
 
     async def sample_forever(self, interval_s: float, heartbeat_s: float) -> None:
@@ -123,9 +135,7 @@ class Sampler:
                 continue  # lost or failed this tick
             devices = {gpu.uuid} | {m.uuid for m in gpu.mig_devices}
             figures = {
-                str(spec.sandbox_id): SandboxFigures(
-                    mem_mib=self.reports.memory_of(sample, key), util_pct=sample.util_pct
-                )
+                str(spec.sandbox_id): self._figures(sample, key, spec)
                 for key, spec in running.items()
                 if set(spec.device_uuids) & devices
             }
@@ -172,16 +182,15 @@ class Sampler:
             for device in spec.device_uuids:
                 by_device.setdefault(device, []).append((key, spec))
         changes: list[AlertMessage] = []
+        over_share: list[OverShareReport] = []
         for device, holders in by_device.items():
             gpu_uuid = parent_of.get(device, device)
             device_sample = samples.get(device)
             if device_sample is None:
                 continue  # its GPU is lost, or its sample failed this tick
             for key, spec in holders:
-                self.context.utilization.note(key, t_ms, device_sample.util_pct)
-                own_figures = SandboxFigures(
-                    mem_mib=self.reports.memory_of(device_sample, key), util_pct=device_sample.util_pct
-                )
+                own_figures = self._figures(device_sample, key, spec)
+                self.context.utilization.note(key, t_ms, own_figures["util_pct"])
                 own = sample_message(
                     device_sample,
                     self.host,
@@ -191,16 +200,49 @@ class Sampler:
                     parent_of.get(device, ""),
                 )
                 await publish(layer, sandbox_group(spec.sandbox_id), own)
+                over_share += self.share_watch.observe(spec, device, own_figures["mem_mib"], t_ms)
                 if device != spec.device_uuids[0]:
                     continue  # a multi-GPU sandbox is rolled up and judged by its first GPU
                 self.rollups.add_sandbox(str(spec.sandbox_id), own_figures, own)
-                limit = spec.mps.memory_mib if spec.mps else device_sample.mem_total_mib
+                judged = own.copy()
+                judged["util_pct"] = own_figures["util_pct"]  # its utilization alert: its own figure
                 changes += self.context.alerts.observe_sandbox(
-                    spec.sandbox_id, spec.tier, gpu_uuid, own, own_figures["mem_mib"], limit, t_ms
+                    spec.sandbox_id,
+                    spec.tier,
+                    gpu_uuid,
+                    judged,
+                    own_figures["mem_mib"],
+                    _memory_limit(spec, device_sample),
+                    t_ms,
                 )
                 if device in parent_of:
                     newest.append(own)  # a MIG device's own figures, for /metrics
+        self.share_watch.forget(running)
+        await self._send_over_share(over_share)
         return changes
+
+    def _figures(self, sample: GpuSample, allocation_key: str, spec: SandboxSpec) -> SandboxFigures:
+        """A sandbox's own figures on the device ``sample`` is of (see the module's docstring)."""
+        util = self.reports.util_of(sample, allocation_key) if _shared(spec) else sample.util_pct
+        return SandboxFigures(mem_mib=self.reports.memory_of(sample, allocation_key), util_pct=util)
+
+    async def _send_over_share(self, reports: list[OverShareReport]) -> None:
+        """Each to the control worker; one the broker refused is sent again on a later tick."""
+        for report in reports:
+            try:
+                await asyncio.to_thread(to_control.sandbox_over_share, self.host, report)
+            except Exception:
+                log.exception("over-share report for sandbox %s not sent", report["sandbox_id"])
+                self.share_watch.unsent(report)
+            else:
+                log.warning(
+                    "sandbox %s on %s: %s (%d MiB of a %d MiB share)",
+                    report["sandbox_id"],
+                    report["gpu"],
+                    report["action"],
+                    report["mem_mib"],
+                    report["share_mib"],
+                )
 
     def _drop_lost(self, samples: TickSamples) -> None:
         for lost in sorted(samples.lost):
@@ -216,6 +258,19 @@ class Sampler:
                 await publish(layer, group, change)
         log.warning("alerts on %s: %s", self.host, [(c["state"], c["message"]) for c in changes])
         await asyncio.to_thread(to_control.telemetry_alerts, self.host, changes)
+
+
+def _shared(spec: SandboxSpec) -> bool:
+    """Whether the sandbox shares its GPU with others (an MPS share, a time-slice replica)."""
+    return spec.mps is not None or spec.memory_share is not None
+
+
+def _memory_limit(spec: SandboxSpec, sample: GpuSample) -> int:
+    """What the sandbox may hold on the device, for its memory alert: its share on a shared
+    GPU (summed over its processes), its MPS limit, else the device's memory."""
+    if spec.memory_share is not None and spec.memory_share.memory_mib > 0:
+        return spec.memory_share.memory_mib
+    return spec.mps.memory_mib if spec.mps else sample.mem_total_mib
 
 
 class TickSamples:

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class UtilWindow:
-    """A sandbox's utilization over the last ``window_s`` seconds, from its device's
-    samples; unmeasured samples (None: NVML has no utilization for a MIG device without
-    GPM) hold the window's time but not its mean."""
+    """A sandbox's utilization over the last ``window_s`` seconds, from its own figures
+    (workers/host/sampler.py): its device's on a device of its own, its processes' own on a
+    shared GPU; unmeasured samples (None: NVML has no utilization for a MIG device without
+    GPM, nor per process on MIG or, unverified, under MPS) hold the window's time but not
+    its mean."""
 
     window_s: float
     _points: deque[tuple[int, float | None]] = field(default_factory=deque)
@@ -24,7 +26,8 @@ class UtilWindow:
     def mean(self) -> tuple[float | None, float] | None:
         """(mean %, seconds covered); the mean is None when no sample of the window was
         measured (culling must skip it, never read it as idle). None before any sample.
-        On a shared GPU (MPS, time-slice) it is the whole GPU's: idle means idle for all."""
+        On a shared GPU (MPS, time-slice) it is the sandbox's own processes' share of the
+        GPU's time, not the whole GPU's: an idle tenant beside a busy one reads idle."""
         if not self._points:
             return None
         measured = [u for _, u in self._points if u is not None]
