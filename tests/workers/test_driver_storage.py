@@ -220,8 +220,11 @@ APP = (
     "class S(socketserver.UnixStreamServer):\n"
     "    def get_request(self):\n"
     "        conn, _ = super().get_request(); return conn, ('', 0)\n"
+    # READY once the server listens: its socket file exists from bind(), a moment before
+    # listen(), and a connect in between is refused (seen once in CI, under load).
+    "server = S(os.environ['GPUSHARE_APP_SOCKET'], H)\n"
     "print('READY', flush=True)\n"
-    "S(os.environ['GPUSHARE_APP_SOCKET'], H).serve_forever()\n"
+    "server.serve_forever()\n"
 )
 
 
