@@ -100,15 +100,24 @@ def publish(group: str, message: dict[str, Any]) -> None:
     assert not failure, failure
 
 
-def request_batch(page: Any, base: str, command: str, who: str = "olivia") -> None:
-    """``who`` asks for a batch on a whole GPU of project Vision, as a process sandbox,
-    through the form, and lands on its page."""
+def request_batch(
+    page: Any,
+    base: str,
+    command: str,
+    who: str = "olivia",
+    tier: str = "Dedicated",
+    isolation: str = "process",
+) -> int:
+    """``who`` asks for a batch of project Vision (a whole GPU as a process sandbox unless
+    ``tier`` and ``isolation`` say otherwise) through the form, and lands on its page; the
+    sandbox's id."""
     sign_in(page, base, who, "/sandboxes/new/")
     page.select_option("select[name=project]", label="Vision")
-    page.select_option("select[name=tier]", label="Dedicated")
+    page.select_option("select[name=tier]", label=tier)
     page.select_option("select[name=image]", label="busybox")
-    page.select_option("select[name=isolation]", "process")
+    page.select_option("select[name=isolation]", isolation)
     page.select_option("select[name=run]", "batch")
     page.fill("input[name=command]", command)
     page.click("form.request-form button[type=submit]")
     page.wait_for_url(re.compile(r".*/sandboxes/\d+/$"))  # not the form's own URL
+    return int(page.url.rstrip("/").rsplit("/", 1)[-1])

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser.pages import shot, sign_in, wait_until
+from tests.browser.pages import request_batch, shot, sign_in, wait_until
 from tests.conftest import make_catalog, make_people
 from tests.e2e.platform import Platform, running_platform, wait_for
 
@@ -71,17 +71,10 @@ def base(platform: Platform) -> str:
 
 
 def request_on_the_shared_gpu(page: Any, base: str, who: str, command: str) -> int:
-    """``who`` signs in and asks for a time-slice replica running ``command``; the sandbox's id."""
-    sign_in_as(page, base, who, "/sandboxes/new/")
-    page.select_option("select[name=project]", label="Vision")
-    page.select_option("select[name=tier]", label="Timeslice")
-    page.select_option("select[name=image]", label="busybox")
-    page.select_option("select[name=isolation]", "container")
-    page.select_option("select[name=run]", "batch")
-    page.fill("input[name=command]", command)
-    page.click("form.request-form button[type=submit]")
-    page.wait_for_url(re.compile(r".*/sandboxes/\d+/$"))
-    return int(page.url.rstrip("/").rsplit("/", 1)[-1])
+    """``who`` (whoever was signed in before is not) asks for a time-slice replica running
+    ``command``; the sandbox's id."""
+    page.context.clear_cookies()
+    return request_batch(page, base, command, who, tier="Timeslice", isolation="container")
 
 
 def sign_in_as(page: Any, base: str, who: str, then: str) -> None:
