@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Any
 
 import factory
 from django.contrib.auth import get_user_model
@@ -11,6 +12,7 @@ from django.contrib.auth import get_user_model
 from portal.accounts.models import Membership, Project
 from portal.catalog.models import PriorityClass, SandboxImage, SharingMode, Tier
 from wire.liveness import Beat
+from wire.messages import InventoryReport
 
 
 class UserFactory(factory.django.DjangoModelFactory):
@@ -77,6 +79,17 @@ class ImageFactory(factory.django.DjangoModelFactory):
     name = "busybox"
     reference = "gpushare/sandbox-base:1"
     command = ["sh", "-c", "while true; do sleep 3600; done"]
+
+
+def inventory(
+    host: str, gpus: list[dict[str, Any]], *, driver: str = "docker", started: bool = False
+) -> InventoryReport:
+    """``host``'s inventory (``gpus``: ``GpuInfo.to_json()`` each), as ``agent_inventories``
+    takes it: 64 cores and 512 GiB."""
+    return InventoryReport(
+        host=host, backend="simulated", driver=driver, gpus=gpus,
+        facts={"cpu_cores": 64, "memory_mib": 512 * 1024}, started=started,
+    )  # fmt: skip
 
 
 def beat(

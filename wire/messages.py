@@ -34,6 +34,19 @@ class HostFacts(TypedDict):
     memory_mib: int
 
 
+class InventoryReport(TypedDict):
+    """One host's GPUs as its agent sees them now, and what else it offers sandboxes: an entry
+    of ``agent_inventories``. ``started``: the first since its agent started (the alerts it
+    raised before can no longer clear themselves, so they are closed)."""
+
+    host: str
+    backend: str  # its GPU backend: "nvml" | "simulated"
+    driver: str  # its sandbox driver
+    gpus: list[dict[str, Any]]  # ``workers.gpu.base.GpuInfo.to_json()`` each
+    facts: HostFacts
+    started: bool
+
+
 class FaultReport(TypedDict):
     """A GPU fault the control worker drains for (``workers.gpu.base.FaultEvent`` as JSON)."""
 
@@ -72,7 +85,7 @@ class PlanInventory(TypedDict):
 
     backend: str
     driver: str
-    gpus: list[dict[str, Any]]  # as agent_inventory's ``gpus``
+    gpus: list[dict[str, Any]]  # as an ``InventoryReport``'s
 
 
 class MinuteRollup(TypedDict):
@@ -119,15 +132,9 @@ class ControlTasks(Protocol):
 
     # --- sent by the agents
     def agent_heartbeats(self, beats: list[Beat], /) -> None: ...
-    def agent_inventory(
-        self,
-        host: str,
-        backend: str,
-        driver: str,
-        gpus: list[dict[str, Any]],
-        facts: HostFacts | None = None,
-        /,
-    ) -> None: ...
+    # One host's inventory, or a batch of a process serving many (its cold start: 1,213 in a
+    # few messages, as beats and rollups travel).
+    def agent_inventories(self, reports: list[InventoryReport], /) -> None: ...
     def gpu_faults(self, host: str, events: list[FaultReport], /) -> None: ...
     def plan_executed(
         self,
@@ -148,7 +155,6 @@ class ControlTasks(Protocol):
     def sandbox_output(self, allocation_key: str, start: int, data_b64: str, total: int, /) -> None: ...
     def telemetry_host_rollups(self, rollups: list[tuple[str, MinuteRollup]], /) -> None: ...
     def telemetry_alerts(self, host: str, changes: list[AlertMessage], /) -> None: ...
-    def telemetry_agent_started(self, host: str, /) -> None: ...
     def sandbox_over_share(self, host: str, report: OverShareReport, /) -> None: ...
 
 

@@ -20,7 +20,7 @@ import redis
 from django.conf import settings
 from django.db import transaction
 
-from portal.control.reconcile import do_reconcile_host, from_ms
+from portal.control.reconcile import do_reconcile_host, from_ms, needs_reconciling
 from portal.control.redis_client import client as redis_client
 from portal.fleet import actions as fleet_actions
 from portal.fleet.inventory import do_heartbeats
@@ -120,12 +120,16 @@ def agent_heartbeats(beats: list[Beat]) -> None:
             to_host(host).report_inventory()
     policy: dict[str, Any] | None = None
     oldest_ms = min((beat["t_ms"] for beat in beats), default=None)
+    reports = {
+        beat["host"]: beat["owned"] for beat in beats if beat["owned"] is not None and beat["host"] in known
+    }
+    to_reconcile = needs_reconciling(reports)
     for beat in beats:
         host = beat["host"]
         if host not in known:
             log.warning("heartbeat from unknown host %s ignored (no inventory yet)", host)
             continue
-        if beat["owned"] is not None:
+        if beat["owned"] is not None and host in to_reconcile:
             do_reconcile_host(host, from_ms(beat["owned_ms"] or beat["t_ms"]), beat["owned"])
         if beat["alerts_version"] is not None:
             policy = policy or alert_policy()

@@ -42,6 +42,8 @@ from wire.spec import HandleJson, renamed
 
 log = logging.getLogger(__name__)
 S = SandboxState
+# The states in which the database says a sandbox is on its host: what a report must list.
+ON_HOST = (S.RUNNING, S.STARTING, S.STOPPING)
 LAUNCH_RESEND_S = 15
 STOP_RESEND_S = 30  # beyond any stop grace period
 ENDED = (S.STOPPED, S.FAILED, S.PREEMPTED, S.EXPIRED)
@@ -70,6 +72,21 @@ def exit_message(entry: dict[str, Any]) -> str:
     return f"exited with code {code}" if code is not None else "exited"
 
 
+def needs_reconciling(reports: dict[str, list[OwnedSandbox]]) -> set[str]:
+    """The hosts whose report (host -> what it runs) may differ from the database: any that
+    lists a sandbox, and those listing none that the database has sandboxes on. One query:
+    a fleet's first round of beats, every host's first report and nearly all empty, was
+    a reconcile of two or more statements a host, and held the next beats back."""
+    listing = {host for host, owned in reports.items() if owned}
+    empty = [host for host, owned in reports.items() if not owned]
+    if not empty:
+        return listing
+    held = Sandbox.objects.filter(host__name__in=empty, state__in=ON_HOST).values_list(
+        "host__name", flat=True
+    )
+    return listing | set(held.distinct())
+
+
 def do_reconcile_host(host_name: str, taken_at: datetime, owned_report: list[OwnedSandbox]) -> Repairs:
     """Repair the drift between ``owned`` (the agent's report at ``taken_at``) and the database."""
     repairs = Repairs()
@@ -91,7 +108,7 @@ def do_reconcile_host(host_name: str, taken_at: datetime, owned_report: list[Own
     _store_utilization(utilization, taken_at)
     placed = Sandbox.objects.filter(
         host=host,
-        state__in=(S.RUNNING, S.STARTING, S.STOPPING),
+        state__in=ON_HOST,
         placed_at__lt=taken_at,
         moving_plan__isnull=True,
     ).exclude(allocation_key__in=list(by_key))

@@ -31,7 +31,7 @@ from portal.control.plans import auto_relayout, do_plan_report, expire_stale_pla
 from portal.control.reconcile import from_ms
 from portal.control.redis_client import client as redis_client
 from portal.control.scheduling import schedule_cycle as run_schedule_cycle
-from portal.fleet.inventory import do_heartbeats, do_sync_inventory
+from portal.fleet.inventory import do_heartbeats, do_sync_inventories
 from portal.notifications.emails import send_notification_emails
 from portal.sandboxes import actions, preemption
 from portal.sandboxes.models import Sandbox, SandboxState
@@ -45,7 +45,7 @@ from wire.config import CONTROL_HEARTBEAT_KEY
 from wire.liveness import Beat
 from wire.messages import (
     FaultReport,
-    HostFacts,
+    InventoryReport,
     MigStepReport,
     MinuteRollup,
     MoveReport,
@@ -123,11 +123,20 @@ def agent_heartbeats(beats: list[Beat]) -> None:
     hosts.agent_heartbeats(beats)
 
 
-def agent_inventory(
-    host: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: HostFacts | None = None
-) -> None:
-    do_sync_inventory(host, backend, driver, gpus, facts)
-    do_heartbeats([host], timezone.now(), backend, driver)
+def agent_inventories(reports: list[InventoryReport]) -> None:
+    """Hosts' inventories: one host's, or a hundred of a process serving many (its start),
+    applied together in a few statements (``do_sync_inventories``); an entry that cannot be
+    applied is logged with its host's name, and the rest are. Each host applied is alive now;
+    one whose agent just started has the alerts it raised before closed (it raises again
+    whatever is still true)."""
+    outcome = do_sync_inventories(reports)
+    now = timezone.now()
+    for (backend, driver), names in outcome.by_software().items():
+        do_heartbeats(names, now, backend, driver)
+    restarted = [host.name for host in outcome.applied if host.started]
+    closed = do_close_host_alerts(restarted, "agent restarted")
+    if closed:
+        log.info("%d agents restarted: %d open alerts closed", len(restarted), closed)
 
 
 def gpu_faults(host: str, events: list[FaultReport]) -> None:
@@ -197,14 +206,6 @@ def telemetry_host_rollups(rollups: list[tuple[str, MinuteRollup]]) -> None:
 
 def telemetry_alerts(host: str, changes: list[AlertMessage]) -> None:
     do_record_alerts(host, changes)
-
-
-def telemetry_agent_started(host: str) -> None:
-    closed = do_close_host_alerts(host, "agent restarted")
-    if closed:
-        log.info(
-            "agent %s restarted: %d open alerts closed (it raises again what is still true)", host, closed
-        )
 
 
 def invoice_tick() -> None:

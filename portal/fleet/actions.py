@@ -206,9 +206,7 @@ def gpu_not_ready(gpu: Gpu, reason: str) -> bool:
     return False
 
 
-def gpu_available(gpu: Gpu, message: str) -> bool:
-    """A locked unavailable GPU is seen again by its agent. A drained one stays drained.
-    False when nothing changed."""
-    if gpu.state != G.UNAVAILABLE:
-        return False
-    return bool(_gpus_to([gpu], G.AVAILABLE, message))
+def gpus_available(gpus: Iterable[Gpu], message: str) -> list[Gpu]:
+    """Locked GPUs seen again by their agent (a host's, back from lost): the unavailable ones
+    become available, one UPDATE for all. A drained one stays drained. Returns those changed."""
+    return _gpus_to([gpu for gpu in gpus if gpu.state == G.UNAVAILABLE], G.AVAILABLE, message)

@@ -1,20 +1,35 @@
-"""Applying what host agents report: heartbeats and GPU inventory.
+"""Applying what host agents report: heartbeats and GPU inventories.
+
+Inventories come one host's at a time (an agent alone, a plan's re-layout) or a hundred at
+a time (a process serving many simulated hosts, as it starts); either way they are applied
+by one path, ``do_sync_inventories``, in a few bulk statements per batch (hosts, GPUs, MIG
+instances each read and written together), not a query per GPU. An entry that cannot be
+applied is refused with a log line naming its host, and the rest of its batch is applied.
 
 State changes (a lost host back up, a GPU gone or back) go through ``portal.fleet.actions``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
+from django.db.models import Q
 
 from portal.fleet import actions
 from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 from wire.messages import HostFacts
+
+log = logging.getLogger(__name__)
+HOST_NAME = re.compile(r"[-a-zA-Z0-9_]{1,63}")  # a SlugField of 63, and a Celery queue's name
+SMALL_INT = 32767  # PositiveSmallIntegerField's ceiling
+BIG_INT = 2147483647  # PositiveIntegerField's
 
 
 @dataclass(frozen=True)
@@ -40,11 +55,145 @@ def do_heartbeats(host_names: Collection[str], at: datetime, backend: str, drive
     return Heartbeats(set(states), regained)
 
 
-@transaction.atomic
-def do_sync_inventory(
-    host_name: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: HostFacts | None = None
-) -> Host:
-    """Make the database's GPUs and MIG instances match what the agent sees.
+# --- an inventory, read and checked --------------------------------------------------------
+
+
+class BadInventory(ValueError):
+    """An inventory entry the portal cannot apply, and why."""
+
+
+@dataclass(frozen=True)
+class MigSeen:
+    uuid: str
+    profile: str
+    start: int
+    memory_slices: int
+    memory_mib: int
+    gpu_instance_id: int
+    compute_instance_id: int
+
+
+@dataclass(frozen=True)
+class GpuSeen:
+    uuid: str
+    index: int
+    name: str
+    model: str
+    memory_mib: int
+    mig_enabled: bool
+    not_ready: str  # why it cannot run CUDA work now; "" when it can
+    mig: tuple[MigSeen, ...]
+
+
+@dataclass(frozen=True)
+class HostSeen:
+    """One host's inventory as its agent reported it (``wire.messages.InventoryReport``)."""
+
+    name: str
+    backend: str
+    driver: str
+    facts: HostFacts | None  # None: CPU and memory not reported (a plan's re-layout)
+    gpus: tuple[GpuSeen, ...]
+    started: bool  # the first since its agent started
+
+
+def _text(data: Mapping[str, Any], key: str, longest: int, *, empty: bool = True) -> str:
+    value = data.get(key, "")
+    if not isinstance(value, str) or len(value) > longest or (not empty and not value):
+        raise BadInventory(f"{key}: {value!r:.80} is not a text of 1 to {longest} characters")
+    return value
+
+
+def _int(data: Mapping[str, Any], key: str, highest: int) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= highest:
+        raise BadInventory(f"{key}: {value!r:.80} is not a whole number from 0 to {highest}")
+    return value
+
+
+def _mig(data: Any) -> MigSeen:
+    if not isinstance(data, Mapping):
+        raise BadInventory(f"a MIG device {data!r:.80} is not an object")
+    return MigSeen(
+        uuid=_text(data, "uuid", 64, empty=False), profile=_text(data, "profile", 16, empty=False),
+        start=_int(data, "start", SMALL_INT), memory_slices=_int(data, "memory_slices", SMALL_INT),
+        memory_mib=_int(data, "memory_mib", BIG_INT),
+        gpu_instance_id=_int(data, "gpu_instance_id", SMALL_INT),
+        compute_instance_id=_int(data, "compute_instance_id", SMALL_INT),
+    )  # fmt: skip
+
+
+def _gpu(data: Any) -> GpuSeen:
+    if not isinstance(data, Mapping):
+        raise BadInventory(f"a GPU {data!r:.80} is not an object")
+    devices = data.get("mig_devices") or []
+    if not isinstance(devices, list | tuple) or not isinstance(data.get("mig_enabled"), bool):
+        raise BadInventory(f"GPU {data.get('uuid')!r:.80}: mig_enabled or mig_devices malformed")
+    return GpuSeen(
+        uuid=_text(data, "uuid", 64, empty=False), index=_int(data, "index", SMALL_INT),
+        name=_text(data, "name", 100), model=_text(data, "model", 40),
+        memory_mib=_int(data, "memory_mib", BIG_INT), mig_enabled=data["mig_enabled"],
+        # An agent before fabric checks sends none; the reason is kept to 200 characters.
+        not_ready=str(data.get("not_ready") or ""), mig=tuple(_mig(d) for d in devices),
+    )  # fmt: skip
+
+
+def read_report(report: Any) -> HostSeen:
+    """An ``InventoryReport`` checked: a ``BadInventory`` says what is wrong with it."""
+    if not isinstance(report, Mapping):
+        raise BadInventory(f"{report!r:.80} is not an object")
+    name = report.get("host")
+    if not isinstance(name, str) or not HOST_NAME.fullmatch(name):
+        raise BadInventory(f"host name {name!r:.80}: letters, digits, - and _ only, at most 63")
+    facts = report.get("facts")
+    if facts is not None:
+        if not isinstance(facts, Mapping):
+            raise BadInventory(f"facts {facts!r:.80} is not an object")
+        facts = HostFacts(
+            cpu_cores=_int(facts, "cpu_cores", BIG_INT), memory_mib=_int(facts, "memory_mib", BIG_INT)
+        )
+    gpus = report.get("gpus")
+    if not isinstance(gpus, list | tuple):
+        raise BadInventory(f"gpus {gpus!r:.80} is not a list")
+    seen = tuple(_gpu(gpu) for gpu in gpus)
+    uuids = [gpu.uuid for gpu in seen] + [mig.uuid for gpu in seen for mig in gpu.mig]
+    if len(set(uuids)) != len(uuids):
+        raise BadInventory("a GPU or MIG device is listed twice")
+    return HostSeen(
+        name=name, backend=_text(report, "backend", 16, empty=False), driver=_text(report, "driver", 16),
+        facts=facts, gpus=seen, started=report.get("started") is True,
+    )  # fmt: skip
+
+
+def _label(report: Any, position: int) -> str:
+    """How a log line names an entry, even a malformed one."""
+    name = report.get("host") if isinstance(report, Mapping) else None
+    return name[:63] if isinstance(name, str) and name else f"(entry {position}, no host name)"
+
+
+# --- applied -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InventoryOutcome:
+    applied: list[HostSeen]
+    refused: dict[str, str]  # host (as the entry names it) -> why it was not applied
+
+    def by_software(self) -> dict[tuple[str, str], list[str]]:
+        """The hosts applied, by (backend, driver)."""
+        groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for host in self.applied:
+            groups[(host.backend, host.driver)].append(host.name)
+        return groups
+
+
+def do_sync_inventories(reports: Sequence[Any]) -> InventoryOutcome:
+    """Make the database's hosts, GPUs and MIG instances match what their agents see: a
+    batch in one transaction of a few bulk statements. An entry that is malformed, or names
+    a GPU another host of the batch also lists, is refused, with a log line naming its host;
+    should the batch's statements fail all the same (a constraint), each host is applied in
+    a transaction of its own, so that only the one at fault is refused. A host listed twice:
+    its later entry counts.
 
     GPUs are matched by UUID. A new GPU follows demand, or is shared by MIG when it is in
     MIG mode. An admin's pin is kept; only a change of MIG mode (a GPU reset on the host)
@@ -54,68 +203,183 @@ def do_sync_inventory(
     Manager: CUDA would fail on it) is unavailable with that reason, and available again
     once an inventory reports it ready (the agent re-sends one when that changes).
     """
-    host, _ = Host.objects.select_for_update().get_or_create(
-        name=host_name, defaults={"backend": backend, "driver": driver}
+    hosts: dict[str, HostSeen] = {}
+    refused: dict[str, str] = {}
+    owner: dict[str, str] = {}  # GPU or MIG uuid -> the host of the batch that lists it
+    for position, report in enumerate(reports):
+        try:
+            host = read_report(report)
+            for uuid in [gpu.uuid for gpu in host.gpus] + [mig.uuid for gpu in host.gpus for mig in gpu.mig]:
+                if owner.setdefault(uuid, host.name) != host.name:
+                    raise BadInventory(f"{uuid} is listed by host {owner[uuid]} too")
+        except BadInventory as exc:
+            _refuse(refused, _label(report, position), str(exc))
+            continue
+        hosts[host.name] = host
+    try:
+        with transaction.atomic():
+            _apply(list(hosts.values()))
+        return InventoryOutcome(list(hosts.values()), refused)
+    except (DatabaseError, actions.FleetTransitionError) as exc:
+        log.warning("a batch of %d inventories failed whole (%s): applying each alone", len(hosts), exc)
+    applied = []
+    for host in hosts.values():
+        try:
+            with transaction.atomic():
+                _apply([host])
+        except (DatabaseError, actions.FleetTransitionError) as exc:
+            _refuse(refused, host.name, str(exc))
+        else:
+            applied.append(host)
+    return InventoryOutcome(applied, refused)
+
+
+def _refuse(refused: dict[str, str], host: str, why: str) -> None:
+    log.warning("inventory of host %s not applied: %s", host, why)
+    refused[host] = why
+
+
+def do_sync_inventory(
+    host_name: str, backend: str, driver: str, gpus: list[dict[str, Any]], facts: HostFacts | None = None
+) -> Host:
+    """One host's inventory, in a transaction of its own (a plan's re-layout, the demo's
+    fleet): ``do_sync_inventories``'s statements, raising what cannot be applied."""
+    host = read_report(
+        {"host": host_name, "backend": backend, "driver": driver, "gpus": gpus, "facts": facts}
     )
-    host.backend, host.driver = backend, driver
-    if facts:
-        host.cpu_cores, host.memory_mib = facts["cpu_cores"], facts["memory_mib"]
-    host.save(update_fields=["backend", "driver", "cpu_cores", "memory_mib"])
-    seen = set()
-    # Locked, so that a drain (portal.control.faults) cannot land between reading a GPU here
-    # and writing it back.
-    known = {gpu.uuid: gpu for gpu in Gpu.objects.select_for_update().filter(host=host)}
-    for info in gpus:
-        seen.add(info["uuid"])
-        gpu, created = Gpu.objects.select_for_update().get_or_create(
-            uuid=info["uuid"],
-            defaults={
-                "host": host,
-                "index": info["index"],
-                "name": info["name"],
-                "model": info["model"],
-                "memory_mib": info["memory_mib"],
-                "mig_enabled": info["mig_enabled"],
-                "sharing_mode": GpuMode.MIG if info["mig_enabled"] else GpuMode.AUTO,
-            },
+    with transaction.atomic():
+        return _apply([host])[0]
+
+
+def _apply(hosts: list[HostSeen]) -> list[Host]:
+    """The batch's rows locked (hosts by name, then their GPUs), created or updated."""
+    rows = _hosts(hosts)
+    gpus = _gpus(hosts, rows)
+    _mig_instances(hosts, gpus)
+    return [rows[host.name] for host in hosts]
+
+
+def _hosts(hosts: list[HostSeen]) -> dict[str, Host]:
+    names = sorted(host.name for host in hosts)
+    rows = {row.name: row for row in Host.objects.select_for_update().filter(name__in=names).order_by("name")}
+    missing = [host for host in hosts if host.name not in rows]
+    if missing:  # a concurrent first inventory of the same host may have made it: ignored, then read
+        Host.objects.bulk_create(
+            [Host(name=host.name, backend=host.backend, driver=host.driver) for host in missing],
+            ignore_conflicts=True,
         )
-        if not created:
-            gpu.name, gpu.model, gpu.memory_mib = info["name"], info["model"], info["memory_mib"]
-            gpu.mig_enabled = info["mig_enabled"]
-            if gpu.mig_enabled:
-                gpu.sharing_mode = GpuMode.MIG
-            elif gpu.sharing_mode == GpuMode.MIG:
-                gpu.sharing_mode = GpuMode.AUTO
-            gpu.save(update_fields=["name", "model", "memory_mib", "mig_enabled", "sharing_mode"])
-        not_ready = str(info.get("not_ready") or "")  # an agent before fabric checks sends none
-        if not_ready:
-            actions.gpu_not_ready(gpu, not_ready)
-        elif not created:
+        made = (
+            Host.objects.select_for_update().filter(name__in=sorted(h.name for h in missing)).order_by("name")
+        )
+        rows.update({row.name: row for row in made})
+    changed = []
+    for host in hosts:
+        row = rows[host.name]
+        cpu, memory = (
+            (host.facts["cpu_cores"], host.facts["memory_mib"])
+            if host.facts
+            else (row.cpu_cores, row.memory_mib)
+        )
+        if (row.backend, row.driver, row.cpu_cores, row.memory_mib) != (
+            host.backend,
+            host.driver,
+            cpu,
+            memory,
+        ):
+            row.backend, row.driver, row.cpu_cores, row.memory_mib = host.backend, host.driver, cpu, memory
+            changed.append(row)
+    Host.objects.bulk_update(changed, ["backend", "driver", "cpu_cores", "memory_mib"])
+    return rows
+
+
+def _mode(seen: GpuSeen, current: str) -> str:
+    if seen.mig_enabled:
+        return GpuMode.MIG
+    return GpuMode.AUTO if current == GpuMode.MIG else current
+
+
+def _gpus(hosts: list[HostSeen], rows: dict[str, Host]) -> dict[str, Gpu]:
+    """Every reported GPU's row (uuid -> Gpu), created or brought up to date; the hosts' GPUs
+    that were not reported made unavailable. Locked, so that a drain (portal.control.faults)
+    cannot land between reading a GPU here and writing it back."""
+    reported = {gpu.uuid: (host, gpu) for host in hosts for gpu in host.gpus}
+    host_ids = [rows[host.name].pk for host in hosts]
+    locked = Gpu.objects.select_for_update().filter(Q(host_id__in=host_ids) | Q(uuid__in=list(reported)))
+    known = {gpu.uuid: gpu for gpu in locked.order_by("pk")}
+    new = [uuid for uuid in reported if uuid not in known]
+    Gpu.objects.bulk_create(
+        Gpu(
+            uuid=seen.uuid, host=rows[host.name], index=seen.index, name=seen.name, model=seen.model,
+            memory_mib=seen.memory_mib, mig_enabled=seen.mig_enabled, sharing_mode=_mode(seen, GpuMode.AUTO),
+        )
+        for host, seen in (reported[uuid] for uuid in new)
+    )  # fmt: skip
+    made = {gpu.uuid: gpu for gpu in Gpu.objects.select_for_update().filter(uuid__in=new).order_by("pk")}
+    changed = []
+    available_again: dict[str, list[Gpu]] = defaultdict(list)  # the event's message -> its GPUs
+    for uuid, (host, seen) in reported.items():
+        if uuid in made:
+            if seen.not_ready:
+                actions.gpu_not_ready(made[uuid], seen.not_ready)
+            continue
+        gpu = known[uuid]
+        values = (seen.name, seen.model, seen.memory_mib, seen.mig_enabled, _mode(seen, gpu.sharing_mode))
+        if (gpu.name, gpu.model, gpu.memory_mib, gpu.mig_enabled, gpu.sharing_mode) != values:
+            gpu.name, gpu.model, gpu.memory_mib, gpu.mig_enabled, gpu.sharing_mode = values
+            changed.append(gpu)
+        if seen.not_ready:
+            actions.gpu_not_ready(gpu, seen.not_ready)
+        elif gpu.state == Gpu.State.UNAVAILABLE:
             was = f" (it was unavailable: {gpu.unavailable_reason})" if gpu.unavailable_reason else ""
-            actions.gpu_available(gpu, f"available: host {host.name}'s agent offers it again{was}")
-        _sync_mig(gpu, info.get("mig_devices") or [])
-    gone = [gpu for uuid, gpu in known.items() if uuid not in seen]
-    actions.gpus_unavailable(gone, f"unavailable: host {host.name}'s agent no longer sees it")
-    return host
+            available_again[f"available: host {host.name}'s agent offers it again{was}"].append(gpu)
+    Gpu.objects.bulk_update(changed, ["name", "model", "memory_mib", "mig_enabled", "sharing_mode"])
+    for message, back in available_again.items():
+        actions.gpus_available(back, message)
+    for host in hosts:
+        row, listed = rows[host.name], {gpu.uuid for gpu in host.gpus}
+        gone = [gpu for gpu in known.values() if gpu.host_id == row.pk and gpu.uuid not in listed]
+        if gone:
+            actions.gpus_unavailable(gone, f"unavailable: host {row.name}'s agent no longer sees it")
+    return {uuid: made.get(uuid) or known[uuid] for uuid in reported}
 
 
-def _sync_mig(gpu: Gpu, devices: list[dict[str, Any]]) -> None:
-    reported = {d["uuid"]: d for d in devices}
-    # Instances that vanished are removed unless a sandbox holds them now (then drift is
-    # repaired by reconciliation, which fails that sandbox first). Released allocations
-    # keep the instance's uuid in ``device_uuid``.
-    vanished = gpu.mig_instances.exclude(uuid__in=reported).exclude(allocations__active=True)
-    MigInstance.objects.filter(pk__in=list(vanished.values_list("pk", flat=True))).delete()
-    for uuid, d in reported.items():
-        MigInstance.objects.update_or_create(
-            uuid=uuid,
-            defaults={
-                "gpu": gpu,
-                "profile": d["profile"],
-                "start": d["start"],
-                "memory_slices": d["memory_slices"],
-                "memory_mib": d["memory_mib"],
-                "gpu_instance_id": d["gpu_instance_id"],
-                "compute_instance_id": d["compute_instance_id"],
-            },
-        )
+def _mig_instances(hosts: list[HostSeen], gpus: dict[str, Gpu]) -> None:
+    """The reported GPUs' MIG instances as reported. Those that vanished are removed unless a
+    sandbox holds them now (then drift is repaired by reconciliation, which fails that
+    sandbox first). Released allocations keep the instance's uuid in ``device_uuid``."""
+    listed = {gpus[seen.uuid].pk: {mig.uuid for mig in seen.mig} for host in hosts for seen in host.gpus}
+    removable = MigInstance.objects.filter(gpu_id__in=list(listed)).exclude(allocations__active=True)
+    vanished = [
+        pk for pk, gpu_id, uuid in removable.values_list("pk", "gpu_id", "uuid") if uuid not in listed[gpu_id]
+    ]
+    if vanished:
+        MigInstance.objects.filter(pk__in=vanished).delete()
+    reported = {mig.uuid: (gpus[seen.uuid], mig) for host in hosts for seen in host.gpus for mig in seen.mig}
+    if not reported:
+        return
+    existing = {row.uuid: row for row in MigInstance.objects.filter(uuid__in=list(reported))}
+    fields = [
+        "gpu",
+        "profile",
+        "start",
+        "memory_slices",
+        "memory_mib",
+        "gpu_instance_id",
+        "compute_instance_id",
+    ]
+    new, changed = [], []
+    for uuid, (gpu, mig) in reported.items():
+        values = {
+            "gpu": gpu, "profile": mig.profile, "start": mig.start, "memory_slices": mig.memory_slices,
+            "memory_mib": mig.memory_mib, "gpu_instance_id": mig.gpu_instance_id,
+            "compute_instance_id": mig.compute_instance_id,
+        }  # fmt: skip
+        row = existing.get(uuid)
+        if row is None:
+            new.append(MigInstance(uuid=uuid, **values))
+        elif any(getattr(row, name) != value for name, value in values.items()):
+            for name, value in values.items():
+                setattr(row, name, value)
+            changed.append(row)
+    MigInstance.objects.bulk_update(changed, fields)
+    MigInstance.objects.bulk_create(new)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any
 
@@ -109,10 +110,12 @@ def _raise(host: Host, key: str, kind: str, change: AlertMessage) -> Alert | Non
     return alert
 
 
-def do_close_host_alerts(host: str, reason: str) -> int:
-    """An agent restarted: the alerts it had raised can no longer clear themselves; it raises
-    again whatever is still true."""
-    return Alert.objects.filter(host__name=host, cleared_at__isnull=True).update(
+def do_close_host_alerts(hosts: Collection[str], reason: str) -> int:
+    """Agents restarted: the alerts they had raised can no longer clear themselves; each
+    raises again whatever is still true. One statement however many hosts."""
+    if not hosts:
+        return 0
+    return Alert.objects.filter(host__name__in=list(hosts), cleared_at__isnull=True).update(
         cleared_at=timezone.now(), clear_reason=reason[:120]
     )
 

@@ -149,9 +149,9 @@ class Twin:
 
     def control_figures(self) -> dict[str, Any]:
         """Heartbeat lag and cycle time percentiles, as the control worker recorded them, over
-        the run; and apart, the heartbeats sent before it began (every host's first
-        inventory, 1,213 transactions, holds the first beats back for tens of seconds: a cold
-        start, applied just after the fleet is up) and the cycles of that time."""
+        the run; and apart, the heartbeats sent before it began (queued behind the hosts'
+        first inventories: a cold start, ``tests/bench/test_cold_start.py``) and the cycles
+        of that time."""
         out: dict[str, Any] = {}
         for name, key in (
             ("heartbeat_lag_s", control_figures.HEARTBEAT_LAG),

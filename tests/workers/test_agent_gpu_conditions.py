@@ -37,7 +37,12 @@ def host(tmp_path: Path, **settings: Any) -> tuple[Agent, SimulatedBackend]:
 
 def inventories(sent_tasks: Any) -> list[dict[str, str]]:
     """Each inventory sent: GPU uuid -> its not_ready."""
-    return [{g["uuid"]: g["not_ready"] for g in t[2][3]} for t in sent_tasks if t[1] == "agent_inventory"]
+    return [
+        {g["uuid"]: g["not_ready"] for g in report["gpus"]}
+        for t in sent_tasks
+        if t[1] == "agent_inventories"
+        for report in t[2][0]
+    ]
 
 
 def drains(sent_tasks: Any) -> list[tuple[str, str, str]]:

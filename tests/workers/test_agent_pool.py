@@ -1,5 +1,6 @@
 """One agent process serving many simulated hosts (workers/host/agent_pool.py): the hosts file,
-a task routed to the host whose queue it came in on, and a round of beats sent together."""
+a task routed to the host whose queue it came in on, a round of beats and the first
+inventories sent together."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from django.conf import settings
 from wire import liveness
 from wire.env import ConfigError
 from workers import agent as agent_module
+from workers.host import inventory as inventory_module
+from workers.host.agent import announce
 from workers.host.agent_pool import AgentPool, read_hosts_file
 from workers.host.agent_settings import AgentSettings
 
@@ -105,3 +108,26 @@ def test_the_process_consumes_every_hosts_queue(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setitem(app.conf, "task_queues", None)
     agent_module._consume_every_hosts_queue()
     assert [q.name for q in app.conf.task_queues] == ["host.node-a", "host.node-b", "host.cpu-c"]
+
+
+def test_the_pools_first_inventories_go_together_a_hundred_hosts_a_message(
+    pool: AgentPool, sent_tasks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the openb size (1,213 hosts) one message per host held the first heartbeats back
+    for tens of seconds (BENCHMARKS.md, the cold start): they go in messages of
+    ``INVENTORIES_PER_MESSAGE``, each host's marked as its first since the start."""
+    monkeypatch.setattr(inventory_module, "INVENTORIES_PER_MESSAGE", 2)
+    announce(list(pool.agents.values()))
+    sent = [args for _queue, task, args in sent_tasks if task == "agent_inventories"]
+    assert [len(reports) for (reports,) in sent] == [2, 1]
+    reports = {report["host"]: report for (batch,) in sent for report in batch}
+    assert set(reports) == {"node-a", "node-b", "cpu-c"} and all(r["started"] for r in reports.values())
+    assert len(reports["node-a"]["gpus"]) == 8 and reports["cpu-c"]["gpus"] == []
+    assert reports["node-b"]["facts"] == {"cpu_cores": 32, "memory_mib": 128 * 1024}
+    assert not [t for t in sent_tasks if t[1] not in ("agent_inventories",)]  # nothing per host
+
+
+def test_a_host_asked_for_its_inventory_sends_a_batch_of_one(pool: AgentPool, sent_tasks: Any) -> None:
+    pool.agents["node-b"].report_inventory()  # the portal asks a host back from lost
+    [(queue, _task, ([report],))] = [t for t in sent_tasks if t[1] == "agent_inventories"]
+    assert queue == "control" and report["host"] == "node-b" and report["started"] is False

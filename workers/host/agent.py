@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from workers.gpu.base import GpuBackend
 from workers.host.agent_settings import AgentSettings
 from workers.host.context import HostContext
 from workers.host.faults import GpuFaults
+from workers.host.inventory import send_inventories
 from workers.host.lifecycle import SandboxLifecycle
 from workers.host.moves import FleetPlans
 from workers.host.reports import HostReports
@@ -121,7 +122,7 @@ class Agent:
 
     # Starting and stopping.
 
-    def _make_device_nodes(self) -> None:
+    def make_device_nodes(self) -> None:
         if self.device_nodes is not None:
             gpus = self.context.inventory.gpus
             self.device_nodes.create_missing(
@@ -129,12 +130,8 @@ class Agent:
             )
 
     def announce(self) -> None:
-        """What a host says as it starts, alone or in a pool: its inventory (then, on real
-        GPUs, the device nodes it lists), and that it started afresh."""
-        self.report_inventory()
-        self._make_device_nodes()
-        # Alerts this host raised before a restart can no longer clear themselves.
-        to_control.telemetry_agent_started(self.host)
+        """What a host alone says as it starts (``announce``)."""
+        announce([self])
 
     def start(self) -> None:
         """A host alone: announce it, then its sampler (which beats too) and, for a driver
@@ -155,6 +152,16 @@ class Agent:
         self.sampler.stopping.set()
         self.reports.shutdown()
         self.context.backend.close()
+
+
+def announce(agents: Sequence[Agent]) -> None:
+    """What hosts say as their agents start, one alone or a pool's together: their inventories,
+    each marked as the first since its agent started (the portal closes the alerts it raised
+    before, which can no longer clear themselves), in a few messages however many hosts; then,
+    on real GPUs, the device nodes each lists."""
+    send_inventories([agent.context.inventory.current(started=True) for agent in agents])
+    for agent in agents:
+        agent.make_device_nodes()
 
 
 def run_loop(loop: Coroutine[Any, Any, None], name: str) -> None:

@@ -4,10 +4,11 @@ Alibaba cluster's 1,213 hosts run on one machine (issue 20).
 Each host stays a host to the control plane: its own queue (``host.<name>``), inventory,
 heartbeats and reconcile, with simulated GPUs and the state-only driver (real hosts keep
 one agent each: ``workers.agent``). What they share is what would swamp a small machine
-or the control worker if each host had its own: one thread beats for all of them (a round
-in one ``agent_heartbeats`` message, their liveness in one Redis round trip, each host's
-report only when it changed or is due: ``ReportGate``), one loop samples them all, and a
-few threads build their reports.
+or the control worker if each host had its own: their first inventories go together, a
+hundred hosts a message (``workers.host.agent.announce``), one thread beats for all of them
+(a round in one ``agent_heartbeats`` message, their liveness in one Redis round trip, each
+host's report only when it changed or is due: ``ReportGate``), one loop samples them all,
+and a few threads build their reports.
 
 The hosts file is a CSV with a header: ``name,gpus,cpus,memory_gib``, where ``gpus`` is
 ``GPUSHARE_SIM_GPUS``'s syntax (``V100M32:8``; empty for a CPU-only host).
@@ -29,7 +30,7 @@ import redis
 from wire import config
 from wire.env import ConfigError
 from workers.gpu.simulated import parse_sim_spec
-from workers.host.agent import Agent, run_loop
+from workers.host.agent import Agent, announce, run_loop
 from workers.host.agent_settings import AgentSettings
 from workers.host.reports import send_beats
 from workers.host.sampler import tick_forever
@@ -104,8 +105,7 @@ class AgentPool:
             raise LookupError(f"this agent process serves no host for the queue {queue!r}") from None
 
     def start(self) -> None:
-        for agent in self.agents.values():
-            agent.announce()
+        announce(list(self.agents.values()))
         threading.Thread(target=self._beat_forever, name="pool-beats", daemon=True).start()
         samplers = [agent.sampler for agent in self.agents.values()]
         run_loop(tick_forever(samplers, self.settings.sample_interval_s, self.stopping), "pool-sampler")

@@ -1,4 +1,11 @@
-"""The GPUs this host has, and the CPU and memory it offers sandboxes."""
+"""The GPUs this host has, and the CPU and memory it offers sandboxes; inventories sent.
+
+A host alone sends its inventory as a batch of one; a process serving many simulated hosts
+sends theirs together at its start (``send_inventories``), in messages of
+``INVENTORIES_PER_MESSAGE``, which the control worker applies a message at a time in a few
+bulk statements: 1,213 one-host messages, each its own transaction, held the fleet's first
+heartbeats back for 30 to 130 s (BENCHMARKS.md, the openb fleet's cold start).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,22 @@ import logging
 import os
 from typing import Any
 
-from wire.messages import HostFacts, to_control
+from wire.messages import HostFacts, InventoryReport, to_control
 from workers.drivers.base import SandboxDriver
 from workers.gpu.base import GpuBackend, GpuBackendError, GpuInfo
 from workers.host.agent_settings import AgentSettings
 
 log = logging.getLogger(__name__)
+# Hosts per message: a message of 100 (about 500 GPUs, 150 kB of JSON) is applied in a
+# fraction of a second, so heartbeats queued behind a cold start's batches wait that long
+# each, and several control workers can share a big fleet's start.
+INVENTORIES_PER_MESSAGE = 100
+
+
+def send_inventories(reports: list[InventoryReport]) -> None:
+    """Inventories, one host's or many: in messages of ``INVENTORIES_PER_MESSAGE``."""
+    for start in range(0, len(reports), INVENTORIES_PER_MESSAGE):
+        to_control.agent_inventories(reports[start : start + INVENTORIES_PER_MESSAGE])
 
 
 class HostInventory:
@@ -73,7 +90,14 @@ class HostInventory:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return {"cpu_cores": os.cpu_count() or 1, "memory_mib": pages // 2**20}
 
+    def current(self, started: bool = False) -> InventoryReport:
+        """What this host has now (the GPUs read again); ``started``: its first report since
+        the agent started."""
+        return {
+            "host": self.settings.host, "backend": self.backend.name, "driver": self.driver.name,
+            "gpus": self.refresh(), "facts": self.facts(), "started": started,
+        }  # fmt: skip
+
     def report(self) -> None:
-        to_control.agent_inventory(
-            self.settings.host, self.backend.name, self.driver.name, self.refresh(), self.facts()
-        )
+        """Send this host's inventory (asked for by the portal, or a GPU's fabric changed)."""
+        send_inventories([self.current()])

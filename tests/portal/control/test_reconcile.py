@@ -6,14 +6,18 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from portal.billing.models import UsageRecord
+from portal.control import tasks
 from portal.control.hosts import mark_lost_hosts
 from portal.control.reconcile import LAUNCH_RESEND_S, STOP_RESEND_S, do_reconcile_host
 from portal.fleet.models import Gpu, Host
 from portal.sandboxes import actions
 from portal.sandboxes.models import Allocation, Sandbox
+from tests.factories import beat
 from tests.portal.helpers import place_all, request
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
@@ -295,3 +299,23 @@ def test_an_unmeasured_utilization_window_stops_culling_counting(
         None,
         None,
     )
+
+
+def test_a_round_of_empty_reports_reconciles_only_the_hosts_holding_sandboxes(
+    people: Any, catalog: Any, fleet: Any, sent_tasks: Any
+) -> None:
+    """A fleet's first round after its agents started carries every host's report, nearly
+    all empty: one query finds the hosts the database has sandboxes on, and only those are
+    reconciled (here the one whose sandbox vanished)."""
+    sandbox = placed(people, catalog)
+    beats = [beat(name) for name in Host.objects.values_list("name", flat=True)]
+    for one in beats:
+        one["owned"], one["owned_ms"] = [], int(later().timestamp() * 1000)
+    with CaptureQueriesContext(connection) as queries:
+        tasks.agent_heartbeats(beats)
+    reconciled = [
+        q for q in queries.captured_queries if 'FROM "fleet_host"' in q["sql"] and "LIMIT 1" in q["sql"]
+    ]
+    assert len(reconciled) == 1  # do_reconcile_host's host, for the one host holding a sandbox
+    sandbox.refresh_from_db()
+    assert sandbox.state == "failed" and "vanished" in sandbox.failure

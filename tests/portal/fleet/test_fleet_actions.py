@@ -18,7 +18,7 @@ from portal.control.hosts import mark_lost_hosts
 from portal.fleet import actions
 from portal.fleet.actions import GPU_TRANSITIONS, HOST_TRANSITIONS, FleetTransitionError
 from portal.fleet.models import FleetEvent, Gpu, Host
-from tests.factories import beat
+from tests.factories import beat, inventory
 from wire.messages import FaultReport
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
@@ -46,7 +46,7 @@ def _silence(host: Host, minutes: int = 5) -> None:
 @pytest.fixture
 def host(db: Any, sent_tasks: Any) -> Host:
     """A host with two GPUs, as its agent's inventory reported it: up, both available."""
-    tasks.agent_inventory("a100", "simulated", "docker", _inventory("a100"))
+    tasks.agent_inventories([inventory("a100", _inventory("a100"))])
     return Host.objects.get(name="a100")
 
 
@@ -75,22 +75,22 @@ def test_losing_and_regaining_a_host_writes_fleet_events(host: Host, sent_tasks:
     assert _kinds(host, regained) == [("host_regained", "")]
     assert set(host.gpus.values_list("state", flat=True)) == {Gpu.State.UNAVAILABLE}
     # Its inventory: both GPUs are there again.
-    tasks.agent_inventory(host.name, "simulated", "docker", _inventory("a100"))
+    tasks.agent_inventories([inventory(host.name, _inventory("a100"))])
     assert set(host.gpus.values_list("state", flat=True)) == {Gpu.State.AVAILABLE}
     assert _kinds(host, regained)[1:] == [("available", gpus[0]), ("available", gpus[1])]
     # A second beat or inventory changes nothing, so it writes nothing.
     count = FleetEvent.objects.count()
     tasks.agent_heartbeats([beat(host.name)])
-    tasks.agent_inventory(host.name, "simulated", "docker", _inventory("a100"))
+    tasks.agent_inventories([inventory(host.name, _inventory("a100"))])
     assert FleetEvent.objects.count() == count
 
 
 def test_a_gpu_the_agent_no_longer_sees_is_unavailable_until_it_does(host: Host) -> None:
     first, second = _inventory("a100")
-    tasks.agent_inventory(host.name, "simulated", "docker", [first])
+    tasks.agent_inventories([inventory(host.name, [first])])
     assert Gpu.objects.get(uuid=second["uuid"]).state == Gpu.State.UNAVAILABLE
     assert FleetEvent.objects.filter(gpu__uuid=second["uuid"], kind="unavailable").count() == 1
-    tasks.agent_inventory(host.name, "simulated", "docker", [first, second])
+    tasks.agent_inventories([inventory(host.name, [first, second])])
     assert Gpu.objects.get(uuid=second["uuid"]).state == Gpu.State.AVAILABLE
     assert FleetEvent.objects.filter(gpu__uuid=second["uuid"], kind="available").count() == 1
 
@@ -103,8 +103,8 @@ def test_a_drained_gpu_stays_drained_through_a_lost_host_and_a_missing_gpu(host:
     _silence(host)
     mark_lost_hosts(timezone.now())
     tasks.agent_heartbeats([beat(host.name)])
-    tasks.agent_inventory(host.name, "simulated", "docker", [second])  # the faulty one is gone
-    tasks.agent_inventory(host.name, "simulated", "docker", [first, second])  # and back
+    tasks.agent_inventories([inventory(host.name, [second])])  # the faulty one is gone
+    tasks.agent_inventories([inventory(host.name, [first, second])])  # and back
     gpu = Gpu.objects.get(uuid=first["uuid"])
     assert gpu.state == Gpu.State.DRAINED and gpu.drain_reason.startswith("double-bit ECC error")
     assert Gpu.objects.get(uuid=second["uuid"]).state == Gpu.State.AVAILABLE

@@ -21,7 +21,7 @@ from portal.telemetry.consumers import SandboxSamples
 from portal.telemetry.models import Alert, AlertPolicy, GpuRollup, SandboxRollup
 from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
 from portal.webhooks.models import WebhookDelivery, WebhookEndpoint
-from tests.factories import beat
+from tests.factories import beat, inventory
 from tests.portal.helpers import client_for, place_all, request
 from wire.telemetry import AlertMessage, sandbox_group
 
@@ -253,7 +253,7 @@ def test_heartbeat_sends_a_changed_policy_and_a_restart_closes_alerts(
     assert queue == "host.h100" and sent["fleet"]["temp_high_c"] == 80
     assert sent["tiers"][sandbox.tier.slug]["mem_high_pct"] == 80 and sent["version"] != policy["version"]
     do_record_alerts("h100", [change("raised", "open-1")])
-    control.TASKS["telemetry_agent_started"]("h100")
+    control.TASKS["agent_inventories"]([inventory("h100", [], started=True)])
     assert Alert.objects.get(key="open-1").clear_reason == "agent restarted"
 
 
