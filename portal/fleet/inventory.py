@@ -12,7 +12,6 @@ State changes (a lost host back up, a GPU gone or back) go through ``portal.flee
 from __future__ import annotations
 
 import logging
-import re
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 from wire.messages import HostFacts
 
 log = logging.getLogger(__name__)
-HOST_NAME = re.compile(r"[-a-zA-Z0-9_]{1,63}")  # a SlugField of 63, and a Celery queue's name
 SMALL_INT = 32767  # PositiveSmallIntegerField's ceiling
 BIG_INT = 2147483647  # PositiveIntegerField's
 
@@ -142,9 +140,7 @@ def read_report(report: Any) -> HostSeen:
     """An ``InventoryReport`` checked: a ``BadInventory`` says what is wrong with it."""
     if not isinstance(report, Mapping):
         raise BadInventory(f"{report!r:.80} is not an object")
-    name = report.get("host")
-    if not isinstance(name, str) or not HOST_NAME.fullmatch(name):
-        raise BadInventory(f"host name {name!r:.80}: letters, digits, - and _ only, at most 63")
+    name = _text(report, "host", 63, empty=False)
     facts = report.get("facts")
     if facts is not None:
         if not isinstance(facts, Mapping):

@@ -53,7 +53,7 @@ def test_a_batch_with_one_malformed_entry_applies_the_rest_and_names_it(
 @pytest.mark.parametrize(
     ("spoil", "says"),
     [
-        (lambda r: r.update(host="no spaces"), "host name 'no spaces'"),
+        (lambda r: r.update(host="n" * 64), "host: 'nnnn"),
         (lambda r: r.update(gpus="none"), "gpus 'none' is not a list"),
         (lambda r: r.update(facts={"cpu_cores": -1, "memory_mib": 1}), "cpu_cores: -1"),
         (lambda r: r["gpus"][0].update(mig_enabled="yes"), "mig_enabled or mig_devices malformed"),
