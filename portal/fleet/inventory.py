@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import DatabaseError, transaction
+from django.db import DataError, IntegrityError, transaction
 from django.db.models import Q
 
 from portal.fleet import actions
@@ -28,6 +28,8 @@ from wire.messages import HostFacts
 log = logging.getLogger(__name__)
 SMALL_INT = 32767  # PositiveSmallIntegerField's ceiling
 BIG_INT = 2147483647  # PositiveIntegerField's
+# What the database or the transition table says against one entry: its host is refused.
+REFUSALS = (IntegrityError, DataError, actions.FleetTransitionError)
 
 
 @dataclass(frozen=True)
@@ -187,9 +189,10 @@ def do_sync_inventories(reports: Sequence[Any]) -> InventoryOutcome:
     """Make the database's hosts, GPUs and MIG instances match what their agents see: a
     batch in one transaction of a few bulk statements. An entry that is malformed, or names
     a GPU another host of the batch also lists, is refused, with a log line naming its host;
-    should the batch's statements fail all the same (a constraint), each host is applied in
+    should the batch's statements break a constraint all the same, each host is applied in
     a transaction of its own, so that only the one at fault is refused. A host listed twice:
-    its later entry counts.
+    its later entry counts (refused, it refuses the host). A database that cannot be reached
+    raises, as for any task.
 
     GPUs are matched by UUID. A new GPU follows demand, or is shared by MIG when it is in
     MIG mode. An admin's pin is kept; only a change of MIG mode (a GPU reset on the host)
@@ -209,30 +212,31 @@ def do_sync_inventories(reports: Sequence[Any]) -> InventoryOutcome:
                 if owner.setdefault(uuid, host.name) != host.name:
                     raise BadInventory(f"{uuid} is listed by host {owner[uuid]} too")
         except BadInventory as exc:
-            _refuse(refused, _label(report, position), str(exc))
+            hosts.pop(_refuse(refused, _label(report, position), str(exc)), None)
             continue
         hosts[host.name] = host
     try:
         with transaction.atomic():
             _apply(list(hosts.values()))
         return InventoryOutcome(list(hosts.values()), refused)
-    except (DatabaseError, actions.FleetTransitionError) as exc:
+    except REFUSALS as exc:
         log.warning("a batch of %d inventories failed whole (%s): applying each alone", len(hosts), exc)
     applied = []
     for host in hosts.values():
         try:
             with transaction.atomic():
                 _apply([host])
-        except (DatabaseError, actions.FleetTransitionError) as exc:
+        except REFUSALS as exc:
             _refuse(refused, host.name, str(exc))
         else:
             applied.append(host)
     return InventoryOutcome(applied, refused)
 
 
-def _refuse(refused: dict[str, str], host: str, why: str) -> None:
+def _refuse(refused: dict[str, str], host: str, why: str) -> str:
     log.warning("inventory of host %s not applied: %s", host, why)
     refused[host] = why
+    return host
 
 
 def do_sync_inventory(

@@ -136,3 +136,13 @@ def test_a_host_back_from_lost_has_its_gpus_back_and_one_whose_agent_started_its
     assert set(Host.objects.values_list("state", flat=True)) == {Host.State.UP}
     assert set(Gpu.objects.values_list("state", flat=True)) == {Gpu.State.AVAILABLE}
     assert Alert.objects.get(key="k1").clear_reason == "agent restarted"
+
+
+def test_a_host_listed_twice_counts_by_its_later_entry() -> None:
+    batch = fleet(1)
+    later = inventory("node-0000", gpus("node-0000", "V100M32:4"))
+    outcome = do_sync_inventories([*batch, later])
+    assert [host.name for host in outcome.applied] == ["node-0000"] and Gpu.objects.count() == 4
+    spoiled = dict(later, gpus="none")
+    outcome = do_sync_inventories([*fleet(1), spoiled])  # the newer is malformed: the host is refused
+    assert not outcome.applied and "node-0000" in outcome.refused and Gpu.objects.count() == 4
