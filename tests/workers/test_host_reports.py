@@ -165,3 +165,15 @@ def test_a_report_in_which_a_sandbox_ended_goes_at_once_not_with_the_next_beat(
     assert [(e["allocation_key"], e["state"]) for e in beat["owned"] or []] == [("a1", "exited")]
     a.reports.build()  # the same end again: it waits for the next beat, as any report does
     assert len([sent for sent in sent_tasks if sent[1] == "agent_heartbeats"]) == 1
+
+
+def test_a_process_serving_many_hosts_keeps_an_ended_sandbox_for_its_round_of_beats(
+    tmp_path: Path, sent_tasks: Any
+) -> None:
+    a, _, device = agent(tmp_path)
+    a.context.driver = EndedDriver()  # type: ignore[assignment]
+    a.reports.gate.period = 60.0  # as the agent pool's hosts: their beats go in one message a round
+    a.launch(replace(spec(device), mps=None))
+    a.reports.build()
+    assert not [sent for sent in sent_tasks if sent[1] == "agent_heartbeats"]
+    assert a.reports.ready is not None  # for the pool's next round

@@ -147,8 +147,12 @@ class HostReports:
     def _send_at_once_if_one_ended(self, owned: list[OwnedSandbox]) -> None:
         """A report in which a sandbox's command has ended (a batch done, a crash) goes now
         rather than with the next beat: its room goes back to the queue a heartbeat sooner.
-        In a burst of short batches the next ones waited ~10 s (p50) for their predecessors'
-        ends to be reported (BENCHMARKS.md, "A burst of requests"). Once per ended sandbox."""
+        In a burst of short batches the queued ones waited for the room of those that had
+        ended: 10 s (p50) from a start to its stop (BENCHMARKS.md, "A burst of requests").
+        Once per ended sandbox; not in a process serving many simulated hosts (a reporting
+        period set), whose beats go together in rounds."""
+        if self.gate.period > 0:
+            return
         ended = {
             entry["allocation_key"] for entry in owned if entry["state"] == "exited" and entry["tracked"]
         }
