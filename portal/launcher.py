@@ -31,6 +31,13 @@ SANDBOX_IMAGE = selftest.SANDBOX_IMAGE
 # at INFO, portal/settings.py); LOG_LEVEL=debug shows every line of every process.
 LOG_LEVEL = (os.environ.get("LOG_LEVEL") or "warning").upper()
 DEBUG_LOGS = LOG_LEVEL == "DEBUG"
+# Each agent's task threads (as deploy/systemd/gpushare-agent.service's -c). A launch spends
+# its time waiting on the container engine (create, start), and a burst of requests queues
+# its launches, and the stops of its finished batches, on these threads: with 4 a hundred
+# requests waited ~19 s (p50) in the agents' queues, while the engine alone starts 50
+# containers from 16 threads in two thirds of the time it takes from 4 (BENCHMARKS.md, "A
+# burst of requests").
+AGENT_THREADS = 16
 
 
 def celery_command(*args: str) -> list[str]:
@@ -150,7 +157,15 @@ def commands(
             (
                 f"agent:{name}",
                 celery_command(
-                    "worker", "-Q", f"host.{name}", "-n", f"agent-{name}@%h", "-P", "threads", "-c", "4"
+                    "worker",
+                    "-Q",
+                    f"host.{name}",
+                    "-n",
+                    f"agent-{name}@%h",
+                    "-P",
+                    "threads",
+                    "-c",
+                    str(AGENT_THREADS),
                 ),
                 {
                     "GPUSHARE_ROLE": "agent",

@@ -8,12 +8,7 @@ one line per transition and no per-task chatter, and Ctrl-C stops everything cle
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.platform import free_port, stop_process_sandboxes, wait_for
+from tests.e2e.make_run import Launcher
+from tests.e2e.platform import stop_process_sandboxes, wait_for
 from tests.workers.engines import require_engine
 from workers.drivers.process import bwrap_available
 
@@ -38,62 +34,6 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-class Launcher:
-    def __init__(self, var_dir: Path, log: Path) -> None:
-        self.port = free_port()
-        self.log = log
-        self.env = {
-            key: value
-            for key, value in os.environ.items()
-            # The newcomer's environment: none of the test run's servers or settings.
-            if key not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "ALLOWED_HOSTS", "DEBUG", "LOG_LEVEL"}
-            and not key.startswith(("SECURE_", "SESSION_", "CSRF_", "STATIC_"))
-        }
-        self.env |= {"GPUSHARE_VAR_DIR": str(var_dir), "PORT": str(self.port), "SANDBOX_DRIVER": "process"}
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "portal.launcher"],
-                cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def healthz(self) -> dict[str, Any] | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as answer:
-                return dict(json.loads(answer.read()))
-        except OSError:
-            return None
-
-    def manage(self, code: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "manage.py", "shell", "-c", code],
-            cwd=ROOT, env={**self.env, "DEBUG": "true"}, capture_output=True, text=True, timeout=60,
-            check=True,
-        )  # fmt: skip
-        return done.stdout.strip()
-
-    def post(self, path: str, key: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}",
-            data=json.dumps(body).encode(),
-            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=10) as answer:  # noqa: S310
-            return answer.status, dict(json.loads(answer.read()))
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's group
-        return self.proc.wait(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
     require_engine(bwrap_available(), "bubblewrap (bwrap) with user namespaces")
@@ -101,9 +41,7 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
     running = Launcher(base / "var", base / "make-run.log")
     running.start()
     yield running
-    if running.proc is not None and running.proc.poll() is None:
-        os.killpg(running.proc.pid, signal.SIGKILL)
-        running.proc.wait()
+    running.kill()
     stop_process_sandboxes(base / "var")  # they outlive make run, as they outlive agents
 
 

@@ -16,6 +16,7 @@ from typing import cast
 
 import docker
 import docker.errors
+import docker.models.containers
 import pytest
 
 from tests.workers.engines import require_engine
@@ -96,23 +97,27 @@ def test_a_cpu_only_container_asks_the_runtime_for_no_gpu() -> None:
     assert [list(r["DeviceIDs"]) for r in gpu["device_requests"]] == [["GPU-aaaa"]]
 
 
-def test_a_container_removed_while_listing_does_not_fail_the_listing() -> None:
-    """The SDK inspects each listed container; one removed in between raises NotFound."""
+def test_the_listing_is_the_engines_own_not_an_inspection_per_container() -> None:
+    """A heartbeat's report lists every container of the host, then asks each one's status:
+    the SDK's full listing would inspect each a first time (and fail when a stop removed one
+    in between), while a burst of launches waits on the same engine."""
 
     class Containers:
-        calls = 0
+        asked: dict[str, object] = {}
 
-        def list(self, **_: object) -> list[object]:
-            Containers.calls += 1
-            if Containers.calls == 1:
-                raise docker.errors.NotFound("No such container: abc")
-            return []
+        def list(self, **kwargs: object) -> list[object]:
+            Containers.asked = kwargs
+            labels = {"io.gpushare.allocation": "a1", "io.gpushare.sandbox": "7", "io.gpushare.host": "h"}
+            return [
+                docker.models.containers.Container(attrs={"Id": "c1", "Labels": labels, "State": "exited"})
+            ]
 
     class Client:
         containers = Containers()
 
-    assert DockerDriver(client=Client(), host="h").list_owned() == []  # type: ignore[arg-type]
-    assert Containers.calls == 2
+    [handle] = DockerDriver(client=Client(), host="h").list_owned()  # type: ignore[arg-type]
+    assert Containers.asked["sparse"] is True
+    assert (handle.allocation_key, handle.sandbox_id, handle.ref) == ("a1", 7, "c1")
 
 
 def test_kwargs_real_gpu_requests_devices_by_uuid() -> None:

@@ -8,13 +8,15 @@ import random
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.workers.test_agent import RecordingDriver, agent
-from wire.spec import SandboxHandle
+from tests.workers.test_agent import RecordingDriver, agent, spec
+from wire.spec import SandboxHandle, SandboxSpec
+from workers.drivers.base import SandboxStatus
 from workers.host import reports
 
 
@@ -131,3 +133,47 @@ def test_a_fleet_started_together_reports_in_full_spread_over_the_period() -> No
         due_by_second[second] = sum(gate.passes([]) for gate in gates)
     assert sum(due_by_second.values()) == 600  # each once in the period
     assert max(due_by_second.values()) < 30  # about 10 a second, never the fleet at once
+
+
+class EndedDriver(RecordingDriver):
+    """Lists what it launched; each has ended (a batch's command returned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed: list[SandboxHandle] = []
+
+    def launch(self, spec: SandboxSpec) -> SandboxHandle:
+        handle = super().launch(spec)
+        self.listed.append(handle)
+        return handle
+
+    def list_owned(self) -> list[SandboxHandle]:
+        return list(self.listed)
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        return SandboxStatus(state="exited", exit_code=0, started_at_ms=1)
+
+
+def test_a_report_in_which_a_sandbox_ended_goes_at_once_not_with_the_next_beat(
+    tmp_path: Path, sent_tasks: Any
+) -> None:
+    a, _, device = agent(tmp_path)
+    a.context.driver = EndedDriver()  # type: ignore[assignment]
+    a.launch(replace(spec(device), mps=None))
+    a.reports.build()  # on the builder thread in production, started by a beat
+    [(_, _, ([beat],))] = [sent for sent in sent_tasks if sent[1] == "agent_heartbeats"]
+    assert [(e["allocation_key"], e["state"]) for e in beat["owned"] or []] == [("a1", "exited")]
+    a.reports.build()  # the same end again: it waits for the next beat, as any report does
+    assert len([sent for sent in sent_tasks if sent[1] == "agent_heartbeats"]) == 1
+
+
+def test_a_process_serving_many_hosts_keeps_an_ended_sandbox_for_its_round_of_beats(
+    tmp_path: Path, sent_tasks: Any
+) -> None:
+    a, _, device = agent(tmp_path)
+    a.context.driver = EndedDriver()  # type: ignore[assignment]
+    a.reports.gate.period = 60.0  # as the agent pool's hosts: their beats go in one message a round
+    a.launch(replace(spec(device), mps=None))
+    a.reports.build()
+    assert not [sent for sent in sent_tasks if sent[1] == "agent_heartbeats"]
+    assert a.reports.ready is not None  # for the pool's next round

@@ -306,7 +306,9 @@ class DockerDriver:
         return self._client
 
     def _handle(self, container: Any) -> SandboxHandle:
-        labels = container.labels
+        labels = container.attrs.get("Labels")  # where a sparse listing's container has them
+        if labels is None:  # one the engine was asked about by name: the full inspection
+            labels = container.labels
         return SandboxHandle(
             driver=self.name,
             allocation_key=labels[ALLOCATION_LABEL],
@@ -315,17 +317,16 @@ class DockerDriver:
         )
 
     def _find(self, allocation_key: str) -> Any | None:
-        found = self._list([f"{ALLOCATION_LABEL}={allocation_key}"])
-        return found[0] if found else None
-
-    def _list(self, labels: list[str]) -> list[Any]:
-        """Containers with these labels. The SDK lists, then inspects each one: a container
-        removed in between (a stop racing the listing) makes it raise NotFound, so list
-        again rather than fail the caller (a heartbeat's report, a launch)."""
+        """The allocation's container, inspected. The SDK lists, then inspects each one: a
+        container removed in between (a stop racing the listing), or one whose create has
+        not finished (a concurrent launch), makes it raise NotFound, so list again."""
         tries = 3
         while True:
             try:
-                return list(self.client.containers.list(all=True, filters={"label": labels}))
+                found = self.client.containers.list(
+                    all=True, filters={"label": [f"{ALLOCATION_LABEL}={allocation_key}"]}
+                )
+                return found[0] if found else None
             except docker.errors.NotFound:
                 tries -= 1
                 if not tries:
@@ -479,7 +480,10 @@ class DockerDriver:
         if self.host:
             labels.append(f"{LABEL_PREFIX}.host={self.host}")
         with _engine_errors("list sandboxes"):
-            containers = self._list(labels)
+            # The engine's own listing (``sparse``): the SDK's full one inspects every
+            # container, which each heartbeat's report (its status() inspects each again)
+            # doubled while a burst of launches waited on the same engine.
+            containers = self.client.containers.list(all=True, sparse=True, filters={"label": labels})
         handles = []
         for container in containers:
             try:
