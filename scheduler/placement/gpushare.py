@@ -24,7 +24,11 @@ Speed: a host's score for a request depends only on (model, CPU left, free milli
 the GPUs that could take it) and the request's shape, and is memoised on that. Per
 snapshot the policy also keeps each host's state and, per request shape, each host's last
 score, re-scoring only the hosts changed since (``Snapshot.changed``); picking the best is
-then one ``max`` over a list.
+then one ``max`` over a list. A host's whole state as placement reads it (``host_state``)
+is numbered once per change, and its rank per request shape is remembered by that number:
+a shape seen for the first time, or again on the next cycle's fresh snapshot, costs a
+dictionary look-up per host instead of a feasibility check and a score, as hosts in the
+same state (all empty hosts of a kind, most full ones) share one answer.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ _WASTE_SPAN = 1 << 20
 _INFEASIBLE = -1
 # Snapshots of more hosts than this get per-host scores remembered between calls.
 _REMEMBER_FROM = 4
+# Host states remembered (``host_state``) before they are forgotten and numbered afresh.
+_MAX_STATES = 1 << 20
 # CPU left on a host that does not track it: more than any request asks for.
 _UNTRACKED_CPU = 1 << 40
 # What the policy assumes before it has seen a request: whole single GPUs.
@@ -82,6 +88,9 @@ Fleet = tuple[tuple[str, int, int, int], ...]
 HostKey = tuple[str, int, tuple[int, ...]]  # (GPU model, CPU left, free milli per GPU ascending)
 # What a score depends on beyond the host: (mode, CPU, GPU count, milli per GPU, models).
 RequestShape = tuple[str, int, int, int, tuple[str, ...]]
+# What decides a host's feasibility and score for a request: its shape, the memory it needs,
+# its isolation and an MPS share's GPU memory (see ``_best_remembered``).
+ScoredShape = tuple[RequestShape, int, str, int]
 
 
 def sigmoid_score(delta: float) -> int:
@@ -95,6 +104,33 @@ def host_key(host: HostState) -> HostKey:
     model = gpus[0].model if gpus else ""
     cpu_left = host.cpu_milli - host.cpu_used_milli if host.cpu_milli else _UNTRACKED_CPU
     return model, cpu_left, tuple(sorted(g.free_milli for g in gpus))
+
+
+def host_state(host: HostState) -> tuple[object, ...]:
+    """Everything of a host that ``GpusharePolicy._choose`` reads, its name aside: two hosts
+    in equal states take a request equally well. Keep it in step with ``_choose`` (and what
+    it calls: ``serves``, ``has_room``, ``usable_gpus``, ``grant_on``, ``host_key``)."""
+    cpu_left = host.cpu_milli - host.cpu_used_milli if host.cpu_milli else None
+    memory_left = host.memory_mib - host.memory_used_mib if host.memory_mib else None
+    gpus = tuple(
+        (
+            g.available,
+            g.mode,
+            g.model,
+            g.memory_mib,
+            g.exclusive_busy,
+            any(s.busy for s in g.mig),
+            g.mps_used_mib,
+            g.mps_used_threads,
+            g.mps_one_size,
+            g.mps_share,
+            g.replicas,
+            len(g.replicas_used),
+            any(r not in g.replicas_used for r in range(g.replicas)),
+        )
+        for g in host.gpus
+    )
+    return (host.up, host.isolation_levels, cpu_left, memory_left, gpus)
 
 
 def request_shape(request: Request) -> RequestShape:
@@ -162,7 +198,15 @@ class GpusharePolicy:
         # What is known of the snapshot last placed on: see ``_scores``.
         self._epoch = -1
         self._index: dict[str, int] = {}
-        self._shapes: dict[tuple[RequestShape, int, str, int], _ShapeScores] = {}
+        self._shapes: dict[ScoredShape, _ShapeScores] = {}
+        # Each host's state number (``host_state``), in snapshot order, as of a change count.
+        self._states: list[int] = []
+        self._states_seen = 0
+        # State numbers, and per request shape the rank of a host in each state (None: it
+        # cannot take it). Ranks hold for one publication of the measures, as ``_memo``'s
+        # do; the numbers are dropped with them, which bounds both in a long-lived portal.
+        self._state_ids: dict[tuple[object, ...], int] = {}
+        self._ranks: dict[ScoredShape, dict[int, int | None]] = {}
 
     # --- the policy -----------------------------------------------------------------------
 
@@ -201,18 +245,33 @@ class GpusharePolicy:
             self._measures_for = key
             self._memo.clear()
             self._shapes.clear()
+            self._ranks.clear()
+            self._state_ids.clear()
+            self._epoch = -1  # the hosts' state numbers are gone: number them again
         return self._measures
 
     def _best_remembered(self, snapshot: Snapshot, request: Request, measures: _Measures) -> HostState | None:
         """The best host, re-scoring only the hosts changed since this shape was last scored."""
+        hosts = snapshot.hosts
+        if len(self._state_ids) > _MAX_STATES:  # a portal whose workload model never republishes
+            self._state_ids.clear()
+            self._ranks.clear()
+            self._epoch = -1
         if snapshot.epoch != self._epoch:
             self._epoch = snapshot.epoch
-            self._index = {h.name: i for i, h in enumerate(snapshot.hosts)}
+            self._index = {h.name: i for i, h in enumerate(hosts)}
             self._shapes.clear()
+            self._states = [self._state_id(h) for h in hosts]
+            self._states_seen = len(snapshot.changes)
+        elif len(snapshot.changes) > self._states_seen:
+            for name in set(snapshot.changes[self._states_seen :]):
+                if (i := self._index.get(name)) is not None:
+                    self._states[i] = self._state_id(hosts[i])
+            self._states_seen = len(snapshot.changes)
         # Memory, isolation and an MPS share's GPU memory decide which hosts can take it, not
         # how they score: two shares of equal threads but unequal memory fit different GPUs.
         shape = (request_shape(request), request.memory_mib, request.isolation, request.mps_memory_mib)
-        count = len(snapshot.hosts)
+        count = len(hosts)
         cache = self._shapes.get(shape)
         if cache is None or len(snapshot.changes) - cache.seen >= count:
             stale: range | set[int] = range(count)
@@ -220,9 +279,22 @@ class GpusharePolicy:
                 cache = self._shapes[shape] = _ShapeScores([_INFEASIBLE] * count, 0)
         else:
             stale = {self._index[name] for name in snapshot.changes[cache.seen :] if name in self._index}
-        scores = cache.scores
+        scores, states = cache.scores, self._states
+        ranks = self._ranks.setdefault(shape, {})
+        # Ranks folded with the host's position in the snapshot, so that ``max`` prefers the
+        # first of equal ranks.
+        folded = max(len(self._index), 1)
         for i in stale:
-            scores[i] = self._score(snapshot.hosts[i], request, measures)
+            host = hosts[i]
+            try:
+                rank = ranks[states[i]]
+            except KeyError:
+                choice = self._choose(host, request, measures)
+                rank = ranks[states[i]] = None if choice is None else choice[0]
+            if rank is None:
+                scores[i] = _INFEASIBLE
+            else:
+                scores[i] = rank * folded + (folded - 1 - self._index.get(host.name, 0))
         cache.seen = len(snapshot.changes)
         best = max(scores)
         if best == _INFEASIBLE:
@@ -230,15 +302,8 @@ class GpusharePolicy:
         # Scores carry the host's position in their lowest bits: the first of equals wins.
         return snapshot.hosts[count - 1 - best % count]
 
-    def _score(self, host: HostState, request: Request, measures: _Measures) -> int:
-        """``_rank`` of the host's best placement for ``request``, folded with its position in
-        the snapshot so that ``max`` prefers the first of equal ranks; _INFEASIBLE if none."""
-        choice = self._choose(host, request, measures)
-        if choice is None:
-            return _INFEASIBLE
-        count = max(len(self._index), 1)
-        position = self._index.get(host.name, 0)
-        return choice[0] * count + (count - 1 - position)
+    def _state_id(self, host: HostState) -> int:
+        return self._state_ids.setdefault(host_state(host), len(self._state_ids))
 
     def _choose(self, host: HostState, request: Request, measures: _Measures) -> tuple[int, int] | None:
         """(rank, free milli of the GPU a share takes, or -1) of the host's best placement."""
