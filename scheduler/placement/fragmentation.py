@@ -169,11 +169,15 @@ class StrandedCapacity:
             return cached
         total = sum(free_sorted)
         value = 0.0
+        # Copies of a one-GPU pod by its milli: typical pods of one size but unequal CPU share it.
+        one_gpu_copies: dict[int, int] = {}
         for cpu, milli, num, weight, usable in self._entries(model):
             copies = 0
             if usable and cpu_left >= cpu:
                 if num == 1:
-                    copies = sum(f // milli for f in free_sorted)
+                    copies = one_gpu_copies.get(milli, -1)
+                    if copies < 0:
+                        copies = one_gpu_copies[milli] = sum(f // milli for f in free_sorted)
                 else:
                     # Multi-GPU pods take whole GPUs; bisect finds the first that fits.
                     copies = (len(free_sorted) - bisect_left(free_sorted, milli)) // num
@@ -211,7 +215,11 @@ class EventualWaste:
         least = free
         for milli, cpu, models in self.fillers:
             if milli <= free and cpu <= cpu_left and accessible(model, models):
-                least = min(least, self.gpu(model, free - milli, cpu_left - cpu))
+                # The memo looked up here first: most of the recursion's calls are answered by it.
+                rest = self._per_gpu.get((model, free - milli, cpu_left - cpu))
+                if rest is None:
+                    rest = self.gpu(model, free - milli, cpu_left - cpu)
+                least = min(least, rest)
                 if not least:
                     break
         self._per_gpu[key] = least

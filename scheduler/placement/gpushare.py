@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 
 from scheduler.cluster import (
     CPU_ONLY,
@@ -106,27 +107,34 @@ def host_key(host: HostState) -> HostKey:
     return model, cpu_left, tuple(sorted(g.free_milli for g in gpus))
 
 
+_GPU_FIELDS = attrgetter(
+    "available",
+    "mode",
+    "model",
+    "memory_mib",
+    "exclusive_busy",
+    "mps_used_mib",
+    "mps_used_threads",
+    "mps_one_size",
+    "mps_share",
+    "replicas",
+)
+
+
 def host_state(host: HostState) -> tuple[object, ...]:
     """Everything of a host that ``GpusharePolicy._choose`` reads, its name aside: two hosts
     in equal states take a request equally well. Keep it in step with ``_choose`` (and what
     it calls: ``serves``, ``has_room``, ``usable_gpus``, ``grant_on``, ``host_key``)."""
     cpu_left = host.cpu_milli - host.cpu_used_milli if host.cpu_milli else None
     memory_left = host.memory_mib - host.memory_used_mib if host.memory_mib else None
+    # Numbered for every host of each cycle's fresh snapshot: the plain fields are read in
+    # one C call, and the two searches are skipped where there is nothing to search.
     gpus = tuple(
         (
-            g.available,
-            g.mode,
-            g.model,
-            g.memory_mib,
-            g.exclusive_busy,
-            any(s.busy for s in g.mig),
-            g.mps_used_mib,
-            g.mps_used_threads,
-            g.mps_one_size,
-            g.mps_share,
-            g.replicas,
+            _GPU_FIELDS(g),
+            any(s.busy for s in g.mig) if g.mig else False,
             len(g.replicas_used),
-            any(r not in g.replicas_used for r in range(g.replicas)),
+            any(r not in g.replicas_used for r in range(g.replicas)) if g.replicas_used else g.replicas > 0,
         )
         for g in host.gpus
     )
@@ -201,12 +209,17 @@ class GpusharePolicy:
         self._shapes: dict[ScoredShape, _ShapeScores] = {}
         # Each host's state number (``host_state``), in snapshot order, as of a change count.
         self._states: list[int] = []
+        self._folded = 1
+        self._tiebreak: list[int] = []
         self._states_seen = 0
         # State numbers, and per request shape the rank of a host in each state (None: it
         # cannot take it). Ranks hold for one publication of the measures, as ``_memo``'s
-        # do; the numbers are dropped with them, which bounds both in a long-lived portal.
+        # do. Whether a host can take a request at all does not depend on the measures
+        # (``_choose`` says None before it scores), so the states that cannot are kept
+        # across publications: after one, only the hosts that can take it are scored again.
         self._state_ids: dict[tuple[object, ...], int] = {}
         self._ranks: dict[ScoredShape, dict[int, int | None]] = {}
+        self._cannot: dict[ScoredShape, set[int]] = {}
 
     # --- the policy -----------------------------------------------------------------------
 
@@ -246,20 +259,23 @@ class GpusharePolicy:
             self._memo.clear()
             self._shapes.clear()
             self._ranks.clear()
-            self._state_ids.clear()
-            self._epoch = -1  # the hosts' state numbers are gone: number them again
         return self._measures
 
     def _best_remembered(self, snapshot: Snapshot, request: Request, measures: _Measures) -> HostState | None:
         """The best host, re-scoring only the hosts changed since this shape was last scored."""
         hosts = snapshot.hosts
-        if len(self._state_ids) > _MAX_STATES:  # a portal whose workload model never republishes
+        if len(self._state_ids) > _MAX_STATES:  # bounds what a long-lived portal remembers
             self._state_ids.clear()
             self._ranks.clear()
-            self._epoch = -1
+            self._cannot.clear()
+            self._epoch = -1  # number the hosts' states again
         if snapshot.epoch != self._epoch:
             self._epoch = snapshot.epoch
             self._index = {h.name: i for i, h in enumerate(hosts)}
+            # Ranks are folded with the host's position, so that ``max`` prefers the first of
+            # equal ranks: rank * folded + tiebreak.
+            self._folded = max(len(self._index), 1)
+            self._tiebreak = [self._folded - 1 - self._index.get(h.name, 0) for h in hosts]
             self._shapes.clear()
             self._states = [self._state_id(h) for h in hosts]
             self._states_seen = len(snapshot.changes)
@@ -279,23 +295,27 @@ class GpusharePolicy:
                 cache = self._shapes[shape] = _ShapeScores([_INFEASIBLE] * count, 0)
         else:
             stale = {self._index[name] for name in snapshot.changes[cache.seen :] if name in self._index}
-        scores, states = cache.scores, self._states
+        states, folded, tiebreak = self._states, self._folded, self._tiebreak
         ranks = self._ranks.setdefault(shape, {})
-        # Ranks folded with the host's position in the snapshot, so that ``max`` prefers the
-        # first of equal ranks.
-        folded = max(len(self._index), 1)
-        for i in stale:
-            host = hosts[i]
-            try:
+        cannot = self._cannot.setdefault(shape, set())
+        for i in stale:  # each state not ranked yet, on the first host found in it
+            state = states[i]
+            if state not in ranks:
+                choice = None if state in cannot else self._choose(hosts[i], request, measures)
+                ranks[state] = None if choice is None else choice[0]
+                if choice is None:
+                    cannot.add(state)
+        if isinstance(stale, range):
+            cache.scores = [
+                _INFEASIBLE if (rank := ranks[state]) is None else rank * folded + position
+                for state, position in zip(states, tiebreak, strict=True)
+            ]
+        else:
+            for i in stale:
                 rank = ranks[states[i]]
-            except KeyError:
-                choice = self._choose(host, request, measures)
-                rank = ranks[states[i]] = None if choice is None else choice[0]
-            if rank is None:
-                scores[i] = _INFEASIBLE
-            else:
-                scores[i] = rank * folded + (folded - 1 - self._index.get(host.name, 0))
+                cache.scores[i] = _INFEASIBLE if rank is None else rank * folded + tiebreak[i]
         cache.seen = len(snapshot.changes)
+        scores = cache.scores
         best = max(scores)
         if best == _INFEASIBLE:
             return None
