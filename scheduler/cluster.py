@@ -58,12 +58,14 @@ class GpuState:
     @property
     def idle(self) -> bool:
         """Nothing at all placed on it."""
+        # The search through MIG slices last, and only where there are any: placement asks
+        # this of every GPU of every host it looks at.
         return not (
             self.exclusive_busy
-            or any(s.busy for s in self.mig)
             or self.mps_used_threads
             or self.mps_used_mib
             or self.replicas_used
+            or (self.mig and any(s.busy for s in self.mig))
         )
 
     def serves(self, mode: str) -> bool:

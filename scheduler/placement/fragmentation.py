@@ -10,7 +10,7 @@ truncated ties where the paper has them.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping
 
 from scheduler.placement.workload import MILLI, TypicalPod, accessible
@@ -56,6 +56,10 @@ class Fragmentation:
         self.typical = typical
         self._by_model: dict[str, list[tuple[int, int, int, float, int]]] = {}
         self._memo: dict[FragKey, float] = {}
+        # F reads the CPU left only as "at least this pod's CPU" for each typical pod: the memo
+        # keys on how many of these thresholds it reaches, so nodes that differ in CPU alone
+        # share one entry.
+        self._cpu_thresholds = sorted({t.cpu_milli for t in typical})
 
     def _entries(self, model: str) -> list[tuple[int, int, int, float, int]]:
         entries = self._by_model.get(model)
@@ -74,7 +78,7 @@ class Fragmentation:
 
     def amount(self, model: str, cpu_left: int, free_sorted: tuple[int, ...]) -> float:
         """F(n) for a node state; ``free_sorted`` must be ascending (F ignores GPU order)."""
-        key = (model, cpu_left, free_sorted)
+        key = (model, bisect_right(self._cpu_thresholds, cpu_left), free_sorted)
         cached = self._memo.get(key)
         if cached is not None:
             return cached
@@ -151,6 +155,23 @@ class StrandedCapacity:
         self.whole_node = WHOLE_NODE_WEIGHT * max(multi_gpu_share, MULTI_GPU_FLOOR)
         self._by_model: dict[str, list[tuple[int, int, int, float, bool]]] = {}
         self._memo: dict[_StateKey, float] = {}
+        self._cpu_caps: dict[tuple[str, int, int], int] = {}
+
+    def _cpu_that_counts(self, model: str, cpu_left: int, total: int, gpus: int) -> int:
+        """``cpu_left`` capped where more CPU changes nothing: past every typical pod's CPU
+        times the most copies of it the node's free GPUs could hold (at most ``total //
+        milli`` or ``gpus // num``), and past a whole node's CPU. Nodes that differ only in
+        spare CPU share one memo entry."""
+        key = (model, total, gpus)
+        cap = self._cpu_caps.get(key)
+        if cap is None:
+            cap = self.largest.get(model, 0)
+            for cpu, milli, num, _, usable in self._entries(model):
+                if usable:
+                    most = total // milli if num == 1 else gpus // num
+                    cap = max(cap, cpu * max(most, 1))
+            self._cpu_caps[key] = cap
+        return min(cpu_left, cap)
 
     def _entries(self, model: str) -> list[tuple[int, int, int, float, bool]]:
         entries = self._by_model.get(model)
@@ -163,17 +184,21 @@ class StrandedCapacity:
         return entries
 
     def amount(self, model: str, cpu_left: int, free_sorted: tuple[int, ...]) -> float:
-        key = (model, cpu_left, free_sorted)
+        total = sum(free_sorted)
+        key = (model, self._cpu_that_counts(model, cpu_left, total, len(free_sorted)), free_sorted)
         cached = self._memo.get(key)
         if cached is not None:
             return cached
-        total = sum(free_sorted)
         value = 0.0
+        # Copies of a one-GPU pod by its milli: typical pods of one size but unequal CPU share it.
+        one_gpu_copies: dict[int, int] = {}
         for cpu, milli, num, weight, usable in self._entries(model):
             copies = 0
             if usable and cpu_left >= cpu:
                 if num == 1:
-                    copies = sum(f // milli for f in free_sorted)
+                    copies = one_gpu_copies.get(milli, -1)
+                    if copies < 0:
+                        copies = one_gpu_copies[milli] = sum(f // milli for f in free_sorted)
                 else:
                     # Multi-GPU pods take whole GPUs; bisect finds the first that fits.
                     copies = (len(free_sorted) - bisect_left(free_sorted, milli)) // num
@@ -199,26 +224,38 @@ class EventualWaste:
         # Largest first, so a perfect fill is found early and ends the search.
         fillers = {(t.gpu_milli, t.cpu_milli, t.models) for t in typical if t.sharing}
         self.fillers = sorted((f for f in fillers if by_size[f[0]] >= common), reverse=True)
+        # No more fillers than ``free // smallest`` fit in ``free``, taking at most ``most_cpu``
+        # each: CPU beyond that changes nothing, so the memos key on the CPU capped there.
+        self._smallest = min((f[0] for f in self.fillers), default=MILLI)
+        self._most_cpu = max((f[1] for f in self.fillers), default=0)
         self._per_gpu: dict[tuple[str, int, int], int] = {}
         self._per_node: dict[_StateKey, int] = {}
 
+    def _cpu_that_counts(self, free: int, cpu_left: int) -> int:
+        return min(cpu_left, free // self._smallest * self._most_cpu)
+
     def gpu(self, model: str, free: int, cpu_left: int) -> int:
         """W(free, cpu_left): the least milli the fillers can leave on one GPU."""
-        key = (model, free, cpu_left)
+        key = (model, free, self._cpu_that_counts(free, cpu_left))
         cached = self._per_gpu.get(key)
         if cached is not None:
             return cached
         least = free
         for milli, cpu, models in self.fillers:
             if milli <= free and cpu <= cpu_left and accessible(model, models):
-                least = min(least, self.gpu(model, free - milli, cpu_left - cpu))
+                # The memo looked up here first: most of the recursion's calls are answered by it.
+                rest_free, rest_cpu = free - milli, cpu_left - cpu
+                rest = self._per_gpu.get((model, rest_free, self._cpu_that_counts(rest_free, rest_cpu)))
+                if rest is None:
+                    rest = self.gpu(model, rest_free, rest_cpu)
+                least = min(least, rest)
                 if not least:
                     break
         self._per_gpu[key] = least
         return least
 
     def amount(self, model: str, cpu_left: int, free_sorted: tuple[int, ...]) -> int:
-        key = (model, cpu_left, free_sorted)
+        key = (model, self._cpu_that_counts(max(free_sorted, default=0), cpu_left), free_sorted)
         cached = self._per_node.get(key)
         if cached is None:
             cached = self._per_node[key] = sum(self.gpu(model, f, cpu_left) for f in free_sorted)

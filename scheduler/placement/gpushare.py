@@ -24,13 +24,18 @@ Speed: a host's score for a request depends only on (model, CPU left, free milli
 the GPUs that could take it) and the request's shape, and is memoised on that. Per
 snapshot the policy also keeps each host's state and, per request shape, each host's last
 score, re-scoring only the hosts changed since (``Snapshot.changed``); picking the best is
-then one ``max`` over a list.
+then one ``max`` over a list. A host's whole state as placement reads it (``host_state``)
+is numbered once per change, and its rank per request shape is remembered by that number:
+a shape seen for the first time, or again on the next cycle's fresh snapshot, costs a
+dictionary look-up per host instead of a feasibility check and a score, as hosts in the
+same state (all empty hosts of a kind, most full ones) share one answer.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 
 from scheduler.cluster import (
     CPU_ONLY,
@@ -72,6 +77,8 @@ _WASTE_SPAN = 1 << 20
 _INFEASIBLE = -1
 # Snapshots of more hosts than this get per-host scores remembered between calls.
 _REMEMBER_FROM = 4
+# Host states remembered (``host_state``) before they are forgotten and numbered afresh.
+_MAX_STATES = 1 << 20
 # CPU left on a host that does not track it: more than any request asks for.
 _UNTRACKED_CPU = 1 << 40
 # What the policy assumes before it has seen a request: whole single GPUs.
@@ -82,6 +89,9 @@ Fleet = tuple[tuple[str, int, int, int], ...]
 HostKey = tuple[str, int, tuple[int, ...]]  # (GPU model, CPU left, free milli per GPU ascending)
 # What a score depends on beyond the host: (mode, CPU, GPU count, milli per GPU, models).
 RequestShape = tuple[str, int, int, int, tuple[str, ...]]
+# What decides a host's feasibility and score for a request: its shape, the memory it needs,
+# its isolation and an MPS share's GPU memory (see ``_best_remembered``).
+ScoredShape = tuple[RequestShape, int, str, int]
 
 
 def sigmoid_score(delta: float) -> int:
@@ -95,6 +105,40 @@ def host_key(host: HostState) -> HostKey:
     model = gpus[0].model if gpus else ""
     cpu_left = host.cpu_milli - host.cpu_used_milli if host.cpu_milli else _UNTRACKED_CPU
     return model, cpu_left, tuple(sorted(g.free_milli for g in gpus))
+
+
+_GPU_FIELDS = attrgetter(
+    "available",
+    "mode",
+    "model",
+    "memory_mib",
+    "exclusive_busy",
+    "mps_used_mib",
+    "mps_used_threads",
+    "mps_one_size",
+    "mps_share",
+    "replicas",
+)
+
+
+def host_state(host: HostState) -> tuple[object, ...]:
+    """Everything of a host that ``GpusharePolicy._choose`` reads, its name aside: two hosts
+    in equal states take a request equally well. Keep it in step with ``_choose`` (and what
+    it calls: ``serves``, ``has_room``, ``usable_gpus``, ``grant_on``, ``host_key``)."""
+    cpu_left = host.cpu_milli - host.cpu_used_milli if host.cpu_milli else None
+    memory_left = host.memory_mib - host.memory_used_mib if host.memory_mib else None
+    # Numbered for every host of each cycle's fresh snapshot: the plain fields are read in
+    # one C call, and the two searches are skipped where there is nothing to search.
+    gpus = tuple(
+        (
+            _GPU_FIELDS(g),
+            any(s.busy for s in g.mig) if g.mig else False,
+            len(g.replicas_used),
+            any(r not in g.replicas_used for r in range(g.replicas)) if g.replicas_used else g.replicas > 0,
+        )
+        for g in host.gpus
+    )
+    return (host.up, host.isolation_levels, cpu_left, memory_left, gpus)
 
 
 def request_shape(request: Request) -> RequestShape:
@@ -162,7 +206,20 @@ class GpusharePolicy:
         # What is known of the snapshot last placed on: see ``_scores``.
         self._epoch = -1
         self._index: dict[str, int] = {}
-        self._shapes: dict[tuple[RequestShape, int, str, int], _ShapeScores] = {}
+        self._shapes: dict[ScoredShape, _ShapeScores] = {}
+        # Each host's state number (``host_state``), in snapshot order, as of a change count.
+        self._states: list[int] = []
+        self._folded = 1
+        self._tiebreak: list[int] = []
+        self._states_seen = 0
+        # State numbers, and per request shape the rank of a host in each state (None: it
+        # cannot take it). Ranks hold for one publication of the measures, as ``_memo``'s
+        # do. Whether a host can take a request at all does not depend on the measures
+        # (``_choose`` says None before it scores), so the states that cannot are kept
+        # across publications: after one, only the hosts that can take it are scored again.
+        self._state_ids: dict[tuple[object, ...], int] = {}
+        self._ranks: dict[ScoredShape, dict[int, int | None]] = {}
+        self._cannot: dict[ScoredShape, set[int]] = {}
 
     # --- the policy -----------------------------------------------------------------------
 
@@ -201,18 +258,36 @@ class GpusharePolicy:
             self._measures_for = key
             self._memo.clear()
             self._shapes.clear()
+            self._ranks.clear()
         return self._measures
 
     def _best_remembered(self, snapshot: Snapshot, request: Request, measures: _Measures) -> HostState | None:
         """The best host, re-scoring only the hosts changed since this shape was last scored."""
+        hosts = snapshot.hosts
+        if len(self._state_ids) > _MAX_STATES:  # bounds what a long-lived portal remembers
+            self._state_ids.clear()
+            self._ranks.clear()
+            self._cannot.clear()
+            self._epoch = -1  # number the hosts' states again
         if snapshot.epoch != self._epoch:
             self._epoch = snapshot.epoch
-            self._index = {h.name: i for i, h in enumerate(snapshot.hosts)}
+            self._index = {h.name: i for i, h in enumerate(hosts)}
+            # Ranks are folded with the host's position, so that ``max`` prefers the first of
+            # equal ranks: rank * folded + tiebreak.
+            self._folded = max(len(self._index), 1)
+            self._tiebreak = [self._folded - 1 - self._index.get(h.name, 0) for h in hosts]
             self._shapes.clear()
+            self._states = [self._state_id(h) for h in hosts]
+            self._states_seen = len(snapshot.changes)
+        elif len(snapshot.changes) > self._states_seen:
+            for name in set(snapshot.changes[self._states_seen :]):
+                if (i := self._index.get(name)) is not None:
+                    self._states[i] = self._state_id(hosts[i])
+            self._states_seen = len(snapshot.changes)
         # Memory, isolation and an MPS share's GPU memory decide which hosts can take it, not
         # how they score: two shares of equal threads but unequal memory fit different GPUs.
         shape = (request_shape(request), request.memory_mib, request.isolation, request.mps_memory_mib)
-        count = len(snapshot.hosts)
+        count = len(hosts)
         cache = self._shapes.get(shape)
         if cache is None or len(snapshot.changes) - cache.seen >= count:
             stale: range | set[int] = range(count)
@@ -220,25 +295,35 @@ class GpusharePolicy:
                 cache = self._shapes[shape] = _ShapeScores([_INFEASIBLE] * count, 0)
         else:
             stale = {self._index[name] for name in snapshot.changes[cache.seen :] if name in self._index}
-        scores = cache.scores
-        for i in stale:
-            scores[i] = self._score(snapshot.hosts[i], request, measures)
+        states, folded, tiebreak = self._states, self._folded, self._tiebreak
+        ranks = self._ranks.setdefault(shape, {})
+        cannot = self._cannot.setdefault(shape, set())
+        for i in stale:  # each state not ranked yet, on the first host found in it
+            state = states[i]
+            if state not in ranks:
+                choice = None if state in cannot else self._choose(hosts[i], request, measures)
+                ranks[state] = None if choice is None else choice[0]
+                if choice is None:
+                    cannot.add(state)
+        if isinstance(stale, range):
+            cache.scores = [
+                _INFEASIBLE if (rank := ranks[state]) is None else rank * folded + position
+                for state, position in zip(states, tiebreak, strict=True)
+            ]
+        else:
+            for i in stale:
+                rank = ranks[states[i]]
+                cache.scores[i] = _INFEASIBLE if rank is None else rank * folded + tiebreak[i]
         cache.seen = len(snapshot.changes)
+        scores = cache.scores
         best = max(scores)
         if best == _INFEASIBLE:
             return None
         # Scores carry the host's position in their lowest bits: the first of equals wins.
         return snapshot.hosts[count - 1 - best % count]
 
-    def _score(self, host: HostState, request: Request, measures: _Measures) -> int:
-        """``_rank`` of the host's best placement for ``request``, folded with its position in
-        the snapshot so that ``max`` prefers the first of equal ranks; _INFEASIBLE if none."""
-        choice = self._choose(host, request, measures)
-        if choice is None:
-            return _INFEASIBLE
-        count = max(len(self._index), 1)
-        position = self._index.get(host.name, 0)
-        return choice[0] * count + (count - 1 - position)
+    def _state_id(self, host: HostState) -> int:
+        return self._state_ids.setdefault(host_state(host), len(self._state_ids))
 
     def _choose(self, host: HostState, request: Request, measures: _Measures) -> tuple[int, int] | None:
         """(rank, free milli of the GPU a share takes, or -1) of the host's best placement."""

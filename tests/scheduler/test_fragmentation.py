@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from scheduler.placement.fragmentation import (
@@ -9,6 +11,7 @@ from scheduler.placement.fragmentation import (
     MULTI_GPU_FLOOR,
     WHOLE_NODE_WEIGHT,
     EventualWaste,
+    Fragmentation,
     StrandedCapacity,
     scarcity_weights,
     undominated_models,
@@ -88,3 +91,34 @@ def test_rare_shares_are_not_fillers() -> None:
     assert waste.gpu("G2", 190, 96000) == 190  # a 190 gap does not count on the rare 160
     models = EventualWaste([TypicalPod(4000, 500, 1, ("T4",), 1.0)])
     assert models.gpu("G2", 1000, 96000) == 1000 and models.gpu("T4", 1000, 96000) == 0
+
+
+def test_nodes_that_differ_only_in_cpu_that_cannot_matter_share_a_memo_entry_exactly() -> None:
+    """The memos key on the CPU capped where more changes nothing: every answer read from a
+    memo filled by other nodes must equal the answer worked out afresh for that node alone."""
+    rng = random.Random(7)
+    typical = [
+        TypicalPod(rng.choice((0, 2000, 6000, 12000)), milli, num, models, rng.random())
+        for milli, num, models in (
+            (250, 1, ()),
+            (470, 1, ()),
+            (1000, 1, ()),
+            (1000, 2, ()),
+            (1000, 8, ("G3",)),
+            (0, 0, ()),
+        )
+    ]
+    weights = scarcity_weights(typical, {"G2": 64, "G3": 32})
+    largest = {"G3": 128000}
+
+    def measures() -> tuple[Fragmentation, StrandedCapacity, EventualWaste]:
+        return Fragmentation(typical), StrandedCapacity(typical, weights, largest), EventualWaste(typical)
+
+    shared = measures()
+    for _ in range(600):
+        model = rng.choice(("G2", "G3"))
+        cpu_left = rng.choice((-1000, 0, 1000, 4000, 8000, 30000, 64000, 128000, rng.randrange(130000)))
+        free = tuple(sorted(rng.choice((0, 30, 250, 500, 530, 750, 1000)) for _ in range(rng.randint(1, 8))))
+        fresh = measures()
+        for n in range(3):
+            assert shared[n].amount(model, cpu_left, free) == fresh[n].amount(model, cpu_left, free)

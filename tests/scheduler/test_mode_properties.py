@@ -27,10 +27,13 @@ from scheduler.cluster import (
     Place,
     Request,
     Snapshot,
+    book,
     release,
 )
 from scheduler.cycle import run_cycle
 from scheduler.placement import get_policy
+from scheduler.placement.gpushare import GpusharePolicy
+from scheduler.placement.workload import WorkloadModel, observed_shape
 
 KIND_MODE = {"exclusive": DEDICATED, "mps": MPS, "timeslice": TIMESLICE}
 
@@ -159,3 +162,32 @@ def test_an_emptied_gpu_takes_another_mode() -> None:
     snapshot.changed("h")
     assert current_mode(gpu) == AUTO
     assert isinstance(run_cycle(snapshot, [whole], policy, 2.0)[0], Place)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_policy_that_remembers_hosts_decides_as_a_fresh_one(seed: int) -> None:
+    """gpushare remembers ranks by host state and request shape between calls and across
+    snapshots (``host_state``): every decision must be the one a policy that has seen
+    nothing before would make."""
+    rng = random.Random(seed)
+    snapshot = fleet(rng)
+    while len(snapshot.hosts) <= 4:  # fewer hosts are scored afresh every call
+        snapshot = fleet(rng)
+    workload = WorkloadModel()
+    kept = GpusharePolicy(workload)
+    for rid in range(60):
+        asked = request(rng, rid)
+        workload.observe(rid, observed_shape(asked) or (0, 0, 0, ()))
+        if rid in (20, 40):  # new typical requests: every remembered rank is void
+            workload.publish()
+        decision = kept.place(snapshot, asked)
+        assert decision == GpusharePolicy(workload).place(snapshot, asked)
+        if isinstance(decision, Place):
+            gpus = {g.uuid: g for h in snapshot.hosts for g in h.gpus}
+            for grant in decision.grants:
+                book(gpus[grant.gpu_uuid], grant)
+            next(h for h in snapshot.hosts if h.name == decision.host).take(asked.cpu_milli, asked.memory_mib)
+            snapshot.changed(decision.host)
+        if rng.random() < 0.1:  # what the control worker does each cycle: a fresh snapshot
+            snapshot = snapshot.copy()
