@@ -190,7 +190,7 @@ def test_a_real_gpu_host_makes_the_device_nodes_of_every_gpu_and_mig_instance(tm
             return []
 
     agent.device_nodes = Recorder()  # type: ignore[assignment]
-    agent._make_device_nodes()
+    agent.make_device_nodes()
     gpus = agent.context.inventory.gpus
     assert Recorder.asked == [g.uuid for g in gpus] + [m.uuid for g in gpus for m in g.mig_devices]
 
