@@ -31,6 +31,8 @@ def cpu_and_rss(pid: int) -> tuple[float, int] | None:
         pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):
         return None
+    if not pages:  # exited, not yet reaped: its figures ended with its last sample
+        return None
     return (int(stat[11]) + int(stat[12])) / CLK_TCK, pages * PAGE_KIB  # proc(5) fields 14, 15
 
 
@@ -120,12 +122,11 @@ class ProcessSampler:
         inside = [s for s in self.samples if start - self.every_s <= s.at <= end + self.every_s]
         if len(inside) < 2:
             return {}
-        first, last = inside[0], inside[-1]
-        wall = last.at - first.at
+        first = inside[0]
+        wall = inside[-1].at - first.at
         result: dict[str, dict[str, float]] = {}
-        for name in last.figures:
-            if name not in first.figures:
-                continue
+        for name in first.figures:
+            last = next(s for s in reversed(inside) if name in s.figures)  # the load's own exit first
             cpu = last.figures[name][0] - first.figures[name][0]
             if name == BACKENDS:  # a sum over backends that changed: per interval
                 cpu = sum(

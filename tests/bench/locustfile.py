@@ -43,6 +43,7 @@ _ACTIVE = itertools.cycle(CONFIG["users"][: CONFIG["active"]])
 _WATCHERS = itertools.cycle(CONFIG["users"][CONFIG["active"] :])
 # templates/sandboxes/detail.html: the status part's fallback poll (pushes do the rest).
 STATUS_POLL_S = 30
+SHED_RETRY_S = 5  # portal/overload.py's Retry-After
 MAX_LIVE = 2  # per user: with every project's quota far higher, no request is refused
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 HTMX = {"HX-Request": "true"}
@@ -124,9 +125,18 @@ class ActiveUser(FastHttpUser):
             expect(response, 200)
 
     def sign_in(self) -> None:
+        """Through the form; a 503 (counted as the failure it is) is tried again after its
+        Retry-After, as a person would, instead of browsing signed out."""
+        for _attempt in range(5):
+            status = self.sign_in_once()
+            if status != 503:
+                return
+            time.sleep(SHED_RETRY_S)
+
+    def sign_in_once(self) -> int:
         with self.client.get("/login/", name="/login/", catch_response=True) as page:
             if not expect(page, 200):
-                return
+                return page.status_code
             token = CSRF_INPUT.search(page.text or "")
         fields = {"username": self.username, "password": self.password}
         if token:
@@ -141,6 +151,7 @@ class ActiveUser(FastHttpUser):
         ) as response:
             if expect(response, 302) and "/login/" in (response.headers.get("Location") or ""):
                 response.failure(f"{self.username} was sent back to the login page")
+            return response.status_code
 
     def sandbox_fields(self, tier: str) -> dict[str, str]:
         fields = {"image": CONFIG["image"]["name"], "isolation": "container", "duration_hours": "1"}
