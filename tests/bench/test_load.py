@@ -183,6 +183,8 @@ def run_load(users: int, catalog: Any, tmp_path: Path) -> dict[str, Any]:
     # users' think time, as nginx's 75 s does for browsers: a request sent on a connection the
     # server is closing that instant fails with no status (a POST is not retried).
     env = {"UVICORN_TIMEOUT_KEEP_ALIVE": "75", "SAMPLE_INTERVAL_MS": "1000", "CYCLE_INTERVAL_S": "2"}
+    # CPU and memory for every open page's sandbox (half a core each) and the working users'.
+    env["GPUSHARE_SIM_HOST"] = f"cpus={max(64, users)},memory_gib={max(512, users)}"
     spawn_s = users / SPAWN_RATE
     warmup_s = spawn_s + SETTLE_S
     with running_platform(
