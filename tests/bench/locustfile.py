@@ -97,7 +97,7 @@ class ActiveUser(FastHttpUser):
         self.live: list[int] = []  # requested, not stopped by this user
         self.seen: list[int] = []  # every sandbox this user requested, newest last
         self.extended: set[int] = set()  # extended once each: the tier's limit stays far
-        self.command_line = Api(Credentials(url=self.host, token=account["token"]))
+        self.command_line = Api(Credentials(url=self.host or "", token=account["token"]))
         self.sign_in()
 
     def on_stop(self) -> None:
