@@ -78,6 +78,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "portal.overload.OverloadMiddleware",
     "portal.security.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -110,17 +111,36 @@ TEMPLATES = [
 ]
 
 
+# PostgreSQL connections per process (web worker, Celery worker); 0: no pool, a connection
+# per thread kept DB_CONN_MAX_AGE seconds (for PgBouncer). Every process's pool together must
+# stay under the server's max_connections (100 by default).
+DB_POOL_MAX_SIZE = env_int("DB_POOL_MAX_SIZE", 10, minimum=0)
+DB_POOL_TIMEOUT_S = env_int("DB_POOL_TIMEOUT_S", 10, minimum=1)
+
+
 def _database() -> dict[str, object]:
     url = env_str("DATABASE_URL", "")
     if url:
         try:
-            db: dict[str, object] = dict(
-                dj_database_url.parse(url, conn_max_age=env_int("DB_CONN_MAX_AGE", 60, minimum=0))
-            )
+            db: dict[str, object] = dict(dj_database_url.parse(url))
         except ValueError as exc:
             raise ConfigError(f"DATABASE_URL is not a database URL: {exc}") from exc
         if db.get("ENGINE") == "django.db.backends.sqlite3":
             db["OPTIONS"] = _SQLITE_OPTIONS
+        elif DB_POOL_MAX_SIZE:
+            # Each process holds at most DB_POOL_MAX_SIZE connections, however many threads serve
+            # its requests; a request that waits DB_POOL_TIMEOUT_S for one is answered 503 with
+            # Retry-After (portal/overload.py) instead of PostgreSQL refusing the connection.
+            # Django's pool lends a connection per request, so it wants CONN_MAX_AGE 0.
+            db["OPTIONS"] = {
+                "pool": {
+                    "min_size": min(2, DB_POOL_MAX_SIZE),
+                    "max_size": DB_POOL_MAX_SIZE,
+                    "timeout": DB_POOL_TIMEOUT_S,
+                }
+            }
+        else:  # behind PgBouncer (transaction pooling) or another pooler of the operator's
+            db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60, minimum=0)
         return db
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     return {
@@ -248,6 +268,10 @@ CACHES = {
         "KEY_PREFIX": "gpushare",
     }
 }
+
+# Sessions are read on every request and by every open socket's re-check: from the cache, with
+# the database behind it (sign-outs and expiry as before).
+SESSION_ENGINE = "django.contrib.sessions.backends.cached_db"
 
 
 def _api_rate(name: str, default: str) -> str:

@@ -22,6 +22,9 @@ from portal.scheduling import urls as scheduling
 from portal.telemetry import urls as telemetry
 from portal.tunnels import urls as tunnels
 
+# A busy database (pool exhausted, SQLite locked) anywhere in a request: 503, not 500.
+handler500 = "portal.overload.server_error"
+
 # One router, so that /api/v1/ lists every app's endpoints.
 router = DefaultRouter()
 for app_router in (billing.api_router, sandboxes.api_router, accounts.api_router, quotas.api_router):

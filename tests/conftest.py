@@ -68,12 +68,13 @@ def _scheduling_state_of_this_test_only() -> Iterator[None]:
 
     policy.forget()
     from portal.control import hosts
-    from portal.sandboxes import nudge
+    from portal.sandboxes import nudge, unread
 
     digest.clear()
     preview._fallbacks.clear()  # warmed from another test's requests
     hosts._policy_sent.clear()  # thresholds "sent" to another test's agents
     nudge.cycle_begins()  # a cycle asked for by another test's request
+    unread.forget_everyone()  # counted for another test's user of the same id
     yield
 
 

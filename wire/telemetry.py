@@ -97,6 +97,15 @@ class OutputMessage(TypedDict):
     dropped: int  # bytes the host did not keep between the previous piece and this one
 
 
+class SandboxChangedMessage(TypedDict):
+    """A sandbox moved to another state (group ``sandbox.<id>``): its open pages fetch their
+    status part once, instead of polling it (portal/sandboxes/live.py sends it)."""
+
+    type: str  # "sandbox.changed"
+    sandbox: int
+    state: str
+
+
 # The newest sample of every GPU and sampled MIG device, for /metrics: one Redis hash per
 # host (field: device UUID, value: the sample message as JSON), rewritten every tick and
 # expiring when its agent stops writing, so a silent host's figures vanish from the scrape.

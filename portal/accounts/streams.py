@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -68,11 +69,15 @@ class Recheck:
         return user is not None and self.allowed(user)
 
     async def _run(self) -> None:
+        # The first check a random part of the period in: sockets opened together (a page's
+        # several, every page after a restart) would otherwise all ask in the same instant,
+        # every period, thousands of queries at once. Never later than every_s either way.
+        await asyncio.sleep(random.uniform(0, self.every_s))  # noqa: S311 - spreading, not secrecy
         while True:
-            await asyncio.sleep(self.every_s)
             if not await database_sync_to_async(self._still_allowed)():
                 await self.revoked()
                 return
+            await asyncio.sleep(self.every_s)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())

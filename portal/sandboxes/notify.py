@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
+from portal.sandboxes import unread
 from portal.sandboxes.models import LIVE_STATES, Allocation, Notification, Sandbox, SandboxState, StopCause
 from wire import dispatch
 
@@ -31,6 +32,7 @@ def notify_owner(sandbox: Sandbox, kind: str, message: str) -> None:
     note = Notification.objects.create(
         user_id=sandbox.owner_id, sandbox=sandbox, kind=kind, message=message[:300]
     )
+    unread.forget([sandbox.owner_id])
     queue_after_commit([note.pk])
 
 
@@ -79,6 +81,7 @@ def on_first_waits(waits: list[tuple[int, int, str]]) -> None:
         )
         for pk, owner, reason in waits
     )
+    unread.forget(owner for _pk, owner, _reason in waits)
     queue_after_commit([note.pk for note in notes])  # ids returned by PostgreSQL and SQLite alike
 
 

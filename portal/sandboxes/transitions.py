@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from portal.audit import trail
 from portal.billing import ledger
-from portal.sandboxes import notify, nudge, webhooks
+from portal.sandboxes import live, notify, nudge, webhooks
 from portal.sandboxes.models import ENDED_STATES, Allocation, Sandbox, SandboxEvent, SandboxState, StopCause
 from wire.messages import to_host
 
@@ -77,6 +77,7 @@ def transition(
         sandbox.moving_plan_id = None  # lost or ended mid-move: the plan no longer owns it
         fields.append("moving_plan")
     sandbox.save(update_fields=fields)
+    live.sandbox_changed(sandbox.pk, to)
     # The operator's one line per transition (``make run`` shows it), once it is true.
     line = f"sandbox {sandbox.pk}: {previous} → {to}" + (f": {message}" if message else "")
     transaction.on_commit(lambda: log.info("%s", line))

@@ -21,7 +21,7 @@ from portal.catalog.sharing import LABELS, TIMESLICE
 from portal.catalog.storage import storage_lines
 from portal.fleet.modes import most_replicas
 from portal.inputs import whole_number
-from portal.sandboxes import actions
+from portal.sandboxes import actions, unread
 from portal.sandboxes.forms import EXTEND_CHOICES_H, SandboxRequestForm
 from portal.sandboxes.models import Allocation, Notification, Sandbox
 from portal.sandboxes.output import read_output
@@ -81,6 +81,7 @@ def notifications(request: HttpRequest) -> HttpResponse:
     mine = Notification.objects.filter(user_id=int(request.user.pk or 0)).select_related("sandbox")
     if request.method == "POST":
         mine.filter(read_at=None).update(read_at=timezone.now())
+        unread.forget([int(request.user.pk or 0)])
         return redirect("notifications")
     return render(request, "sandboxes/notifications.html", {"notifications": mine[:100]})
 

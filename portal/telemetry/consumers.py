@@ -11,7 +11,9 @@ full). So a client that stops reading costs one sample per device it watches, th
 layer is drained at the agents' pace whatever the clients do, and an agent's ``group_send``
 never waits on a browser. Alerts are few and each matters: they queue (bounded) instead.
 
-A sandbox's own stream also carries its running cost, which the portal adds (SandboxSamples).
+A sandbox's own stream also carries its running cost, which the portal adds (SandboxSamples),
+and its state changes (``sandbox.changed``, portal/sandboxes/live.py), on which its page
+fetches its status part.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ STREAM_HANDLERS = {
     "fleet.samples": "fleet_samples",
     "alert.changed": "alert_changed",
     "sandbox.output": "sandbox_output",
+    "sandbox.changed": "sandbox_changed",
 }
 # GPU-… and MIG-… UUIDs, simulated ones included; anything else is no group name to add.
 DEVICE_UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,79}")
@@ -139,6 +142,10 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
     async def sandbox_output(self, event: dict[str, Any]) -> None:
         self._outputs.append(event)  # only on a sandbox's own group: its watchers may read it
         self._wake.set()
+
+    async def sandbox_changed(self, event: dict[str, Any]) -> None:
+        # Only on a sandbox's own group; a page needs the newest state, not every step.
+        self._keep_newest(f"sandbox:{event['sandbox']}", event)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         """``{"action": "interval", "ms": N}``: at most one sample per device every N ms

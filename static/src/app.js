@@ -9,6 +9,7 @@ import { mountHeatmap } from "./heatmap.js";
 import { mountAlerts } from "./alerts.js";
 import { wireAutosubmit } from "./autosubmit.js";
 import { mountBatchOutput } from "./batch-output.js";
+import { followSandboxStatus } from "./sandbox-status.js";
 
 window.htmx = htmx;
 
@@ -27,4 +28,6 @@ document.addEventListener("DOMContentLoaded", () => {
   document.querySelectorAll("[data-autosubmit]").forEach((field) => wireAutosubmit(field));
   const output = document.getElementById("batch-output");
   if (output) mountBatchOutput(output);
+  const status = document.getElementById("status");
+  if (status && status.dataset.ws) followSandboxStatus(status);
 });

@@ -1,7 +1,8 @@
 """Many WebSocket clients in one asyncio process, for the live-telemetry benchmark.
 
 ``python -m tests.bench.telemetry_clients CONFIG.json`` reads ``base`` (ws://host:port),
-``origin``, ``cookie``, ``paths`` (one per client), ``warmup_s``, ``duration_s``,
+``origin``, ``cookie`` (or ``cookies``, one per client: each its own user), ``paths`` (one
+per client), ``warmup_s``, ``duration_s``,
 ``drain_s`` and ``out``. It opens every client, writes ``<out>.window`` with the
 measurement window (epoch seconds) once all are subscribed, reads until the window's end
 plus ``drain_s`` (so samples taken just before the end still count) and writes ``out``:
@@ -60,11 +61,13 @@ async def _read(ws: ClientConnection, start_ms: int, end_ms: int, until: float) 
 async def main(config: dict[str, Any]) -> None:
     gate = asyncio.Semaphore(CONNECT_AT_ONCE)
 
-    async def opened(path: str) -> ClientConnection:
+    async def opened_as(path: str, cookie: str) -> ClientConnection:
         async with gate:
-            return await _open(config["base"], path, config["origin"], config["cookie"])
+            return await _open(config["base"], path, config["origin"], cookie)
 
-    sockets = await asyncio.gather(*(opened(p) for p in config["paths"]))
+    paths = config["paths"]
+    cookies = config.get("cookies") or [config["cookie"]] * len(paths)
+    sockets = await asyncio.gather(*(opened_as(p, c) for p, c in zip(paths, cookies, strict=True)))
     start = time.time() + config["warmup_s"]
     end = start + config["duration_s"]
     out = Path(config["out"])

@@ -132,7 +132,7 @@ class Platform:
             GPUSHARE_SIM_GPUS=sim_gpus,
             GPU_BACKEND="simulated",
             SANDBOX_DRIVER=driver,
-            SAMPLE_INTERVAL_MS="500",
+            SAMPLE_INTERVAL_MS=self.extra_env.get("SAMPLE_INTERVAL_MS", "500"),
         )
         self.start(
             "beat",
@@ -152,11 +152,14 @@ class Platform:
             GPUSHARE_ROLE="control",
         )  # fmt: skip
 
-    def start_web(self, tls: tuple[Path, Path] | None = None, name: str = "127.0.0.1") -> str:
+    def start_web(
+        self, tls: tuple[Path, Path] | None = None, name: str = "127.0.0.1", workers: int = 1
+    ) -> str:
         """The ASGI server on loopback; over HTTPS with ``tls`` (certificate, key), its users
         reaching it as ``name`` (PORTAL_URL). Apps are served on their own origins, as make run
         serves them (Chromium resolves <sandbox>-<key>.apps.localhost to loopback by itself),
-        unless the platform's environment names another APPS_DOMAIN."""
+        unless the platform's environment names another APPS_DOMAIN. ``workers``: uvicorn's
+        worker processes, as deploy/systemd/gpushare-web.service runs WEB_WORKERS of them."""
         self.port = free_port()
         scheme = "https" if tls else "http"
         defaults = {"PORTAL_URL": f"{scheme}://{name}:{self.port}", "APPS_DOMAIN": "apps.localhost"}
@@ -173,6 +176,7 @@ class Platform:
                 "--port",
                 str(self.port),
                 "--no-proxy-headers",  # as every gpushare web server runs (portal/asgi.py)
+                *(("--workers", str(workers)) if workers > 1 else ()),
                 *(("--ssl-certfile", str(tls[0]), "--ssl-keyfile", str(tls[1])) if tls else ()),
             ],
             **env,
@@ -273,6 +277,7 @@ def running_platform(
     database_url: str | None = None,
     redis_url: str | None = None,
     extra_env: dict[str, str] | None = None,
+    web_workers: int = 1,
     **workers: Any,
 ) -> Iterator[Platform]:
     (tmp_path / "logs").mkdir(exist_ok=True)
@@ -287,7 +292,7 @@ def running_platform(
     try:
         platform.start_workers(**workers)
         if web:
-            platform.start_web()
+            platform.start_web(workers=web_workers)
         wait_for(lambda: _has_inventory(platform), 60, "the agent's inventory")
         yield platform
     except BaseException:
