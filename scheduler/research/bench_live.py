@@ -8,7 +8,8 @@ policy learning online) and FGD as the paper runs it (our re-implementation, che
 against the published curves in the ``trace`` section). Per trace: unallocated GPU % at
 arrived 90/100/130 (median over seeds), the multi-GPU demand that failed before arrived
 100 % and where the first multi-GPU pod failed; then the default trace's whole curve from
-arrived 50 to 130 %.
+arrived 50 to 130 %. A second section, from the same replays, gives each class's failures
+(multi-GPU, 1 GPU, shares: ``bench_classes``).
 """
 
 from __future__ import annotations

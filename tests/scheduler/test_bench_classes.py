@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.research.bench_classes import MULTI, ONE, SHARES, class_failures, failed_in, main, render
+from scheduler.research.bench_live import Runs, classes_section
 from scheduler.research.replay import main as replay_main
 from scheduler.research.trace import PodSpec, build_workload, load_nodes, load_pods
 from tests.scheduler.test_trace_replay import write_trace
@@ -55,3 +56,17 @@ def test_the_table_marks_where_the_portal_fails_more_than_fgd() -> None:
     assert "| cpu250 | **17.98 / 10.09** | 4.50 / 7.10 | 3.90 / 6.50 |" in section
     assert "| default | 0.89 / 0.89 |" in section
     assert "no more than under FGD on 1 of 2 traces" in section
+
+
+def test_bench_live_renders_the_class_medians_of_its_replays() -> None:
+    ours, fgd = Runs(), Runs()
+    ours.class_failed = {
+        42: {MULTI: 10.0, ONE: 1.0},
+        43: {MULTI: 20.0, ONE: 3.0},
+        44: {MULTI: 12.0, ONE: 2.0},
+    }
+    fgd.class_failed = {42: {MULTI: 11.0, ONE: 4.0}, 43: {MULTI: 11.0, ONE: 4.0}, 44: {MULTI: 11.0, ONE: 4.0}}
+    section = classes_section({"openb_pod_list_cpu250": {"gpushare": ours, "fgd": fgd}}, "cmd")
+    assert section.startswith("<!-- bench:packing-classes:begin -->")
+    assert "seeds 42-44" in section
+    assert "| cpu250 | **12.00 / 11.00** | 2.00 / 4.00 | - |" in section
