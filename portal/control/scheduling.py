@@ -230,6 +230,7 @@ def _decide_and_commit(queued: list[Queued], now: float, name: str, report: Cycl
                 fairshare=fairshare, now=now, policy=name,
                 typical=model.typical if model else [],
                 multi_gpu_share=model.multi_gpu_share if model else 0.0,
+                multi_gpu=model.multi_gpu if model else [],
             )  # fmt: skip
 
 

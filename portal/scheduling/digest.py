@@ -33,7 +33,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import redis
@@ -96,6 +96,7 @@ def encode(
     policy: str,
     typical: list[TypicalPod],
     multi_gpu_share: float,
+    multi_gpu: list[TypicalPod] | None = None,
 ) -> bytes:
     """The digest's body: compact JSON of rows (lists), not of objects with named fields."""
     body = {
@@ -117,6 +118,9 @@ def encode(
         },
         "typical": [[t.cpu_milli, t.gpu_milli, t.num_gpu, list(t.models), t.probability] for t in typical],
         "multi_gpu_share": multi_gpu_share,
+        "multi_gpu": [
+            [t.cpu_milli, t.gpu_milli, t.num_gpu, list(t.models), t.probability] for t in multi_gpu or []
+        ],
     }
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -219,6 +223,9 @@ class Digest:
     fairshare: FairShareState
     typical: list[TypicalPod]
     multi_gpu_share: float
+    # The multi-GPU request shapes the worker's model has seen (the policy keeps room for
+    # them); absent from a digest an older worker wrote.
+    multi_gpu: list[TypicalPod] = field(default_factory=list)
 
     @property
     def running(self) -> list[Running]:
@@ -392,6 +399,9 @@ def decode(body: bytes, digest_hash: str = "", written_at: float = 0.0) -> Diges
             ),
             typical=[TypicalPod(c, m, n, tuple(models), p) for c, m, n, models, p in data["typical"]],
             multi_gpu_share=float(data["multi_gpu_share"]),
+            multi_gpu=[
+                TypicalPod(c, m, n, tuple(models), p) for c, m, n, models, p in data.get("multi_gpu", [])
+            ],
         )
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("scheduling state undecodable, ignored: %r", exc)

@@ -131,7 +131,7 @@ def _from_last_cycle(state: digest.Digest, mine: Request, now: float) -> Preview
                 return None
         model = workload_of(policy)
         if model is not None:
-            model.adopt(state.typical, state.multi_gpu_share)
+            model.adopt(state.typical, state.multi_gpu_share, state.multi_gpu)
         snapshot = _fleet.follow(state)
         if snapshot is None:
             return None

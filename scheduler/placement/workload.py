@@ -117,6 +117,9 @@ class WorkloadModel:
         # The part of the GPU demand that comes in requests for several GPUs, typical or
         # not: what keeps whole hosts whole for them (see ``StrandedCapacity``).
         self.multi_gpu_share = 0.0
+        # Every multi-GPU request shape seen, with its part of the multi-GPU demand: what
+        # ``MultiGpuRoom`` keeps room for (few are common enough to be typical).
+        self.multi_gpu: list[TypicalPod] = []
 
     @property
     def observed(self) -> int:
@@ -141,14 +144,18 @@ class WorkloadModel:
             return True
         return False
 
-    def adopt(self, typical: list[TypicalPod], multi_gpu_share: float) -> None:
+    def adopt(
+        self, typical: list[TypicalPod], multi_gpu_share: float, multi_gpu: list[TypicalPod] | None = None
+    ) -> None:
         """Take another model's publication as this one's: for a process that does not see
         the requests itself (the web server mirrors the control worker's model). A new
         version only when it differs, so scores computed with the same publication stay."""
-        if typical == self.typical and multi_gpu_share == self.multi_gpu_share:
+        multi_gpu = multi_gpu or []
+        if (typical, multi_gpu_share, multi_gpu) == (self.typical, self.multi_gpu_share, self.multi_gpu):
             return
         self.typical = list(typical)
         self.multi_gpu_share = multi_gpu_share
+        self.multi_gpu = list(multi_gpu)
         self.version += 1
 
     def publish(self) -> None:
@@ -156,5 +163,12 @@ class WorkloadModel:
         demand = sum(milli * num_gpu * n for (_, milli, num_gpu, _), n in self._counts.items())
         multi = sum(milli * num_gpu * n for (_, milli, num_gpu, _), n in self._counts.items() if num_gpu > 1)
         self.multi_gpu_share = multi / demand if demand else 0.0
+        self.multi_gpu = [
+            TypicalPod(cpu, milli, num_gpu, models, milli * num_gpu * n / multi)
+            for (cpu, milli, num_gpu, models), n in sorted(
+                self._counts.items(), key=lambda kv: _sort_key(kv[0])
+            )
+            if num_gpu > 1 and n
+        ]
         self.version += 1
         self._next_refresh = self._observed + min(max(self._observed, MIN_OBSERVED), REFRESH_EVERY)

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 from scheduler.research.bench_consolidation import matrix as consolidation_matrix
 from scheduler.research.bench_consolidation import render as consolidation_render
 from scheduler.research.bench_cycle import cycle_section, live_section, measure_cycle, measure_live
 from scheduler.research.bench_defrag import mig_replay_table, run_mig_replay
+from scheduler.research.bench_live import Runs, classes_section, run_all
 from scheduler.research.bench_live import render as live_traces_render
-from scheduler.research.bench_live import run_all
 from scheduler.research.bench_markdown import framed, without_markers, write_section
 from scheduler.research.bench_scale import print_json
 from scheduler.research.bench_scale import render as scale_render
@@ -54,9 +55,18 @@ def trace_section() -> str:
     return trace_render(DEFAULT_PODS.stem, curves, walls, 2)
 
 
+@cache
+def live_trace_runs() -> dict[str, dict[str, Runs]]:
+    """The 17 traces' replays, run once for both sections that report them."""
+    return run_all(anchored_traces(), tuple(range(42, 52)), workers=2)
+
+
 def live_traces_section() -> str:
-    runs = run_all(anchored_traces(), tuple(range(42, 52)), workers=2)
-    return live_traces_render(runs, "python -m scheduler.research.bench --only live-traces", 2)
+    return live_traces_render(live_trace_runs(), "python -m scheduler.research.bench --only live-traces", 2)
+
+
+def packing_classes_section() -> str:
+    return classes_section(live_trace_runs(), "python -m scheduler.research.bench --only packing-classes")
 
 
 SECTIONS: dict[str, Callable[[], str]] = {
@@ -71,6 +81,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     ),
     "scale": lambda: scale_render(scale_rows()),
     "live-traces": live_traces_section,
+    "packing-classes": packing_classes_section,
 }
 
 

@@ -8,7 +8,8 @@ policy learning online) and FGD as the paper runs it (our re-implementation, che
 against the published curves in the ``trace`` section). Per trace: unallocated GPU % at
 arrived 90/100/130 (median over seeds), the multi-GPU demand that failed before arrived
 100 % and where the first multi-GPU pod failed; then the default trace's whole curve from
-arrived 50 to 130 %.
+arrived 50 to 130 %. A second section, from the same replays, gives each class's failures
+(multi-GPU, 1 GPU, shares: ``bench_classes``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
 
-from scheduler.research.bench_markdown import write_section
+from scheduler.research.bench_classes import MULTI, class_failures, median_by_class
+from scheduler.research.bench_classes import render as classes_render
+from scheduler.research.bench_markdown import without_markers, write_section
 from scheduler.research.bench_trace import (
     TRACES,
     Curve,
@@ -51,34 +54,30 @@ class Runs:
     multi_failed_pct: dict[int, float] = field(default_factory=dict)
     first_multi_failure: dict[int, float | None] = field(default_factory=dict)
     walls: list[float] = field(default_factory=list)
+    # Per seed: % of each class's GPU demand that failed before arrived 100 % (bench_classes).
+    class_failed: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def multi_gpu_failures(workload: Workload, result: ReplayResult) -> tuple[float, float | None]:
-    """% of the multi-GPU demand arriving before arrived 100 % that failed, and the arrived %
-    at the first multi-GPU pod that failed (None: none did)."""
-    asked = failed = 0
-    first: float | None = None
-    before = 0
+def first_multi_gpu_failure(workload: Workload, result: ReplayResult) -> float | None:
+    """The arrived % at the first multi-GPU pod that failed (None: none did)."""
     for pod, node, arrived in zip(workload.pods, result.node, result.arrived_milli, strict=True):
-        if pod.num_gpu > 1:
-            if node < 0 and first is None:
-                first = result.pct(arrived)
-            if result.pct(before) < 100:
-                asked += pod.total_gpu_milli
-                failed += pod.total_gpu_milli if node < 0 else 0
-        before = arrived
-    return (100 * failed / asked if asked else 0.0), first
+        if pod.num_gpu > 1 and node < 0:
+            return result.pct(arrived)
+    return None
 
 
-def run_job(job: tuple[str, str, int]) -> tuple[str, str, int, Curve, float, float | None, float]:
+def run_job(
+    job: tuple[str, str, int],
+) -> tuple[str, str, int, Curve, float, float | None, float, dict[str, float]]:
     trace, policy, seed = job
     workload = build_workload(load_nodes(NODES), load_pods(TRACES / f"{trace}.csv"), seed, 1.3)
     result = replay_live(workload, DEFAULT_BATCH) if policy == "gpushare" else replay(workload, policy)
     curve = bucket_curve(
         [result.pct(m) for m in result.arrived_milli], [result.pct(m) for m in result.used_milli]
     )
-    failed, first = multi_gpu_failures(workload, result)
-    return trace, policy, seed, curve, failed, first, result.wall_s
+    classes = class_failures(workload.pods, [n < 0 for n in result.node], workload.capacity_milli)
+    failed, first = classes.get(MULTI, 0.0), first_multi_gpu_failure(workload, result)
+    return trace, policy, seed, curve, failed, first, result.wall_s, classes
 
 
 def run_all(traces: list[str], seeds: tuple[int, ...], workers: int) -> dict[str, dict[str, Runs]]:
@@ -87,8 +86,9 @@ def run_all(traces: list[str], seeds: tuple[int, ...], workers: int) -> dict[str
     jobs.sort(key=lambda j: j[1] != "gpushare")
     runs = {t: {p: Runs() for p in POLICIES} for t in traces}
     with Pool(workers) as pool:
-        for trace, policy, seed, curve, failed, first, wall in pool.imap_unordered(run_job, jobs):
+        for trace, policy, seed, curve, failed, first, wall, classes in pool.imap_unordered(run_job, jobs):
             run = runs[trace][policy]
+            run.class_failed[seed] = classes
             run.curves[seed], run.multi_failed_pct[seed], run.first_multi_failure[seed] = curve, failed, first
             run.walls.append(wall)
     return runs
@@ -162,6 +162,16 @@ def render(runs: dict[str, dict[str, Runs]], command: str, workers: int) -> str:
     return "\n".join([*lines, END])
 
 
+def classes_section(runs: dict[str, dict[str, Runs]], command: str) -> str:
+    """The per-class failure table (``bench_classes``) from the same replays."""
+    seeds = sorted({s for r in runs.values() for s in r["gpushare"].class_failed})
+    rows = {
+        trace: (median_by_class(r["gpushare"].class_failed), median_by_class(r["fgd"].class_failed))
+        for trace, r in runs.items()
+    }
+    return classes_render(rows, seeds, command)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -176,10 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m scheduler.research.bench_live " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    section = render(runs, command.strip(), args.workers)
-    print(section.replace(BEGIN, "").replace(END, "").strip())
-    if args.out:
-        write_section(args.out, section)
+    sections = [render(runs, command.strip(), args.workers), classes_section(runs, command.strip())]
+    for section in sections:
+        print(without_markers(section), end="\n\n")
+        if args.out:
+            write_section(args.out, section)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from scheduler.placement.fragmentation import (
     WHOLE_NODE_WEIGHT,
     EventualWaste,
     Fragmentation,
+    MultiGpuRoom,
     StrandedCapacity,
     scarcity_weights,
     undominated_models,
@@ -34,23 +35,41 @@ def test_stranded_capacity_counts_cpu_and_share_copies() -> None:
     assert pairs.amount("G2", 8000, (0, 500, 1000, 1000, 1000)) == 1500  # one pair of whole GPUs
 
 
-def test_breaking_a_largest_node_costs_by_the_multi_gpu_demand() -> None:
+def test_room_for_multi_gpu_work_needs_idle_gpus_and_cpu_and_weighs_by_their_demand() -> None:
     nodes = {("G3", 128000, 8), ("G2", 96000, 8), ("A10", 128000, 1)}
     assert undominated_models(nodes) == {"G3": 128000}
-    typical = [TypicalPod(1000, 1000, 8, (), 0.5), TypicalPod(1000, 1000, 1, (), 0.5)]
-    stranded = StrandedCapacity(typical, [0.5, 0.5], {"G3": 128000})
+    kinds = [("G3", 128000, 8, 1), ("G2", 96000, 8, 1)]
+    eight = [TypicalPod(88000, 1000, 8, (), 1.0)]
+    room = MultiGpuRoom(eight, 0.2, kinds)
     seven = (0,) + (1000,) * 7
-    assert stranded.amount("G3", 128000, (1000,) * 8) == 0
-    assert stranded.amount("G2", 95000, seven) == 0.5 * 7000  # no room for the 8-GPU pod
-    assert stranded.amount("G3", 127000, seven) == 0.5 * 7000 + WHOLE_NODE_WEIGHT * 0.5 * 7000
-    # Its CPU taken (a CPU-only request) breaks it as surely as a GPU taken.
-    assert stranded.amount("G3", 127000, (1000,) * 8) == WHOLE_NODE_WEIGHT * 0.5 * 8000
-    # Told the multi-GPU part of the demand (the workload model knows it even when no such
-    # request is typical), that is what it weighs; never less than the floor.
-    learned = StrandedCapacity(typical[1:], [1.0], {"G3": 128000}, multi_gpu_share=0.2)
-    assert learned.amount("G3", 127000, seven) == WHOLE_NODE_WEIGHT * 0.2 * 7000
-    unseen = StrandedCapacity(typical[1:], [1.0], {"G3": 128000}, multi_gpu_share=0.0)
-    assert unseen.amount("G3", 127000, seven) == pytest.approx(WHOLE_NODE_WEIGHT * MULTI_GPU_FLOOR * 7000)
+    weight = WHOLE_NODE_WEIGHT * 0.2
+    assert room.amount("G3", 128000, (1000,) * 8) == pytest.approx(weight * 8000)  # one copy fits
+    assert room.amount("G2", 96000, (1000,) * 8) == pytest.approx(weight * 8000)
+    # A GPU taken, or too much CPU (a CPU-only request), and there is no room left for it.
+    assert room.amount("G2", 96000, seven) == 0
+    assert room.amount("G2", 80000, (1000,) * 8) == 0
+    # Pairs: as many copies as idle GPUs and CPU allow.
+    pairs = MultiGpuRoom([TypicalPod(16000, 1000, 2, (), 1.0)], 0.2, kinds)
+    assert pairs.amount("G2", 40000, seven) == pytest.approx(weight * 2 * 2000)  # CPU for two
+    # Never weighed below the floor, though no multi-GPU request was seen yet.
+    unseen = MultiGpuRoom(eight, 0.0, kinds)
+    assert unseen.amount("G2", 96000, (1000,) * 8) == pytest.approx(
+        WHOLE_NODE_WEIGHT * MULTI_GPU_FLOOR * 8000
+    )
+
+
+def test_a_multi_gpu_shape_few_nodes_can_take_weighs_more() -> None:
+    # Half the multi-GPU demand fits the G2 nodes too, half only the one G3 node.
+    kinds = [("G3", 128000, 8, 1), ("G2", 96000, 8, 3)]
+    shapes = [TypicalPod(88000, 1000, 8, (), 0.5), TypicalPod(120000, 1000, 8, (), 0.5)]
+    room = MultiGpuRoom(shapes, 1.0, kinds)
+    weights = {t.cpu_milli: t.probability for t in room.shapes}
+    assert weights[120000] == pytest.approx(4 * weights[88000])  # 32 GPUs can take it against 8
+    assert sum(weights.values()) == pytest.approx(1.0)
+    # So a G3 loses more room to a CPU-only request than a G2 does.
+    g3 = room.amount("G3", 128000, (1000,) * 8) - room.amount("G3", 100000, (1000,) * 8)
+    g2 = room.amount("G2", 96000, (1000,) * 8) - room.amount("G2", 60000, (1000,) * 8)
+    assert g3 == pytest.approx(4 * g2) and g2 > 0
 
 
 def test_rare_models_weigh_more() -> None:
@@ -109,10 +128,9 @@ def test_nodes_that_differ_only_in_cpu_that_cannot_matter_share_a_memo_entry_exa
         )
     ]
     weights = scarcity_weights(typical, {"G2": 64, "G3": 32})
-    largest = {"G3": 128000}
 
     def measures() -> tuple[Fragmentation, StrandedCapacity, EventualWaste]:
-        return Fragmentation(typical), StrandedCapacity(typical, weights, largest), EventualWaste(typical)
+        return Fragmentation(typical), StrandedCapacity(typical, weights), EventualWaste(typical)
 
     shared = measures()
     for _ in range(600):

@@ -80,7 +80,9 @@ def placed(policy: GpusharePolicy, snapshot: Snapshot, request: Request) -> Plac
 def test_ties_in_fgd_go_to_the_host_that_strands_less() -> None:
     # A CPU-only request leaves both hosts able to run one more typical pod: FGD sees a tie.
     # On 'tight' it would strand a GPU (CPU for one copy, two GPUs); 'roomy' keeps both usable.
-    snapshot = fleet(("tight", 20000, 2, "G2"), ("roomy", 40000, 2, "G2"))
+    # ('big', the largest host, is kept whole either way: without it 'roomy' would be the
+    # largest, and keeping that whole for multi-GPU requests ranks with FGD's score.)
+    snapshot = fleet(("tight", 20000, 2, "G2"), ("roomy", 40000, 2, "G2"), ("big", 96000, 8, "G2"))
     assert placed(knowing([TypicalPod(10000, 1000, 1, (), 1.0)]), snapshot, cpu_only(10000)).host == "roomy"
 
 
@@ -106,6 +108,35 @@ def test_whole_gpus_and_cpu_only_requests_stay_off_the_largest_hosts_before_any_
     assert policy.workload.typical == []
     assert placed(policy, snapshot, whole(cpu=11300)).host == "g2"
     assert placed(policy, snapshot, cpu_only(12500)).host == "g2"
+
+
+def test_small_requests_keep_off_the_host_a_learnt_multi_gpu_request_needs() -> None:
+    # The cpu250 trace's failure in small: 8-GPU requests of 88 cores are a third of the GPU
+    # demand but too rare to be typical. A CPU-only request of 32 cores on 'pair' leaves it
+    # too little CPU for a typical single GPU, which FGD's score sees; on 'eight' it strands
+    # nothing typical. Ranked below FGD's score the whole node's cost never decided, the
+    # request took 'eight' and the 8-GPU request then fitted nowhere.
+    snapshot = fleet(("eight", 96000, 8, "G2"), ("pair", 40000, 2, "T4"))
+    policy = knowing([TypicalPod(12000, 1000, 1, (), 1.0)])
+    policy.workload.multi_gpu_share = 0.3
+    policy.workload.multi_gpu = [TypicalPod(88000, 1000, 8, (), 1.0)]
+    small = placed(policy, snapshot, cpu_only(32000))
+    assert small.host == "pair"
+    next(h for h in snapshot.hosts if h.name == "pair").take(32000, 0)
+    snapshot.changed("pair")
+    assert placed(policy, snapshot, whole(gpus=8, cpu=88000, rid=2)).host == "eight"
+
+
+def test_the_model_keeps_every_multi_gpu_shape_by_its_part_of_their_demand() -> None:
+    model = WorkloadModel()
+    for key in range(MIN_OBSERVED):
+        shape = (
+            (4000, 470, 1, ()) if key % 50 else ((88000, 1000, 8, ()) if key % 100 else (16000, 1000, 2, ()))
+        )
+        model.observe(key, shape)
+    # Two of 200 requests each: neither is typical, both are kept, by the GPUs they ask for.
+    assert all(t.num_gpu == 1 for t in model.typical)
+    assert {(t.num_gpu, round(t.probability, 3)) for t in model.multi_gpu} == {(8, 0.8), (2, 0.2)}
 
 
 def test_an_idle_gpu_following_demand_takes_any_mode_and_a_used_one_only_its_own() -> None:
@@ -152,13 +183,15 @@ def test_a_mirror_takes_another_models_publication_and_versions_only_changes() -
         source.observe(key, (4000, 470, 1, ()) if key % 4 else (8000, 1000, 2, ()))
     assert source.typical
     mirror = WorkloadModel()
-    mirror.adopt(source.typical, source.multi_gpu_share)
-    assert (mirror.typical, mirror.multi_gpu_share, mirror.version) == (
+    mirror.adopt(source.typical, source.multi_gpu_share, source.multi_gpu)
+    assert (mirror.typical, mirror.multi_gpu_share, mirror.multi_gpu, mirror.version) == (
         source.typical,
         source.multi_gpu_share,
+        source.multi_gpu,
         1,
     )
-    mirror.adopt(list(source.typical), source.multi_gpu_share)  # the same publication again
+    # the same publication again
+    mirror.adopt(list(source.typical), source.multi_gpu_share, list(source.multi_gpu))
     assert mirror.version == 1
 
 
