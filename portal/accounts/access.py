@@ -41,3 +41,17 @@ def can_manage_sandbox_by_token(user: Any, sandbox: Any, scopes: Collection[str]
             user=user, project_id=sandbox.project_id, role=Membership.Role.MANAGER
         ).exists()
     )
+
+
+def memberships_among(
+    user_ids: Collection[int], project_ids: Collection[int], role: str | None = None
+) -> set[tuple[int, int]]:
+    """The (user id, project id) pairs with a membership (of ``role`` when given) among these,
+    in one query: the bulk form of the membership rules above, for asking about many open
+    streams at once (``portal.accounts.streams``)."""
+    if not user_ids or not project_ids:
+        return set()
+    memberships = Membership.objects.filter(user_id__in=set(user_ids), project_id__in=set(project_ids))
+    if role is not None:
+        memberships = memberships.filter(role=role)
+    return set(memberships.values_list("user_id", "project_id"))

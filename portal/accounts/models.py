@@ -46,7 +46,7 @@ class Membership(models.Model):
         return f"{self.user} in {self.project} ({self.role})"
 
 
-def _hash_token(key: str) -> str:
+def token_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
@@ -113,7 +113,7 @@ class ApiToken(models.Model):
         token = cls.objects.create(
             user=user,
             name=name,
-            key_hash=_hash_token(key),
+            key_hash=token_hash(key),
             key_prefix=key[:12],
             scopes=scopes,
             expires_at=expires_at,
@@ -123,4 +123,4 @@ class ApiToken(models.Model):
     @classmethod
     def find(cls, key: str) -> ApiToken | None:
         """The token with this key, whatever its state (the caller says why it is refused)."""
-        return cls.objects.select_related("user").filter(key_hash=_hash_token(key)).first()
+        return cls.objects.select_related("user").filter(key_hash=token_hash(key)).first()

@@ -12,7 +12,7 @@ CPU and memory, and an operator bills that as a cloud bills a CPU instance, by t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -112,3 +112,13 @@ def sandbox_usage(sandbox_id: int | str) -> list[UsageRecord]:
 def cost_by(records: Iterable[UsageRecord], at: datetime) -> int:
     """What a sandbox's usage ``records`` had cost by ``at``, all its placements together."""
     return sum(running_cost_micros(r, at) for r in records)
+
+
+def sandboxes_usage(sandbox_ids: Collection[int]) -> dict[int, list[UsageRecord]]:
+    """``sandbox_usage`` for many sandboxes in one query (every open sandbox stream's, at each
+    re-check), each list oldest first; a sandbox without intervals maps to []."""
+    usage: dict[int, list[UsageRecord]] = {pk: [] for pk in sandbox_ids}
+    records = UsageRecord.objects.filter(sandbox_id__in=usage).order_by("sandbox_id", "started_at", "pk")
+    for record in records.only("sandbox_id", *COSTED_FIELDS):
+        usage[record.sandbox_id].append(record)
+    return usage

@@ -3,11 +3,12 @@ history/alert endpoints so a chart's history and its live samples are never gran
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from django.db.models import Q
 
-from portal.accounts.access import visible_projects
+from portal.accounts.access import memberships_among, visible_projects
 from portal.sandboxes.models import Allocation, Sandbox
 
 
@@ -46,3 +47,42 @@ def sandboxes_seen_on_gpu(user: Any, uuid: str) -> set[int] | None:
 
 def may_watch_fleet(user: Any) -> bool:
     return user is not None and user.is_authenticated and user.is_staff
+
+
+# The same rules for many open streams at once (portal/accounts/streams.py asks them for every
+# open socket each period): a fixed number of queries whatever the number of (user, object)
+# pairs. Users come from ``streams.current_users``: signed in and active.
+
+
+def watchable_sandboxes(asks: Sequence[tuple[Any, int]]) -> list[bool]:
+    """``may_watch_sandbox`` for each (user, sandbox id), in two queries."""
+    project_of = dict(Sandbox.objects.filter(pk__in={pk for _, pk in asks}).values_list("pk", "project_id"))
+    members = memberships_among({user.pk for user, _ in asks if not user.is_staff}, set(project_of.values()))
+    return [pk in project_of and (user.is_staff or (user.pk, project_of[pk]) in members) for user, pk in asks]
+
+
+def sandboxes_seen_on_gpus(asks: Sequence[tuple[Any, str]]) -> list[frozenset[int] | None]:
+    """``sandboxes_seen_on_gpu`` for each (user, GPU uuid), in two queries: None for admins
+    (every tenant's), else the sandboxes of theirs on it, and an empty set means they may no
+    longer watch it (``may_watch_gpu``: a sandbox of their projects must hold it)."""
+    uuids = {uuid for user, uuid in asks if not user.is_staff}
+    holders: dict[str, set[tuple[int, int]]] = {}  # uuid -> {(sandbox id, project id)}
+    if uuids:
+        allocations = Allocation.objects.filter(
+            Q(device_uuid__in=uuids) | Q(gpu__uuid__in=uuids), active=True
+        )
+        for device, gpu, sandbox, project in allocations.values_list(
+            "device_uuid", "gpu__uuid", "sandbox_id", "sandbox__project_id"
+        ):
+            for uuid in {device, gpu} & uuids:
+                holders.setdefault(uuid, set()).add((sandbox, project))
+    members = memberships_among(
+        {user.pk for user, _ in asks if not user.is_staff},
+        {project for held in holders.values() for _, project in held},
+    )
+    return [
+        None
+        if user.is_staff
+        else frozenset(sandbox for sandbox, project in holders.get(uuid, ()) if (user.pk, project) in members)
+        for user, uuid in asks
+    ]

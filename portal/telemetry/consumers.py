@@ -23,16 +23,24 @@ import contextlib
 import logging
 import re
 from collections import deque
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Self
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from portal.accounts.streams import Recheck
-from portal.billing.ledger import cost_by, sandbox_usage
+from portal.accounts.streams import open_streams
+from portal.billing.ledger import cost_by, sandbox_usage, sandboxes_usage
 from portal.billing.models import UsageRecord
-from portal.telemetry.access import may_watch_fleet, may_watch_gpu, may_watch_sandbox, sandboxes_seen_on_gpu
+from portal.telemetry.access import (
+    may_watch_fleet,
+    may_watch_gpu,
+    may_watch_sandbox,
+    sandboxes_seen_on_gpu,
+    sandboxes_seen_on_gpus,
+    watchable_sandboxes,
+)
 from wire.telemetry import FLEET_GROUP, gpu_group, sandbox_group
 
 log = logging.getLogger(__name__)
@@ -67,7 +75,6 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
         self._interval_s = 0.0
         self._interval_changed = asyncio.Event()
         self._sender: asyncio.Task[None] | None = None
-        self._recheck: Recheck | None = None
         self.coalesced = 0  # samples replaced before they were sent (for tests and logs)
 
     def start_sender(self) -> None:
@@ -83,8 +90,7 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
         self.group = group
         self.start_sender()
         await self.channel_layer.group_add(group, self.channel_name)
-        self._recheck = Recheck(self.scope, lambda user: self.authorize(user) == group, self._revoked)
-        self._recheck.start()
+        open_streams().watch(self, self._revoked)
 
     async def _revoked(self) -> None:
         log.info(
@@ -95,8 +101,7 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
         await self.close(code=FORBIDDEN)
 
     async def disconnect(self, code: int) -> None:
-        if self._recheck is not None:
-            await self._recheck.stop()
+        open_streams().forget(self)
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
         if self._sender is not None:
@@ -185,6 +190,12 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
     def authorize(self, user: Any) -> str | None:
         raise NotImplementedError
 
+    @classmethod
+    def still_allowed_all(cls, asks: Sequence[tuple[Self, Any]]) -> list[bool]:
+        """``authorize`` again for every open socket of this class at once (bulk queries),
+        updating what each one filters or adds as ``authorize`` does."""
+        raise NotImplementedError
+
 
 class SandboxSamples(_SampleConsumer):
     """A sandbox's own samples, each with its running cost added to its figures: agents know
@@ -201,6 +212,16 @@ class SandboxSamples(_SampleConsumer):
             return None
         self.usage = sandbox_usage(sandbox_id)
         return sandbox_group(sandbox_id)
+
+    @classmethod
+    def still_allowed_all(cls, asks: Sequence[tuple[Self, Any]]) -> list[bool]:
+        ids = [int(c.scope["url_route"]["kwargs"]["sandbox_id"]) for c, _ in asks]
+        allowed = watchable_sandboxes([(user, pk) for (_, user), pk in zip(asks, ids, strict=True)])
+        usage = sandboxes_usage({pk for pk, ok in zip(ids, allowed, strict=True) if ok})
+        for (consumer, _), pk, ok in zip(asks, ids, allowed, strict=True):
+            if ok:
+                consumer.usage = usage[pk]
+        return allowed
 
     async def gpu_sample(self, event: dict[str, Any]) -> None:
         key = str(self.scope["url_route"]["kwargs"]["sandbox_id"])
@@ -223,7 +244,20 @@ class GpuSamples(_SampleConsumer):
         self.only = None if seen is None else frozenset(str(pk) for pk in seen)
         return gpu_group(uuid)
 
+    @classmethod
+    def still_allowed_all(cls, asks: Sequence[tuple[Self, Any]]) -> list[bool]:
+        seen_all = sandboxes_seen_on_gpus(
+            [(user, c.scope["url_route"]["kwargs"]["uuid"]) for c, user in asks]
+        )
+        for (consumer, _), seen in zip(asks, seen_all, strict=True):
+            consumer.only = None if seen is None else frozenset(str(pk) for pk in seen)
+        return [seen is None or bool(seen) for seen in seen_all]
+
 
 class FleetSamples(_SampleConsumer):
     def authorize(self, user: Any) -> str | None:
         return FLEET_GROUP if may_watch_fleet(user) else None
+
+    @classmethod
+    def still_allowed_all(cls, asks: Sequence[tuple[Self, Any]]) -> list[bool]:
+        return [may_watch_fleet(user) for _, user in asks]

@@ -12,7 +12,8 @@ the app session, the portal session behind it and the owner's right are checked 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Self
 
 from channels.db import database_sync_to_async
 from websockets.client import ClientProtocol
@@ -69,7 +70,7 @@ class AppWebSocket(TunnelWebSocket):
         await self.accept(subprotocol=self._app.subprotocol if self._app else None)
         for frame in early:
             await self._to_browser(frame)
-        self.stream(self._from_app(), self._still_allowed, self._revoked)
+        self.stream(self._from_app(), self._revoked)
 
     async def _handshake(
         self, tunnel: Tunnel, host: str, headers: dict[bytes, bytes], token: bytes
@@ -149,6 +150,12 @@ class AppWebSocket(TunnelWebSocket):
         data = b"".join(self._app.data_to_send())
         if data:
             await self._tunnel.write(data)
+
+    @classmethod
+    def still_allowed_all(cls, asks: Sequence[tuple[Self, Any]]) -> list[bool]:
+        """One app session at a time (its record is in the cache, its owner's sandbox
+        queried): an owner's open app sockets are few, the sample streams many."""
+        return [socket._still_allowed(user) for socket, user in asks]
 
     def _still_allowed(self, user: Any) -> bool:
         assert self._label is not None  # noqa: S101 - set by connect

@@ -12,15 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Literal, Self
 
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from portal.accounts.streams import Recheck
+from portal.accounts.streams import open_streams
 from wire.messages import to_host
 from wire.relay import Inbox, InOrder, in_stream, kind, out_stream, post, text
 from wire.spec import HandleJson
@@ -128,25 +128,22 @@ class Tunnel:
 class TunnelWebSocket(AsyncWebsocketConsumer):
     """A browser's WebSocket with a relayed stream behind it (the web terminal, an app's
     WebSockets): the tunnel, the task that passes what comes through it to the browser, and
-    the recheck of the user's right while it is open, all three ended when the browser goes."""
+    the recheck of the user's right while it is open (``still_allowed_all``, asked by the
+    process's ``OpenStreams``), all three ended when the browser goes."""
 
     _tunnel: Tunnel | None = None
     _pump: asyncio.Task[None] | None = None
-    _recheck: Recheck | None = None
 
-    def stream(
-        self,
-        pump: Coroutine[Any, Any, None],
-        still_allowed: Callable[[Any], bool],
-        revoked: Callable[[], Awaitable[None]],
-    ) -> None:
+    def stream(self, pump: Coroutine[Any, Any, None], revoked: Callable[[], Awaitable[None]]) -> None:
         self._pump = asyncio.create_task(pump)
-        self._recheck = Recheck(self.scope, still_allowed, revoked)
-        self._recheck.start()
+        open_streams().watch(self, revoked)
+
+    @classmethod
+    def still_allowed_all(cls, asks: Sequence[tuple[Self, Any]]) -> list[bool]:
+        raise NotImplementedError
 
     async def disconnect(self, code: int) -> None:
-        if self._recheck is not None:
-            await self._recheck.stop()
+        open_streams().forget(self)
         if self._pump is not None:
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
