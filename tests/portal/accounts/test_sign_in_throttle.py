@@ -165,6 +165,9 @@ def _api_call(app: Any, peer: str, forwarded_for: str | None, key: str) -> int:
         await communicator.send_input({"type": "http.request", "body": b""})
         start = await communicator.receive_output(timeout=20)
         await communicator.receive_output(timeout=20)  # the body
+        # Django closes the response (request_finished: the database connection goes back to
+        # the pool) after the body is sent; the loop must not end before that, as no server's does.
+        await communicator.wait(timeout=20)
         return int(start["status"])
 
     return asyncio.run(call())
