@@ -250,7 +250,7 @@ if not STATIC_MANIFEST:
 
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "BACKEND": worker_config.CHANNEL_LAYER_BACKEND,
         "CONFIG": {
             "hosts": [REDIS_URL],
             **worker_config.CHANNEL_LAYER_OPTIONS,

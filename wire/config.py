@@ -86,16 +86,16 @@ def ensure_embedded_redis() -> None:
         embedded_redis.ensure_running(embedded)
 
 
-# The channel layer's options, the portal's and the agents' alike (live telemetry, fleet
-# notices; terminals and apps are relayed through Redis streams of their own). A message
-# its reader has not taken in ``expiry`` seconds is stale. Every process-local channel of a
-# web process (each open page's) shares one Redis key, and senders drop what goes past its
-# capacity: 2000 leaves room for many pages at once.
-CHANNEL_LAYER_OPTIONS: dict[str, Any] = {
-    "capacity": 200,
-    "expiry": 10,
-    "channel_capacity": {"specific.*": 2000},
-}
+# The channel layer, the portal's and the agents' alike (live telemetry, sandbox state
+# pushes; terminals and apps are relayed through Redis streams of their own). Redis pub/sub,
+# not channels-redis's list-per-channel layer: a ``group_send`` is one PUBLISH that each web
+# process receives once and hands to its own sockets in memory, where the list layer wrote
+# one copy per socket into Redis and each socket's copy cost the web process a Redis round
+# trip and a decode (the fan-out of 2,000 open sandbox pages, issue 37). Nothing here needs
+# what pub/sub lacks: every message is a live sample or notice with a newer one coming, and
+# the consumers keep only the newest (a message for a page that is not open is not wanted).
+CHANNEL_LAYER_BACKEND = "channels_redis.pubsub.RedisPubSubChannelLayer"
+CHANNEL_LAYER_OPTIONS: dict[str, Any] = {}
 
 # Written every 2 s by the control worker, read by /healthz.
 CONTROL_HEARTBEAT_KEY = "gpushare:control:heartbeat"

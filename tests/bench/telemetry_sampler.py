@@ -7,9 +7,10 @@ agent timestamp and ``done_ms`` when Redis held the message. The benchmark count
 clients should have received from these rows, so a send the agent skipped or that failed
 is not charged to the stream.
 
-The rows are taken by wrapping ``RedisChannelLayer.group_send`` rather than the agent's
-``publish``: every sender in this process goes through the layer, whatever the agent calls.
-The wrapper appends one tuple per send, next to the four Redis round trips of the send.
+The rows are taken by wrapping the channel layer's ``group_send`` (``RedisPubSubLoopLayer``'s:
+the layer object proxies it to one per event loop) rather than the agent's ``publish``: every
+sender in this process goes through the layer, whatever the agent calls. The wrapper appends
+one tuple per send, next to the send's Redis PUBLISH.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from channels_redis.core import RedisChannelLayer
+from channels_redis.pubsub import RedisPubSubLoopLayer
 
 from workers.drivers.process import ProcessDriver
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 from workers.host.agent import Agent
 
 SENT: list[tuple[str, str, int, int]] = []
-_group_send = RedisChannelLayer.group_send
+_group_send = RedisPubSubLoopLayer.group_send
 
 
-async def _recorded_group_send(self: RedisChannelLayer, group: str, message: dict[str, Any]) -> None:
+async def _recorded_group_send(self: RedisPubSubLoopLayer, group: str, message: dict[str, Any]) -> None:
     await _group_send(self, group, message)
     done_ms = int(time.time() * 1000)
     # The fleet stream carries a host's samples of a tick as one ``fleet.samples`` message.
@@ -44,7 +45,7 @@ async def _recorded_group_send(self: RedisChannelLayer, group: str, message: dic
 
 
 async def main(host: str, spec: str, interval_s: float, out: Path) -> None:
-    RedisChannelLayer.group_send = _recorded_group_send
+    RedisPubSubLoopLayer.group_send = _recorded_group_send
     backend = SimulatedBackend(host, parse_sim_spec(spec))
     # Never launches anything: the process driver only needs a folder to list (empty).
     driver = ProcessDriver(Path(tempfile.mkdtemp(prefix="bench-sampler-")), host=host)

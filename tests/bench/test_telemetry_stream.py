@@ -199,7 +199,7 @@ def test_telemetry_stream(people: Any, tmp_path: Path) -> None:
         "",
         f"{GPUS} simulated GPUs sampled at {1 / INTERVAL_S:g} Hz by the agent's sampler",
         "(`Sampler.sample_forever` in `workers/host/sampler.py`, its own process), through Redis",
-        "(channels-redis) and one uvicorn",
+        "(channels-redis pub/sub: one message per GPU group, whatever its sockets) and one uvicorn",
         f"process (`portal.asgi`) to {CLIENTS} WebSocket clients on `/ws/gpus/<uuid>/` (round-robin,",
         f"~{CLIENTS / GPUS:.0f} per GPU) and {FLEET_CLIENTS} on `/ws/fleet/`",
         "(every GPU, 1 tick in 5, one message per host),",

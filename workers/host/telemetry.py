@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from channels_redis.core import RedisChannelLayer
+from channels_redis.pubsub import RedisPubSubChannelLayer
 
 from wire.config import CHANNEL_LAYER_OPTIONS
 from wire.telemetry import (
@@ -50,13 +50,14 @@ def sample_message(
     )
 
 
-def make_layer(redis_url: str) -> RedisChannelLayer:
-    """A channel layer without Django settings: agents only know the broker URL."""
-    return RedisChannelLayer(hosts=[redis_url], **CHANNEL_LAYER_OPTIONS)
+def make_layer(redis_url: str) -> RedisPubSubChannelLayer:
+    """The portal's channel layer (``wire.config.CHANNEL_LAYER_BACKEND``) without Django
+    settings: agents only know the broker URL."""
+    return RedisPubSubChannelLayer(hosts=[redis_url], **CHANNEL_LAYER_OPTIONS)
 
 
 async def publish(
-    layer: RedisChannelLayer,
+    layer: RedisPubSubChannelLayer,
     group: str,
     message: GpuSampleMessage | AlertMessage | FleetSamplesMessage | OutputMessage,
 ) -> None:

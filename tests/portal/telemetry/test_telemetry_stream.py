@@ -1,4 +1,5 @@
-"""Streaming to slow clients: the newest sample per device, never a backlog.
+"""Streaming to slow clients: the newest sample per device, never a backlog; and to many
+clients of one web process: one Redis message per group, however many watch it.
 
 The unit test drives a consumer whose socket is stuck; the e2e test floods a real uvicorn
 with samples for a client that stopped reading and watches the server's memory.
@@ -14,14 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
+from channels.testing import WebsocketCommunicator
 from django.conf import settings
 from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY
 from django.contrib.sessions.backends.db import SessionStore
 
+from portal.asgi import application
 from portal.telemetry.consumers import GpuSamples
 from tests.e2e.platform import Platform
 from tests.factories import UserFactory
-from wire.telemetry import FLEET_GROUP
+from tests.portal.helpers import client_for
+from wire.telemetry import FLEET_GROUP, gpu_group
 from workers.host.telemetry import make_layer
 
 
@@ -81,6 +86,37 @@ def test_the_interval_action_is_checked() -> None:
 
     replies = asyncio.run(scenario())
     assert [r["field"] for r in replies] == ["ms", "ms", "action"]
+
+
+@pytest.mark.django_db(transaction=True)  # consumers read in their own thread
+def test_one_publish_reaches_every_socket_on_a_gpu_through_one_subscription(people: Any) -> None:
+    """The agent's layer and the portal's speak Redis pub/sub: the web process subscribes to a
+    GPU's group once for all its sockets on it, so a sample is one Redis message per process,
+    not one per socket (issue 37: 2,000 open pages)."""
+    uuid = "GPU-fanout-0"
+    cookie = f"sessionid={client_for(people['admin']).cookies['sessionid'].value}".encode()
+    headers = [(b"host", b"localhost"), (b"origin", b"http://localhost"), (b"cookie", cookie)]
+    sockets = [WebsocketCommunicator(application, f"/ws/gpus/{uuid}/", headers=headers) for _ in range(3)]
+
+    async def scenario() -> tuple[int, list[dict[str, Any]]]:
+        for sock in sockets:
+            assert (await sock.connect())[0]
+        await asyncio.sleep(0.3)  # each consumer's group_add lands after its accept
+        client = redis.Redis.from_url(settings.REDIS_URL)
+        numsub: Any = client.pubsub_numsub(f"asgi__group__{gpu_group(uuid)}")  # a sync client
+        [(_, subscribers)] = numsub
+        client.close()
+        agent = make_layer(settings.REDIS_URL)
+        await agent.group_send(gpu_group(uuid), gpu_sample(uuid, 7))
+        received = [await sock.receive_json_from(timeout=5) for sock in sockets]
+        await agent.flush()
+        for sock in sockets:
+            await sock.disconnect()
+        return int(subscribers), received
+
+    subscribers, received = asyncio.run(scenario())
+    assert subscribers == 1, "one subscription per web process, not one per socket"
+    assert [(m["gpu"], m["t"]) for m in received] == [(uuid, 7)] * 3
 
 
 def _rss_kib(pid: int) -> int:
