@@ -132,6 +132,9 @@ def _database() -> dict[str, object]:
             # its requests; a request that waits DB_POOL_TIMEOUT_S for one is answered 503 with
             # Retry-After (portal/overload.py) instead of PostgreSQL refusing the connection.
             # Django's pool lends a connection per request, so it wants CONN_MAX_AGE 0.
+            # A pooled connection outlives a PostgreSQL restart broken: checked on each loan (an
+            # empty round trip), a broken one is replaced instead of failing a request each.
+            db["CONN_HEALTH_CHECKS"] = True
             db["OPTIONS"] = {
                 "pool": {
                     "min_size": min(2, DB_POOL_MAX_SIZE),
