@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from django.db import transaction
 
 from portal.sandboxes import actions
+from portal.sandboxes.live import sandbox_changed
 from portal.sandboxes.models import Notification, Sandbox, SandboxEvent, SandboxState, StopCause
 from portal.sandboxes.notify import notify_owner
 
@@ -53,6 +54,7 @@ def _cull_one(sandbox_id: int, now: datetime) -> bool:
             if sandbox.idle_since or sandbox.idle_warned_at:
                 sandbox.idle_since = sandbox.idle_warned_at = None
                 sandbox.save(update_fields=["idle_since", "idle_warned_at"])
+                sandbox_changed(sandbox.pk, sandbox.state)  # its page drops the warning
             return False
         if sandbox.idle_since is None:
             window = timedelta(seconds=sandbox.gpu_util_window_s or 0)
@@ -78,6 +80,7 @@ def _cull_one(sandbox_id: int, now: datetime) -> bool:
             )
             sandbox.idle_warned_at = now
             sandbox.save(update_fields=["idle_warned_at"])
+            sandbox_changed(sandbox.pk, sandbox.state)  # its page shows the warning without a poll
             SandboxEvent.objects.create(
                 sandbox=sandbox, at=now, from_state=sandbox.state, to_state=sandbox.state, message=message
             )

@@ -37,6 +37,7 @@ from django.utils import timezone
 from portal.catalog.models import OverShare
 from portal.durations import duration_text
 from portal.sandboxes import actions
+from portal.sandboxes.live import sandbox_changed
 from portal.sandboxes.models import Notification, Sandbox, SandboxEvent, SandboxState, StopCause
 from portal.sandboxes.notify import notify_owner
 from portal.sandboxes.transitions import locked
@@ -142,6 +143,7 @@ def _warn(sandbox: Sandbox, report: Report) -> str:
     sandbox.save(update_fields=["over_share_since", "over_share_mib", "memory_share_mib"])
     if not first:
         return "warned"
+    sandbox_changed(sandbox.pk, sandbox.state)  # its page shows the warning without a poll
     held, share = mib_text(report.mem_mib), mib_text(report.share_mib)
     _record(sandbox, f"over its GPU memory share: holds {held} of its {share} on {report.gpu}", report)
     tier = sandbox.tier
@@ -167,6 +169,7 @@ def _clear(sandbox: Sandbox, report: Report) -> str:
     sandbox.over_share_since = None
     sandbox.over_share_mib = report.mem_mib
     sandbox.save(update_fields=["over_share_since", "over_share_mib"])
+    sandbox_changed(sandbox.pk, sandbox.state)
     _record(
         sandbox,
         f"back within its GPU memory share: {mib_text(report.mem_mib)} of {mib_text(report.share_mib)}",

@@ -11,12 +11,23 @@ const SETTLE_MS = 200;
 
 export function followSandboxStatus(status) {
   let pending = null;
-  liveSocket(status.dataset.ws).onMessage((msg) => {
-    if (msg.type !== "sandbox.changed" || String(msg.sandbox) !== status.dataset.sandbox) return;
+  const refresh = () => {
     if (pending) return;
     pending = setTimeout(() => {
       pending = null;
       window.htmx.trigger(status, "sandbox-changed");
     }, SETTLE_MS);
+  };
+  const socket = liveSocket(status.dataset.ws);
+  socket.onMessage((msg) => {
+    if (msg.type === "sandbox.changed" && String(msg.sandbox) === status.dataset.sandbox) refresh();
+  });
+  // A push sent before the socket joined its group (between this page's render and the
+  // socket's open) or while it reconnected reached nobody: each open fetches the part once,
+  // after SETTLE_MS, by when the server has joined the socket to the sandbox's group.
+  let state = null;
+  socket.onStatus((s) => {
+    if (s.state === "open" && state !== "open") refresh();
+    state = s.state;
   });
 }
