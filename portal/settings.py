@@ -269,6 +269,8 @@ CACHES = {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": REDIS_URL,
         "KEY_PREFIX": "gpushare",
+        # One pool per process, not a connection per request (see portal/cache_pool.py).
+        "OPTIONS": {"pool_class": "portal.cache_pool.SharedConnectionPool"},
     }
 }
 

@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import Any, TypedDict
 
 import redis
+from django.db import transaction
 from django.utils import timezone
 
 from portal.api.idempotency import delete_expired_keys
@@ -33,7 +34,7 @@ from portal.control.redis_client import client as redis_client
 from portal.control.scheduling import schedule_cycle as run_schedule_cycle
 from portal.fleet.inventory import do_heartbeats, do_sync_inventories
 from portal.notifications.emails import send_notification_emails
-from portal.sandboxes import actions, preemption
+from portal.sandboxes import actions, live, preemption
 from portal.sandboxes.models import Sandbox, SandboxState
 from portal.sandboxes.output import do_store_output
 from portal.sandboxes.over_share import do_over_share
@@ -162,10 +163,13 @@ def sandbox_launched(allocation_key: str, handle: HandleJson, started_ms: int) -
 
 
 def launch_progress(allocation_key: str, line: str) -> None:
-    """A line of what a starting sandbox's host is doing (pulling its image): on its page."""
-    Sandbox.objects.filter(allocation_key=allocation_key, state=SandboxState.STARTING).update(
-        launch_progress=line[:300], launch_progress_at=timezone.now()
-    )
+    """A line of what a starting sandbox's host is doing (pulling its image): on its page,
+    pushed to it as a state change is (no page polls for it)."""
+    starting = Sandbox.objects.filter(allocation_key=allocation_key, state=SandboxState.STARTING)
+    with transaction.atomic():
+        for pk in starting.values_list("pk", flat=True):
+            live.sandbox_changed(pk, SandboxState.STARTING)
+        starting.update(launch_progress=line[:300], launch_progress_at=timezone.now())
 
 
 def sandbox_launch_failed(sandbox_id: int, allocation_key: str, message: str) -> None:

@@ -20,6 +20,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import transaction
 
+from portal.sandboxes.models import SandboxEvent
 from wire.telemetry import SandboxChangedMessage, sandbox_group
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,14 @@ def sandbox_changed(sandbox_id: int, state: str) -> None:
     pending: dict[int, str] = _local.__dict__.setdefault("pending", {})
     pending[sandbox_id] = state
     transaction.on_commit(_send_pending)
+
+
+def timeline_grew(sender: object, instance: SandboxEvent, created: bool, **kwargs: object) -> None:
+    """A new line on a sandbox's timeline (an extension, a preemption warning, a resent launch:
+    not all are state changes) is news for its open pages too (post_save of SandboxEvent,
+    connected in apps.py)."""
+    if created:
+        sandbox_changed(instance.sandbox_id, instance.to_state)
 
 
 def _send_pending() -> None:

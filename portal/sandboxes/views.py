@@ -29,8 +29,9 @@ from portal.sandboxes.reach import TERMINAL_ISOLATION, app_origin
 
 
 def _sandboxes_for_user(user: object) -> QuerySet[Sandbox]:
+    # The tier's priority class: its preemption rule is on every status part.
     return Sandbox.objects.filter(project__in=visible_projects(user)).select_related(
-        "project", "owner", "tier", "image", "host"
+        "project", "owner", "tier__priority_class", "image", "host"
     )
 
 
@@ -90,35 +91,48 @@ def _whole_seconds(delta: timedelta) -> timedelta:
     return timedelta(seconds=max(0, int(delta.total_seconds())))
 
 
-def _detail_context(sandbox: Sandbox) -> dict[str, object]:
+def _status_context(sandbox: Sandbox) -> dict[str, object]:
+    """What the status part shows (templates/sandboxes/_status.html): the detail page renders
+    it inside, and its pushes fetch it alone, so nothing else is read here."""
     usage = list(sandbox.usage.all())
     now = timezone.now()
     cost = cost_by(usage, now)
     allocations = list(sandbox.allocations.select_related("gpu", "mig_instance"))
-    # The GPU a time-slice replica shares: its replica count and memory make its terms concrete.
-    shared_gpu = next((a.gpu for a in allocations if a.kind == Allocation.Kind.TIMESLICE), None)
+    seconds_left = (
+        _whole_seconds(sandbox.started_at + sandbox.max_duration - now)
+        if sandbox.started_at and sandbox.state == "running"
+        else None
+    )
     return {
         "sandbox": sandbox,
         "extend_hours": EXTEND_CHOICES_H,
         "events": sandbox.events.select_related("actor"),
         "allocations": allocations,
-        "share_replicas": shared_gpu.timeslice_replicas if shared_gpu else None,
-        "share_memory_mib": shared_gpu.memory_mib if shared_gpu else None,
         "usage": usage,
-        "storage": storage_lines(sandbox.tier, sandbox.owner, sandbox.project),
         "app_origin": app_origin(sandbox) if sandbox.image.app else None,
         "cost": f"{cost / 1_000_000:.4f} {sandbox.tier.currency}",
-        "time_left": _whole_seconds(sandbox.started_at + sandbox.max_duration - now)
-        if sandbox.started_at and sandbox.state == "running"
-        else None,
+        # The page moves these two on between pushes (static/src/sandbox-status.js): the cost
+        # grows at the open intervals' price, linear in time (portal/billing/pricing.py).
+        "cost_micros": cost,
+        "cost_per_hour_micros": sum(
+            u.price_per_gpu_hour_micros * u.priced_milli / 1000 for u in usage if u.ended_at is None
+        ),
+        "time_left": seconds_left,
+        "seconds_left": int(seconds_left.total_seconds()) if seconds_left is not None else None,
     }
 
 
 @login_required
 def sandbox_detail(request: HttpRequest, pk: int) -> HttpResponse:
     sandbox = get_sandbox_for_user(request, pk)
-    context = _detail_context(sandbox)
+    context = _status_context(sandbox)
     context["can_manage"] = can_manage_sandbox(request.user, sandbox)
+    context["storage"] = storage_lines(sandbox.tier, sandbox.owner, sandbox.project)
+    # The GPU a time-slice replica shares: its replica count and memory make its terms concrete.
+    allocations: list[Allocation] = context["allocations"]  # type: ignore[assignment]
+    shared_gpu = next((a.gpu for a in allocations if a.kind == Allocation.Kind.TIMESLICE), None)
+    context["share_replicas"] = shared_gpu.timeslice_replicas if shared_gpu else None
+    context["share_memory_mib"] = shared_gpu.memory_mib if shared_gpu else None
     # Shown while it lives (the page is loaded before it runs); the socket itself refuses a
     # sandbox that is not running yet, and says so.
     context["can_open_terminal"] = (
@@ -150,7 +164,7 @@ def sandbox_output_download(request: HttpRequest, pk: int) -> HttpResponse:
 def sandbox_status(request: HttpRequest, pk: int, extend_error: str = "") -> HttpResponse:
     """The htmx-polled part of the detail page: state, events, usage."""
     sandbox = get_sandbox_for_user(request, pk)
-    context = _detail_context(sandbox)
+    context = _status_context(sandbox)
     context["extend_error"] = extend_error
     context["can_manage"] = can_manage_sandbox(request.user, sandbox)
     return render(request, "sandboxes/_status.html", context)

@@ -41,8 +41,9 @@ with open(os.environ["LOAD_CREDENTIALS"]) as _file:
     CONFIG: dict[str, Any] = json.load(_file)
 _ACTIVE = itertools.cycle(CONFIG["users"][: CONFIG["active"]])
 _WATCHERS = itertools.cycle(CONFIG["users"][CONFIG["active"] :])
-# templates/sandboxes/detail.html: the status part's fallback poll (pushes do the rest).
-STATUS_POLL_S = 30
+# templates/sandboxes/detail.html: the status part's slow poll (pushes and the page's own
+# ticking figures do the rest; a watched sandbox runs throughout, so no push comes).
+STATUS_POLL_S = 300
 SHED_RETRY_S = 5  # portal/overload.py's Retry-After
 MAX_LIVE = 2  # per user: with every project's quota far higher, no request is refused
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}

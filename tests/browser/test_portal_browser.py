@@ -107,6 +107,10 @@ class TestSignInRequestWatchAndStop:
             timeout=30_000,
         )
         assert page.locator("#gpu-chart canvas").count() == 2
+        # No poll refreshes the status part's time left and cost so far: the page moves them on.
+        for figure in ("time-left", "sandbox-cost"):
+            was = page.locator(f"#{figure}").inner_text()
+            wait_until(page, f"document.getElementById('{figure}').textContent !== {was!r}", timeout=15_000)
         assert "simulated" in page.locator("#chart-status").inner_text()
         assert page.locator(".badge.sim").count() >= 1  # the page says the host is simulated
         shot(page, "sandbox-running")

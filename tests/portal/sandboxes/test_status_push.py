@@ -77,3 +77,45 @@ def test_a_change_rolled_back_is_not_pushed_before_a_commit(people: Any, sandbox
     assert quiet, "a rolled-back change was pushed"
     # The next commit's push carries the newest state (the page fetches its status once).
     assert pushed["state"] == "stopping"
+
+
+def _pushed_after(user: Any, sandbox: Any, change: Any) -> list[dict[str, Any]]:
+    """What ``user``'s page of ``sandbox`` hears once ``change`` (run in a thread) commits."""
+    page = _socket(user, f"/ws/sandboxes/{sandbox.pk}/")
+
+    async def run() -> list[dict[str, Any]]:
+        assert (await page.connect())[0]
+        assert await page.receive_nothing(timeout=0.3)
+        await database_sync_to_async(change)()
+        heard = [await page.receive_json_from(timeout=5)]
+        while not await page.receive_nothing(timeout=0.3):
+            heard.append(await page.receive_json_from(timeout=1))
+        await page.disconnect()
+        return [m for m in heard if m.get("type") == "sandbox.changed"]
+
+    return asyncio.run(run())
+
+
+def test_an_extension_is_pushed_though_the_state_stays(people: Any, sandbox: Any) -> None:
+    """No poll refreshes the time left: a new line on the timeline is pushed as a change is."""
+    from datetime import timedelta
+
+    from portal.sandboxes.models import Sandbox
+
+    Sandbox.objects.filter(pk=sandbox.pk).update(state="running", max_duration=timedelta(hours=1))
+    heard = _pushed_after(
+        people["owner"], sandbox, lambda: actions.do_extend(sandbox.pk, people["owner"], timedelta(hours=1))
+    )
+    assert heard == [{"type": "sandbox.changed", "sandbox": sandbox.pk, "state": "running"}]
+
+
+def test_a_launchs_progress_is_pushed(people: Any, sandbox: Any) -> None:
+    from portal.control import tasks
+    from portal.sandboxes.models import Sandbox
+
+    Sandbox.objects.filter(pk=sandbox.pk).update(state="starting")
+    heard = _pushed_after(
+        people["owner"], sandbox, lambda: tasks.launch_progress(sandbox.allocation_key, "pulling")
+    )
+    assert heard == [{"type": "sandbox.changed", "sandbox": sandbox.pk, "state": "starting"}]
+    assert Sandbox.objects.get(pk=sandbox.pk).launch_progress == "pulling"
