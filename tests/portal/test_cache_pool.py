@@ -23,6 +23,8 @@ def test_each_new_cache_object_uses_the_processs_one_pool() -> None:
 
 
 def test_another_server_gets_its_own_pool() -> None:
-    other = "redis://127.0.0.1:6379/13" if not settings.REDIS_URL.endswith("/13") else "redis://127.0.0.1:6379/11"
+    other = (
+        "redis://127.0.0.1:6379/13" if not settings.REDIS_URL.endswith("/13") else "redis://127.0.0.1:6379/11"
+    )
     mine = _cache(settings.REDIS_URL)._cache._get_connection_pool(write=True)
     assert _cache(other)._cache._get_connection_pool(write=True) is not mine
