@@ -31,7 +31,7 @@ from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 from portal.fleet.modes import KIND_MODE
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
-from portal.sandboxes import notify, nudge
+from portal.sandboxes import live, notify, nudge
 from portal.sandboxes.models import (
     LIVE_STATES,
     PENDING_REASON_MAX,
@@ -377,6 +377,7 @@ def do_resend_launch(sandbox_id: int, adopt: bool = False) -> None:
                 sandbox=sandbox, at=timezone.now(), from_state=S.STARTING, to_state=S.STARTING,
                 message=LAUNCH_RESENT,
             )  # fmt: skip
+            live.sandbox_changed(sandbox.pk, sandbox.state)
         host_name, spec = sandbox.host.name, launch_spec(sandbox).to_json()
         transaction.on_commit(lambda: to_host(host_name).launch_sandbox(spec))
 
@@ -516,6 +517,7 @@ def do_begin_move(sandbox_id: int, plan_id: int) -> bool:
             sandbox=sandbox, from_state=S.RUNNING, to_state=S.RUNNING,
             message=f"to be moved by fleet plan {plan_id}", data={"plan": plan_id},
         )  # fmt: skip
+        live.sandbox_changed(sandbox.pk, sandbox.state)
     return True
 
 
@@ -549,6 +551,7 @@ def do_stop_moved(sandbox_id: int, plan_id: int, stopped_at: datetime | None, no
                 sandbox=sandbox, from_state=sandbox.state, to_state=sandbox.state,
                 message=f"not moved by fleet plan {plan_id}: {note}"[:300], data={"plan": plan_id},
             )  # fmt: skip
+            live.sandbox_changed(sandbox.pk, sandbox.state)
             return str(sandbox.state)
         transition(
             sandbox,
@@ -617,6 +620,7 @@ def do_extend(sandbox_id: int, actor: Any, extra: timedelta) -> timedelta:
             actor=actor if getattr(actor, "is_authenticated", False) else None,
             message=f"time limit extended by {duration_text(extra)} to {duration_text(wanted)}",
         )  # fmt: skip
+        live.sandbox_changed(sandbox.pk, sandbox.state)  # its open pages' time left
         return wanted
 
 

@@ -2,7 +2,9 @@
 its live chart (group ``sandbox.<id>``, whose members were checked at subscribe and are
 re-checked while open: portal/telemetry/consumers.py). The page then fetches its status part
 once; it no longer polls it every 2 s, which with 2,000 pages open was ~1,000 requests a
-second of the same answer.
+second of the same answer. Whatever adds a line to a sandbox's timeline without a transition
+(an extension, a preemption warning, a plan's move, a terminal opened) or changes its launch's
+progress calls ``sandbox_changed`` too: nothing else refreshes the part within 5 minutes.
 
 Sent after the commit that made the change, so a page never fetches a state that was rolled
 back. One transaction may move many sandboxes (a scheduling cycle places hundreds): their
@@ -20,7 +22,6 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import transaction
 
-from portal.sandboxes.models import SandboxEvent
 from wire.telemetry import SandboxChangedMessage, sandbox_group
 
 log = logging.getLogger(__name__)
@@ -32,14 +33,6 @@ def sandbox_changed(sandbox_id: int, state: str) -> None:
     pending: dict[int, str] = _local.__dict__.setdefault("pending", {})
     pending[sandbox_id] = state
     transaction.on_commit(_send_pending)
-
-
-def timeline_grew(sender: object, instance: SandboxEvent, created: bool, **kwargs: object) -> None:
-    """A new line on a sandbox's timeline (an extension, a preemption warning, a resent launch:
-    not all are state changes) is news for its open pages too (post_save of SandboxEvent,
-    connected in apps.py)."""
-    if created:
-        sandbox_changed(instance.sandbox_id, instance.to_state)
 
 
 def _send_pending() -> None:

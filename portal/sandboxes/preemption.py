@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from django.db import transaction
 from django.utils import timezone
 
-from portal.sandboxes import notify
+from portal.sandboxes import live, notify
 from portal.sandboxes.models import Notification, Sandbox, SandboxEvent, SandboxState, StopCause
 from portal.sandboxes.transitions import locked, locked_by_key, send_stop_after_commit, transition
 from wire.messages import to_host
@@ -66,6 +66,7 @@ def _warn(victim: Sandbox, beneficiary_id: int, reason: str, grace: timedelta) -
         message=f"preemption warning: stops at {at} ({reason})",
         data={"preempted_for": beneficiary_id, "preempt_at": victim.preempt_at.isoformat()},
     )  # fmt: skip
+    live.sandbox_changed(victim.pk, victim.state)  # its page shows the warning
     label = f"Sandbox {victim.pk}" + (f" ({victim.name})" if victim.name else "")
     notify.notify_owner(
         victim,
@@ -128,6 +129,7 @@ def _call_off(victim: Sandbox, beneficiary_state: str | None) -> None:
         sandbox=victim, at=timezone.now(), from_state=S.RUNNING, to_state=S.RUNNING,
         message=f"preemption called off: {why}",
     )  # fmt: skip
+    live.sandbox_changed(victim.pk, victim.state)
     notify.notify_owner(
         victim,
         Notification.Kind.PREEMPTED,
@@ -146,3 +148,4 @@ def do_record_warning(allocation_key: str, checkpoint: str) -> None:
             sandbox=sandbox, at=timezone.now(), from_state=sandbox.state, to_state=sandbox.state,
             message=f"preemption warning delivered: {checkpoint}"[:300],
         )  # fmt: skip
+        live.sandbox_changed(sandbox.pk, sandbox.state)

@@ -29,6 +29,7 @@ from portal.accounts.access import can_manage_sandbox, can_manage_sandbox_by_tok
 from portal.accounts.models import ApiToken, Membership
 from portal.accounts.socket_auth import socket_has_scope, socket_token
 from portal.audit import trail
+from portal.sandboxes import live
 from portal.sandboxes.models import Sandbox, SandboxEvent, SandboxState
 from portal.sandboxes.reach import TERMINAL_ISOLATION
 from portal.tunnels.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
@@ -129,6 +130,7 @@ class SandboxTerminal(TunnelWebSocket):
             sandbox=sandbox, at=timezone.now(), from_state=sandbox.state, to_state=sandbox.state,
             actor=user, message=f"terminal opened by {user.get_username()}",
         )  # fmt: skip
+        live.sandbox_changed(sandbox.pk, sandbox.state)
         if user.pk != sandbox.owner_id:
             trail.record(user, "sandbox.terminal", sandbox, None, None, "opened a terminal in it")
         return sandbox.host.name, sandbox.allocation_key, sandbox.handle
