@@ -102,10 +102,8 @@ def test_a_repeated_launch_returns_the_container_and_starts_one_left_created(cli
     spec = make_spec()
     first = driver.launch(spec)
     assert driver.launch(spec) == first
-    client.api.containers[first.ref] = client.api.containers[first.ref][:1] + (
-        "created",
-        client.api.containers[first.ref][2],
-    )  # a launch that died between create and start
+    name, _, labels = client.api.containers[first.ref]
+    client.api.containers[first.ref] = (name, "created", labels)  # died between create and start
     client.api.asked.clear()
     assert driver.launch(spec) == first
     assert client.api.asked == ["list", "start"] and client.api.containers[first.ref][1] == "running"

@@ -376,7 +376,8 @@ class DockerDriver:
                 # The engine's own create: the SDK's inspects what it made too, one more round
                 # trip to the engine per launch while a burst's launches queue at it.
                 api = self.client.api
-                ref = api.create_container(**_create_container_args({**kwargs, "version": api._version}))["Id"]
+                made = api.create_container(**_create_container_args({**kwargs, "version": api._version}))
+                ref = made["Id"]
             except docker.errors.ImageNotFound as exc:
                 raise DriverError(
                     f"{action}: image {spec.image!r} is not on this host; {BUILD_HINT}"
