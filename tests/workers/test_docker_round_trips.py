@@ -43,6 +43,12 @@ class Api:
         name, _, labels = self.containers[ref]
         self.containers[ref] = (name, "exited", labels)
 
+    def logs(self, ref: str, **kwargs: Any) -> bytes:
+        self.asked.append("logs")
+        if ref not in self.containers:
+            raise docker.errors.NotFound("no such container")
+        return b"2026-11-29T16:00:00.000000001Z done\n"
+
     def remove_container(self, ref: str, force: bool) -> None:
         self.asked.append("remove")
         if self.containers.pop(ref, None) is None:
@@ -72,6 +78,9 @@ class Containers:
             for ref, (_, state, labels) in self.api.containers.items()
             if f"{ALLOCATION_LABEL}={labels[ALLOCATION_LABEL]}" == wanted
         ]
+
+    def prepare_model(self, attrs: dict[str, Any]) -> docker.models.containers.Container:
+        return docker.models.containers.Container(attrs=attrs, client=self.client)
 
     def get(self, ref: str) -> Any:
         raise AssertionError("an inspection: the driver knows what it needs without one")
@@ -117,3 +126,13 @@ def test_a_stop_asks_no_state_first_and_is_idempotent(client: Client) -> None:
     assert client.api.asked == ["stop 3", "remove"] and not client.api.containers
     driver.stop(handle, grace_s=3)  # gone already
     assert client.api.asked == ["stop 3", "remove", "stop 3"]
+
+
+def test_output_is_read_by_id_without_an_inspection(client: Client) -> None:
+    driver = DockerDriver(client=client, host="h1")  # type: ignore[arg-type]
+    handle = driver.launch(make_spec())
+    client.api.asked.clear()
+    chunk = driver.read_output(handle, 0, 1024)
+    assert (chunk.start, chunk.data) == (0, b"done\n") and client.api.asked == ["logs"]
+    driver.stop(handle, grace_s=0)
+    assert driver.read_output(handle, 5, 1024).data == b""  # gone: nothing more, no error

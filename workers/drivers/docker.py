@@ -436,11 +436,13 @@ class DockerDriver:
     def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
         """The container's output from ``offset`` on (workers/drivers/docker_logs.py)."""
         with _engine_errors(f"read the output of sandbox {handle.allocation_key}"):
+            # By id, uninspected: the agent reads every batch's output each tick, and an
+            # inspection first doubled those questions while a burst's launches waited.
+            container = self.client.containers.prepare_model({"Id": handle.ref})
             try:
-                container = self.client.containers.get(handle.ref)
+                return self._logs.read(container, handle.allocation_key, offset, limit)
             except docker.errors.NotFound:
                 return OutputChunk(start=offset, data=b"", total=offset)
-            return self._logs.read(container, handle.allocation_key, offset, limit)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         with _engine_errors(f"inspect sandbox {handle.allocation_key}"):
