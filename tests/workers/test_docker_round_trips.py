@@ -17,7 +17,7 @@ from workers.drivers.docker import ALLOCATION_LABEL, DockerDriver
 class Api:
     """The engine's low-level API, answering from ``containers``: id -> (name, state)."""
 
-    _version = "1.41"
+    api_version = "1.41"
 
     def __init__(self) -> None:
         self.asked: list[str] = []
@@ -64,6 +64,8 @@ def answer(code: int) -> requests.Response:
 class Containers:
     """The SDK's collection: only the engine's own (sparse) listing is allowed."""
 
+    client: Any
+
     def __init__(self, api: Api) -> None:
         self.api = api
 
@@ -90,7 +92,7 @@ class Client:
     def __init__(self) -> None:
         self.api = Api()
         self.containers = Containers(self.api)
-        self.containers.client = self  # type: ignore[attr-defined]
+        self.containers.client = self
 
 
 @pytest.fixture
@@ -136,3 +138,22 @@ def test_output_is_read_by_id_without_an_inspection(client: Client) -> None:
     assert (chunk.start, chunk.data) == (0, b"done\n") and client.api.asked == ["logs"]
     driver.stop(handle, grace_s=0)
     assert driver.read_output(handle, 5, 1024).data == b""  # gone: nothing more, no error
+
+
+def test_a_launch_meeting_a_concurrent_ones_unfinished_create_takes_its_container(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine lists a container whose create has not finished, and cannot start it yet
+    (404): the launch that made it starts it; this one answers with the same container."""
+    driver = DockerDriver(client=client, host="h1")  # type: ignore[arg-type]
+    spec = make_spec()
+    labels = spec.labels()
+    client.api.containers["c0"] = (f"gpushare-{spec.allocation_key}", "created", labels)
+
+    def not_yet(ref: str) -> None:
+        raise docker.errors.NotFound("no such container")
+
+    monkeypatch.setattr(client.api, "start", not_yet)
+    named = docker.models.containers.Container(attrs={"Id": "c0", "Config": {"Labels": labels}})
+    monkeypatch.setattr(client.containers, "get", lambda name: named)
+    assert driver.launch(spec).ref == "c0"

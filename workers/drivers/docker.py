@@ -36,7 +36,10 @@ import docker
 import docker.errors
 import docker.types
 import requests.exceptions
-from docker.models.containers import _create_container_args
+
+# The SDK's own translation of ``containers.create``'s arguments into the engine's (private,
+# and stable since docker-py 2): the driver calls the engine's create itself (``launch``).
+from docker.models.containers import _create_container_args  # type: ignore[attr-defined]
 
 from wire import uids
 from wire.config import apps_root, storage_root
@@ -358,8 +361,13 @@ class DockerDriver:
             existing = self._find(spec.allocation_key)
             if existing is not None:
                 if existing.status == "created":
-                    # A previous launch died between create and start: finish it.
-                    existing.start()
+                    try:
+                        # A previous launch died between create and start: finish it.
+                        existing.start()
+                    except docker.errors.NotFound:
+                        # Or a concurrent launch's create has not finished: the engine lists
+                        # such a container before it can be started; that launch starts it.
+                        return self._handle(self._await_named(spec.allocation_key))
                 return self._handle(existing)
             if spec.mps is not None:
                 # A container whose uid cannot reach the daemon would run without MPS.
@@ -376,7 +384,7 @@ class DockerDriver:
                 # The engine's own create: the SDK's inspects what it made too, one more round
                 # trip to the engine per launch while a burst's launches queue at it.
                 api = self.client.api
-                made = api.create_container(**_create_container_args({**kwargs, "version": api._version}))
+                made = api.create_container(**_create_container_args({**kwargs, "version": api.api_version}))
                 ref = made["Id"]
             except docker.errors.ImageNotFound as exc:
                 raise DriverError(
