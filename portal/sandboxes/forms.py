@@ -28,7 +28,7 @@ EXTEND_CHOICES_H = (1, 2, 4, 8)  # hours a user may add to a sandbox's time limi
 _CHOOSE = {"invalid_choice": "Choose one of the listed options."}
 
 
-class ReadChoiceField(forms.ModelChoiceField):  # type: ignore[type-arg]
+class ReadChoiceField(forms.ModelChoiceField):
     """A choice of a row its caller may have read already (``read``, set by the form from its
     ``read`` rows) from a query at least as narrow as this field's: taken as it is rather than
     read again by primary key. The API reads the project, tier and image by their slugs and
@@ -109,7 +109,12 @@ class SandboxRequestForm(forms.Form):
         super().__init__(*args, **kwargs)
         for row in read:
             for field in self.fields.values():
-                if isinstance(field, ReadChoiceField) and isinstance(row, field.queryset.model):
+                queryset = getattr(field, "queryset", None)
+                if (
+                    isinstance(field, ReadChoiceField)
+                    and queryset is not None
+                    and isinstance(row, queryset.model)
+                ):
                     field.read = row
         self.user = user
         self.for_create = for_create

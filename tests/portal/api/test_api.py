@@ -4,8 +4,8 @@ read endpoints and rate limits, each from the outsider's side too."""
 from __future__ import annotations
 
 import csv
-import json
 import io
+import json
 import threading
 from datetime import timedelta
 from typing import Any
