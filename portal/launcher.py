@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from portal.demo import DEMO_HOSTS, DEMO_USERS
+from portal.demo import DEMO_HOST_SIZE, DEMO_HOSTS, DEMO_USERS
 from wire import config, embedded_redis
 from workers.host import selftest
 from workers.host.selftest import SelfTest
@@ -171,6 +171,7 @@ def commands(
                     "GPUSHARE_ROLE": "agent",
                     "GPUSHARE_HOST": name,
                     "GPUSHARE_SIM_GPUS": DEMO_HOSTS[name],
+                    "GPUSHARE_SIM_HOST": DEMO_HOST_SIZE,
                     "GPU_BACKEND": "simulated",
                     "SANDBOX_DRIVER": driver,
                     "AGENT_SELFTEST": "false",  # main() ran it before starting the agent

@@ -26,6 +26,10 @@ from portal.audit import trail
 
 EXPIRY_DAYS = (7, 30, 90, 365)  # a token always ends; a year at most
 DEFAULT_EXPIRY_DAYS = 90
+# A token's last use is written when the one recorded is older than this: a script's burst of
+# a hundred requests wrote its token's row a hundred times, each write waiting its turn for
+# SQLite's one writer with the requests' own (BENCHMARKS.md, "A burst of requests").
+LAST_USE_PRECISION = timedelta(minutes=1)
 
 
 class TokenError(ValueError):
@@ -132,7 +136,9 @@ def check_api_token(key: str, request: HttpRequest | Request | None) -> ApiToken
         when = token.expires_at.astimezone(UTC)
         return _refused(f"This API token expired on {when:%Y-%m-%d %H:%M} UTC: make a new one.", request)
     if request is not None:
-        ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
+        now = timezone.now()
+        if token.last_used_at is None or now - token.last_used_at >= LAST_USE_PRECISION:
+            ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
     return token
 
 

@@ -137,10 +137,12 @@ def check_request_sandbox(user: Any, req: SandboxRequest, *, quota: bool = True)
         check_quota(req)
 
 
-def check_quota(req: SandboxRequest) -> None:
+def check_quota(req: SandboxRequest) -> tuple[QuotaPolicy | None, int]:
     """The project's GPU-hour budget (a CPU-only sandbox, which uses none, is not held to it)
     and live-sandbox limit. ``do_request_sandbox`` runs it again under a lock on the project
-    row: two requests checked at the same moment would otherwise both see room for one more."""
+    row: two requests checked at the same moment would otherwise both see room for one more.
+    Returns the quota and the project's live sandboxes (0 when there is no quota), which the
+    request's notice reads rather than reading them again."""
     quota = QuotaPolicy.objects.filter(project=req.project).first()
     if quota is not None and quota.max_gpu_hours_month is not None and not req.tier.cpu_only:
         now = timezone.now()
@@ -151,14 +153,15 @@ def check_quota(req: SandboxRequest) -> None:
                 f"Project {req.project.name} has used {used:.1f} of its {quota.max_gpu_hours_month} "
                 "GPU-hours this month.",
             )
-    if quota is not None:
-        live = Sandbox.objects.filter(project=req.project, state__in=LIVE_STATES).count()
-        if live >= quota.max_live_sandboxes:
-            raise SandboxRequestError(
-                "project",
-                f"Project {req.project.name} has reached its quota of "
-                f"{quota.max_live_sandboxes} live sandboxes.",
-            )
+    if quota is None:
+        return None, 0
+    live = Sandbox.objects.filter(project=req.project, state__in=LIVE_STATES).count()
+    if live >= quota.max_live_sandboxes:
+        raise SandboxRequestError(
+            "project",
+            f"Project {req.project.name} has reached its quota of {quota.max_live_sandboxes} live sandboxes.",
+        )
+    return quota, live
 
 
 def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
@@ -169,7 +172,7 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
     gives the early, unlocked answer)."""
     with transaction.atomic():
         Project.objects.select_for_update().filter(pk=req.project.pk).exists()
-        check_quota(req)
+        quota, live = check_quota(req)
         sandbox = Sandbox.objects.create(
             project=req.project,
             owner=user,
@@ -192,7 +195,7 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
             message=f"requested {sandbox.request_summary} on {req.tier.name}",
         )
         transition(sandbox, S.QUEUED, actor=user, message="waiting for the scheduler")
-        notify.on_request(sandbox)
+        notify.on_request(sandbox, quota, live + 1)  # this one is live too
         nudge.ask_for_cycle()
     return sandbox
 

@@ -20,7 +20,7 @@ from django.utils import timezone
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes import unread
-from portal.sandboxes.models import LIVE_STATES, Allocation, Notification, Sandbox, SandboxState, StopCause
+from portal.sandboxes.models import Allocation, Notification, Sandbox, SandboxState, StopCause
 from wire import dispatch
 
 NEAR_QUOTA = 0.8  # a project using this share of a quota limit hears about it
@@ -85,12 +85,12 @@ def on_first_waits(waits: list[tuple[int, int, str]]) -> None:
     queue_after_commit([note.pk for note in notes])  # ids returned by PostgreSQL and SQLite alike
 
 
-def on_request(sandbox: Sandbox) -> None:
-    """Tell the requester when their project is near a quota limit."""
-    quota = QuotaPolicy.objects.filter(project_id=sandbox.project_id).first()
+def on_request(sandbox: Sandbox, quota: QuotaPolicy | None, live: int) -> None:
+    """Tell the requester when their project is near a quota limit: ``quota`` and its ``live``
+    sandboxes (this one among them) as the request's quota check read them, under the
+    project's lock (read again here, they were two of a POST's twenty queries)."""
     if quota is None:
         return
-    live = Sandbox.objects.filter(project_id=sandbox.project_id, state__in=LIVE_STATES).count()
     held = (
         Allocation.objects.filter(sandbox__project_id=sandbox.project_id, active=True).aggregate(
             milli=Sum("milli_gpu")

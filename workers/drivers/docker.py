@@ -37,6 +37,10 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
+# The SDK's own translation of ``containers.create``'s arguments into the engine's (private,
+# and stable since docker-py 2): the driver calls the engine's create itself (``launch``).
+from docker.models.containers import _create_container_args  # type: ignore[attr-defined]
+
 from wire import uids
 from wire.config import apps_root, storage_root
 from wire.spec import LABEL_PREFIX, SandboxHandle, SandboxSpec
@@ -317,20 +321,13 @@ class DockerDriver:
         )
 
     def _find(self, allocation_key: str) -> Any | None:
-        """The allocation's container, inspected. The SDK lists, then inspects each one: a
-        container removed in between (a stop racing the listing), or one whose create has
-        not finished (a concurrent launch), makes it raise NotFound, so list again."""
-        tries = 3
-        while True:
-            try:
-                found = self.client.containers.list(
-                    all=True, filters={"label": [f"{ALLOCATION_LABEL}={allocation_key}"]}
-                )
-                return found[0] if found else None
-            except docker.errors.NotFound:
-                tries -= 1
-                if not tries:
-                    raise
+        """The allocation's container as the engine lists it (``sparse``: its id, state and
+        labels, no inspection; the SDK's full listing inspects each one it found, and raised
+        NotFound for one a concurrent stop removed in between)."""
+        found = self.client.containers.list(
+            all=True, sparse=True, filters={"label": [f"{ALLOCATION_LABEL}={allocation_key}"]}
+        )
+        return found[0] if found else None
 
     def _await_named(self, allocation_key: str) -> Any:
         """The container holding our name; the engine reserves a name before the container
@@ -364,8 +361,13 @@ class DockerDriver:
             existing = self._find(spec.allocation_key)
             if existing is not None:
                 if existing.status == "created":
-                    # A previous launch died between create and start: finish it.
-                    existing.start()
+                    try:
+                        # A previous launch died between create and start: finish it.
+                        existing.start()
+                    except docker.errors.NotFound:
+                        # Or a concurrent launch's create has not finished: the engine lists
+                        # such a container before it can be started; that launch starts it.
+                        return self._handle(self._await_named(spec.allocation_key))
                 return self._handle(existing)
             if spec.mps is not None:
                 # A container whose uid cannot reach the daemon would run without MPS.
@@ -378,9 +380,12 @@ class DockerDriver:
                 app_dir = None
                 if spec.app:
                     app_dir = app_socket.make_dir(self.apps_dir, spec.allocation_key, sandbox_user(spec))
-                container = self.client.containers.create(
-                    **container_kwargs(spec, bound=bound, app_dir=app_dir, gpu_request=gpu_request)
-                )
+                kwargs = container_kwargs(spec, bound=bound, app_dir=app_dir, gpu_request=gpu_request)
+                # The engine's own create: the SDK's inspects what it made too, one more round
+                # trip to the engine per launch while a burst's launches queue at it.
+                api = self.client.api
+                made = api.create_container(**_create_container_args({**kwargs, "version": api.api_version}))
+                ref = made["Id"]
             except docker.errors.ImageNotFound as exc:
                 raise DriverError(
                     f"{action}: image {spec.image!r} is not on this host; {BUILD_HINT}"
@@ -391,15 +396,17 @@ class DockerDriver:
                 # A concurrent launch of the same allocation won the name: use its container.
                 return self._handle(self._await_named(spec.allocation_key))
             try:
-                container.start()
+                api.start(ref)
             except docker.errors.APIError:
                 # A container that cannot start (bad command, missing runtime) must not be
                 # found by the next launch as if it were the sandbox.
                 with contextlib.suppress(docker.errors.APIError):
-                    container.remove(force=True)
+                    api.remove_container(ref, force=True)
                 raise
-            log.info("launched sandbox %s as container %s", spec.allocation_key, container.id)
-            return self._handle(container)
+            log.info("launched sandbox %s as container %s", spec.allocation_key, ref)
+            return SandboxHandle(
+                driver=self.name, allocation_key=spec.allocation_key, sandbox_id=spec.sandbox_id, ref=ref
+            )
 
     def open_app(self, handle: SandboxHandle) -> app_socket.SocketStream:
         return app_socket.connect(self.apps_dir, handle.allocation_key)
@@ -408,16 +415,15 @@ class DockerDriver:
         self._logs.forget(handle.allocation_key)
         app_socket.remove_dir(self.apps_dir, handle.allocation_key)
         with _engine_errors(f"stop sandbox {handle.allocation_key}"):
+            api = self.client.api
             try:
-                container = self.client.containers.get(handle.ref)
+                # No inspection first: the engine answers a stop of a container that is not
+                # running (an ended batch) with 304 at once, and a burst's ended batches'
+                # stops queue at the engine with its launches.
+                api.stop(handle.ref, timeout=max(0, round(grace_s)))
+                api.remove_container(handle.ref, force=True)
             except docker.errors.NotFound:
-                return
-            try:
-                if container.status in _LIVE_STATES:
-                    container.stop(timeout=max(0, round(grace_s)))
-                container.remove(force=True)
-            except docker.errors.NotFound:
-                return  # removed concurrently: stopping is idempotent
+                return  # removed already, or concurrently: stopping is idempotent
             except docker.errors.APIError as exc:
                 if exc.status_code != 409:  # 409: a concurrent removal is in progress
                     raise
@@ -438,11 +444,13 @@ class DockerDriver:
     def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
         """The container's output from ``offset`` on (workers/drivers/docker_logs.py)."""
         with _engine_errors(f"read the output of sandbox {handle.allocation_key}"):
+            # By id, uninspected: the agent reads every batch's output each tick, and an
+            # inspection first doubled those questions while a burst's launches waited.
+            container = self.client.containers.prepare_model({"Id": handle.ref})
             try:
-                container = self.client.containers.get(handle.ref)
+                return self._logs.read(container, handle.allocation_key, offset, limit)
             except docker.errors.NotFound:
                 return OutputChunk(start=offset, data=b"", total=offset)
-            return self._logs.read(container, handle.allocation_key, offset, limit)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         with _engine_errors(f"inspect sandbox {handle.allocation_key}"):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import threading
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.core.cache import cache
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection
 from django.test import Client
 from django.utils import timezone
@@ -21,6 +23,7 @@ from portal.api.models import IdempotencyKey
 from portal.billing.models import UsageRecord
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes import actions
+from portal.sandboxes.api import SandboxSerializer
 from portal.sandboxes.models import Sandbox
 from tests.factories import MembershipFactory, UserFactory
 from tests.portal.helpers import place_all, request
@@ -122,6 +125,23 @@ def test_create_returns_the_queued_sandbox(world: dict[str, Any]) -> None:
     assert body["state"] == "queued" and body["owner"] == "mark" and body["tier"] == "dedicated"
     assert body["max_duration_hours"] == 2.0
     assert Sandbox.objects.get(pk=body["id"]).owner == world["member"]
+
+
+def test_a_request_reads_each_row_once(world: dict[str, Any], django_assert_max_num_queries: Any) -> None:
+    """A POST under a quota, as in a burst of them (BENCHMARKS.md, "A burst of requests"):
+    the form does not read again the project, tier and image the API read by slug, the
+    request's notice not the quota and live count its check read, the answer not the
+    sandbox just made, and the token's last use is written once a minute. 23 queries before."""
+    QuotaPolicy.objects.create(project=world["project"], max_live_sandboxes=100)
+    client = api(world["member"], ALL)
+    body = create_body(run="batch", command="true")
+    assert post(client, "/api/v1/sandboxes/", body).status_code == 201
+    with django_assert_max_num_queries(16):  # 14, and a transaction's two savepoint statements
+        answer = post(client, "/api/v1/sandboxes/", body)
+    assert answer.status_code == 201, answer.json()
+    made = Sandbox.objects.select_related("project", "owner", "tier", "image").get(pk=answer.json()["id"])
+    as_read = SandboxSerializer(made).data
+    assert answer.json() == json.loads(json.dumps(as_read, cls=DjangoJSONEncoder))  # the same answer
 
 
 def test_batch_runs_carry_their_command(world: dict[str, Any]) -> None:

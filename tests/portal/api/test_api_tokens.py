@@ -129,3 +129,22 @@ def test_the_admin_revokes_through_the_audited_path(people: Any) -> None:
     token.refresh_from_db()
     assert token.revoked_at is not None
     assert AuditEntry.objects.filter(action="api_token.revoked", target_id=str(token.pk)).exists()
+
+
+def test_the_last_use_is_written_once_a_minute_not_once_a_request(people: Any) -> None:
+    """A script's burst of requests wrote its token's row once each, queueing for SQLite's one
+    writer with the requests' own work; the page shows the last use to the minute anyway."""
+    token, key = ApiToken.issue(people["owner"], "burst", ["read:usage"])
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert client.get("/api/v1/usage/").status_code == 200
+    token.refresh_from_db()
+    first = token.last_used_at
+    assert first is not None
+    assert client.get("/api/v1/usage/").status_code == 200
+    token.refresh_from_db()
+    assert token.last_used_at == first  # within the minute: not written again
+    a_minute_ago = first - timedelta(minutes=1)
+    ApiToken.objects.filter(pk=token.pk).update(last_used_at=a_minute_ago)
+    assert client.get("/api/v1/usage/").status_code == 200
+    token.refresh_from_db()
+    assert token.last_used_at is not None and token.last_used_at > a_minute_ago
