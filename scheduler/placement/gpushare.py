@@ -98,6 +98,12 @@ RequestShape = tuple[str, int, int, int, tuple[str, ...]]
 # What decides a host's feasibility and score for a request: its shape, the memory it needs,
 # its isolation and an MPS share's GPU memory (see ``_best_remembered``).
 ScoredShape = tuple[RequestShape, int, str, int]
+# The same, memory aside: the host memory a request needs decides whether a host can take
+# it, never how well, so requests that differ in memory alone share their ranks.
+RankedShape = tuple[RequestShape, str, int]
+# What ``_choose`` reads of a host that can take a request, memory aside: its ``host_key`` and
+# the free milli of the GPUs that could take a share (ascending; () for other requests).
+Fit = tuple[HostKey, tuple[int, ...]]
 
 
 def sigmoid_score(delta: float) -> int:
@@ -130,7 +136,7 @@ _GPU_FIELDS = attrgetter(
 def host_state(host: HostState) -> tuple[object, ...]:
     """Everything of a host that ``GpusharePolicy._choose`` reads, its name aside: two hosts
     in equal states take a request equally well. Keep it in step with ``_choose`` (and what
-    it calls: ``serves``, ``has_room``, ``usable_gpus``, ``grant_on``, ``host_key``)."""
+    it calls: ``serves``, ``_cpu_fits``, ``_memory_fits``, ``usable_gpus``, ``grant_on``, ``host_key``)."""
     cpu_left = host.cpu_milli - host.cpu_used_milli if host.cpu_milli else None
     memory_left = host.memory_mib - host.memory_used_mib if host.memory_mib else None
     # Numbered for every host of each cycle's fresh snapshot: the plain fields are read in
@@ -236,13 +242,15 @@ class GpusharePolicy:
         self._tiebreak: list[int] = []
         self._states_seen = 0
         # State numbers, and per request shape the rank of a host in each state (None: it
-        # cannot take it). Ranks hold for one publication of the measures, as ``_memo``'s
-        # do. Whether a host can take a request at all does not depend on the measures
-        # (``_choose`` says None before it scores), so the states that cannot are kept
-        # across publications: after one, only the hosts that can take it are scored again.
+        # cannot take it), with and without the request's memory (``RankedShape``). Ranks
+        # hold for one publication of the measures, as ``_memo``'s do. Whether and where a
+        # host can take a request does not depend on the measures (``_fit``), so that is
+        # kept across publications: after one, only the hosts that can take it are scored
+        # again, from what was kept, without looking at the host.
         self._state_ids: dict[tuple[object, ...], int] = {}
         self._ranks: dict[ScoredShape, dict[int, int | None]] = {}
-        self._cannot: dict[ScoredShape, set[int]] = {}
+        self._ranked: dict[RankedShape, dict[int, int | None]] = {}
+        self._fits: dict[RankedShape, dict[int, Fit | None]] = {}
 
     # --- the policy -----------------------------------------------------------------------
 
@@ -281,6 +289,7 @@ class GpusharePolicy:
             self._memo.clear()
             self._shapes.clear()
             self._ranks.clear()
+            self._ranked.clear()
         return self._measures
 
     def _best_remembered(self, snapshot: Snapshot, request: Request, measures: _Measures) -> HostState | None:
@@ -289,7 +298,8 @@ class GpusharePolicy:
         if len(self._state_ids) > _MAX_STATES:  # bounds what a long-lived portal remembers
             self._state_ids.clear()
             self._ranks.clear()
-            self._cannot.clear()
+            self._ranked.clear()
+            self._fits.clear()
             self._epoch = -1  # number the hosts' states again
         if snapshot.epoch != self._epoch:
             self._epoch = snapshot.epoch
@@ -319,14 +329,22 @@ class GpusharePolicy:
             stale = {self._index[name] for name in snapshot.changes[cache.seen :] if name in self._index}
         states, folded, tiebreak = self._states, self._folded, self._tiebreak
         ranks = self._ranks.setdefault(shape, {})
-        cannot = self._cannot.setdefault(shape, set())
+        ranked_shape = (shape[0], request.isolation, request.mps_memory_mib)
+        ranked = self._ranked.setdefault(ranked_shape, {})
+        fits = self._fits.setdefault(ranked_shape, {})
+        memory = request.memory_mib
         for i in stale:  # each state not ranked yet, on the first host found in it
             state = states[i]
             if state not in ranks:
-                choice = None if state in cannot else self._choose(hosts[i], request, measures)
-                ranks[state] = None if choice is None else choice[0]
-                if choice is None:
-                    cannot.add(state)
+                if not _memory_fits(hosts[i], memory):
+                    ranks[state] = None
+                    continue
+                if state not in ranked:
+                    if state not in fits:
+                        fits[state] = self._fit(hosts[i], request)
+                    fit = fits[state]
+                    ranked[state] = None if fit is None else self._score(fit, request, measures)[0]
+                ranks[state] = ranked[state]
         if isinstance(stale, range):
             cache.scores = [
                 _INFEASIBLE if (rank := ranks[state]) is None else rank * folded + position
@@ -349,7 +367,15 @@ class GpusharePolicy:
 
     def _choose(self, host: HostState, request: Request, measures: _Measures) -> tuple[int, int] | None:
         """(rank, free milli of the GPU a share takes, or -1) of the host's best placement."""
-        if not serves(host, request) or not host.has_room(request.cpu_milli, request.memory_mib):
+        if not _memory_fits(host, request.memory_mib):
+            return None
+        fit = self._fit(host, request)
+        return None if fit is None else self._score(fit, request, measures)
+
+    @staticmethod
+    def _fit(host: HostState, request: Request) -> Fit | None:
+        """Whether the host can take the request, memory aside, and what scoring it reads."""
+        if not serves(host, request) or not _cpu_fits(host, request.cpu_milli):
             return None
         candidates: tuple[int, ...] = ()
         if request.mode == DEDICATED:
@@ -361,7 +387,11 @@ class GpusharePolicy:
             )
             if not candidates:
                 return None
-        key = host_key(host)
+        return host_key(host), candidates
+
+    def _score(self, fit: Fit, request: Request, measures: _Measures) -> tuple[int, int]:
+        """(rank, free milli of the GPU a share takes, or -1) of a placement on a host that fits."""
+        key, candidates = fit
         shape = request_shape(request)
         memo_key = (key, candidates, shape)
         cached = self._memo.get(memo_key)
@@ -405,6 +435,16 @@ class GpusharePolicy:
             if gpu.free_milli == choice[1] and (grant := grant_on(gpu, request)) is not None:
                 return (grant,)
         raise AssertionError(f"no GPU with {choice[1]} milli free on {host.name} takes request {request.id}")
+
+
+def _cpu_fits(host: HostState, cpu_milli: int) -> bool:
+    """``HostState.has_room``'s CPU half."""
+    return not host.cpu_milli or host.cpu_used_milli + cpu_milli <= host.cpu_milli
+
+
+def _memory_fits(host: HostState, memory_mib: int) -> bool:
+    """``HostState.has_room``'s memory half."""
+    return not host.memory_mib or host.memory_used_mib + memory_mib <= host.memory_mib
 
 
 def _fleet(snapshot: Snapshot) -> Fleet:
