@@ -25,12 +25,15 @@ re-layout planner owns their geometry).
 Speed: a host's score for a request depends only on (model, CPU left, free milli per GPU,
 the GPUs that could take it) and the request's shape, and is memoised on that. Per
 snapshot the policy also keeps each host's state and, per request shape, each host's last
-score, re-scoring only the hosts changed since (``Snapshot.changed``); picking the best is
-then one ``max`` over a list. A host's whole state as placement reads it (``host_state``)
-is numbered once per change, and its rank per request shape is remembered by that number:
-a shape seen for the first time, or again on the next cycle's fresh snapshot, costs a
-dictionary look-up per host instead of a feasibility check and a score, as hosts in the
-same state (all empty hosts of a kind, most full ones) share one answer.
+score, re-scoring only the hosts changed since (``Snapshot.changed``), and the best of
+those scores, looked for again only when its host scores lower. A host's whole state as
+placement reads it (``host_state``) is numbered once per change, and its rank per request
+shape is remembered by that number: a shape seen for the first time, or again on the next
+cycle's fresh snapshot, costs a dictionary look-up per host instead of a feasibility check
+and a score, as hosts in the same state (all empty hosts of a kind, most full ones) share
+one answer. Whether and where a host in a state can take a request, and whether it is
+short of room for it (a pending request's reason), do not depend on the typical requests
+and are kept across their publications; ranks are worked out again after each.
 """
 
 from __future__ import annotations
