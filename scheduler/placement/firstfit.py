@@ -58,6 +58,24 @@ def _fit(gpus: list[GpuState], request: Request) -> tuple[DeviceGrant, ...]:
     return ()
 
 
+def _fits(host: HostState, request: Request) -> bool:
+    """Whether ``_fit`` would find grants on the host's ``usable_gpus``: ``why_not`` asks it
+    of every host short of CPU or memory, so it stops at the first answer."""
+    mode, models = request.mode, request.gpu_models
+    if mode == DEDICATED:
+        wanted = request.gpu_count
+        for g in host.gpus:
+            if wanted > 0 and g.available and g.idle and g.serves(mode) and accessible(g.model, models):
+                wanted -= 1
+                if not wanted:
+                    return True
+        return False
+    return any(
+        g.available and g.serves(mode) and accessible(g.model, models) and takes(g, request)
+        for g in host.gpus
+    )
+
+
 def serves(host: HostState, request: Request) -> bool:
     """Up, and running sandboxes at the isolation level the request asks for."""
     return host.up and (
@@ -87,8 +105,57 @@ def hosts_with_room(snapshot: Snapshot, request: Request) -> list[HostState] | P
     return roomy
 
 
+def short_of_room(host: HostState, request: Request) -> bool:
+    """Whether the host could take the request but for its CPU or memory (``why_not``)."""
+    return (
+        serves(host, request)
+        and not host.has_room(request.cpu_milli, request.memory_mib)
+        and (request.mode == CPU_ONLY or _fits(host, request))
+    )
+
+
+def short_of_room_reason(short: list[str], request: Request) -> str:
+    """``why_not``'s reason when the hosts named in ``short`` are short of room (and
+    nothing else matters then)."""
+    return (
+        f"the GPUs it needs are free on {', '.join(short)}, but without "
+        f"{request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of memory to spare"
+    )
+
+
+def room_refusal(snapshot: Snapshot, request: Request) -> Pending | None:
+    """``hosts_with_room``'s answer when it finds none, else None: the first host with room
+    ends the search."""
+    if not request.isolation and any(
+        serves(h, request) and h.has_room(request.cpu_milli, request.memory_mib) for h in snapshot.hosts
+    ):
+        return None
+    hosts = hosts_with_room(snapshot, request)
+    return hosts if isinstance(hosts, Pending) else None
+
+
 def exclusive_grants(gpus: list[GpuState]) -> tuple[DeviceGrant, ...]:
     return tuple(DeviceGrant(g.uuid, g.uuid, "exclusive", 1000) for g in gpus)
+
+
+def takes(gpu: GpuState, request: Request) -> bool:
+    """Whether ``grant_on`` would grant the request a share of ``gpu``: what a search over
+    many hosts asks, without building the grant."""
+    if request.mode == MPS:
+        return _mps_fits(gpu, request)
+    if request.mode == TIMESLICE:
+        return any(r not in gpu.replicas_used for r in range(gpu.replicas))
+    return grant_on(gpu, request) is not None
+
+
+def _mps_fits(gpu: GpuState, request: Request) -> bool:
+    return (
+        gpu.mps_used_mib + request.mps_memory_mib <= gpu.memory_mib
+        and gpu.mps_used_threads + request.mps_thread_pct <= 100
+        and not (
+            gpu.mps_one_size and gpu.mps_share not in (None, (request.mps_memory_mib, request.mps_thread_pct))
+        )
+    )
 
 
 def grant_on(gpu: GpuState, request: Request) -> DeviceGrant | None:
@@ -101,14 +168,7 @@ def grant_on(gpu: GpuState, request: Request) -> DeviceGrant | None:
                 milli = compute * 1000 // COMPUTE_SLICES
                 return DeviceGrant(gpu.uuid, slot.uuid, "mig", milli, mig_uuid=slot.uuid)
     elif request.mode == MPS:
-        if (
-            gpu.mps_used_mib + request.mps_memory_mib <= gpu.memory_mib
-            and gpu.mps_used_threads + request.mps_thread_pct <= 100
-            and not (
-                gpu.mps_one_size
-                and gpu.mps_share not in (None, (request.mps_memory_mib, request.mps_thread_pct))
-            )
-        ):
+        if _mps_fits(gpu, request):
             return DeviceGrant(
                 gpu.uuid,
                 gpu.uuid,
@@ -136,14 +196,10 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
     offering = accepted = in_service = has_profile = one_size = False
     most = 0  # the most idle GPUs a dedicated request could have on one host
     for host in snapshot.hosts:
-        if not serves(host, request):
-            continue
-        if not host.has_room(request.cpu_milli, request.memory_mib) and (
-            mode == CPU_ONLY or _fit(usable_gpus(host, request), request)
-        ):
+        if short_of_room(host, request):
             short.append(host.name)
-        if short or mode == CPU_ONLY:
-            continue  # that is the reason: what the GPUs offer no longer matters
+        if short or mode == CPU_ONLY or not serves(host, request):
+            continue  # a host short of room is the reason: what the GPUs offer no longer matters
         idle = 0
         for g in host.gpus:
             if not g.could_serve(mode):  # pinned to another mode, or MIG asked of a GPU not in it
@@ -160,10 +216,7 @@ def why_not(snapshot: Snapshot, request: Request) -> str:
                 has_profile = any(s.profile == request.mig_profile for s in g.mig)
         most = max(most, idle)
     if short:
-        return (
-            f"the GPUs it needs are free on {', '.join(short)}, but without "
-            f"{request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of memory to spare"
-        )
+        return short_of_room_reason(short, request)
     if mode == CPU_ONLY:
         return (
             f"no host has {request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of memory free"

@@ -13,6 +13,8 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import reduce
+from operator import add, mul
 
 from scheduler.placement.workload import MILLI, TypicalPod, accessible
 
@@ -146,60 +148,75 @@ class StrandedCapacity:
         weights: list[float],
     ) -> None:
         self.typical = list(zip(typical, weights, strict=True))
-        self._by_model: dict[str, list[tuple[int, int, int, float, bool]]] = {}
+        self._weights = weights
+        self._by_model: dict[str, _StrandedRows] = {}
         self._memo: dict[_StateKey, float] = {}
-        self._cpu_caps: dict[tuple[str, int, int], int] = {}
+        # Per model and free milli, what the CPU left does not change (``_StrandedRows.on``).
+        self._on: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...], int]] = {}
 
-    def _cpu_that_counts(self, model: str, cpu_left: int, total: int, gpus: int) -> int:
-        """``cpu_left`` capped where more CPU changes nothing: past every typical pod's CPU
-        times the most copies of it the node's free GPUs could hold (at most ``total //
-        milli`` or ``gpus // num``). Nodes that differ only in spare CPU share one memo
-        entry."""
-        key = (model, total, gpus)
-        cap = self._cpu_caps.get(key)
-        if cap is None:
-            cap = 0
-            for cpu, milli, num, _, usable in self._entries(model):
-                if usable:
-                    most = total // milli if num == 1 else gpus // num
-                    cap = max(cap, cpu * max(most, 1))
-            self._cpu_caps[key] = cap
-        return min(cpu_left, cap)
-
-    def _entries(self, model: str) -> list[tuple[int, int, int, float, bool]]:
-        entries = self._by_model.get(model)
-        if entries is None:
-            entries = [
-                (t.cpu_milli, t.gpu_milli, t.num_gpu, w, t.gpu_milli > 0 and accessible(model, t.models))
-                for t, w in self.typical
-            ]
-            self._by_model[model] = entries
-        return entries
+    def _rows(self, model: str) -> _StrandedRows:
+        rows = self._by_model.get(model)
+        if rows is None:
+            rows = self._by_model[model] = _StrandedRows(
+                [(t.cpu_milli, t.gpu_milli, t.num_gpu, accessible(model, t.models)) for t, _ in self.typical]
+            )
+        return rows
 
     def amount(self, model: str, cpu_left: int, free_sorted: tuple[int, ...]) -> float:
-        total = sum(free_sorted)
-        key = (model, self._cpu_that_counts(model, cpu_left, total, len(free_sorted)), free_sorted)
+        rows = self._rows(model)
+        on = self._on.get((model, free_sorted))
+        if on is None:
+            on = self._on[(model, free_sorted)] = rows.on(free_sorted)
+        unused, needs, cpu_that_counts = on
+        # Nodes that differ only in spare CPU share one memo entry.
+        key = (model, min(cpu_left, cpu_that_counts), free_sorted)
         cached = self._memo.get(key)
         if cached is not None:
             return cached
-        value = 0.0
-        # Copies of a one-GPU pod by its milli: typical pods of one size but unequal CPU share it.
-        one_gpu_copies: dict[int, int] = {}
-        for cpu, milli, num, weight, usable in self._entries(model):
-            copies = 0
-            if usable and cpu_left >= cpu:
-                if num == 1:
-                    copies = one_gpu_copies.get(milli, -1)
-                    if copies < 0:
-                        copies = one_gpu_copies[milli] = sum(f // milli for f in free_sorted)
-                else:
-                    # Multi-GPU pods take whole GPUs; bisect finds the first that fits.
-                    copies = (len(free_sorted) - bisect_left(free_sorted, milli)) // num
-                if cpu:
-                    copies = min(copies, cpu_left // cpu)
-            value += weight * (total - copies * milli * num)
-        self._memo[key] = value
+        total = sum(free_sorted)
+        # Where the CPU left is short of what a pod's copies need, fewer copies, or none.
+        counted = [
+            left if cpu_left >= need else (total - cpu_left // cpu * milli if cpu_left >= cpu else total)
+            for left, need, cpu, milli in zip(unused, needs, rows.cpus, rows.millis, strict=True)
+        ]
+        # Weighted and summed one addition at a time in the typical pods' order, as a plain
+        # loop would: equal inputs give bit-equal values whichever way they are computed.
+        value = self._memo[key] = reduce(add, map(mul, self._weights, counted), 0.0)
         return value
+
+
+class _StrandedRows:
+    """The typical pods as ``StrandedCapacity`` reads them on one GPU model: each pod's CPU
+    and GPU milli in all (``cpus``, ``millis``), and, for the pods the model serves, their
+    sizes (milli per GPU, GPUs)."""
+
+    def __init__(self, pods: list[tuple[int, int, int, bool]]) -> None:
+        self.cpus = [cpu for cpu, _, _, _ in pods]
+        self.millis = [milli * num for _, milli, num, _ in pods]
+        sizes = sorted({(milli, num) for _, milli, num, accepted in pods if milli > 0 and accepted})
+        self.sizes = sizes
+        index = {size: i for i, size in enumerate(sizes)}
+        # Per pod, its size's index in ``sizes``, or -1 where the model does not serve it.
+        self.size_of = [
+            index[(milli, num)] if milli > 0 and accepted else -1 for _, milli, num, accepted in pods
+        ]
+
+    def on(self, free_sorted: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """On GPUs with ``free_sorted`` milli, with CPU enough for all its copies, the milli
+        each pod's copies leave unused; the CPU those copies need (0 where there are none);
+        and the CPU past which more changes nothing, the most of them."""
+        gpus, total = len(free_sorted), sum(free_sorted)
+        # Multi-GPU pods take whole GPUs; bisect finds the first that fits.
+        copies = [
+            sum([f // milli for f in free_sorted])
+            if num == 1
+            else (gpus - bisect_left(free_sorted, milli)) // num
+            for milli, num in self.sizes
+        ]
+        held = [copies[size] if size >= 0 else 0 for size in self.size_of]
+        unused = tuple(total - n * milli for n, milli in zip(held, self.millis, strict=True))
+        needs = tuple(n * cpu for n, cpu in zip(held, self.cpus, strict=True))
+        return unused, needs, max(needs, default=0)
 
 
 class MultiGpuRoom:
@@ -271,7 +288,12 @@ class MultiGpuRoom:
 
 
 class EventualWaste:
-    """E(n): the GPU milli that common shares would leave unfilled on a node, summed per GPU."""
+    """E(n): the GPU milli that common shares would leave unfilled on a node, summed per GPU.
+
+    It reads the typical pods only through ``fillers``: a publication of the typical pods
+    with the same fillers can keep the one built for an earlier publication, and with it
+    all it worked out (``GpusharePolicy`` does).
+    """
 
     def __init__(self, typical: list[TypicalPod]) -> None:
         by_size: dict[int, float] = {}
@@ -288,33 +310,56 @@ class EventualWaste:
         self._most_cpu = max((f[1] for f in self.fillers), default=0)
         self._per_gpu: dict[tuple[str, int, int], int] = {}
         self._per_node: dict[_StateKey, int] = {}
+        # The same by the CPU left as given: most look-ups are of a node state seen before.
+        self._seen: dict[_StateKey, int] = {}
 
     def _cpu_that_counts(self, free: int, cpu_left: int) -> int:
         return min(cpu_left, free // self._smallest * self._most_cpu)
 
+    def remembered(self) -> int:
+        """How many answers its memos hold."""
+        return len(self._seen) + len(self._per_node) + len(self._per_gpu)
+
     def gpu(self, model: str, free: int, cpu_left: int) -> int:
         """W(free, cpu_left): the least milli the fillers can leave on one GPU."""
-        key = (model, free, self._cpu_that_counts(free, cpu_left))
-        cached = self._per_gpu.get(key)
+        # The search runs on the CPU capped where more changes nothing (``_cpu_that_counts``,
+        # written out: this is the hottest loop of the measures).
+        smallest, most_cpu, memo = self._smallest, self._most_cpu, self._per_gpu
+        cpu_left = min(cpu_left, free // smallest * most_cpu)
+        cached = memo.get((model, free, cpu_left))
         if cached is not None:
             return cached
         least = free
         for milli, cpu, models in self.fillers:
             if milli <= free and cpu <= cpu_left and accessible(model, models):
                 # The memo looked up here first: most of the recursion's calls are answered by it.
-                rest_free, rest_cpu = free - milli, cpu_left - cpu
-                rest = self._per_gpu.get((model, rest_free, self._cpu_that_counts(rest_free, rest_cpu)))
+                rest_free = free - milli
+                rest_cpu = min(cpu_left - cpu, rest_free // smallest * most_cpu)
+                rest = memo.get((model, rest_free, rest_cpu))
                 if rest is None:
                     rest = self.gpu(model, rest_free, rest_cpu)
-                least = min(least, rest)
-                if not least:
-                    break
-        self._per_gpu[key] = least
+                if rest < least:
+                    least = rest
+                    if not least:
+                        break
+        memo[(model, free, cpu_left)] = least
         return least
 
     def amount(self, model: str, cpu_left: int, free_sorted: tuple[int, ...]) -> int:
+        seen = (model, cpu_left, free_sorted)
+        cached = self._seen.get(seen)
+        if cached is not None:
+            return cached
         key = (model, self._cpu_that_counts(max(free_sorted, default=0), cpu_left), free_sorted)
         cached = self._per_node.get(key)
         if cached is None:
-            cached = self._per_node[key] = sum(self.gpu(model, f, cpu_left) for f in free_sorted)
+            # GPUs with equal free milli leave equal waste, and a full one none.
+            cached = 0
+            least = free = 0
+            for f in free_sorted:
+                if f != free:
+                    free, least = f, self.gpu(model, f, cpu_left)
+                cached += least
+            self._per_node[key] = cached
+        self._seen[seen] = cached
         return cached

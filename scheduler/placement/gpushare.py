@@ -25,18 +25,22 @@ re-layout planner owns their geometry).
 Speed: a host's score for a request depends only on (model, CPU left, free milli per GPU,
 the GPUs that could take it) and the request's shape, and is memoised on that. Per
 snapshot the policy also keeps each host's state and, per request shape, each host's last
-score, re-scoring only the hosts changed since (``Snapshot.changed``); picking the best is
-then one ``max`` over a list. A host's whole state as placement reads it (``host_state``)
-is numbered once per change, and its rank per request shape is remembered by that number:
-a shape seen for the first time, or again on the next cycle's fresh snapshot, costs a
-dictionary look-up per host instead of a feasibility check and a score, as hosts in the
-same state (all empty hosts of a kind, most full ones) share one answer.
+score, re-scoring only the hosts changed since (``Snapshot.changed``), and the best of
+those scores, looked for again only when its host scores lower. A host's whole state as
+placement reads it (``host_state``) is numbered once per change, and its rank per request
+shape is remembered by that number: a shape seen for the first time, or again on the next
+cycle's fresh snapshot, costs a dictionary look-up per host instead of a feasibility check
+and a score, as hosts in the same state (all empty hosts of a kind, most full ones) share
+one answer. Whether and where a host in a state can take a request, and whether it is
+short of room for it (a pending request's reason), do not depend on the typical requests
+and are kept across their publications; ranks are worked out again after each.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from bisect import bisect_left
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
 from scheduler.cluster import (
@@ -56,7 +60,11 @@ from scheduler.placement.firstfit import (
     exclusive_grants,
     grant_on,
     hosts_with_room,
+    room_refusal,
     serves,
+    short_of_room,
+    short_of_room_reason,
+    takes,
     usable_gpus,
     why_not,
 )
@@ -81,6 +89,8 @@ _INFEASIBLE = -1
 # The part of the multi-GPU demand assumed to ask for a whole node of the largest kind
 # once some is known (see ``_multi_gpu_shapes``).
 LARGEST_NODE_PRIOR = 0.1
+# Sets of fillers whose E is kept between publications of the typical requests.
+_WASTES_KEPT = 4
 # Snapshots of more hosts than this get per-host scores remembered between calls.
 _REMEMBER_FROM = 4
 # Host states remembered (``host_state``) before they are forgotten and numbered afresh.
@@ -98,6 +108,13 @@ RequestShape = tuple[str, int, int, int, tuple[str, ...]]
 # What decides a host's feasibility and score for a request: its shape, the memory it needs,
 # its isolation and an MPS share's GPU memory (see ``_best_remembered``).
 ScoredShape = tuple[RequestShape, int, str, int]
+# The same, memory aside: the host memory a request needs decides whether a host can take
+# it, never how well, so requests that differ in memory alone share their ranks.
+RankedShape = tuple[RequestShape, str, int]
+# What ``_choose`` reads of a host that can take a request, memory aside: its ``host_key`` and
+# the free milli of the GPUs that could take a share (ascending; () for other requests).
+Fit = tuple[HostKey, tuple[int, ...]]
+Fillers = tuple[tuple[int, int, tuple[str, ...]], ...]  # ``EventualWaste.fillers``
 
 
 def sigmoid_score(delta: float) -> int:
@@ -130,21 +147,22 @@ _GPU_FIELDS = attrgetter(
 def host_state(host: HostState) -> tuple[object, ...]:
     """Everything of a host that ``GpusharePolicy._choose`` reads, its name aside: two hosts
     in equal states take a request equally well. Keep it in step with ``_choose`` (and what
-    it calls: ``serves``, ``has_room``, ``usable_gpus``, ``grant_on``, ``host_key``)."""
+    it calls: ``serves``, ``_cpu_fits``, ``_memory_fits``, ``usable_gpus``, ``grant_on``, ``host_key``)."""
     cpu_left = host.cpu_milli - host.cpu_used_milli if host.cpu_milli else None
     memory_left = host.memory_mib - host.memory_used_mib if host.memory_mib else None
     # Numbered for every host of each cycle's fresh snapshot: the plain fields are read in
-    # one C call, and the two searches are skipped where there is nothing to search.
-    gpus = tuple(
-        (
-            _GPU_FIELDS(g),
-            any(s.busy for s in g.mig) if g.mig else False,
-            len(g.replicas_used),
-            any(r not in g.replicas_used for r in range(g.replicas)) if g.replicas_used else g.replicas > 0,
+    # one C call, and the two searches are skipped where there is nothing to search. One
+    # flat tuple, the same number of fields per GPU: the states are kept as long as the
+    # policy, and one object each is what the garbage collector has to look at.
+    state: list[object] = [host.up, host.isolation_levels, cpu_left, memory_left]
+    for g in host.gpus:
+        state += _GPU_FIELDS(g)
+        state.append(any(s.busy for s in g.mig) if g.mig else False)
+        state.append(len(g.replicas_used))
+        state.append(
+            any(r not in g.replicas_used for r in range(g.replicas)) if g.replicas_used else g.replicas > 0
         )
-        for g in host.gpus
-    )
-    return (host.up, host.isolation_levels, cpu_left, memory_left, gpus)
+    return tuple(state)
 
 
 def request_shape(request: Request) -> RequestShape:
@@ -163,56 +181,79 @@ class _Measures:
     # ``_multi_gpu_shapes``).
     room_for_all: MultiGpuRoom
     room_for_largest: MultiGpuRoom
+    # What they say of each node state ranked so far (``_state``): a host's state before a
+    # placement is looked up for every request shape and GPU it could take, and one look-up
+    # here spares each measure's working out of its own memo's key.
+    _states: tuple[dict[HostKey, tuple[float, float, float]], ...] = field(
+        default_factory=lambda: ({}, {}), init=False
+    )  # indexed by ``cpu_only``
 
     @classmethod
-    def build(cls, workload: WorkloadModel, fleet: Fleet) -> _Measures:
+    def build(cls, workload: WorkloadModel, fleet: Fleet, wastes: dict[Fillers, EventualWaste]) -> _Measures:
+        """The measures of the workload's publication; E is taken from ``wastes`` when one
+        was built for the same fillers, and kept there."""
         typical = workload.typical or PRIOR
         gpus_by_model: dict[str, int] = {}
         for model, _, gpus, hosts in fleet:
             gpus_by_model[model] = gpus_by_model.get(model, 0) + gpus * hosts
         weights = scarcity_weights(typical, gpus_by_model)
         share = workload.multi_gpu_share
+        waste = EventualWaste(typical)
+        fillers = tuple(waste.fillers)
+        kept = wastes.pop(fillers, None)
+        if kept is not None and kept.remembered() < _MAX_STATES:  # bounds what a portal remembers
+            waste = kept
+        wastes[fillers] = waste  # the latest last
+        while len(wastes) > _WASTES_KEPT:
+            del wastes[next(iter(wastes))]
         return cls(
             Fragmentation(typical),
             StrandedCapacity(typical, weights),
-            EventualWaste(typical),
+            waste,
             MultiGpuRoom(_multi_gpu_shapes(workload.multi_gpu, fleet), share, fleet),
             MultiGpuRoom(_multi_gpu_shapes([], fleet), share, fleet),
         )
 
-    def rank(
-        self,
-        model: str,
-        cpu_left: int,
-        before: tuple[int, ...],
-        after: tuple[int, ...],
-        cpu_after: int,
-        sharing: bool,
-        cpu_only: bool = False,
-    ) -> int:
-        """Integer rank of moving a host from (cpu_left, before) to (cpu_after, after): higher is better."""
+    def rank(self, was: HostKey, now: HostKey, sharing: bool, cpu_only: bool = False) -> int:
+        """Integer rank of moving a host from one (model, CPU left, free milli) to another:
+        higher is better."""
+        # F, M and S before and after.
+        frag_was, room_was, stranded_was = self._state(was, cpu_only)
+        frag_is, room_is, stranded_is = self._state(now, cpu_only)
         # Lost room for multi-GPU work ranks with F, before the sigmoid: as a tie-break below
         # FGD's score it never decided (see ``MultiGpuRoom``).
-        room = self.room_for_all if cpu_only else self.room_for_largest
-        frag = self.frag
-        df = frag.amount(model, cpu_left, before) - frag.amount(model, cpu_after, after)
-        df -= room.amount(model, cpu_left, before) - room.amount(model, cpu_after, after)
-        ds = self.stranded.amount(model, cpu_after, after) - self.stranded.amount(model, cpu_left, before)
+        df = frag_was - frag_is
+        df -= room_was - room_is
+        ds = stranded_is - stranded_was
         rank = sigmoid_score(df) * _SECONDARY + round(_SPAN - ds)
         if sharing:
             # E changes by at most the node's GPU milli; shifting by _WASTE_SPAN keeps it positive.
-            dw = self.waste.amount(model, cpu_after, after) - self.waste.amount(model, cpu_left, before)
+            dw = self.waste.amount(*now) - self.waste.amount(*was)
             rank += (_WASTE_SPAN - dw) * _WASTE_FACTOR
         return rank
+
+    def _state(self, node: HostKey, cpu_only: bool) -> tuple[float, float, float]:
+        """F, M and S of a node state (M: room for all multi-GPU shapes for a CPU-only request,
+        for the largest nodes for others; see ``_multi_gpu_shapes``)."""
+        values = self._states[cpu_only].get(node)
+        if values is None:
+            room = self.room_for_all if cpu_only else self.room_for_largest
+            values = self._states[cpu_only][node] = (
+                self.frag.amount(*node),
+                room.amount(*node),
+                self.stranded.amount(*node),
+            )
+        return values
 
 
 @dataclass
 class _ShapeScores:
     """Per host (in snapshot order), its last score for one request shape; how far into the
-    snapshot's change log they are up to date."""
+    snapshot's change log they are up to date; the highest of them."""
 
     scores: list[int]
     seen: int
+    best: int = _INFEASIBLE
 
 
 class GpusharePolicy:
@@ -236,13 +277,20 @@ class GpusharePolicy:
         self._tiebreak: list[int] = []
         self._states_seen = 0
         # State numbers, and per request shape the rank of a host in each state (None: it
-        # cannot take it). Ranks hold for one publication of the measures, as ``_memo``'s
-        # do. Whether a host can take a request at all does not depend on the measures
-        # (``_choose`` says None before it scores), so the states that cannot are kept
-        # across publications: after one, only the hosts that can take it are scored again.
+        # cannot take it), with and without the request's memory (``RankedShape``). Ranks
+        # hold for one publication of the measures, as ``_memo``'s do. Whether and where a
+        # host can take a request does not depend on the measures (``_fit``), so that is
+        # kept across publications: after one, only the hosts that can take it are scored
+        # again, from what was kept, without looking at the host.
         self._state_ids: dict[tuple[object, ...], int] = {}
         self._ranks: dict[ScoredShape, dict[int, int | None]] = {}
-        self._cannot: dict[ScoredShape, set[int]] = {}
+        self._ranked: dict[RankedShape, dict[int, int | None]] = {}
+        self._fits: dict[RankedShape, dict[int, Fit | None]] = {}
+        self._host_keys: dict[int, HostKey] = {}
+        # Per request shape, whether a host in each state is short of room (``_why_not``).
+        self._short: dict[ScoredShape, dict[int, bool]] = {}
+        # E for the last few sets of fillers (``EventualWaste``): publications often keep them.
+        self._wastes: dict[Fillers, EventualWaste] = {}
 
     # --- the policy -----------------------------------------------------------------------
 
@@ -264,8 +312,7 @@ class GpusharePolicy:
         if best is None:
             if not explain:
                 return Pending(request.id, "")
-            hosts = hosts_with_room(snapshot, request)
-            return hosts if isinstance(hosts, Pending) else Pending(request.id, why_not(snapshot, request))
+            return room_refusal(snapshot, request) or self._why_not(snapshot, request)
         return Place(request.id, best.name, self._grants(best, request, measures))
 
     # --- scoring ----------------------------------------------------------------------------
@@ -276,11 +323,12 @@ class GpusharePolicy:
             self._fleet, self._fleet_epoch = _fleet(snapshot), snapshot.epoch
         key = (self.workload.version, self._fleet)
         if self._measures is None or key != self._measures_for:
-            self._measures = _Measures.build(self.workload, self._fleet)
+            self._measures = _Measures.build(self.workload, self._fleet, self._wastes)
             self._measures_for = key
             self._memo.clear()
             self._shapes.clear()
             self._ranks.clear()
+            self._ranked.clear()
         return self._measures
 
     def _best_remembered(self, snapshot: Snapshot, request: Request, measures: _Measures) -> HostState | None:
@@ -289,7 +337,10 @@ class GpusharePolicy:
         if len(self._state_ids) > _MAX_STATES:  # bounds what a long-lived portal remembers
             self._state_ids.clear()
             self._ranks.clear()
-            self._cannot.clear()
+            self._ranked.clear()
+            self._fits.clear()
+            self._host_keys.clear()
+            self._short.clear()
             self._epoch = -1  # number the hosts' states again
         if snapshot.epoch != self._epoch:
             self._epoch = snapshot.epoch
@@ -319,49 +370,107 @@ class GpusharePolicy:
             stale = {self._index[name] for name in snapshot.changes[cache.seen :] if name in self._index}
         states, folded, tiebreak = self._states, self._folded, self._tiebreak
         ranks = self._ranks.setdefault(shape, {})
-        cannot = self._cannot.setdefault(shape, set())
+        ranked_shape = (shape[0], request.isolation, request.mps_memory_mib)
+        ranked = self._ranked.setdefault(ranked_shape, {})
+        fits = self._fits.setdefault(ranked_shape, {})
+        memory = request.memory_mib
         for i in stale:  # each state not ranked yet, on the first host found in it
             state = states[i]
             if state not in ranks:
-                choice = None if state in cannot else self._choose(hosts[i], request, measures)
-                ranks[state] = None if choice is None else choice[0]
-                if choice is None:
-                    cannot.add(state)
+                if not _memory_fits(hosts[i], memory):
+                    ranks[state] = None
+                    continue
+                if state not in ranked:
+                    if state not in fits:
+                        fits[state] = self._fit(hosts[i], request, self._host_key(state, hosts[i]))
+                    fit = fits[state]
+                    ranked[state] = None if fit is None else self._score(fit, request, measures)[0]
+                ranks[state] = ranked[state]
         if isinstance(stale, range):
             cache.scores = [
                 _INFEASIBLE if (rank := ranks[state]) is None else rank * folded + position
                 for state, position in zip(states, tiebreak, strict=True)
             ]
+            cache.best = max(cache.scores)
         else:
+            # Feasible scores are unequal (each carries its host's position), so the best
+            # is looked for again only when the host that had it scores lower now.
+            scores, best, lost = cache.scores, cache.best, False
             for i in stale:
                 rank = ranks[states[i]]
-                cache.scores[i] = _INFEASIBLE if rank is None else rank * folded + tiebreak[i]
+                score = _INFEASIBLE if rank is None else rank * folded + tiebreak[i]
+                if score > best:
+                    best = score
+                elif scores[i] == best and score < best:
+                    lost = True
+                scores[i] = score
+            cache.best = max(scores) if lost else best
         cache.seen = len(snapshot.changes)
-        scores = cache.scores
-        best = max(scores)
+        best = cache.best
         if best == _INFEASIBLE:
             return None
         # Scores carry the host's position in their lowest bits: the first of equals wins.
         return snapshot.hosts[count - 1 - best % count]
+
+    def _why_not(self, snapshot: Snapshot, request: Request) -> Pending:
+        """``why_not``'s answer, which is the hosts short of room where there are any: whether
+        a host is short is remembered by its state, as ranks are (the cycle asks for every
+        request shape that waits, and few hosts change in between)."""
+        if len(snapshot.hosts) > _REMEMBER_FROM:  # ``_best_remembered`` numbered their states
+            shape = (request_shape(request), request.memory_mib, request.isolation, request.mps_memory_mib)
+            verdicts = self._short.setdefault(shape, {})
+            short = []
+            for host, state in zip(snapshot.hosts, self._states, strict=True):
+                verdict = verdicts.get(state)
+                if verdict is None:
+                    verdict = verdicts[state] = short_of_room(host, request)
+                if verdict:
+                    short.append(host.name)
+            if short:
+                return Pending(request.id, short_of_room_reason(short, request))
+        return Pending(request.id, why_not(snapshot, request))
 
     def _state_id(self, host: HostState) -> int:
         return self._state_ids.setdefault(host_state(host), len(self._state_ids))
 
     def _choose(self, host: HostState, request: Request, measures: _Measures) -> tuple[int, int] | None:
         """(rank, free milli of the GPU a share takes, or -1) of the host's best placement."""
-        if not serves(host, request) or not host.has_room(request.cpu_milli, request.memory_mib):
+        if not _memory_fits(host, request.memory_mib):
+            return None
+        fit = self._fit(host, request, host_key(host))
+        return None if fit is None else self._score(fit, request, measures)
+
+    def _host_key(self, state: int, host: HostState) -> HostKey:
+        """``host_key`` of a host in a numbered state."""
+        key = self._host_keys.get(state)
+        if key is None:
+            key = self._host_keys[state] = host_key(host)
+        return key
+
+    @staticmethod
+    def _fit(host: HostState, request: Request, key: HostKey) -> Fit | None:
+        """Whether the host can take the request, memory aside, and what scoring it reads."""
+        if not serves(host, request) or not _cpu_fits(host, request.cpu_milli):
             return None
         candidates: tuple[int, ...] = ()
         if request.mode == DEDICATED:
+            # An idle GPU has all its milli free: with fewer such, no need to look closer.
+            free = key[2]
+            if len(free) - bisect_left(free, MILLI) < request.gpu_count:
+                return None
             if sum(1 for g in usable_gpus(host, request) if g.idle) < request.gpu_count:
                 return None
         elif request.mode != CPU_ONLY:
             candidates = tuple(
-                sorted({g.free_milli for g in usable_gpus(host, request) if grant_on(g, request) is not None})
+                sorted({g.free_milli for g in usable_gpus(host, request) if takes(g, request)})
             )
             if not candidates:
                 return None
-        key = host_key(host)
+        return key, candidates
+
+    def _score(self, fit: Fit, request: Request, measures: _Measures) -> tuple[int, int]:
+        """(rank, free milli of the GPU a share takes, or -1) of a placement on a host that fits."""
+        key, candidates = fit
         shape = request_shape(request)
         memo_key = (key, candidates, shape)
         cached = self._memo.get(memo_key)
@@ -379,7 +488,7 @@ class GpusharePolicy:
                     if free == MILLI and taken < request.gpu_count:
                         after[i], taken = 0, taken + 1
             cpu_only = request.mode == CPU_ONLY
-            rank = measures.rank(model, cpu_left, before, tuple(sorted(after)), cpu_after, False, cpu_only)
+            rank = measures.rank(key, (model, cpu_after, tuple(sorted(after))), False, cpu_only)
             choice = (rank, -1)
         else:
             milli = request.gpu_milli
@@ -387,7 +496,7 @@ class GpusharePolicy:
             for free in candidates:  # ascending: on equal ranks the tightest GPU is kept
                 after = list(before)
                 after[after.index(free)] = max(0, free - milli)
-                rank = measures.rank(model, cpu_left, before, tuple(sorted(after)), cpu_after, sharing=True)
+                rank = measures.rank(key, (model, cpu_after, tuple(sorted(after))), sharing=True)
                 if rank > choice[0]:
                     choice = (rank, free)
         self._memo[memo_key] = choice
@@ -405,6 +514,16 @@ class GpusharePolicy:
             if gpu.free_milli == choice[1] and (grant := grant_on(gpu, request)) is not None:
                 return (grant,)
         raise AssertionError(f"no GPU with {choice[1]} milli free on {host.name} takes request {request.id}")
+
+
+def _cpu_fits(host: HostState, cpu_milli: int) -> bool:
+    """``HostState.has_room``'s CPU half."""
+    return not host.cpu_milli or host.cpu_used_milli + cpu_milli <= host.cpu_milli
+
+
+def _memory_fits(host: HostState, memory_mib: int) -> bool:
+    """``HostState.has_room``'s memory half."""
+    return not host.memory_mib or host.memory_used_mib + memory_mib <= host.memory_mib
 
 
 def _fleet(snapshot: Snapshot) -> Fleet:

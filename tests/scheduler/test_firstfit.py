@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from scheduler.cluster import GpuState, HostState, MigSlot, Pending, Place, Request, Snapshot, release
 from scheduler.cycle import run_cycle
 from scheduler.fairshare import FairOrder
 from scheduler.placement import get_policy
+from scheduler.placement.firstfit import grant_on, takes
 
 
 def gpu(host: str, index: int, mode: str = "dedicated", **kw: Any) -> GpuState:
@@ -205,3 +207,22 @@ def test_every_reason_to_wait_names_what_is_missing() -> None:
     )
     down = Snapshot([replace(h, up=False) for h in fleet().hosts])
     assert why_not(down, req(1)) == "no GPU in the fleet offers dedicated sharing"
+
+
+def test_takes_says_whether_grant_on_would_grant() -> None:
+    """``takes`` spares the searches building grants: it must agree with ``grant_on``."""
+    rng = random.Random(3)
+    for _ in range(3000):
+        g = gpu("a", 0, rng.choice(("mps", "timeslice", "auto", "dedicated")), replicas=rng.randint(0, 4))
+        g.mps_used_threads = rng.choice((0, 30, 70, 100))
+        g.mps_used_mib = rng.choice((0, 20000, 80000))
+        g.mps_one_size = rng.random() < 0.3
+        g.mps_share = rng.choice((None, (20000, 30), (10000, 10)))
+        g.replicas_used = set(rng.sample(range(4), rng.randint(0, 3)))
+        asked = req(
+            1,
+            rng.choice(("mps", "timeslice")),
+            mps_memory_mib=rng.choice((10000, 20000, 70000)),
+            mps_thread_pct=rng.choice((10, 30, 80)),
+        )
+        assert takes(g, asked) == (grant_on(g, asked) is not None)

@@ -140,3 +140,63 @@ def test_nodes_that_differ_only_in_cpu_that_cannot_matter_share_a_memo_entry_exa
         fresh = measures()
         for n in range(3):
             assert shared[n].amount(model, cpu_left, free) == fresh[n].amount(model, cpu_left, free)
+
+
+def stranded_by_the_definition(
+    typical: list[TypicalPod], weights: list[float], model: str, cpu_left: int, free: tuple[int, ...]
+) -> float:
+    """S(n) as a plain loop over the typical pods, in their order."""
+    total, value = sum(free), 0.0
+    for t, weight in zip(typical, weights, strict=True):
+        copies = 0
+        if t.gpu_milli and (not t.models or model in t.models) and cpu_left >= t.cpu_milli:
+            if t.num_gpu == 1:
+                copies = sum(f // t.gpu_milli for f in free)
+            else:
+                copies = sum(1 for f in free if f >= t.gpu_milli) // t.num_gpu
+            if t.cpu_milli:
+                copies = min(copies, cpu_left // t.cpu_milli)
+        value += weight * (total - copies * t.gpu_milli * t.num_gpu)
+    return value
+
+
+def test_stranded_capacity_is_bit_equal_to_its_definition_whatever_the_memos_hold() -> None:
+    """S is worked out per size of pod and summed at once, its memos keyed on the CPU that
+    counts: every answer must still be the plain loop's, to the last bit, as the ranks
+    round S's changes."""
+    rng = random.Random(11)
+    typical = [
+        TypicalPod(rng.choice((0, 1000, 4000, 6000, 12000)), milli, num, models, rng.random())
+        for milli, num, models in (
+            (100, 1, ()),
+            (250, 1, ()),
+            (250, 1, ()),
+            (470, 1, ("G2",)),
+            (1000, 1, ()),
+            (1000, 2, ()),
+            (1000, 8, ("G3",)),
+            (0, 0, ()),
+        )
+    ]
+    weights = scarcity_weights(typical, {"G2": 64, "G3": 32})
+    stranded = StrandedCapacity(typical, weights)
+    for _ in range(2000):
+        model = rng.choice(("G2", "G3"))
+        cpu_left = rng.choice((0, 1000, 8000, 64000, rng.randrange(-2000, 130000)))
+        free = tuple(
+            sorted(rng.choice((0, 30, 100, 250, 500, 530, 750, 1000)) for _ in range(rng.randint(1, 8)))
+        )
+        assert stranded.amount(model, cpu_left, free) == stranded_by_the_definition(
+            typical, weights, model, cpu_left, free
+        )
+
+
+def test_eventual_waste_of_a_node_is_the_sum_over_its_gpus() -> None:
+    waste = EventualWaste(SHARES)
+    rng = random.Random(5)
+    for _ in range(300):
+        cpu_left = rng.randrange(0, 60000)
+        free = tuple(sorted(rng.choice((0, 30, 210, 350, 530, 1000)) for _ in range(rng.randint(1, 8))))
+        assert waste.amount("G2", cpu_left, free) == sum(
+            EventualWaste(SHARES).gpu("G2", f, cpu_left) for f in free
+        )

@@ -24,6 +24,7 @@ from scheduler.cluster import (
     DeviceGrant,
     GpuState,
     HostState,
+    Pending,
     Place,
     Request,
     Snapshot,
@@ -32,6 +33,7 @@ from scheduler.cluster import (
 )
 from scheduler.cycle import run_cycle
 from scheduler.placement import get_policy
+from scheduler.placement.firstfit import hosts_with_room, why_not
 from scheduler.placement.gpushare import GpusharePolicy
 from scheduler.placement.workload import WorkloadModel, observed_shape
 
@@ -183,6 +185,10 @@ def test_a_policy_that_remembers_hosts_decides_as_a_fresh_one(seed: int) -> None
             workload.publish()
         decision = kept.place(snapshot, asked)
         assert decision == GpusharePolicy(workload).place(snapshot, asked)
+        if isinstance(decision, Pending):  # the reason, remembered by host state, is first-fit's
+            refusal = hosts_with_room(snapshot, asked)
+            said = refusal.reason if isinstance(refusal, Pending) else why_not(snapshot, asked)
+            assert decision.reason == said
         if isinstance(decision, Place):
             gpus = {g.uuid: g for h in snapshot.hosts for g in h.gpus}
             for grant in decision.grants:
