@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.conf import settings
 from django.core.cache.backends.redis import RedisCache
 
@@ -11,13 +13,17 @@ def _cache(location: str) -> RedisCache:
     return RedisCache(location, {"OPTIONS": settings.CACHES["default"]["OPTIONS"]})
 
 
+def _pool(cache: RedisCache, write: bool = True) -> Any:
+    return cache._cache._get_connection_pool(write=write)  # type: ignore[attr-defined]  # Django's client
+
+
 def test_each_new_cache_object_uses_the_processs_one_pool() -> None:
     first, second = _cache(settings.REDIS_URL), _cache(settings.REDIS_URL)
     first.set("cache-pool-probe", 1)
     assert second.get("cache-pool-probe") == 1
-    pool = first._cache._get_connection_pool(write=True)
-    assert second._cache._get_connection_pool(write=True) is pool
-    assert second._cache._get_connection_pool(write=False) is pool
+    pool = _pool(first)
+    assert _pool(second) is pool
+    assert _pool(second, write=False) is pool
     # One connection made, handed back after each command and taken again: not one per object.
     assert len(pool._available_connections) + len(pool._in_use_connections) == 1
 
@@ -26,5 +32,4 @@ def test_another_server_gets_its_own_pool() -> None:
     other = (
         "redis://127.0.0.1:6379/13" if not settings.REDIS_URL.endswith("/13") else "redis://127.0.0.1:6379/11"
     )
-    mine = _cache(settings.REDIS_URL)._cache._get_connection_pool(write=True)
-    assert _cache(other)._cache._get_connection_pool(write=True) is not mine
+    assert _pool(_cache(other)) is not _pool(_cache(settings.REDIS_URL))
