@@ -51,6 +51,7 @@ from scheduler.cluster import (
     release,
 )
 from scheduler.fairshare import FairOrder, Quotas, demand_milli
+from scheduler.gc_pause import collection_paused
 from scheduler.placement import Policy
 from scheduler.preemption import Plan, plan_preemption, victim_order
 
@@ -120,10 +121,14 @@ def run_cycle(
     reservation (Slurm's ``bf_window``): holding capacity idle for days on end times
     that far off, which are limits rather than forecasts, costs everyone now.
     """
-    cycle = _Cycle(snapshot if in_place else snapshot.copy(), policy, now, fairshare, backfill_window_s)
-    if held is not None:
-        cycle.hold_for(*held)
-    return cycle.run(queue)
+    # Latency-bound: the collector would walk every object the policy remembers, over and
+    # over, for garbage reference counting frees anyway (see scheduler/gc_pause.py). Every
+    # caller gets this: the control worker, the request form's preview, the replays.
+    with collection_paused():
+        cycle = _Cycle(snapshot if in_place else snapshot.copy(), policy, now, fairshare, backfill_window_s)
+        if held is not None:
+            cycle.hold_for(*held)
+        return cycle.run(queue)
 
 
 class _Cycle:

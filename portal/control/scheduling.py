@@ -35,7 +35,6 @@ from django.db.models import Count, Sum
 
 from portal.control.redis_client import client as redis_client
 from portal.fleet.models import Gpu, Host, MigInstance, running_plan_gpus
-from portal.gc_pause import collection_paused
 from portal.sandboxes import actions, nudge, preemption
 from portal.sandboxes.models import PENDING_REASON_MAX, Allocation, Sandbox
 from portal.scheduling import digest, policy
@@ -43,6 +42,7 @@ from portal.scheduling.snapshot import HOLDING, Queued, build_fairshare, build_s
 from portal.telemetry import control_figures
 from scheduler.cluster import Decision, Pending, Place, Preempt, Request, Reserve, Running, Snapshot
 from scheduler.cycle import revert, run_cycle
+from scheduler.gc_pause import collection_paused
 
 log = logging.getLogger(__name__)
 # pg_advisory_xact_lock(namespace, key) of the cycle; "GPSC", beside billing's "GPS\0".

@@ -35,7 +35,6 @@ from typing import Any
 from django.conf import settings
 
 from portal.durations import duration_text
-from portal.gc_pause import collection_paused
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
 from portal.scheduling import digest
 from portal.scheduling.policy import new_policy, warm, workload_of
@@ -55,6 +54,7 @@ from scheduler.cluster import (
 )
 from scheduler.cycle import revert, run_cycle
 from scheduler.fairshare import FairOrder
+from scheduler.gc_pause import collection_paused
 from scheduler.placement import Policy
 from scheduler.placement.firstfit import serves
 

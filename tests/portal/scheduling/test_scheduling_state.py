@@ -330,7 +330,7 @@ def test_a_mirror_follows_new_states_host_by_host(
 def test_the_collector_is_held_off_while_one_holder_remains() -> None:
     import gc
 
-    from portal.gc_pause import collection_paused
+    from scheduler.gc_pause import collection_paused
 
     assert gc.isenabled()
     with collection_paused():

@@ -1,6 +1,8 @@
 """Hold Python's cyclic garbage collector off during a short piece of latency-bound work.
 
-The scheduling cycle reads tens of thousands of rows into short-lived objects, and a
+Here, with the cycle that uses it (``run_cycle`` holds it, so every caller does: the control
+worker, the portal's preview, the replays), not in the portal that also holds it around its
+reads. The scheduling cycle reads tens of thousands of rows into short-lived objects, and a
 preview builds thousands more. Their allocations trip the collector's thresholds, and
 each full collection walks every live object of the process (Django, the policy's
 memoised scores, the kept fleet): measured at the openb cluster's size, collections took
