@@ -26,7 +26,7 @@ from scheduler.research.bench_markdown import framed, without_markers, write_sec
 from scheduler.research.bench_scale import print_json
 from scheduler.research.bench_scale import render as scale_render
 from scheduler.research.bench_scale import rows as scale_rows
-from scheduler.research.bench_trace import PAPER_LABELS, SEEDS, TRACES, anchored_traces, run_matrix
+from scheduler.research.bench_trace import LIVE, PAPER_LABELS, SEEDS, TRACES, anchored_traces, run_matrix
 from scheduler.research.bench_trace import render as trace_render
 
 NODES, DEFAULT_PODS = TRACES / "openb_node_list_gpu_node.csv", TRACES / "openb_pod_list_default.csv"
@@ -50,8 +50,9 @@ def mig_relayout_section() -> str:
 def trace_section() -> str:
     """The six FGD-paper policies on the default trace, seeds 42-51, against the paper: the
     check that the replay harness is the paper's. The product's own figures are the live
-    engine's (``live-traces``), through the cycle the portal runs."""
-    curves, walls = run_matrix(NODES, DEFAULT_PODS, list(PAPER_LABELS), SEEDS, workers=2)
+    engine's (``live-traces``), through the cycle the portal runs; its row here times it
+    beside FGD's in the same run."""
+    curves, walls = run_matrix(NODES, DEFAULT_PODS, [*PAPER_LABELS, LIVE], SEEDS, workers=2)
     return trace_render(DEFAULT_PODS.stem, curves, walls, 2)
 
 

@@ -20,6 +20,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from scheduler.research.bench_markdown import write_section
+from scheduler.research.live_replay import DEFAULT_BATCH, replay_live
 from scheduler.research.replay import percentile, replay
 from scheduler.research.trace import build_workload, load_nodes, load_pods
 
@@ -40,6 +41,10 @@ PAPER_LABELS = {
     "bestfit": "05-BestFit",
     "fgd": "06-FGD",
 }
+
+# The portal's own scheduler through its scheduling cycle (scheduler/research/live_replay.py),
+# timed beside the paper's policies in the same run; the paper has no figures for it.
+LIVE = "gpushare-live"
 
 Curve = list[float | None]  # allocated % per arrived % 0..130; None where no event is near
 
@@ -63,7 +68,8 @@ def bucket_curve(arrived_pct: list[float], allocated_pct: list[float]) -> Curve:
 def run_one(job: tuple[Path, Path, str, int, float]) -> tuple[str, int, Curve, float]:
     """One replay, in a worker process: returns its bucketed curve and wall time."""
     nodes, pods, policy, seed, tune = job
-    result = replay(build_workload(load_nodes(nodes), load_pods(pods), seed, tune), policy)
+    workload = build_workload(load_nodes(nodes), load_pods(pods), seed, tune)
+    result = replay_live(workload, DEFAULT_BATCH) if policy == LIVE else replay(workload, policy)
     arrived = [result.pct(m) for m in result.arrived_milli]
     allocated = [result.pct(m) for m in result.used_milli]
     return policy, seed, bucket_curve(arrived, allocated), result.wall_s
@@ -243,7 +249,8 @@ def render(
         "the paper's `merge_alloc_discrete.py`; 'paper' is the same statistic of its published runs",
         f"(shared/anchors). Measured by `python -m scheduler.research.bench_trace` on {cpus} worker",
         "processes; replay time is the median over seeds of one replay (build the workload excluded). The",
-        "mean ± sd columns are over the seeds at arrived 100 %.",
+        f"mean ± sd columns are over the seeds at arrived 100 %. {LIVE}: the portal's policy through its",
+        "scheduling cycle (`--engine live`, 100 arrivals a cycle), timed beside the others in the same run.",
         "",
         "| policy | ours @90 | paper @90 | ours @100 | paper @100 | Δ @100 | ours @130 | paper @130 "
         "| ours mean ± sd | paper mean ± sd | replay s |",
@@ -270,7 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--nodes", type=Path, default=TRACES / "openb_node_list_gpu_node.csv")
     parser.add_argument("--pods", type=Path, default=TRACES / "openb_pod_list_default.csv")
-    parser.add_argument("--policies", default=",".join(PAPER_LABELS), help="comma-separated policy names")
+    parser.add_argument(
+        "--policies",
+        default=",".join([*PAPER_LABELS, LIVE]),
+        help=f"comma-separated policy names ({LIVE}: the live engine)",
+    )
     parser.add_argument("--seeds", type=int, default=len(SEEDS), help="how many seeds from 42")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, help="Markdown file to update (e.g. BENCHMARKS.md)")

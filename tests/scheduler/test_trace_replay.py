@@ -199,3 +199,17 @@ def test_all_traces_section_has_a_row_per_trace_and_counts_wins() -> None:
     assert section.startswith(ALL_BEGIN) and section.endswith(ALL_END)
     assert "| default | 5.00 | 4.00 | 5.00 | 4.00 | 5.00 | 4.00 | 4.77 | -1.00 |" in section
     assert "| ours | 2 of 2 | 2.00 (2.00) | 0.200 | 0.900 |" in section
+
+
+def test_the_live_engine_is_timed_beside_the_papers_policies(tmp_path: Path) -> None:
+    """bench_trace's gpushare-live row: the portal's cycle on the same workload as fgd's row,
+    with no paper figures to compare against."""
+    from scheduler.research.bench_trace import LIVE, run_matrix
+
+    nodes, pods = write_trace(tmp_path)
+    curves, walls = run_matrix(nodes, pods, ["fgd", LIVE], (42, 43), workers=1)
+    assert set(curves[LIVE]) == {42, 43} and len(walls[LIVE]) == 2
+    if (ANCHORS / "fgd_alloc_by_arrived.csv").exists():
+        section = render("openb_pod_list_default", curves, walls, 1)
+        [row] = [line for line in section.splitlines() if line.startswith(f"| {LIVE} |")]
+        assert row.count("| - |") >= 4  # the paper has no gpushare: its columns stay empty
