@@ -24,8 +24,12 @@ def test_each_new_cache_object_uses_the_processs_one_pool() -> None:
     pool = _pool(first)
     assert _pool(second) is pool
     assert _pool(second, write=False) is pool
-    # One connection made, handed back after each command and taken again: not one per object.
-    assert len(pool._available_connections) + len(pool._in_use_connections) == 1
+    # Each command hands its connection back and the next object's takes it again: ten more
+    # objects open no connection beyond the one this process may have opened first.
+    made_before = len(pool._available_connections) + len(pool._in_use_connections)
+    for _ in range(10):
+        assert _cache(settings.REDIS_URL).get("cache-pool-probe") == 1
+    assert len(pool._available_connections) + len(pool._in_use_connections) <= max(made_before, 1)
 
 
 def test_another_server_gets_its_own_pool() -> None:
