@@ -16,6 +16,7 @@ from django.views.decorators.http import require_POST
 
 from portal.accounts.access import can_manage_sandbox, visible_projects
 from portal.billing.ledger import cost_by
+from portal.billing.pricing import cost_micros
 from portal.catalog.models import Tier
 from portal.catalog.sharing import LABELS, TIMESLICE
 from portal.catalog.storage import storage_lines
@@ -107,6 +108,9 @@ def notifications(request: HttpRequest) -> HttpResponse:
     return render(request, "sandboxes/notifications.html", {"notifications": mine[:100]})
 
 
+HOUR_US = 3600 * 1_000_000
+
+
 def _whole_seconds(delta: timedelta) -> timedelta:
     return timedelta(seconds=max(0, int(delta.total_seconds())))
 
@@ -118,7 +122,7 @@ def _status_context(sandbox: Sandbox) -> dict[str, object]:
     now = timezone.now()
     cost = cost_by(usage, now)
     allocations = list(sandbox.allocations.select_related("gpu", "mig_instance"))
-    seconds_left = (
+    time_left = (
         _whole_seconds(sandbox.started_at + sandbox.max_duration - now)
         if sandbox.started_at and sandbox.state == "running"
         else None
@@ -135,10 +139,12 @@ def _status_context(sandbox: Sandbox) -> dict[str, object]:
         # grows at the open intervals' price, linear in time (portal/billing/pricing.py).
         "cost_micros": cost,
         "cost_per_hour_micros": sum(
-            u.price_per_gpu_hour_micros * u.priced_milli / 1000 for u in usage if u.ended_at is None
+            cost_micros(u.price_per_gpu_hour_micros, u.priced_milli, HOUR_US)
+            for u in usage
+            if u.ended_at is None
         ),
-        "time_left": seconds_left,
-        "seconds_left": int(seconds_left.total_seconds()) if seconds_left is not None else None,
+        "time_left": time_left,
+        "seconds_left": int(time_left.total_seconds()) if time_left is not None else None,
     }
 
 
