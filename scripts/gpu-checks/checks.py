@@ -199,7 +199,14 @@ def mps() -> None:
         for n, p in enumerate(pair):
             said(p, f"one sandbox's process {n}: 900 MiB under a 1 GiB per-process limit")
         said(held, "held")
+        said(client("idle", 256, 0, pipe, None), "root client through the pipe")
     finally:
+        # What the daemon and its servers said: a client's 805 (no connection) names no cause.
+        listing = ["ls", "-ln", str(manager.pipe_dir(uuid)), str(manager.log_dir(uuid))]
+        print(subprocess.run(listing, capture_output=True, text=True, check=False).stdout)
+        for log_file in sorted(manager.log_dir(uuid).glob("*.log")):
+            lines = log_file.read_text(errors="replace").splitlines()[-15:]
+            print(f"--- {log_file.name}:", *lines, sep="\n  ")
         print("daemon stopped:", manager.stop(uuid))
         shutil.rmtree(var, ignore_errors=True)
 

@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# gpushare's device checks for a lent H100/H200: about 6-8 minutes, as root, from the repo root:
+# gpushare's device checks for a lent H100/H200: about 2 minutes on an H200, as root, from the repo root:
 #     OUT=<dir> bash scripts/gpu-checks/run.sh          (add GPUSHARE_CHECK_XID=1 for step 06)
 # Read-only as to the GPU's modes: never a MIG, compute-mode, clock, power or persistence
 # change, never a reset. It builds a small CUDA client, starts private MPS daemons (quit at
 # the end) and runs the project's `gpu` tests. Each step is bounded and writes $OUT/NN_*.txt.
+# A lent machine has the driver, CUDA, nvidia-ml-py and pytest but not the platform's other
+# packages, and no index to fetch them from: the gpu tests also import redis (wire.config) and
+# pyseccomp (the process driver). WHEELS=<dir> installs wheels brought along (made where an index
+# is reachable: pip download --no-deps --only-binary=:all: "redis>=5.2,<8" "pyseccomp>=0.1.2,<0.2")
+# into a private folder; BWRAP_DEB=<file> unpacks bubblewrap where the machine has none.
 set -u
 OUT=${OUT:-/tmp/gpu-checks}; mkdir -p "$OUT"; cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD GPUSHARE_CHECK_CLIENT=/usr/local/bin/gpushare-check-client
+SITE=/tmp/gpushare-check-site
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$WHEELS"/*.whl
+fi
+if ! command -v bwrap >/dev/null && [ -n "${BWRAP_DEB:-}" ]; then dpkg -x "$BWRAP_DEB" /; fi
+export PYTHONPATH=$PWD:$SITE GPUSHARE_CHECK_CLIENT=/usr/local/bin/gpushare-check-client
 PY=${PYTHON:-python3}
 T() { timeout "$1" "${@:2}"; }
 

@@ -44,7 +44,7 @@ from tests.workers.test_mps_manager import (  # noqa: F401 - fixtures
     var_dir,
 )
 from wire import uids
-from workers.gpu import mps
+from workers.gpu import mps, posix_acl
 from workers.gpu.base import COMPUTE_DEFAULT, COMPUTE_EXCLUSIVE_PROCESS, GpuBackendError
 from workers.gpu.mps import PID_FILE, MpsError, MpsManager, MpsNotEnforced, _alive
 from workers.gpu.mps_daemons import MpsDaemons
@@ -288,15 +288,17 @@ def test_a_tenant_cannot_remove_the_control_socket_or_the_pid_file(
     """Review 3 §1.1 item 2: the pipe directory was the MPS uid's 0700, so any tenant of the
     GPU could unlink ``control``, and every later CUDA process of every tenant ran without MPS.
     Root's now, group the MPS gid, sticky: the tenant (a real process of the GPU's MPS uid and
-    gid, as its sandboxes and MPS server run) can still make its own files there."""
+    gid, as its sandboxes run) can still make its own files there, and so can its MPS server,
+    which NVIDIA's control daemon runs as that uid with gid 0 and no other group (seen on an
+    H200: with the group's permission alone the server exited at once, every client 805)."""
     var_dir.chmod(0o711)
     manager.start(GPU_A)
     pipe = manager.pipe_dir(GPU_A)
     uid = uids.mps_uid(GPU_A)
 
-    def as_tenant(*argv: str) -> subprocess.CompletedProcess[str]:
+    def as_tenant(*argv: str, user: int = uid, group: int = uid) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            list(argv), user=uid, group=uid, extra_groups=[], capture_output=True, text=True, check=False
+            list(argv), user=user, group=group, extra_groups=[], capture_output=True, text=True, check=False
         )
 
     for name in ("control", PID_FILE):
@@ -304,7 +306,12 @@ def test_a_tenant_cannot_remove_the_control_socket_or_the_pid_file(
         assert removed.returncode != 0 and "Operation not permitted" in removed.stderr, removed
         moved = as_tenant("mv", str(pipe / name), str(pipe / "mine"))
         assert moved.returncode != 0, moved
-    assert as_tenant("sh", "-c", f": > {pipe}/server-socket").returncode == 0  # the MPS server's own
+    assert as_tenant("sh", "-c", f": > {pipe}/tenant-file").returncode == 0
+    server = as_tenant("sh", "-c", f": > {pipe}/server-socket", group=0)  # how its MPS server runs
+    assert server.returncode == 0, server
+    stranger = as_tenant("sh", "-c", f": > {pipe}/planted", user=uid + 1, group=0)
+    assert stranger.returncode != 0 and "Permission denied" in stranger.stderr, stranger
+    assert posix_acl.named_users(pipe) == {uid: 0o7}
     assert (pipe / "control").is_socket() and (pipe / "control").stat().st_uid == os.geteuid()
     info = pipe.stat()
     assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (0, uid, 0o1770)

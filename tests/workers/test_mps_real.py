@@ -32,6 +32,7 @@ import pynvml
 import pytest
 
 from wire import uids
+from workers.gpu import posix_acl
 from workers.gpu.mps import CONTROL_BINARY, MpsManager
 from workers.gpu.nvml import NvmlBackend, nvml_available
 
@@ -195,8 +196,9 @@ def test_a_non_root_client_is_held_to_the_servers_limits_without_its_environment
     manager.set_server_limits(device_uuid, THREAD_PCT, LIMIT_MIB)  # what MpsDaemons.claim does
     pipe = manager.pipe_dir(device_uuid)
     uid = uids.mps_uid(device_uuid)
-    info = pipe.stat()  # the agent's layout: root's, the MPS uid's group, sticky
+    info = pipe.stat()  # the agent's layout: root's, the MPS uid's group, sticky, the uid's ACL
     assert (info.st_uid, info.st_gid, info.st_mode & 0o7777) == (0, uid, 0o1770)
+    assert posix_acl.named_users(pipe) == {uid: 0o7}
     client = _run_client(argv, device_uuid, pipe, uid=uid, hold_s=HOLD_S)
     try:
         servers: list[int] = []

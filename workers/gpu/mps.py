@@ -72,6 +72,7 @@ from typing import Any, Protocol
 from wire import uids
 from wire.spec import MpsShare
 from workers.drivers import tenant_paths
+from workers.gpu import posix_acl
 from workers.gpu.base import COMPUTE_DEFAULT, COMPUTE_EXCLUSIVE_PROCESS, GpuBackendError
 
 log = logging.getLogger(__name__)
@@ -444,11 +445,15 @@ class MpsManager:
         it: a client that cannot runs as if MPS did not exist, with no thread or memory
         limit (seen on an H200: uid 1000 against a root-only 0700 pipe directory got all
         132 SMs and any memory), and bwrap cannot even bind it. Every MPS client on a device
-        runs as that device's uid and gid (``uids.mps_uid``), and so does its MPS server,
-        which makes its sockets in the pipe directory. A root agent makes the pipe directory
-        ``root:<mps gid>`` 1770: the group may enter and create, and the sticky bit keeps
-        root's ``control`` socket and pid file from being removed or replaced by anyone but
-        root. The directories above it are 0711, traversable but not listable; the log and
+        runs as that device's uid and gid (``uids.mps_uid``). Its MPS server, which makes its
+        sockets in the pipe directory, runs as that uid with gid 0 and no other group (the
+        control daemon sets the uid alone; seen on an H200, where a directory only the MPS
+        group could write left the server exiting at once and every client with error 805).
+        A root agent makes the pipe directory ``root:<mps gid>`` 1770 with an ACL entry
+        granting the MPS uid itself rwx: clients and server may enter and create, and the
+        sticky bit keeps root's ``control`` socket and pid file from being removed or
+        replaced by anyone but root. The directories above it are 0711, traversable but not
+        listable; the log and
         state directories stay the agent's, 0700 (the daemon writes the logs, its servers
         send their lines through the pipe directory). A non-root agent's sandboxes run as
         the agent's own uid, which owns everything already.
@@ -460,8 +465,20 @@ class MpsManager:
         pipe, logs = self._dirs(device_uuid)
         _make_dir(logs, 0o700)
         _make_dir(self._device_dir(device_uuid) / STATE_DIR, 0o700)
-        group = uids.mps_uid(device_uuid) if os.geteuid() == 0 else os.getegid()
-        _make_dir(pipe, 0o1770, owner=(os.geteuid(), group))
+        if os.geteuid() != 0:
+            _make_dir(pipe, 0o1770, owner=(os.geteuid(), os.getegid()))
+            return
+        client = uids.mps_uid(device_uuid)
+        _make_dir(pipe, 0o1770, owner=(0, client))
+        try:
+            posix_acl.grant_user(pipe, client)
+        except OSError as err:
+            raise MpsError(
+                f"cannot grant the MPS uid {client} its pipe directory {pipe} through an ACL "
+                f"({err.strerror}): MPS servers run as that uid with gid 0, so without it every "
+                "client fails to connect; put MPS_DIR on a file system with POSIX ACLs (tmpfs "
+                "and ext4 have them)"
+            ) from err
 
     def _dirs(self, device_uuid: str) -> tuple[Path, Path]:
         return self.pipe_dir(device_uuid), self.log_dir(device_uuid)
