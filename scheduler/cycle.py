@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime
+from functools import cached_property
 
 from scheduler.cluster import (
     CPU_ONLY,
@@ -146,7 +147,6 @@ class _Cycle:
         self.horizon = now + backfill_window_s  # no reservation starts later than this
         self.fairshare = fairshare
         self.hosts = {h.name: h for h in self.working.hosts}
-        self.gpus = {g.uuid: g for h in self.working.hosts for g in h.gpus}
         # What holds devices, by sandbox id: running before the cycle, then placed in it.
         self.running = {r.sandbox_id: r for r in self.working.running}
         self.quotas = Quotas(fairshare, self.working.running)
@@ -189,8 +189,18 @@ class _Cycle:
         # do, until capacity is given back.
         self.unhidden: dict[FitShape, tuple[int, Place | Pending]] = {}
         self.commits = 0
+
+    # Both read every GPU of the fleet, and most cycles need neither: a placement books its
+    # grants through its host's few GPUs (``_commit``), and only a time-slice request's quota
+    # needs the replica size. Built every cycle, they were a tenth of a cycle's time.
+    @cached_property
+    def gpus(self) -> dict[str, GpuState]:
+        return {g.uuid: g for h in self.working.hosts for g in h.gpus}
+
+    @cached_property
+    def timeslice_milli(self) -> int:
         replicas = [g.replicas for g in self.gpus.values() if g.could_serve(TIMESLICE) and g.replicas]
-        self.timeslice_milli = 1000 // max(replicas) if replicas else 1000
+        return 1000 // max(replicas) if replicas else 1000
 
     def run(self, queue: list[Request]) -> list[Decision]:
         order = FairOrder(queue, self.fairshare, self.working.running, self.now)
@@ -203,7 +213,7 @@ class _Cycle:
         return self.decisions
 
     def _decide(self, request: Request) -> Place | None:
-        demand = demand_milli(request, self.timeslice_milli)
+        demand = demand_milli(request, self.timeslice_milli if request.mode == TIMESLICE else 1000)
         refusal = self.quotas.refusal(request.project, demand)
         if refusal:
             self.decisions.append(Pending(request.id, refusal))
@@ -259,9 +269,10 @@ class _Cycle:
         milli = sum(g.milli_gpu for g in place.grants)
         borrowed = self.quotas.borrows(request.project, milli)
         was_over = self.quotas.over_guarantee(request.project) > 0
+        host = self.hosts[place.host]
         for grant in place.grants:
-            book(self.gpus[grant.gpu_uuid], grant)
-        self.hosts[place.host].take(request.cpu_milli, request.memory_mib)
+            book(next(g for g in host.gpus if g.uuid == grant.gpu_uuid), grant)
+        host.take(request.cpu_milli, request.memory_mib)
         self.working.changed(place.host)
         self.quotas.add(request.project, milli)
         if borrowed and not was_over:
