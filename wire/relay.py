@@ -63,12 +63,19 @@ class Terminal(Protocol):
     def close(self) -> None: ...
 
 
-def out_stream(session: str) -> str:
-    return f"{_PREFIX}{session}:out"
+# Named by the host that serves the session: its agent's Redis user may touch only its own
+# (``wire.broker_acl``), so no other host can read or feed another host's terminals.
+def out_stream(host: str, session: str) -> str:
+    return f"{_PREFIX}{host}:{session}:out"
 
 
-def in_stream(session: str) -> str:
-    return f"{_PREFIX}{session}:in"
+def in_stream(host: str, session: str) -> str:
+    return f"{_PREFIX}{host}:{session}:in"
+
+
+def host_pattern(host: str) -> str:
+    """Every relay stream of ``host``, as an ACL key pattern (host names hold no glob characters)."""
+    return f"{_PREFIX}{host}:*"
 
 
 async def post(redis: Any, key: str, **fields: str | bytes | int) -> None:
@@ -150,10 +157,12 @@ class _Window:
             self._moved.set()
 
 
-async def relay(redis: Any, terminal: Terminal, session: str, idle_s: float, window: int = WINDOW) -> str:
-    """Relay one session until it ends; returns why it ended (also sent as ``closed``)."""
-    out = out_stream(session)
-    inbox = Inbox(redis, in_stream(session))
+async def relay(
+    redis: Any, terminal: Terminal, host: str, session: str, idle_s: float, window: int = WINDOW
+) -> str:
+    """Relay one session of ``host`` until it ends; returns why it ended (also sent as ``closed``)."""
+    out = out_stream(host, session)
+    inbox = Inbox(redis, in_stream(host, session))
     await post(redis, out, type="opened")
     pieces = _Window(window)
 
@@ -199,9 +208,9 @@ async def relay(redis: Any, terminal: Terminal, session: str, idle_s: float, win
     finally:
         terminal.close()
     await post(redis, out, type="closed", reason=reason)
-    await redis.delete(in_stream(session))
+    await redis.delete(in_stream(host, session))
     return reason
 
 
-async def refuse(redis: Any, session: str, reason: str) -> None:
-    await post(redis, out_stream(session), type="closed", reason=reason)
+async def refuse(redis: Any, host: str, session: str, reason: str) -> None:
+    await post(redis, out_stream(host, session), type="closed", reason=reason)

@@ -45,6 +45,7 @@ class TunnelSilent(TunnelClosed):
 class Tunnel:
     def __init__(self) -> None:
         self.session = uuid.uuid4().hex  # unguessable: whoever knows it can write to the stream
+        self.host = ""  # the host whose agent serves it (``open``): the streams are named by it
         self._redis: Redis | None = None
         self._inbox: Inbox | None = None
         self._order = InOrder()
@@ -59,8 +60,9 @@ class Tunnel:
         handle: HandleJson | None,
     ) -> None:
         """Ask ``host``'s agent to open the stream (its Celery task ``task``)."""
+        self.host = host
         self._redis = Redis.from_url(settings.REDIS_URL)
-        self._inbox = Inbox(self._redis, out_stream(self.session))
+        self._inbox = Inbox(self._redis, out_stream(host, self.session))
         agent = to_host(host)
         opener = agent.open_terminal if task == "open_terminal" else agent.open_app
         await asyncio.to_thread(opener, self.session, allocation_key, handle)
@@ -97,8 +99,8 @@ class Tunnel:
         redis, self._redis = self._redis, None
         try:
             if not self._agent_done:
-                await post(redis, in_stream(self.session), type="close")
-            await redis.delete(out_stream(self.session))
+                await post(redis, in_stream(self.host, self.session), type="close")
+            await redis.delete(out_stream(self.host, self.session))
         except RedisError:
             pass  # gone with Redis: the agent's side ends without input
         finally:
@@ -108,7 +110,7 @@ class Tunnel:
         if self._redis is None:
             raise TunnelClosed("the tunnel is closed")
         try:
-            await post(self._redis, in_stream(self.session), **fields)
+            await post(self._redis, in_stream(self.host, self.session), **fields)
         except RedisError as exc:
             raise TunnelClosed(f"the relay's Redis failed ({exc})") from exc
 

@@ -49,13 +49,13 @@ def relay_stream(
     async def opened_and_relayed(redis: Redis) -> str:
         if handle is None:
             reason = f"sandbox {allocation_key} is not on host {host}"
-            await relay.refuse(redis, session, reason)
+            await relay.refuse(redis, host, session, reason)
             return reason
         try:
             terminal = await asyncio.to_thread(opener, handle)
         except DriverError as exc:
-            await relay.refuse(redis, session, str(exc))
+            await relay.refuse(redis, host, session, str(exc))
             return f"not opened: {exc}"
-        return await relay.relay(redis, terminal, session, idle_s)
+        return await relay.relay(redis, terminal, host, session, idle_s)
 
     threading.Thread(target=asyncio.run, args=(serve(),), name=f"{what}-{session[:8]}", daemon=True).start()

@@ -190,10 +190,10 @@ def fetch_all(
             asked = [t for t in (sent or []) if t[1] == "open_app"]
             if asked and root is not None:
                 sent.remove(asked[0])
-                _, _, (session, key, _handle) = asked[0]
+                queue, _, (session, key, _handle) = asked[0]
                 handle = SandboxHandle("process", key, 0, "pid")
                 opener = functools.partial(lambda folder, k, _h: app_socket.connect(folder, k), root, key)
-                relay_stream(opener, "h", session, key, handle, 30, "app")
+                relay_stream(opener, queue.removeprefix("host."), session, key, handle, 30, "app")
             await asyncio.sleep(0.02)
         return await answer
 
@@ -382,9 +382,17 @@ async def play_agent(sent: list[Any], root: Path, until: asyncio.Task[Any]) -> N
     while not until.done() and time.monotonic() < deadline:
         for asked in [t for t in sent if t[1] == "open_app"]:
             sent.remove(asked)
-            _, _, (session, key, _handle) = asked
+            queue, _, (session, key, _handle) = asked
             opener = functools.partial(lambda folder, k, _h: app_socket.connect(folder, k), root, key)
-            relay_stream(opener, "h", session, key, SandboxHandle("process", key, 0, "pid"), 30, "app")
+            relay_stream(
+                opener,
+                queue.removeprefix("host."),
+                session,
+                key,
+                SandboxHandle("process", key, 0, "pid"),
+                30,
+                "app",
+            )
         await asyncio.sleep(0.02)
 
 

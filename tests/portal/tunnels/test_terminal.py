@@ -94,7 +94,10 @@ def test_keystrokes_reach_the_shell_and_its_output_comes_back(
         [(queue_name, _task, (session, key, handle))] = [t for t in sent_tasks if t[1] == "open_terminal"]
         assert queue_name == host_queue and key == sandbox.allocation_key
         assert handle == {"driver": "docker", "ref": "c1"}
-        agent = asyncio.create_task(relay(Redis.from_url(settings.REDIS_URL), shell, session, idle_s=30))
+        host = queue_name.removeprefix("host.")
+        agent = asyncio.create_task(
+            relay(Redis.from_url(settings.REDIS_URL), shell, host, session, idle_s=30)
+        )
         assert json.loads(await comm.receive_from(timeout=WAIT_S)) == {"type": "opened"}
         await comm.send_to(text_data=json.dumps({"type": "resize", "rows": 30, "cols": 100}))
         await comm.send_to(text_data=json.dumps({"type": "input", "data": "echo hi\n"}))

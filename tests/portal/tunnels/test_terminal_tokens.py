@@ -72,8 +72,8 @@ async def wait_for_open_task(sent_tasks: list[Any]) -> tuple[Any, ...]:
     deadline = time.monotonic() + WAIT_S
     while not any(t[1] == "open_terminal" for t in sent_tasks) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    [(_queue, _task, args)] = [t for t in sent_tasks if t[1] == "open_terminal"]
-    return tuple(args)
+    [(queue, _task, args)] = [t for t in sent_tasks if t[1] == "open_terminal"]
+    return (queue.removeprefix("host."), *args)
 
 
 def test_a_write_token_types_into_the_shell_without_an_origin(
@@ -86,8 +86,10 @@ def test_a_write_token_types_into_the_shell_without_an_origin(
     async def run() -> bytes:
         connected, _ = await comm.connect(timeout=WAIT_S)
         assert connected
-        session, _key, _handle = await wait_for_open_task(sent_tasks)
-        agent = asyncio.create_task(relay(Redis.from_url(settings.REDIS_URL), shell, session, idle_s=30))
+        host, session, _key, _handle = await wait_for_open_task(sent_tasks)
+        agent = asyncio.create_task(
+            relay(Redis.from_url(settings.REDIS_URL), shell, host, session, idle_s=30)
+        )
         assert json.loads(await comm.receive_from(timeout=WAIT_S)) == {"type": "opened"}
         await comm.send_to(text_data=json.dumps({"type": "input", "data": "echo hi\n"}))
         output = await comm.receive_from(timeout=WAIT_S)
@@ -133,7 +135,7 @@ def test_a_staff_token_with_the_admin_scope_reaches_any_sandbox(
         await comm.disconnect()
         return args
 
-    assert asyncio.run(run())[1] == sandbox.allocation_key
+    assert asyncio.run(run())[2] == sandbox.allocation_key
 
 
 @pytest.mark.parametrize(
@@ -290,9 +292,11 @@ def test_an_open_shell_closes_once_its_token_is_revoked_or_expires(
     async def run() -> tuple[dict[str, Any], dict[str, Any]]:
         connected, _ = await comm.connect(timeout=WAIT_S)
         assert connected
-        session, _key, _handle = await wait_for_open_task(sent_tasks)
+        host, session, _key, _handle = await wait_for_open_task(sent_tasks)
         shell = EchoShell()
-        agent = asyncio.create_task(relay(Redis.from_url(settings.REDIS_URL), shell, session, idle_s=30))
+        agent = asyncio.create_task(
+            relay(Redis.from_url(settings.REDIS_URL), shell, host, session, idle_s=30)
+        )
         assert json.loads(await comm.receive_from(timeout=WAIT_S)) == {"type": "opened"}
         await asyncio.to_thread(take_it_away)
         closing = json.loads(await comm.receive_from(timeout=WAIT_S))

@@ -92,7 +92,7 @@ def test_every_piece_arrives_in_order_while_the_agent_waits_for_the_reader(
         tunnel = Tunnel()
         await tunnel.open("h1", "open_terminal", "alloc-1", None)
         async with Redis.from_url(settings.REDIS_URL) as agent_redis:
-            agent = asyncio.create_task(relay(agent_redis, stream, tunnel.session, idle_s=30))
+            agent = asyncio.create_task(relay(agent_redis, stream, tunnel.host, tunnel.session, idle_s=30))
             await tunnel.wait_opened(WAIT_S)
             result = await read_all(tunnel, stream, pause=not cancel_reads, cancel_reads=cancel_reads)
             await tunnel.close()
@@ -136,7 +136,7 @@ def test_an_answer_that_loses_a_piece_is_broken_off_not_passed_on_as_whole(
         deadline = time.monotonic() + WAIT_S
         while not (asked := [t for t in sent_tasks if t[1] == "open_app"]) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        out = out_stream(asked[0][2][0])
+        out = out_stream(asked[0][0].removeprefix("host."), asked[0][2][0])
         async with Redis.from_url(settings.REDIS_URL) as redis:
             await post(redis, out, type="opened")
             await post(redis, out, type="output", seq=1, data=head + b"abc")
