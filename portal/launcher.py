@@ -38,6 +38,9 @@ DEBUG_LOGS = LOG_LEVEL == "DEBUG"
 # containers from 16 threads in two thirds of the time it takes from 4 (BENCHMARKS.md, "A
 # burst of requests").
 AGENT_THREADS = 16
+# As the agent's systemd unit runs it: no gossip, mingle or worker heartbeats, whose shared
+# channels and reply queues a host's own Redis user cannot reach (wire/broker_acl.py).
+AGENT_WORKER_FLAGS = ("--without-gossip", "--without-mingle", "--without-heartbeat")
 
 
 def celery_command(*args: str) -> list[str]:
@@ -166,6 +169,7 @@ def commands(
                     "threads",
                     "-c",
                     str(AGENT_THREADS),
+                    *AGENT_WORKER_FLAGS,
                 ),
                 {
                     "GPUSHARE_ROLE": "agent",
@@ -231,7 +235,17 @@ def main() -> int:
         print(f"gpushare: {why}", flush=True)
     tests = self_tests(driver)
     agents = [host for host, result in tests.items() if result.ok]
+    # Each agent connects as its host's own Redis user, as a deployed GPU host does (README,
+    # "Each GPU host has its own Redis user"); a new password each start.
+    enrolled = {
+        name: subprocess.run(  # noqa: S603 - fixed argv
+            [*manage, "host_credential", "renew", name], check=True, capture_output=True, text=True
+        ).stdout.strip()
+        for name in agents
+    }
     for name, argv, extra in commands(port, bind, driver, agents):
+        if name.startswith("agent:"):
+            extra = {**extra, "REDIS_URL": enrolled[name.removeprefix("agent:")]}
         proc = subprocess.Popen(  # noqa: S603 - argv from commands() above, no shell
             argv,
             env={**os.environ, "LOG_LEVEL": LOG_LEVEL, **extra},

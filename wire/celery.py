@@ -24,6 +24,19 @@ def host_queue(host: str) -> str:
     return f"host.{host}"
 
 
+def unacked_keys(host: str) -> dict[str, str]:
+    """kombu's transport options that give a host's agent in-flight bookkeeping of its own.
+    Its default ``unacked`` hash is one for every consumer and holds every message taken and
+    not yet acknowledged, other hosts' launch specs included: an agent's Redis user may not
+    read it (``wire.broker_acl``)."""
+    queue = host_queue(host)
+    return {
+        "unacked_key": f"unacked.{queue}",
+        "unacked_index_key": f"unacked_index.{queue}",
+        "unacked_mutex_key": f"unacked_mutex.{queue}",
+    }
+
+
 ROLE = env_choice("GPUSHARE_ROLE", ROLES, "client")
 _TASK_MODULES = {"control": ["workers.control"], "agent": ["workers.agent"]}
 
@@ -69,6 +82,15 @@ app.conf.update(
         },
     },
 )
+
+if ROLE == "agent":
+    # Remote control, like gossip, mingle and worker heartbeats (off on the agent's command
+    # line), goes through channels and uuid-named reply queues shared by every worker, which
+    # no per-host Redis user can be confined to; nothing here uses it.
+    app.conf.worker_enable_remote_control = False
+    _host = os.environ.get("GPUSHARE_HOST", "").strip()
+    if _host and not os.environ.get("GPUSHARE_HOSTS_FILE", "").strip():
+        app.conf.broker_transport_options = {**app.conf.broker_transport_options, **unacked_keys(_host)}
 
 # Celery logs every task received and succeeded, and beat every message it sends, at INFO:
 # several lines a second that bury the banner, the warnings and the sandbox transitions.

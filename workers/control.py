@@ -9,6 +9,7 @@ heartbeat thread, started with the worker.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -19,8 +20,11 @@ from celery import Task, signals
 django.setup()
 
 from portal.control import tasks  # noqa: E402
+from portal.fleet import credentials  # noqa: E402
 from wire.celery import app  # noqa: E402
 from wire.messages import ControlTasks, control_task_names  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 # mypy checks here that every handler takes what the declaration says its senders send.
 HANDLERS: ControlTasks = tasks
@@ -56,6 +60,18 @@ _stop = threading.Event()
 @signals.worker_ready.connect
 def _start_heartbeat(**_: Any) -> None:
     threading.Thread(target=tasks.beat_forever, args=(_stop,), name="control-heartbeat", daemon=True).start()
+
+
+@signals.worker_ready.connect
+def _reapply_host_credentials(**_: Any) -> None:
+    """A Redis that restarted without its ACL file lost the hosts' users: give them back."""
+    try:
+        applied = credentials.reconcile()
+    except Exception:  # the worker still runs; agents with their own users wait for the next start
+        log.exception("re-applying the hosts' Redis users failed")
+        return
+    if applied:
+        log.info("re-applied %d hosts' Redis users", applied)
 
 
 @signals.worker_shutdown.connect

@@ -237,3 +237,26 @@ class PlanStep(models.Model):
 
     def __str__(self) -> str:
         return f"plan {self.plan_id} {self.action}: {self.message}"
+
+
+class HostCredential(models.Model):
+    """A GPU host's own Redis user (``wire.broker_acl``), as the control plane issued it: only
+    the password's SHA-256 is kept, which is what Redis takes back (``#<hash>``) when its users
+    are re-applied after a restart (``portal.fleet.credentials.reconcile``). By host name, not
+    a ``Host``: a host is enrolled before its agent first reports."""
+
+    host = models.SlugField(max_length=63, unique=True)
+    password_sha256 = models.CharField(max_length=64)
+    issued_at = models.DateTimeField(default=timezone.now)
+    rotated_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["host"]
+
+    def __str__(self) -> str:
+        return f"{self.host} ({'revoked' if self.revoked_at else 'active'})"
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None

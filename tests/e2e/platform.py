@@ -18,8 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.db import connection
+
+from portal.launcher import AGENT_WORKER_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,6 +79,7 @@ class Platform:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
         self.port = 0
+        self.enrolled = False
 
     def env(self, **extra: str) -> dict[str, str]:
         return {
@@ -125,8 +129,10 @@ class Platform:
                 "threads",
                 "-c",
                 "2",
+                *AGENT_WORKER_FLAGS,
                 "--loglevel=INFO",
             ],
+            **self._agent_credential(),
             GPUSHARE_ROLE="agent",
             GPUSHARE_HOST=self.host,
             GPUSHARE_SIM_GPUS=sim_gpus,
@@ -139,6 +145,32 @@ class Platform:
             [*celery, "beat", "-s", str(self.var_dir / "beat-schedule"), "--loglevel=INFO"],
             GPUSHARE_ROLE="beat",
         )
+
+    def _agent_credential(self) -> dict[str, str]:
+        """The agent's own Redis user, as a deployed host has (``manage.py host_credential``),
+        where the test Redis is this suite's and has ACL selectors (Redis 7): the runs then
+        show that an agent works within its ACL (``acl_denials``)."""
+        from portal.fleet import credentials
+        from wire import broker_acl
+
+        if self.redis_url is not None or self.database_url is not None:
+            return {}
+        if not broker_acl.supports_selectors(redis.Redis.from_url(settings.REDIS_URL)):
+            return {}
+        self.enrolled = True
+        return {"REDIS_URL": credentials.issue(self.host)}
+
+    def acl_denials(self) -> list[str]:
+        """What Redis refused this run's agent (its ACL LOG), one line each."""
+        from wire import broker_acl
+
+        log: list[dict[str, Any]] = redis.Redis.from_url(settings.REDIS_URL).acl_log(count=128)  # type: ignore[assignment]
+        user = broker_acl.username(self.host)
+        return [
+            f"{e.get('reason')} {e.get('object')} ({e.get('context')})"
+            for e in log
+            if e.get("username") == user
+        ]
 
     def start_control(self, name: str, celery: list[str] | None = None) -> None:
         """A control worker (queue ``control``) called ``name``; several may run at once."""
@@ -241,6 +273,12 @@ class Platform:
                 if owner == self.host or owner.startswith(f"{self.host}-"):
                     container.remove(force=True)
         stop_process_sandboxes(self.var_dir)
+        if self.enrolled:  # ACL users belong to the whole Redis server: leave none behind
+            from wire import broker_acl
+
+            redis.Redis.from_url(settings.REDIS_URL).execute_command(
+                "ACL", "DELUSER", broker_acl.username(self.host)
+            )
 
 
 def stop_process_sandboxes(var_dir: Path) -> None:

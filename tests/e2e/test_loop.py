@@ -200,6 +200,12 @@ class TestRequestPlaceLaunchStreamStopBill:
         assert record["cost_micros"] == usage.cost_micros and record["currency"] == "EUR"
         assert record["duration_seconds"] == usage.duration.total_seconds()
 
+    def test_11_the_agent_did_all_of_it_within_its_own_redis_user(self, platform: Platform) -> None:
+        """Issue 38: the agent ran as its host's Redis user, and Redis refused it nothing."""
+        if not platform.enrolled:
+            pytest.skip("the test Redis has no ACL selectors (Redis 6): the agent used the suite's URL")
+        assert platform.acl_denials() == []
+
 
 def descendants(pid: int) -> list[int]:
     """Processes below ``pid`` (the driver's handle is the wrapper around bubblewrap)."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from portal.demo import DEMO_HOSTS
 from tests.e2e.make_run import Launcher
 from tests.e2e.platform import stop_process_sandboxes, wait_for
 from tests.workers.engines import require_engine
@@ -55,6 +56,12 @@ def test_it_comes_up_with_both_agents_self_tested(launcher: Launcher) -> None:
     assert health is not None and health["ok"]
     text = launcher.output()
     assert text.count("agent started; sandbox driver process: a test sandbox launched and stopped") == 2, text
+    # Each agent is connected as its host's own Redis user, as a deployed GPU host is (issue 38).
+    users = launcher.manage(
+        "import redis; from wire import config; c = redis.Redis.from_url(config.redis_url()); "
+        "print(' '.join(sorted({x['user'] for x in c.client_list()})))"
+    )
+    assert {f"gpushare-host-{name}" for name in DEMO_HOSTS} <= set(users.split()), users
 
 
 def test_a_sandbox_of_every_sharing_mode_reaches_running(launcher: Launcher) -> None:

@@ -1,0 +1,135 @@
+"""Enrolment: each GPU host's own Redis user, issued, rotated and revoked by the control plane.
+
+``issue`` creates the host's user with its ACL (``wire.broker_acl``) and a fresh password and
+returns the broker URL its agent connects with; the password is shown that once and only its
+hash is kept. ``revoke`` deletes the user and cuts the connections it holds: the agent can no
+longer fetch work or report, so the host goes quiet and is marked lost within the lost-host
+bound. ``rotate`` replaces the password (the old one's connections are cut). ``reconcile``
+applies what the database says to Redis again, for a Redis that restarted without its ACL
+file; the control worker runs it at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import redis
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from portal.fleet.models import HostCredential
+from wire import broker_acl
+
+log = logging.getLogger(__name__)
+
+
+class CredentialError(Exception):
+    """An enrolment that cannot be done, said for the operator."""
+
+
+def _admin() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def agent_url(base_url: str, host: str, password: str) -> str:
+    """The control plane's broker URL with the host's user and password in it."""
+    user = quote(broker_acl.username(host), safe="")
+    secret = quote(password, safe="")
+    parts = urlsplit(base_url)
+    if parts.scheme == "unix":
+        # unix://user:password@/path: what redis-py and kombu's redis+socket:// both read.
+        return urlunsplit(("unix", f"{user}:{secret}@", parts.path, parts.query, ""))
+    if parts.scheme not in ("redis", "rediss"):
+        raise CredentialError(f"REDIS_URL's scheme {parts.scheme!r} is not redis, rediss or unix")
+    netloc = f"{user}:{secret}@{parts.hostname or '127.0.0.1'}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+
+
+def _apply(client: Any, host: str, secret_hash: str) -> None:
+    rules = broker_acl.agent_rules(host, secret_hash, selectors=broker_acl.supports_selectors(client))
+    client.execute_command("ACL", "SETUSER", broker_acl.username(host), *rules)
+
+
+def _cut(client: Any, host: str) -> None:
+    """Close every connection the host's user holds (Redis keeps them open across a change)."""
+    client.execute_command("CLIENT", "KILL", "USER", broker_acl.username(host))
+
+
+def _check_host(host: str) -> None:
+    if not host or len(host) > 63 or not all(c.isalnum() or c in "-_" for c in host):
+        raise CredentialError(f"{host!r} is not a host name (1-63 letters, digits, '-' or '_')")
+
+
+def issue(host: str) -> str:
+    """A credential for a host that has none active; the broker URL for its agent."""
+    _check_host(host)
+    if HostCredential.objects.filter(host=host, revoked_at__isnull=True).exists():
+        raise CredentialError(f"{host} already has a credential: rotate it, or revoke it first")
+    password = secrets.token_urlsafe(32)
+    secret_hash = broker_acl.password_hash(password)
+    with transaction.atomic():
+        HostCredential.objects.update_or_create(
+            host=host,
+            defaults={
+                "password_sha256": secret_hash,
+                "issued_at": timezone.now(),
+                "rotated_at": None,
+                "revoked_at": None,
+            },
+        )
+        _apply(_admin(), host, secret_hash)
+    log.info("issued a Redis credential to host %s", host)
+    return agent_url(settings.REDIS_URL, host, password)
+
+
+def rotate(host: str) -> str:
+    """A new password for an active credential; connections made with the old one are cut."""
+    password = secrets.token_urlsafe(32)
+    secret_hash = broker_acl.password_hash(password)
+    with transaction.atomic():
+        credential = _active(host)
+        credential.password_sha256 = secret_hash
+        credential.rotated_at = timezone.now()
+        credential.save(update_fields=["password_sha256", "rotated_at"])
+        client = _admin()
+        _apply(client, host, secret_hash)
+        _cut(client, host)
+    log.info("rotated host %s's Redis credential", host)
+    return agent_url(settings.REDIS_URL, host, password)
+
+
+def revoke(host: str) -> None:
+    """The host's user is deleted and its connections cut."""
+    with transaction.atomic():
+        credential = _active(host)
+        credential.revoked_at = timezone.now()
+        credential.save(update_fields=["revoked_at"])
+        # Deleting a user closes the connections made with it (Redis 7 and 6.2 alike).
+        _admin().execute_command("ACL", "DELUSER", broker_acl.username(host))
+    log.warning("revoked host %s's Redis credential: its agent is cut off", host)
+
+
+def reconcile() -> int:
+    """Redis's host users made to match the database: active ones (re)applied, revoked ones
+    deleted (users this database does not know are left alone: ACL users belong to the whole
+    Redis server, which another deployment may share). The number of users applied."""
+    client = _admin()
+    applied = 0
+    for credential in HostCredential.objects.all():
+        if credential.active:
+            _apply(client, credential.host, credential.password_sha256)
+            applied += 1
+        else:
+            client.execute_command("ACL", "DELUSER", broker_acl.username(credential.host))
+    return applied
+
+
+def _active(host: str) -> HostCredential:
+    credential = HostCredential.objects.select_for_update().filter(host=host, revoked_at__isnull=True).first()
+    if credential is None:
+        raise CredentialError(f"{host} has no active credential (issue one)")
+    return credential
