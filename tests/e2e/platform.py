@@ -160,11 +160,16 @@ class Platform:
         self.enrolled = True
         return {"REDIS_URL": credentials.issue(self.host)}
 
+    def redis_log(self) -> list[dict[str, Any]]:
+        """Redis's ACL LOG: what it refused, to whom, and why (``reason``: command, key,
+        channel or auth)."""
+        return redis.Redis.from_url(settings.REDIS_URL).acl_log(count=128)  # type: ignore[return-value]
+
     def acl_denials(self) -> list[str]:
         """What Redis refused this run's agent (its ACL LOG), one line each."""
         from wire import broker_acl
 
-        log: list[dict[str, Any]] = redis.Redis.from_url(settings.REDIS_URL).acl_log(count=128)  # type: ignore[assignment]
+        log = self.redis_log()
         user = broker_acl.username(self.host)
         return [
             f"{e.get('reason')} {e.get('object')} ({e.get('context')})"

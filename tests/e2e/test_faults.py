@@ -132,6 +132,34 @@ def test_a_host_whose_agent_stops_is_lost_with_its_sandboxes(
         )
 
 
+def test_a_revoked_host_is_cut_off_and_lost(tmp_path: Path) -> None:
+    """Issue 38: revoking a host's Redis user closes its agent's connections and refuses its
+    new ones, so it fetches no work and reports nothing, and is lost within the same bound
+    as an agent that stopped."""
+    from portal.fleet import credentials
+    from wire import broker_acl
+
+    with running_platform(tmp_path) as platform:
+        if not platform.enrolled:
+            pytest.skip("the test Redis has no ACL selectors (Redis 6): the agent used the suite's URL")
+        wait_for(lambda: Host.objects.get(name=platform.host).state == "up", 30, "the host to be up")
+        credentials.revoke(platform.host)
+        wait_for(
+            lambda: Host.objects.get(name=platform.host).state == "lost",
+            30,
+            lambda: "the revoked host to be marked lost\n" + platform.logs(),
+        )
+        user = broker_acl.username(platform.host)
+        refusals = wait_for(
+            lambda: [
+                e for e in platform.redis_log() if e.get("reason") == "auth" and e.get("username") == user
+            ],
+            30,
+            "Redis to refuse the agent's reconnection",
+        )
+        assert refusals and platform.procs["agent"].poll() is None  # it keeps trying, and is refused
+
+
 @pytest.mark.bwrap
 def test_a_sandbox_over_its_memory_limit_is_killed_and_the_platform_says_why(
     people: Any, catalog: Any, tmp_path: Path
