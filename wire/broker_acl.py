@@ -36,6 +36,7 @@ from wire import liveness, relay, telemetry
 from wire.celery import CONTROL_QUEUE, host_queue, unacked_keys
 
 USER_PREFIX = "gpushare-host-"
+POOL_PREFIX = "gpushare-pool-"
 # kombu's priority lists sit beside a queue as "<queue>\x06\x16<priority>".
 _PRIORITY_SEP = "\x06\x16"
 CHANNEL_GROUPS = "asgi__group__*"
@@ -86,6 +87,17 @@ _COMMANDS = [
 
 def username(host: str) -> str:
     return f"{USER_PREFIX}{host}"
+
+
+def pool_username(prefix: str) -> str:
+    return f"{POOL_PREFIX}{prefix}"
+
+
+def pool_rules(prefix: str, secret_hash: str, selectors: bool = True) -> list[str]:
+    """An agent pool's (one process serving many simulated hosts, the twin's): what
+    ``agent_rules`` allows one host, for every host whose name starts with ``prefix``. The
+    pool's own in-flight keys are ``wire.celery.pool_unacked_host(prefix)``'s, which the patterns cover."""
+    return agent_rules(f"{prefix}*", secret_hash, selectors)
 
 
 def password_hash(password: str) -> str:

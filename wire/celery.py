@@ -83,13 +83,23 @@ app.conf.update(
     },
 )
 
+
+def pool_unacked_host(prefix: str) -> str:
+    """The name an agent pool's (``GPUSHARE_POOL_PREFIX``) in-flight keys are made from: its
+    Redis user's patterns (``wire.broker_acl.pool_rules``) cover it."""
+    return f"{prefix}pool"
+
+
 if ROLE == "agent":
     # Remote control, like gossip, mingle and worker heartbeats (off on the agent's command
     # line), goes through channels and uuid-named reply queues shared by every worker, which
     # no per-host Redis user can be confined to; nothing here uses it.
     app.conf.worker_enable_remote_control = False
     _host = os.environ.get("GPUSHARE_HOST", "").strip()
-    if _host and not os.environ.get("GPUSHARE_HOSTS_FILE", "").strip():
+    _pool = os.environ.get("GPUSHARE_POOL_PREFIX", "").strip()  # an agent pool's, enrolled as one
+    if os.environ.get("GPUSHARE_HOSTS_FILE", "").strip():
+        _host = pool_unacked_host(_pool) if _pool else ""
+    if _host:
         app.conf.broker_transport_options = {**app.conf.broker_transport_options, **unacked_keys(_host)}
 
 # Celery logs every task received and succeeded, and beat every message it sends, at INFO:

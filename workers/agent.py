@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -109,8 +110,18 @@ def build_pool(hosts: list[SimulatedHost], settings: AgentSettings, var_dir: Pat
 @functools.cache
 def pool_hosts(path: Path) -> list[SimulatedHost]:
     """The hosts file, read once: its queues are consumed from import on, and the pool is
-    built when the worker starts (a ConfigError is not cached: the worker exits on it)."""
-    return read_hosts_file(path)
+    built when the worker starts (a ConfigError is not cached: the worker exits on it). A pool
+    enrolled under a prefix (GPUSHARE_POOL_PREFIX, ``manage.py host_credential issue --pool``)
+    may serve only hosts whose names start with it: its Redis user reaches no other."""
+    hosts = read_hosts_file(path)
+    prefix = os.environ.get("GPUSHARE_POOL_PREFIX", "").strip()
+    strangers = [h.name for h in hosts if not h.name.startswith(prefix)]
+    if strangers:
+        raise ConfigError(
+            f"{path} names hosts outside the pool's prefix {prefix!r} (GPUSHARE_POOL_PREFIX): "
+            f"{', '.join(strangers[:5])}{' …' if len(strangers) > 5 else ''}"
+        )
+    return hosts
 
 
 def get_pool() -> AgentPool:

@@ -35,9 +35,9 @@ def _admin() -> redis.Redis:
     return redis.Redis.from_url(settings.REDIS_URL)
 
 
-def agent_url(base_url: str, host: str, password: str) -> str:
-    """The control plane's broker URL with the host's user and password in it."""
-    user = quote(broker_acl.username(host), safe="")
+def agent_url(base_url: str, username: str, password: str) -> str:
+    """The control plane's broker URL with a host's (or pool's) user and password in it."""
+    user = quote(username, safe="")
     secret = quote(password, safe="")
     parts = urlsplit(base_url)
     if parts.scheme == "unix":
@@ -49,14 +49,17 @@ def agent_url(base_url: str, host: str, password: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
 
 
-def _apply(client: Any, host: str, secret_hash: str) -> None:
-    rules = broker_acl.agent_rules(host, secret_hash, selectors=broker_acl.supports_selectors(client))
-    client.execute_command("ACL", "SETUSER", broker_acl.username(host), *rules)
+def _apply(client: Any, credential: HostCredential) -> None:
+    selectors = broker_acl.supports_selectors(client)
+    rules = (broker_acl.pool_rules if credential.pool else broker_acl.agent_rules)(
+        credential.host, credential.password_sha256, selectors
+    )
+    client.execute_command("ACL", "SETUSER", credential.username, *rules)
 
 
-def _cut(client: Any, host: str) -> None:
-    """Close every connection the host's user holds (Redis keeps them open across a change)."""
-    client.execute_command("CLIENT", "KILL", "USER", broker_acl.username(host))
+def _cut(client: Any, credential: HostCredential) -> None:
+    """Close every connection the user holds (Redis keeps them open across a change)."""
+    client.execute_command("CLIENT", "KILL", "USER", credential.username)
 
 
 def _check_host(host: str) -> None:
@@ -64,42 +67,49 @@ def _check_host(host: str) -> None:
         raise CredentialError(f"{host!r} is not a host name (1-63 letters, digits, '-' or '_')")
 
 
-def issue(host: str) -> str:
-    """A credential for a host that has none active; the broker URL for its agent."""
+def issue(host: str, pool: bool = False) -> str:
+    """A credential for a host that has none active; the broker URL for its agent. With
+    ``pool``, ``host`` is an agent pool's prefix: every host of its file starts with it."""
     _check_host(host)
     if HostCredential.objects.filter(host=host, revoked_at__isnull=True).exists():
         raise CredentialError(f"{host} already has a credential: rotate it, or revoke it first")
     password = secrets.token_urlsafe(32)
-    secret_hash = broker_acl.password_hash(password)
     with transaction.atomic():
-        HostCredential.objects.update_or_create(
+        credential, _ = HostCredential.objects.update_or_create(
             host=host,
             defaults={
-                "password_sha256": secret_hash,
+                "pool": pool,
+                "password_sha256": broker_acl.password_hash(password),
                 "issued_at": timezone.now(),
                 "rotated_at": None,
                 "revoked_at": None,
             },
         )
-        _apply(_admin(), host, secret_hash)
-    log.info("issued a Redis credential to host %s", host)
-    return agent_url(settings.REDIS_URL, host, password)
+        _apply(_admin(), credential)
+    log.info("issued a Redis credential to %s %s", "agent pool" if pool else "host", host)
+    return agent_url(settings.REDIS_URL, credential.username, password)
 
 
 def rotate(host: str) -> str:
     """A new password for an active credential; connections made with the old one are cut."""
     password = secrets.token_urlsafe(32)
-    secret_hash = broker_acl.password_hash(password)
     with transaction.atomic():
         credential = _active(host)
-        credential.password_sha256 = secret_hash
+        credential.password_sha256 = broker_acl.password_hash(password)
         credential.rotated_at = timezone.now()
         credential.save(update_fields=["password_sha256", "rotated_at"])
         client = _admin()
-        _apply(client, host, secret_hash)
-        _cut(client, host)
-    log.info("rotated host %s's Redis credential", host)
-    return agent_url(settings.REDIS_URL, host, password)
+        _apply(client, credential)
+        _cut(client, credential)
+    log.info("rotated %s's Redis credential", host)
+    return agent_url(settings.REDIS_URL, credential.username, password)
+
+
+def renew(host: str, pool: bool = False) -> str:
+    """Issue, or rotate the active one: for what enrols on every start (``make run``, the twin)."""
+    if HostCredential.objects.filter(host=host, pool=pool, revoked_at__isnull=True).exists():
+        return rotate(host)
+    return issue(host, pool)
 
 
 def revoke(host: str) -> None:
@@ -109,8 +119,8 @@ def revoke(host: str) -> None:
         credential.revoked_at = timezone.now()
         credential.save(update_fields=["revoked_at"])
         # Deleting a user closes the connections made with it (Redis 7 and 6.2 alike).
-        _admin().execute_command("ACL", "DELUSER", broker_acl.username(host))
-    log.warning("revoked host %s's Redis credential: its agent is cut off", host)
+        _admin().execute_command("ACL", "DELUSER", credential.username)
+    log.warning("revoked %s's Redis credential: its agent is cut off", host)
 
 
 def reconcile() -> int:
@@ -121,10 +131,10 @@ def reconcile() -> int:
     applied = 0
     for credential in HostCredential.objects.all():
         if credential.active:
-            _apply(client, credential.host, credential.password_sha256)
+            _apply(client, credential)
             applied += 1
         else:
-            client.execute_command("ACL", "DELUSER", broker_acl.username(credential.host))
+            client.execute_command("ACL", "DELUSER", credential.username)
     return applied
 
 

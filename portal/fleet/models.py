@@ -246,6 +246,9 @@ class HostCredential(models.Model):
     a ``Host``: a host is enrolled before its agent first reports."""
 
     host = models.SlugField(max_length=63, unique=True)
+    # An agent pool's (one process serving many simulated hosts): ``host`` is then the prefix
+    # every host of its file starts with, and the user may act for any of them.
+    pool = models.BooleanField(default=False)
     password_sha256 = models.CharField(max_length=64)
     issued_at = models.DateTimeField(default=timezone.now)
     rotated_at = models.DateTimeField(null=True, blank=True)
@@ -260,3 +263,9 @@ class HostCredential(models.Model):
     @property
     def active(self) -> bool:
         return self.revoked_at is None
+
+    @property
+    def username(self) -> str:
+        from wire import broker_acl
+
+        return broker_acl.pool_username(self.host) if self.pool else broker_acl.username(self.host)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from portal.launcher import celery_command
+from portal.launcher import AGENT_WORKER_FLAGS, celery_command
 from scheduler.research.trace import NodeSpec
 
 # The twin's telemetry rate (0.2 Hz): 6,212 simulated GPUs sampled every second would be
@@ -41,7 +41,9 @@ class Services:
     logs: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start(self, hosts_file: Path, control_threads: int = 4) -> None:
+    def start(self, hosts_file: Path, control_threads: int = 4, pool: tuple[str, str] | None = None) -> None:
+        """``pool``: the agent pool's (prefix, broker URL), enrolled as one (``manage.py
+        host_credential issue --pool``); without it the pool uses the control plane's URL."""
         self.logs.mkdir(parents=True, exist_ok=True)
         var = self.logs.parent / "var"
         var.mkdir(exist_ok=True)
@@ -69,10 +71,11 @@ class Services:
         )
         self._spawn(
             "agents",
-            celery_command("worker", "-n", "pool@twin", "-P", "threads", "-c", "8"),
+            celery_command("worker", "-n", "pool@twin", "-P", "threads", "-c", "8", *AGENT_WORKER_FLAGS),
             {
                 **base, "GPUSHARE_ROLE": "agent", "GPUSHARE_HOSTS_FILE": str(hosts_file),
                 "SAMPLE_INTERVAL_MS": str(SAMPLE_INTERVAL_MS), "AGENT_FULL_REPORT_S": str(FULL_REPORT_S),
+                **({"GPUSHARE_POOL_PREFIX": pool[0], "REDIS_URL": pool[1]} if pool else {}),
             },
         )  # fmt: skip
 

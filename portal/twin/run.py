@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from django.core.management import call_command
 from django.db import connection
 from psycopg.conninfo import make_conninfo
 
+from portal.fleet import credentials
 from portal.telemetry import control_figures
 from portal.twin import arrivals, report
 from portal.twin.cluster import Services, write_hosts_file
@@ -132,7 +134,12 @@ class Twin:
         self.population = populate(self.pods, self.nodes, memory, self.projects)
         hosts_file = self.out / "hosts.csv"
         write_hosts_file(self.nodes, hosts_file)
-        self.services.start(hosts_file)
+        # The pool connects as its own Redis user, for every host of the trace at once, as
+        # deployed hosts do one each (issue 38).
+        prefix = os.path.commonprefix([n.name for n in self.nodes])  # noqa: RUF071 - names, not paths
+        self.services.start(
+            hosts_file, pool=(prefix, credentials.renew(prefix, pool=True)) if prefix else None
+        )
         try:
             self.fleet_up_s = round(wait_for_fleet(self.services, len(self.nodes), self.gpus), 1)
         except BaseException:

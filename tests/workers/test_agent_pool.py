@@ -131,3 +131,26 @@ def test_a_host_asked_for_its_inventory_sends_a_batch_of_one(pool: AgentPool, se
     pool.agents["node-b"].report_inventory()  # the portal asks a host back from lost
     [(queue, _task, ([report],))] = [t for t in sent_tasks if t[1] == "agent_inventories"]
     assert queue == "control" and report["host"] == "node-b" and report["started"] is False
+
+
+def test_a_pool_enrolled_under_a_prefix_refuses_a_host_outside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its Redis user reaches only hosts under the prefix (issue 38): one outside would be
+    placed on and never answer, so the pool does not start."""
+    monkeypatch.setenv("GPUSHARE_POOL_PREFIX", "node-")
+    agent_module.pool_hosts.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"outside the pool's prefix 'node-'.*cpu-c"):
+            agent_module.pool_hosts(hosts_file(tmp_path))
+        within = tmp_path / "within"
+        within.mkdir()
+        assert [
+            h.name for h in agent_module.pool_hosts(hosts_file(within, HOSTS.replace("cpu-c", "node-c")))
+        ] == [
+            "node-a",
+            "node-b",
+            "node-c",
+        ]
+    finally:
+        agent_module.pool_hosts.cache_clear()

@@ -152,7 +152,7 @@ def test_a_redis_that_lost_its_users_gets_them_back(admin: redis.Redis, hosts: t
     ],
 )
 def test_the_agents_url_is_the_control_planes_with_the_hosts_user(base: str, expected: str) -> None:
-    assert credentials.agent_url(base, "gpu01", "p/w") == expected
+    assert credentials.agent_url(base, "gpushare-host-gpu01", "p/w") == expected
 
 
 @pytest.mark.parametrize("name", ["", "a b", "x" * 64, "a*", "a:b"])
@@ -182,3 +182,20 @@ def test_the_command_writes_the_agents_url_for_the_host_alone_and_renews_it(
         call_command("host_credential", "issue", a, stdout=io.StringIO())
     with pytest.raises(CommandError, match="needs a host name"):
         call_command("host_credential", "revoke", stdout=io.StringIO())
+
+
+def test_an_agent_pool_reaches_the_hosts_under_its_prefix_and_no_other(
+    admin: redis.Redis, hosts: tuple[str, str]
+) -> None:
+    a, b = hosts  # "a-<tag>", "b-<tag>": the pool takes the "a-" side
+    prefix = a[: a.index("-") + 1] + a.split("-", 1)[1][:4]
+    pool = as_host(credentials.issue(prefix, pool=True))
+    try:
+        assert pool.llen(host_queue(a)) == 0
+        assert pool.set(liveness.KEY.format(host=a), 1, ex=10)
+        assert refused(pool.llen, host_queue(b))
+        assert refused(pool.set, liveness.KEY.format(host=b), 1)
+        assert refused(pool.lrange, CONTROL_QUEUE, 0, -1)
+    finally:
+        admin.delete(liveness.KEY.format(host=a))
+        admin.execute_command("ACL", "DELUSER", broker_acl.pool_username(prefix))

@@ -27,6 +27,12 @@ class Command(BaseCommand):
         )
         parser.add_argument("host", nargs="?", help="the host's name, as its agent's GPUSHARE_HOST")
         parser.add_argument(
+            "--pool",
+            action="store_true",
+            help="issue/renew for an agent pool (one process serving many simulated hosts): the "
+            "name is the prefix every host of its file starts with (GPUSHARE_POOL_PREFIX)",
+        )
+        parser.add_argument(
             "--out",
             type=Path,
             help="write the agent's broker URL to this file (mode 0600) instead of printing it: "
@@ -40,9 +46,8 @@ class Command(BaseCommand):
         try:
             if action == "list":
                 for credential in HostCredential.objects.all():
-                    self.stdout.write(
-                        f"{credential.host}\t{'revoked' if credential.revoked_at else 'active'}"
-                    )
+                    name = f"{credential.host}*" if credential.pool else credential.host
+                    self.stdout.write(f"{name}\t{'revoked' if credential.revoked_at else 'active'}")
                 return
             if action == "reconcile":
                 self.stdout.write(f"{credentials.reconcile()} host users applied")
@@ -51,13 +56,12 @@ class Command(BaseCommand):
                 credentials.revoke(host)
                 self.stdout.write(f"{host}: revoked; its agent is cut off")
                 return
-            if action == "renew":
-                action = (
-                    "rotate"
-                    if HostCredential.objects.filter(host=host, revoked_at__isnull=True).exists()
-                    else "issue"
-                )
-            url = credentials.issue(host) if action == "issue" else credentials.rotate(host)
+            if action == "issue":
+                url = credentials.issue(host, pool=options["pool"])
+            elif action == "renew":
+                url = credentials.renew(host, pool=options["pool"])
+            else:
+                url = credentials.rotate(host)
         except credentials.CredentialError as exc:
             raise CommandError(str(exc)) from exc
         if out is None:
