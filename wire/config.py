@@ -71,6 +71,12 @@ def hosts_file() -> Path | None:
     return Path(value) if value else None
 
 
+def pool_prefix() -> str:
+    """GPUSHARE_POOL_PREFIX: the name prefix an agent pool was enrolled under (every host of its
+    file must start with it; ``manage.py host_credential issue --pool``); empty: not enrolled."""
+    return os.environ.get("GPUSHARE_POOL_PREFIX", "").strip()
+
+
 def gpu_backend_kind() -> str:
     return env_choice("GPU_BACKEND", GPU_BACKENDS, "auto")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -114,7 +113,7 @@ def pool_hosts(path: Path) -> list[SimulatedHost]:
     enrolled under a prefix (GPUSHARE_POOL_PREFIX, ``manage.py host_credential issue --pool``)
     may serve only hosts whose names start with it: its Redis user reaches no other."""
     hosts = read_hosts_file(path)
-    prefix = os.environ.get("GPUSHARE_POOL_PREFIX", "").strip()
+    prefix = config.pool_prefix()
     strangers = [h.name for h in hosts if not h.name.startswith(prefix)]
     if strangers:
         raise ConfigError(

@@ -6,6 +6,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from wire import broker_acl
+
 
 class GpuMode(models.TextChoices):
     """How a GPU is shared. Not a tier's ``SharingMode`` (what a request asks for): only a
@@ -266,6 +268,4 @@ class HostCredential(models.Model):
 
     @property
     def username(self) -> str:
-        from wire import broker_acl
-
         return broker_acl.pool_username(self.host) if self.pool else broker_acl.username(self.host)
