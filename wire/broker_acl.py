@@ -7,7 +7,7 @@ connects as ``gpushare-host-<name>`` whose ACL allows:
 
 - its own queue ``host.<name>`` (and kombu's priority lists beside it), its own binding
   tables, and its own ``unacked*`` keys: the agent's Celery app names them per host
-  (``agent_transport_options``), since kombu's default ``unacked`` hash is one for every
+  (``wire.celery.unacked_keys``), since kombu's default ``unacked`` hash is one for every
   consumer and holds every in-flight message body, other hosts' launch specs included;
 - to push onto the ``control`` queue and nothing else there: with Redis 7's selectors,
   LPUSH and LLEN alone (no LRANGE of other hosts' reports, no DEL of the queue);

@@ -96,9 +96,8 @@ if ROLE == "agent":
     # no per-host Redis user can be confined to; nothing here uses it.
     app.conf.worker_enable_remote_control = False
     _host = os.environ.get("GPUSHARE_HOST", "").strip()
-    _pool = os.environ.get("GPUSHARE_POOL_PREFIX", "").strip()  # an agent pool's, enrolled as one
-    if os.environ.get("GPUSHARE_HOSTS_FILE", "").strip():
-        _host = pool_unacked_host(_pool) if _pool else ""
+    if config.hosts_file() is not None:  # an agent pool: its own keys only if enrolled as one
+        _host = pool_unacked_host(config.pool_prefix()) if config.pool_prefix() else ""
     if _host:
         app.conf.broker_transport_options = {**app.conf.broker_transport_options, **unacked_keys(_host)}
 

@@ -18,6 +18,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import validate_slug
 from django.db import transaction
 from django.utils import timezone
 
@@ -49,8 +51,10 @@ def agent_url(base_url: str, username: str, password: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
 
 
-def _apply(client: Any, credential: HostCredential) -> None:
-    selectors = broker_acl.supports_selectors(client)
+def _apply(client: Any, credential: HostCredential, selectors: bool | None = None) -> None:
+    """``selectors``: whether the server has them, when the caller asked already."""
+    if selectors is None:
+        selectors = broker_acl.supports_selectors(client)
     rules = (broker_acl.pool_rules if credential.pool else broker_acl.agent_rules)(
         credential.host, credential.password_sha256, selectors
     )
@@ -63,8 +67,15 @@ def _cut(client: Any, credential: HostCredential) -> None:
 
 
 def _check_host(host: str) -> None:
-    if not host or len(host) > 63 or not all(c.isalnum() or c in "-_" for c in host):
-        raise CredentialError(f"{host!r} is not a host name (1-63 letters, digits, '-' or '_')")
+    """What ``Host.name`` takes (a slug of at most 63): no glob character widens the ACL's patterns."""
+    try:
+        validate_slug(host)
+    except ValidationError:
+        pass
+    else:
+        if len(host) <= 63:
+            return
+    raise CredentialError(f"{host!r} is not a host name (1-63 letters, digits, '-' or '_')")
 
 
 def issue(host: str, pool: bool = False) -> str:
@@ -128,10 +139,11 @@ def reconcile() -> int:
     deleted (users this database does not know are left alone: ACL users belong to the whole
     Redis server, which another deployment may share). The number of users applied."""
     client = _admin()
+    selectors = broker_acl.supports_selectors(client)  # one INFO for all of them
     applied = 0
     for credential in HostCredential.objects.all():
         if credential.active:
-            _apply(client, credential)
+            _apply(client, credential, selectors)
             applied += 1
         else:
             client.execute_command("ACL", "DELUSER", credential.username)
