@@ -235,17 +235,22 @@ def main() -> int:
         print(f"gpushare: {why}", flush=True)
     tests = self_tests(driver)
     agents = [host for host, result in tests.items() if result.ok]
-    # Each agent connects as its host's own Redis user, as a deployed GPU host does (README,
-    # "Each GPU host has its own Redis user"); a new password each start.
+    # Each agent connects as its host's own Redis user and signs what it reports with its
+    # host's key, as a deployed GPU host does (README, "A compromised GPU host"); new ones
+    # each start. renew prints them as environment lines.
     enrolled = {
-        name: subprocess.run(  # noqa: S603 - fixed argv
-            [*manage, "host_credential", "renew", name], check=True, capture_output=True, text=True
-        ).stdout.strip()
+        name: dict(
+            line.split("=", 1)
+            for line in subprocess.run(  # noqa: S603 - fixed argv
+                [*manage, "host_credential", "renew", name], check=True, capture_output=True, text=True
+            ).stdout.splitlines()
+            if "=" in line
+        )
         for name in agents
     }
     for name, argv, extra in commands(port, bind, driver, agents):
         if name.startswith("agent:"):
-            extra = {**extra, "REDIS_URL": enrolled[name.removeprefix("agent:")]}
+            extra = {**extra, **enrolled[name.removeprefix("agent:")]}
         proc = subprocess.Popen(  # noqa: S603 - argv from commands() above, no shell
             argv,
             env={**os.environ, "LOG_LEVEL": LOG_LEVEL, **extra},

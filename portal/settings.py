@@ -22,9 +22,11 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = worker_config.var_dir()
 
 DEBUG = env_bool("DEBUG", False)
-# Development only: production refuses to start with it (or any weak key) below.
-_DEV_SECRET = "insecure-dev-only-key-set-SECRET_KEY-in-production"  # noqa: S105 - refused in production
-SECRET_KEY = env_str("SECRET_KEY", _DEV_SECRET if DEBUG else None)
+# Development only: production refuses to start with it (or any weak key) below. Read in
+# wire.config, where beat (which loads no settings) reads it too: the control plane's
+# messages are signed with a key derived from it (wire/signing.py).
+_DEV_SECRET = worker_config.DEV_SECRET
+SECRET_KEY = worker_config.secret_key()
 # Django's own bar for a key (the security.W009 deploy check), enforced at start-up: a weak key
 # lets anyone forge sessions and password-reset links, which a warning nobody reads does not stop.
 if not DEBUG and (

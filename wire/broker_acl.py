@@ -13,10 +13,10 @@ connects as ``gpushare-host-<name>`` whose ACL allows:
   LPUSH and LLEN alone (no LRANGE of other hosts' reports, no DEL of the queue);
 - its own liveness key, its own latest-telemetry hash, its own relay streams
   (``wire.relay`` names them by host);
-- PUBLISH on the channel layer's groups (``asgi__group__*``): live samples and sandbox
-  notices. An ACL cannot tie a group to a host (groups are named by GPU and sandbox), so a
-  compromised host can still publish false live figures; what is billed and decided comes
-  through the control queue, not these.
+- PUBLISH on its own channel-layer groups (``asgi__group__host.<name>.*``: live samples,
+  alerts and batch output, which ``wire.telemetry`` names under the publishing host); the
+  portal's consumers listen to the groups of the host that holds what they show, so no
+  host can put figures or output on another host's GPU or another tenant's page.
 
 Everything else is refused: other queues, KEYS/SCAN, FLUSHALL, CONFIG, MONITOR, SUBSCRIBE,
 Celery's broadcast (remote control, gossip, mingle and events are off for agents: their
@@ -39,7 +39,8 @@ USER_PREFIX = "gpushare-host-"
 POOL_PREFIX = "gpushare-pool-"
 # kombu's priority lists sit beside a queue as "<queue>\x06\x16<priority>".
 _PRIORITY_SEP = "\x06\x16"
-CHANNEL_GROUPS = "asgi__group__*"
+# The channel layer's name for a group (channels_redis.pubsub: "<prefix>__group__<group>").
+CHANNEL_GROUP = "asgi__group__{group}"
 # What a Celery worker and producer on kombu's Redis transport send, and the relay and
 # telemetry writes of the agent: nothing that lists keys or reaches other users' data.
 _COMMANDS = [
@@ -124,7 +125,8 @@ def agent_rules(host: str, secret_hash: str, selectors: bool = True) -> list[str
     bindings = [f"_kombu.binding.{CONTROL_QUEUE}", f"_kombu.binding_permanent.{CONTROL_QUEUE}"]
     # QUIT became an ACL-checked command in Redis 7; 6.2 refuses to hear of it.
     commands = _COMMANDS if selectors else [c for c in _COMMANDS if c != "+quit"]
-    rules = ["reset", "on", f"#{secret_hash}", "resetchannels", f"&{CHANNEL_GROUPS}", "-@all", *commands]
+    groups = CHANNEL_GROUP.format(group=telemetry.host_groups(host)) + "*"
+    rules = ["reset", "on", f"#{secret_hash}", "resetchannels", f"&{groups}", "-@all", *commands]
     rules += [f"~{key}" for key in own]
     if selectors:
         # Push and count only: Redis records no sender, so a host that could read the

@@ -7,14 +7,15 @@ touches the database, so a GPU host needs only the broker URL.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
 
 from celery import Celery, signals
 
-from wire import config
-from wire.env import env_choice, env_int
+from wire import config, signing
+from wire.env import ConfigError, env_choice, env_int
 
 CONTROL_QUEUE = "control"
 ROLES = ("control", "agent", "beat", "client")
@@ -100,6 +101,47 @@ if ROLE == "agent":
         _host = pool_unacked_host(config.pool_prefix()) if config.pool_prefix() else ""
     if _host:
         app.conf.broker_transport_options = {**app.conf.broker_transport_options, **unacked_keys(_host)}
+
+
+@functools.cache
+def process_signer() -> signing.Signer:
+    """Who this process's messages are signed by: an agent by its host's (or its pool's) key,
+    every other process (web, control worker, beat, manage.py) by the control plane's."""
+    if ROLE != "agent":
+        return signing.Signer(signing.CONTROL, signing.control_private_key(config.secret_key()))
+    key = config.host_key()
+    if key is None:
+        raise ConfigError(
+            "GPUSHARE_HOST_KEY_FILE (or GPUSHARE_HOST_KEY) is unset: an agent signs what it reports "
+            "with its host's key (manage.py host_credential issue <host> --out DIR writes it)"
+        )
+    if config.hosts_file() is not None:
+        if not config.pool_prefix():
+            raise ConfigError(
+                "an agent pool signs as the prefix it was enrolled under: set GPUSHARE_POOL_PREFIX"
+            )
+        name = signing.pool_signer(config.pool_prefix())
+    else:
+        name = signing.host_signer(os.environ.get("GPUSHARE_HOST", "").strip())
+    try:
+        return signing.Signer(name, signing.private_key(key))
+    except signing.KeyFormatError as exc:
+        raise ConfigError(f"GPUSHARE_HOST_KEY: {exc}") from exc
+
+
+signing.install(process_signer)
+
+
+@signals.before_task_publish.connect
+def _sign(
+    sender: str | None = None, body: Any = None, headers: dict[str, Any] | None = None, **_: Any
+) -> None:
+    """Every message this process sends is signed (``wire/signing.py``): the body is Celery's
+    protocol 2 ``(args, kwargs, embed)``."""
+    if sender is None or headers is None or not isinstance(body, (tuple, list)):
+        return
+    headers.update(signing.current().headers(sender, str(headers.get("id", "")), body[0], body[1]))
+
 
 # Celery logs every task received and succeeded, and beat every message it sends, at INFO:
 # several lines a second that bury the banner, the warnings and the sandbox transitions.

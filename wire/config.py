@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from wire import embedded_redis
-from wire.env import ConfigError, env_choice, env_str
+from wire.env import ConfigError, env_bool, env_choice, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 GPU_BACKENDS = ("auto", "nvml", "simulated")
@@ -75,6 +75,29 @@ def pool_prefix() -> str:
     """GPUSHARE_POOL_PREFIX: the name prefix an agent pool was enrolled under (every host of its
     file must start with it; ``manage.py host_credential issue --pool``); empty: not enrolled."""
     return os.environ.get("GPUSHARE_POOL_PREFIX", "").strip()
+
+
+# Development only: the settings refuse it (or any weak key) when DEBUG is off.
+DEV_SECRET = "insecure-dev-only-key-set-SECRET_KEY-in-production"  # noqa: S105 - refused in production
+
+
+def secret_key() -> str:
+    """SECRET_KEY (or SECRET_KEY_FILE), the control plane's: Django's, and the seed of the key
+    its messages are signed with (``wire.signing.control_private_key``), so beat, which loads
+    no settings, signs as the web and control processes do."""
+    return env_str("SECRET_KEY", DEV_SECRET if env_bool("DEBUG", False) else None)
+
+
+def host_key() -> str | None:
+    """GPUSHARE_HOST_KEY (or _FILE): the private key a host's agent (or an agent pool) signs
+    its messages with, written by ``manage.py host_credential issue --out``; None if unset."""
+    return env_str("GPUSHARE_HOST_KEY", "") or None
+
+
+def control_public_key() -> str | None:
+    """GPUSHARE_CONTROL_PUBLIC_KEY (or _FILE): what an agent checks the control plane's
+    messages against, written with its own key at enrolment; None if unset."""
+    return env_str("GPUSHARE_CONTROL_PUBLIC_KEY", "") or None
 
 
 def gpu_backend_kind() -> str:

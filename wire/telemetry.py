@@ -1,10 +1,15 @@
 """The live telemetry messages (seam 4 in docs/architecture.md), as agents send them and the
 portal's consumers read them.
 
-Messages go to the channel layer groups ``gpu.<uuid>``, ``sandbox.<id>`` and ``fleet``;
-``type`` names the consumer handler (``gpu.sample`` -> ``gpu_sample``, ``alert.changed``
--> ``alert_changed``, ``fleet.samples`` -> ``fleet_samples``: the fleet stream carries each
-host's samples of a tick as one message). The newest sample of each device is also kept in
+An agent publishes to groups named under its host, ``host.<name>.gpu.<uuid>``,
+``host.<name>.sandbox.<id>`` and ``host.<name>.fleet``: its Redis user may publish there and
+nowhere else (``wire.broker_acl``), so a compromised host cannot put figures, alerts or
+output on another host's GPU or another tenant's sandbox page. The portal's consumers
+subscribe to the groups of the host that holds what they show; the portal's own notices of
+a sandbox go to ``sandbox.<id>``, which no host may publish to. ``type`` names the consumer
+handler (``gpu.sample`` -> ``gpu_sample``, ``alert.changed`` -> ``alert_changed``,
+``fleet.samples`` -> ``fleet_samples``: the fleet stream carries each host's samples of a
+tick as one message). The newest sample of each device is also kept in
 Redis for /metrics (``latest_key``).
 """
 
@@ -14,7 +19,7 @@ import json
 import time
 from typing import Any, TypedDict
 
-FLEET_GROUP = "fleet"
+HOST_GROUPS = "host.{host}."  # the prefix of every group a host's agent publishes to
 
 
 class SandboxFigures(TypedDict):
@@ -78,11 +83,28 @@ class AlertMessage(TypedDict):
     t: int  # epoch ms at the agent
 
 
-def gpu_group(uuid: str) -> str:
-    return f"gpu.{uuid}"
+def host_groups(host: str) -> str:
+    """What every group ``host``'s agent publishes to starts with (its ACL's channel pattern)."""
+    return HOST_GROUPS.format(host=host)
+
+
+def gpu_group(host: str, uuid: str) -> str:
+    """A GPU's samples and alerts, from the agent of the host it is in."""
+    return f"{host_groups(host)}gpu.{uuid}"
+
+
+def fleet_group(host: str) -> str:
+    """Each tick's samples of all of one host's GPUs, and its alerts, for the fleet page."""
+    return f"{host_groups(host)}fleet"
+
+
+def host_sandbox_group(host: str, sandbox_id: int | str) -> str:
+    """A sandbox's own figures, output and alerts, from the agent of the host running it."""
+    return f"{host_groups(host)}sandbox.{sandbox_id}"
 
 
 def sandbox_group(sandbox_id: int | str) -> str:
+    """The portal's notices of a sandbox (state changes): no host publishes here."""
     return f"sandbox.{sandbox_id}"
 
 

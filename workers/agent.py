@@ -24,10 +24,11 @@ from typing import Any
 from celery import Task, signals
 from kombu import Queue
 
-from wire import config
-from wire.celery import app, host_queue
+from wire import config, signing
+from wire.celery import app, host_queue, process_signer
 from wire.env import ConfigError
 from wire.messages import StopOrder
+from wire.signing import ControlSignedTask
 from wire.spec import HandleJson, SandboxSpec
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.base import ChecksGpuPath, SandboxDriver
@@ -142,22 +143,22 @@ def agent_for(task: AnyTask) -> Agent:
     return get_pool().for_queue((task.request.delivery_info or {}).get("routing_key"))
 
 
-@app.task(name="workers.agent.launch_sandbox", ignore_result=True, bind=True)
+@app.task(base=ControlSignedTask, name="workers.agent.launch_sandbox", ignore_result=True, bind=True)
 def launch_sandbox(task: AnyTask, spec: dict[str, Any]) -> None:
     agent_for(task).launch(SandboxSpec.from_json(spec))
 
 
-@app.task(name="workers.agent.set_alert_policy", ignore_result=True, bind=True)
+@app.task(base=ControlSignedTask, name="workers.agent.set_alert_policy", ignore_result=True, bind=True)
 def set_alert_policy(task: AnyTask, policy: dict[str, Any]) -> None:
     agent_for(task).set_alert_policy(policy)
 
 
-@app.task(name="workers.agent.report_inventory", ignore_result=True, bind=True)
+@app.task(base=ControlSignedTask, name="workers.agent.report_inventory", ignore_result=True, bind=True)
 def report_inventory(task: AnyTask) -> None:
     agent_for(task).report_inventory()
 
 
-@app.task(name="workers.agent.execute_plan", ignore_result=True, bind=True)
+@app.task(base=ControlSignedTask, name="workers.agent.execute_plan", ignore_result=True, bind=True)
 def execute_plan(
     task: AnyTask,
     plan_id: int,
@@ -168,27 +169,27 @@ def execute_plan(
     agent_for(task).execute_plan(plan_id, stops, mig_plan, busy)
 
 
-@app.task(name="workers.agent.open_app", ignore_result=True, bind=True)
+@app.task(base=ControlSignedTask, name="workers.agent.open_app", ignore_result=True, bind=True)
 def open_app(task: AnyTask, session: str, allocation_key: str, handle: HandleJson | None) -> None:
     agent_for(task).open_app(session, allocation_key, handle)
 
 
-@app.task(name="workers.agent.open_terminal", ignore_result=True, bind=True)
+@app.task(base=ControlSignedTask, name="workers.agent.open_terminal", ignore_result=True, bind=True)
 def open_terminal(task: AnyTask, session: str, allocation_key: str, handle: HandleJson | None) -> None:
     agent_for(task).open_terminal(session, allocation_key, handle)
 
 
-@app.task(name="workers.agent.gpu_mode", ignore_result=True, bind=True)
+@app.task(base=ControlSignedTask, name="workers.agent.gpu_mode", ignore_result=True, bind=True)
 def gpu_mode(task: AnyTask, gpu_uuid: str, mode: str) -> None:
     agent_for(task).gpu_mode(gpu_uuid, mode)
 
 
-@app.task(name="workers.agent.stop_sandbox", ignore_result=True, bind=True)
+@app.task(base=ControlSignedTask, name="workers.agent.stop_sandbox", ignore_result=True, bind=True)
 def stop_sandbox(task: AnyTask, allocation_key: str, sandbox_id: int, handle: HandleJson | None) -> None:
     agent_for(task).stop(allocation_key, handle)
 
 
-@app.task(name="workers.agent.warn_sandbox", ignore_result=True, bind=True)
+@app.task(base=ControlSignedTask, name="workers.agent.warn_sandbox", ignore_result=True, bind=True)
 def warn_sandbox(
     task: AnyTask, allocation_key: str, sandbox_id: int, handle: HandleJson | None, stop_at: float
 ) -> None:
@@ -217,12 +218,35 @@ _consume_every_hosts_queue()
 EXIT_CANNOT_LAUNCH = 78
 
 
+def load_keys() -> None:
+    """The keys an agent cannot work without, checked before it takes a message: its own,
+    which signs what it reports (the control worker drops what is unsigned), and the control
+    plane's public key, which what it runs must be signed with. ConfigError if either is
+    missing or malformed."""
+    process_signer()
+    text = config.control_public_key()
+    if text is None:
+        raise ConfigError(
+            "GPUSHARE_CONTROL_PUBLIC_KEY_FILE (or GPUSHARE_CONTROL_PUBLIC_KEY) is unset: the agent "
+            "runs only what the control plane signed (manage.py host_credential issue writes it)"
+        )
+    try:
+        ControlSignedTask.control_key = signing.public_key(text)
+    except signing.KeyFormatError as exc:
+        raise ConfigError(f"GPUSHARE_CONTROL_PUBLIC_KEY: {exc}") from exc
+
+
 @signals.worker_init.connect
 def _self_test(**_: Any) -> None:
-    """Before the first task: launch and stop one sandbox; a driver that cannot launch
-    must not take sandboxes (each would fail with the same message), so the agent exits.
-    A process serving many simulated hosts builds them instead (a bad hosts file exits the
-    same way); their state-only driver needs no trial."""
+    """Before the first task: the agent's keys are loaded, then it launches and stops one
+    sandbox; a driver that cannot launch must not take sandboxes (each would fail with the
+    same message), so the agent exits. A process serving many simulated hosts builds them
+    instead (a bad hosts file exits the same way); their state-only driver needs no trial."""
+    try:
+        load_keys()
+    except ConfigError as exc:
+        log.error("agent cannot start: %s", exc)
+        raise SystemExit(EXIT_CANNOT_LAUNCH) from exc
     if config.hosts_file() is not None:
         try:
             get_pool()

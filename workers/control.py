@@ -19,7 +19,7 @@ from celery import Task, signals
 
 django.setup()
 
-from portal.control import tasks  # noqa: E402
+from portal.control import provenance, tasks  # noqa: E402
 from portal.fleet import credentials  # noqa: E402
 from wire.celery import app  # noqa: E402
 from wire.messages import ControlTasks, control_task_names  # noqa: E402
@@ -34,6 +34,8 @@ def _register(name: str, handler: Callable[..., object]) -> Task[Any, None]:
     told_attempt = name in tasks.TOLD_ATTEMPT
 
     def run(task: Task[Any, None], *args: Any) -> None:
+        if not provenance.admit(name, task, args):
+            return  # not signed by whom it must be: dropped, logged and alerted
         extra = {"attempt": task.request.retries + 1} if told_attempt else {}
         answer = handler(*args, **extra)
         if isinstance(answer, tasks.Retry):

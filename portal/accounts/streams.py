@@ -170,8 +170,18 @@ class OpenStreams:
         verdicts = await database_sync_to_async(still_allowed)([o.consumer for o in asked])
         closed = 0
         for entry, allowed in zip(asked, verdicts, strict=True):
-            if allowed or self._open.get(id(entry.consumer)) is not entry:
-                continue  # allowed, or gone while we asked
+            if self._open.get(id(entry.consumer)) is not entry:
+                continue  # gone while we asked
+            if allowed:
+                # A consumer whose check also says what it listens to (the telemetry ones:
+                # the host holding what it shows) follows it now.
+                follow = getattr(entry.consumer, "rechecked", None)
+                if follow is not None:
+                    try:
+                        await follow()
+                    except Exception:  # the socket went away meanwhile: its disconnect follows
+                        log.debug("following a stream's groups failed", exc_info=True)
+                continue
             del self._open[id(entry.consumer)]
             # Its own task: one client slow to take its close must not hold up the others'.
             task = asyncio.create_task(self._close(entry))

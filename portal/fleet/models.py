@@ -242,8 +242,9 @@ class PlanStep(models.Model):
 
 
 class HostCredential(models.Model):
-    """A GPU host's own Redis user (``wire.broker_acl``), as the control plane issued it: only
-    the password's SHA-256 is kept, which is what Redis takes back (``#<hash>``) when its users
+    """A GPU host's own Redis user (``wire.broker_acl``) and message-signing key
+    (``wire.signing``), as the control plane issued them: only the password's SHA-256 and the
+    key's public half are kept. The hash is what Redis takes back (``#<hash>``) when its users
     are re-applied after a restart (``portal.fleet.credentials.reconcile``). By host name, not
     a ``Host``: a host is enrolled before its agent first reports."""
 
@@ -252,6 +253,9 @@ class HostCredential(models.Model):
     # every host of its file starts with, and the user may act for any of them.
     pool = models.BooleanField(default=False)
     password_sha256 = models.CharField(max_length=64)
+    # The public half of the key its agent signs messages with (``wire.signing``, text form);
+    # the private half went to the host once, at issue or rotation.
+    signing_key = models.CharField(max_length=64, blank=True)
     issued_at = models.DateTimeField(default=timezone.now)
     rotated_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)

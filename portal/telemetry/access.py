@@ -3,12 +3,13 @@ history/alert endpoints so a chart's history and its live samples are never gran
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from django.db.models import Q
 
 from portal.accounts.access import memberships_among, visible_projects
+from portal.fleet.models import Gpu, Host
 from portal.sandboxes.models import Allocation, Sandbox
 
 
@@ -86,3 +87,30 @@ def sandboxes_seen_on_gpus(asks: Sequence[tuple[Any, str]]) -> list[frozenset[in
         else frozenset(sandbox for sandbox, project in holders.get(uuid, ()) if (user.pk, project) in members)
         for user, uuid in asks
     ]
+
+
+# Which host's agent publishes what a stream shows (wire.telemetry names its groups by host).
+
+
+def hosts_of_sandboxes(ids: Collection[int]) -> dict[int, str]:
+    """The host each placed sandbox is on, in one query."""
+    placed = Sandbox.objects.filter(pk__in=set(ids), host__isnull=False)
+    return dict(placed.values_list("pk", "host__name"))
+
+
+def hosts_of_devices(uuids: Collection[str]) -> dict[str, str]:
+    """The host of each GPU or MIG device, by its uuid, in one query."""
+    wanted = set(uuids)
+    rows = Gpu.objects.filter(Q(uuid__in=wanted) | Q(mig_instances__uuid__in=wanted)).values_list(
+        "uuid", "mig_instances__uuid", "host__name"
+    )
+    hosts: dict[str, str] = {}
+    for gpu, mig, host in rows:
+        for uuid in (gpu, mig):
+            if uuid in wanted:
+                hosts[uuid] = host
+    return hosts
+
+
+def fleet_hosts() -> list[str]:
+    return list(Host.objects.values_list("name", flat=True))

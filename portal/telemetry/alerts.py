@@ -110,14 +110,38 @@ def _raise(host: Host, key: str, kind: str, change: AlertMessage) -> Alert | Non
     return alert
 
 
+def do_raise_forgery_alert(host: Host, key: str, message: str) -> Alert | None:
+    """A forged message, attributed to ``host`` (the one whose key signed it, else the one it
+    claimed to be): an open alert and its ``alert.raised`` event, once per ``key`` (the caller
+    keys it by signer and hour, so a host that keeps forging raises one an hour, not one a
+    message). No agent clears it: an operator does, once they have looked at the host."""
+    with transaction.atomic():
+        alert, created = Alert.objects.get_or_create(
+            key=key[:200],
+            defaults={
+                "kind": Alert.Kind.FORGED,
+                "host": host,
+                "message": message[:300],
+                "value": 1.0,
+                "threshold": 0.0,
+                "raised_at": timezone.now(),
+            },
+        )
+        if not created:
+            return None
+        emit_alert_event(alert, "raised")
+    return alert
+
+
 def do_close_host_alerts(hosts: Collection[str], reason: str) -> int:
     """Agents restarted: the alerts they had raised can no longer clear themselves; each
     raises again whatever is still true. One statement however many hosts."""
     if not hosts:
         return 0
-    return Alert.objects.filter(host__name__in=list(hosts), cleared_at__isnull=True).update(
-        cleared_at=timezone.now(), clear_reason=reason[:120]
-    )
+    # A forged message's alert is the control worker's, not the agent's: an agent restarted
+    # (by whoever holds its host) does not close it.
+    opened = Alert.objects.filter(host__name__in=list(hosts), cleared_at__isnull=True)
+    return opened.exclude(kind=Alert.Kind.FORGED).update(cleared_at=timezone.now(), clear_reason=reason[:120])
 
 
 # --- webhooks ----------------------------------------------------------------------------

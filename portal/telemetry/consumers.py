@@ -14,6 +14,12 @@ never waits on a browser. Alerts are few and each matters: they queue (bounded) 
 A sandbox's own stream also carries its running cost, which the portal adds (SandboxSamples),
 and its state changes (``sandbox.changed``, portal/sandboxes/live.py), on which its page
 fetches its status part.
+
+Agents publish under their host's name (``wire.telemetry``: ``host.<name>.…``, the only groups
+their Redis users may publish to), so each socket listens to the groups of the host that holds
+what it shows: a sandbox's current host, a GPU's host, every host for the fleet. Which those
+are is asked again with each permission check (and at once when a sandbox's state changes),
+so a sandbox placed or moved while its page is open is followed.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from portal.accounts.streams import open_streams
 from portal.billing.ledger import cost_by, sandbox_usage, sandboxes_usage
 from portal.billing.models import UsageRecord
 from portal.telemetry.access import (
+    fleet_hosts,
+    hosts_of_devices,
+    hosts_of_sandboxes,
     may_watch_fleet,
     may_watch_gpu,
     may_watch_sandbox,
@@ -41,7 +50,7 @@ from portal.telemetry.access import (
     sandboxes_seen_on_gpus,
     watchable_sandboxes,
 )
-from wire.telemetry import FLEET_GROUP, gpu_group, sandbox_group
+from wire.telemetry import fleet_group, gpu_group, host_sandbox_group, sandbox_group
 
 log = logging.getLogger(__name__)
 FORBIDDEN = 4403
@@ -61,8 +70,13 @@ STREAM_HANDLERS = {
 DEVICE_UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,79}")
 
 
+Groups = frozenset[str]
+
+
 class _SampleConsumer(AsyncJsonWebsocketConsumer):
-    group: str = ""
+    groups: Groups = frozenset()  # the groups this socket listens to now
+    wanted: Groups = frozenset()  # those its last permission check named
+    listening = False  # between its accepted connect and its close
     # Sandbox ids (as the samples key them) whose figures this user may see; None: all.
     only: frozenset[str] | None = None
 
@@ -83,27 +97,43 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
         self.init_stream()
         await self.accept()
-        group = await database_sync_to_async(self.authorize)(self.scope.get("user"))
-        if group is None:
+        groups = await database_sync_to_async(self.authorize)(self.scope.get("user"))
+        if groups is None:
             await self.close(code=FORBIDDEN)
             return
-        self.group = group
         self.start_sender()
-        await self.channel_layer.group_add(group, self.channel_name)
+        self.listening = True
+        await self._listen_to(groups)
         open_streams().watch(self, self._revoked)
+
+    async def _listen_to(self, groups: Groups) -> None:
+        for group in groups - self.groups:
+            await self.channel_layer.group_add(group, self.channel_name)
+        for group in self.groups - groups:
+            await self.channel_layer.group_discard(group, self.channel_name)
+        self.groups = groups
+
+    async def rechecked(self) -> None:
+        """After a permission check that allowed it (``still_allowed_all`` set ``wanted``):
+        the groups of the host that holds what it shows now."""
+        if self.listening and self.wanted != self.groups:
+            await self._listen_to(self.wanted)
 
     async def _revoked(self) -> None:
         log.info(
-            "closing %s for %s: no longer allowed", self.group, getattr(self.scope.get("user"), "pk", None)
+            "closing %s for %s: no longer allowed",
+            ", ".join(sorted(self.groups)),
+            getattr(self.scope.get("user"), "pk", None),
         )
-        await self.channel_layer.group_discard(self.group, self.channel_name)
-        self.group = ""
+        self.listening = False
+        await self._listen_to(frozenset())
         await self.close(code=FORBIDDEN)
 
     async def disconnect(self, code: int) -> None:
         open_streams().forget(self)
-        if self.group:
-            await self.channel_layer.group_discard(self.group, self.channel_name)
+        self.listening = False
+        if self.groups:
+            await self._listen_to(frozenset())
         if self._sender is not None:
             self._sender.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -187,7 +217,9 @@ class _SampleConsumer(AsyncJsonWebsocketConsumer):
         except Exception:  # the socket went away mid-send: disconnect() follows
             log.debug("telemetry sender for %s stopped", self.channel_name, exc_info=True)
 
-    def authorize(self, user: Any) -> str | None:
+    def authorize(self, user: Any) -> Groups | None:
+        """The groups this user may listen to for this socket (also set as ``wanted``); None:
+        refused."""
         raise NotImplementedError
 
     @classmethod
@@ -206,22 +238,40 @@ class SandboxSamples(_SampleConsumer):
 
     usage: list[UsageRecord]
 
-    def authorize(self, user: Any) -> str | None:
+    def authorize(self, user: Any) -> Groups | None:
         sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
         if not may_watch_sandbox(user, sandbox_id):
             return None
         self.usage = sandbox_usage(sandbox_id)
-        return sandbox_group(sandbox_id)
+        self.wanted = self.groups_of(int(sandbox_id), hosts_of_sandboxes([int(sandbox_id)]))
+        return self.wanted
+
+    @staticmethod
+    def groups_of(sandbox_id: int, hosts: dict[int, str]) -> Groups:
+        """The portal's notices of it, and its figures from the host it is on (if placed)."""
+        host = hosts.get(sandbox_id)
+        own = {host_sandbox_group(host, sandbox_id)} if host else set()
+        return frozenset({sandbox_group(sandbox_id), *own})
 
     @classmethod
     def still_allowed_all(cls, asks: Sequence[tuple[Self, Any]]) -> list[bool]:
         ids = [int(c.scope["url_route"]["kwargs"]["sandbox_id"]) for c, _ in asks]
         allowed = watchable_sandboxes([(user, pk) for (_, user), pk in zip(asks, ids, strict=True)])
-        usage = sandboxes_usage({pk for pk, ok in zip(ids, allowed, strict=True) if ok})
+        kept = {pk for pk, ok in zip(ids, allowed, strict=True) if ok}
+        usage, hosts = sandboxes_usage(kept), hosts_of_sandboxes(kept)
         for (consumer, _), pk, ok in zip(asks, ids, allowed, strict=True):
             if ok:
                 consumer.usage = usage[pk]
+                consumer.wanted = cls.groups_of(pk, hosts)
         return allowed
+
+    async def sandbox_changed(self, event: dict[str, Any]) -> None:
+        """Placed, moved or requeued: its figures come from another host now (or none)."""
+        await super().sandbox_changed(event)
+        sandbox_id = int(self.scope["url_route"]["kwargs"]["sandbox_id"])
+        hosts = await database_sync_to_async(hosts_of_sandboxes)([sandbox_id])
+        self.wanted = self.groups_of(sandbox_id, hosts)
+        await self.rechecked()
 
     async def gpu_sample(self, event: dict[str, Any]) -> None:
         key = str(self.scope["url_route"]["kwargs"]["sandbox_id"])
@@ -234,7 +284,7 @@ class SandboxSamples(_SampleConsumer):
 
 
 class GpuSamples(_SampleConsumer):
-    def authorize(self, user: Any) -> str | None:
+    def authorize(self, user: Any) -> Groups | None:
         """Also (re)sets whose sandbox figures this user sees on the GPU (every re-check:
         a sandbox of theirs may have joined or left it)."""
         uuid = self.scope["url_route"]["kwargs"]["uuid"]
@@ -242,22 +292,37 @@ class GpuSamples(_SampleConsumer):
             return None
         seen = sandboxes_seen_on_gpu(user, uuid)
         self.only = None if seen is None else frozenset(str(pk) for pk in seen)
-        return gpu_group(uuid)
+        self.wanted = self.groups_of(uuid, hosts_of_devices([uuid]))
+        return self.wanted
+
+    @staticmethod
+    def groups_of(uuid: str, hosts: dict[str, str]) -> Groups:
+        host = hosts.get(uuid)
+        return frozenset({gpu_group(host, uuid)} if host else set())
 
     @classmethod
     def still_allowed_all(cls, asks: Sequence[tuple[Self, Any]]) -> list[bool]:
-        seen_all = sandboxes_seen_on_gpus(
-            [(user, c.scope["url_route"]["kwargs"]["uuid"]) for c, user in asks]
-        )
-        for (consumer, _), seen in zip(asks, seen_all, strict=True):
+        uuids = [c.scope["url_route"]["kwargs"]["uuid"] for c, _ in asks]
+        seen_all = sandboxes_seen_on_gpus([(user, uuid) for (_, user), uuid in zip(asks, uuids, strict=True)])
+        hosts = hosts_of_devices(set(uuids))
+        for (consumer, _), seen, uuid in zip(asks, seen_all, uuids, strict=True):
             consumer.only = None if seen is None else frozenset(str(pk) for pk in seen)
+            consumer.wanted = cls.groups_of(uuid, hosts)
         return [seen is None or bool(seen) for seen in seen_all]
 
 
 class FleetSamples(_SampleConsumer):
-    def authorize(self, user: Any) -> str | None:
-        return FLEET_GROUP if may_watch_fleet(user) else None
+    """Every host's group: a host enrolled while the page is open joins at the next check."""
+
+    def authorize(self, user: Any) -> Groups | None:
+        if not may_watch_fleet(user):
+            return None
+        self.wanted = frozenset(fleet_group(host) for host in fleet_hosts())
+        return self.wanted
 
     @classmethod
     def still_allowed_all(cls, asks: Sequence[tuple[Self, Any]]) -> list[bool]:
+        groups = frozenset(fleet_group(host) for host in fleet_hosts())
+        for consumer, _ in asks:
+            consumer.wanted = groups
         return [may_watch_fleet(user) for _, user in asks]

@@ -166,6 +166,9 @@ class Alert(models.Model):
         GPU_LOST = "gpu_lost", "GPU lost"
         UTILIZATION = "utilization", "Utilization held high"
         MEMORY = "memory", "Memory nearly full"
+        # Raised by the control worker, not an agent: a message signed by one host that spoke
+        # for another, or one whose signature did not verify (portal/control/provenance.py).
+        FORGED = "forged", "Forged message"
 
     key = models.CharField(max_length=200, unique=True)
     kind = models.CharField(max_length=16, choices=Kind.choices)

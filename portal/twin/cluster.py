@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from portal.fleet.credentials import Enrolment
 from portal.launcher import AGENT_WORKER_FLAGS, celery_command
 from scheduler.research.trace import NodeSpec
 
@@ -41,9 +42,9 @@ class Services:
     logs: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start(self, hosts_file: Path, control_threads: int = 4, pool: tuple[str, str] | None = None) -> None:
-        """``pool``: the agent pool's (prefix, broker URL), enrolled as one (``manage.py
-        host_credential issue --pool``); without it the pool uses the control plane's URL."""
+    def start(self, hosts_file: Path, pool: tuple[str, Enrolment], control_threads: int = 4) -> None:
+        """``pool``: the agent pool's name prefix and what it was enrolled with (``manage.py
+        host_credential issue --pool``): its Redis user and signing key."""
         self.logs.mkdir(parents=True, exist_ok=True)
         var = self.logs.parent / "var"
         var.mkdir(exist_ok=True)
@@ -75,7 +76,7 @@ class Services:
             {
                 **base, "GPUSHARE_ROLE": "agent", "GPUSHARE_HOSTS_FILE": str(hosts_file),
                 "SAMPLE_INTERVAL_MS": str(SAMPLE_INTERVAL_MS), "AGENT_FULL_REPORT_S": str(FULL_REPORT_S),
-                **({"GPUSHARE_POOL_PREFIX": pool[0], "REDIS_URL": pool[1]} if pool else {}),
+                "GPUSHARE_POOL_PREFIX": pool[0], **pool[1].env(),
             },
         )  # fmt: skip
 

@@ -137,9 +137,9 @@ class Twin:
         # The pool connects as its own Redis user, for every host of the trace at once, as
         # deployed hosts do one each (issue 38).
         prefix = os.path.commonprefix([n.name for n in self.nodes])  # noqa: RUF071 - names, not paths
-        self.services.start(
-            hosts_file, pool=(prefix, credentials.renew(prefix, pool=True)) if prefix else None
-        )
+        if not prefix:
+            raise ValueError("the trace's host names share no prefix to enrol the agent pool under")
+        self.services.start(hosts_file, pool=(prefix, credentials.renew(prefix, pool=True)))
         try:
             self.fleet_up_s = round(wait_for_fleet(self.services, len(self.nodes), self.gpus), 1)
         except BaseException:

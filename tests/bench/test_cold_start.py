@@ -15,6 +15,7 @@ tick that would judge them).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import textwrap
@@ -29,6 +30,7 @@ import redis
 from django.conf import settings
 from django.db import connection
 
+from portal.fleet import credentials
 from portal.fleet.models import FleetEvent, Host
 from portal.telemetry import control_figures
 from portal.twin.cluster import Services, cpu_seconds, write_hosts_file
@@ -36,6 +38,7 @@ from portal.twin.monitor import fleet_size
 from scheduler.research.bench_markdown import write_section
 from scheduler.research.trace import load_nodes
 from tests.bench.openb_fleet import OPENB_BENCH, TRACES
+from wire import signing
 from wire.celery import CONTROL_QUEUE
 
 pytestmark = OPENB_BENCH
@@ -89,12 +92,19 @@ def test_cold_start_of_the_openb_fleet(tmp_path: Path, monkeypatch: pytest.Monke
     database = urlsplit(os.environ["DATABASE_URL"])
     test_url = urlunsplit(database._replace(path="/" + str(connection.settings_dict["NAME"])))
     monkeypatch.setenv("DATABASE_URL", test_url)
-    monkeypatch.setenv("SECRET_KEY", secrets.token_urlsafe(64))
+    secret = secrets.token_urlsafe(64)
+    monkeypatch.setenv("SECRET_KEY", secret)
     monkeypatch.setenv("DEBUG", "false")
+    # Enrolled as the twin enrols its pool; the processes' control key is the new secret's.
+    prefix = os.path.commonprefix([n.name for n in nodes])  # noqa: RUF071 - names, not paths
+    pool = dataclasses.replace(
+        credentials.renew(prefix, pool=True),
+        control_public_key=signing.public_text(signing.control_private_key(secret)),
+    )
     seen = ColdStart(hosts=len(nodes), gpus=sum(n.gpus for n in nodes), load=[os.getloadavg()[0]])
     services = Services(tmp_path / "logs")
     began, began_ms = time.monotonic(), time.time() * 1000
-    services.start(hosts_file)
+    services.start(hosts_file, pool=(prefix, pool))
     try:
         watch(services, client, seen, began, began_ms)
     finally:

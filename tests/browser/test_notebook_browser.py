@@ -122,6 +122,7 @@ def test_a_notebook_through_the_portal_keeps_its_files_across_hosts(
              f"agent-{second}@%h", "-P", "threads", "-c", "2", "--loglevel=INFO"],
             GPUSHARE_ROLE="agent", GPUSHARE_HOST=second, GPUSHARE_SIM_GPUS="A100-80GB:1",
             GPU_BACKEND="simulated", SANDBOX_DRIVER="docker", SAMPLE_INTERVAL_MS="500",
+            **platform.agent_credential(second),
         )  # fmt: skip
         wait_for(lambda: Gpu.objects.filter(host__name=second).exists(), 60, "the second host's inventory")
 

@@ -225,12 +225,12 @@ class TestLiveChartsHeatmapAndAlerts:
     def test_06_a_live_alert_shows_among_the_open_ones(
         self, scenario_page: Any, platform: Platform, state: dict[str, Any]
     ) -> None:
-        from wire.telemetry import sandbox_group
+        from wire.telemetry import host_sandbox_group
 
         page, sandbox, gpu = scenario_page, state["sandbox"], state["gpu"]
         state["key"] = key = f"{platform.host}:{gpu.uuid}:temperature:{sandbox.pk}"
         publish(
-            sandbox_group(sandbox.pk),
+            host_sandbox_group(platform.host, sandbox.pk),
             alert("raised", key, "temperature", platform.host, gpu.uuid, sandbox.pk, HOT),
         )
         page.locator("#alerts-panel [data-alerts-open] li.alert", has_text=HOT).wait_for(timeout=10_000)
@@ -245,11 +245,11 @@ class TestLiveChartsHeatmapAndAlerts:
     def test_07_the_alert_cleared_moves_to_the_recent_ones(
         self, scenario_page: Any, platform: Platform, state: dict[str, Any]
     ) -> None:
-        from wire.telemetry import sandbox_group
+        from wire.telemetry import host_sandbox_group
 
         page, sandbox, gpu = scenario_page, state["sandbox"], state["gpu"]
         publish(
-            sandbox_group(sandbox.pk),
+            host_sandbox_group(platform.host, sandbox.pk),
             alert("cleared", state["key"], "temperature", platform.host, gpu.uuid, sandbox.pk, HOT),
         )
         page.locator("#alerts-panel [data-alerts-recent] li.alert", has_text=HOT).wait_for(timeout=10_000)
@@ -259,7 +259,7 @@ class TestLiveChartsHeatmapAndAlerts:
         self, scenario_page: Any, base: str, platform: Platform, state: dict[str, Any]
     ) -> None:
         from portal.telemetry.models import Alert
-        from wire.telemetry import FLEET_GROUP
+        from wire.telemetry import fleet_group
 
         page, gpu = scenario_page, state["gpu"]
         Alert.objects.create(
@@ -284,7 +284,7 @@ class TestLiveChartsHeatmapAndAlerts:
             timeout=30_000,
         )
         publish(
-            FLEET_GROUP,
+            fleet_group("rack-03"),
             alert("raised", "rack-03:xid", "xid", "rack-03", "", None, "XID 79: GPU fell off the bus"),
         )
         panel.locator("[data-alerts-open] li.alert", has_text="XID 79").wait_for(timeout=10_000)
@@ -316,7 +316,7 @@ class TestLiveChartsHeatmapAndAlerts:
         assert platform.host in facts and "simulated GPU" in facts and f"#{sandbox.pk}" in facts, facts
         page.locator("#alerts-panel [data-alerts-open] li.alert", has_text="Clocks held down").wait_for()
         publish(
-            gpu_group(gpu.uuid),
+            gpu_group(platform.host, gpu.uuid),
             alert(
                 "raised", f"{state['key']}:gpu", "temperature", platform.host, gpu.uuid, None, "GPU at 88 °C"
             ),

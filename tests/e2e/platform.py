@@ -80,6 +80,7 @@ class Platform:
         self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
         self.port = 0
         self.enrolled = False
+        self.credentials: dict[str, dict[str, str]] = {}  # host -> its agent's credential variables
 
     def env(self, **extra: str) -> dict[str, str]:
         return {
@@ -132,7 +133,7 @@ class Platform:
                 *AGENT_WORKER_FLAGS,
                 "--loglevel=INFO",
             ],
-            **self._agent_credential(),
+            **self.agent_credential(),
             GPUSHARE_ROLE="agent",
             GPUSHARE_HOST=self.host,
             GPUSHARE_SIM_GPUS=sim_gpus,
@@ -146,19 +147,32 @@ class Platform:
             GPUSHARE_ROLE="beat",
         )
 
-    def _agent_credential(self) -> dict[str, str]:
-        """The agent's own Redis user, as a deployed host has (``manage.py host_credential``),
-        where the test Redis is this suite's and has ACL selectors (Redis 7): the runs then
-        show that an agent works within its ACL (``acl_denials``)."""
+    def agent_credential(self, host: str | None = None) -> dict[str, str]:
+        """An agent's credentials, as a deployed host has them (``manage.py host_credential``):
+        its signing key and the control plane's public key always; its own Redis user where the
+        test Redis is this suite's and has ACL selectors (Redis 7): the runs then show that an
+        agent works within its ACL (``acl_denials``). Fault tests that restart their own Redis
+        keep the control plane's URL (a restarted Redis has lost the users until the control
+        worker's next start re-applies them)."""
         from portal.fleet import credentials
         from wire import broker_acl
 
-        if self.redis_url is not None or self.database_url is not None:
-            return {}
-        if not broker_acl.supports_selectors(redis.Redis.from_url(settings.REDIS_URL)):
-            return {}
-        self.enrolled = True
-        return {"REDIS_URL": credentials.issue(self.host)}
+        host = host or self.host
+        if self.database_url is not None:  # enrolled in the platform's own database
+            enrolled = subprocess.run(
+                [sys.executable, "manage.py", "host_credential", "renew", host],
+                cwd=ROOT, env=self.env(), capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            env = dict(line.split("=", 1) for line in enrolled.stdout.splitlines() if "=" in line)
+        else:
+            env = credentials.renew(host).env()
+        own_user = self.redis_url is None and self.database_url is None
+        if not (own_user and broker_acl.supports_selectors(redis.Redis.from_url(settings.REDIS_URL))):
+            del env["REDIS_URL"]
+        elif host == self.host:
+            self.enrolled = True
+        self.credentials[host] = env
+        return env
 
     def redis_log(self) -> list[dict[str, Any]]:
         """Redis's ACL LOG: what it refused, to whom, and why (``reason``: command, key,

@@ -48,13 +48,12 @@ def test_one_process_serves_many_hosts_through_the_control_plane(
         platform.start_control("control", celery)
         platform.start("beat", [*celery, "beat", "-s", str(tmp_path / "beat-schedule")], GPUSHARE_ROLE="beat")
         # No -Q: the process consumes each host's queue from the file.
-        # Enrolled as one, under its hosts' prefix, as the twin's pool is (issue 38).
+        # Enrolled as one, under its hosts' prefix, as the twin's pool is (issue 38): its key
+        # always, its own Redis user where the Redis has ACL selectors (Redis 7).
         enrolled = broker_acl.supports_selectors(redis.Redis.from_url(settings.REDIS_URL))
-        own = (
-            {"REDIS_URL": credentials.issue(prefix, pool=True), "GPUSHARE_POOL_PREFIX": prefix}
-            if enrolled
-            else {}
-        )
+        own = {**credentials.issue(prefix, pool=True).env(), "GPUSHARE_POOL_PREFIX": prefix}
+        if not enrolled:
+            del own["REDIS_URL"]
         platform.start(
             "pool",
             [

@@ -25,7 +25,7 @@ from portal.asgi import application
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
 from tests.portal.helpers import client_for, place_all, request
-from wire.telemetry import gpu_group, sandbox_group
+from wire.telemetry import gpu_group, host_sandbox_group
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
 
@@ -40,7 +40,7 @@ def cotenants(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> dict[st
     theirs.refresh_from_db()
     gpu = mine.allocations.get().gpu.uuid
     assert theirs.allocations.get().gpu.uuid == gpu, "both on the one time-slice GPU"
-    return {"mine": mine, "theirs": theirs, "gpu": gpu}
+    return {"mine": mine, "theirs": theirs, "gpu": gpu, "host": mine.allocations.get().gpu.host.name}
 
 
 def _socket(user: Any, path: str) -> WebsocketCommunicator:
@@ -67,10 +67,10 @@ def test_finding_1_a_cotenant_sees_only_its_own_figures_on_a_shared_gpu(
         assert (await socket.connect())[0]
         layer = get_channel_layer()
         await asyncio.sleep(0.2)  # the group_add lands
-        await layer.group_send(gpu_group(gpu), _sample(gpu, mine.pk, theirs.pk))
+        await layer.group_send(gpu_group(cotenants["host"], gpu), _sample(gpu, mine.pk, theirs.pk))
         seen = await socket.receive_json_from(timeout=5)
         alert = {"type": "alert.changed", "gpu": gpu, "sandbox": theirs.pk, "state": "raised", "message": "x"}
-        await layer.group_send(gpu_group(gpu), alert)
+        await layer.group_send(gpu_group(cotenants["host"], gpu), alert)
         quiet = await socket.receive_nothing(timeout=1)
         await socket.disconnect()
         return seen, quiet
@@ -118,7 +118,8 @@ def test_finding_1_a_sandbox_socket_closes_once_its_watcher_leaves_the_project(
         assert (await socket.connect())[0]
         layer = get_channel_layer()
         await asyncio.sleep(0.2)
-        await layer.group_send(sandbox_group(theirs.pk), _sample(cotenants["gpu"], theirs.pk))
+        own_figures = host_sandbox_group(cotenants["host"], theirs.pk)
+        await layer.group_send(own_figures, _sample(cotenants["gpu"], theirs.pk))
         assert (await socket.receive_json_from(timeout=5))["sandboxes"]
         await asyncio.to_thread(Membership.objects.filter(user=people["member"]).delete)
         closed = await socket.receive_output(timeout=5)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import workers.agent
+from wire import signing
 from workers.agent import EXIT_CANNOT_LAUNCH, _self_test, refuse_gpus_the_driver_cannot_hand_out
 from workers.drivers import DriverUnavailable
 from workers.drivers.docker import DockerDriver
@@ -68,6 +69,10 @@ def test_the_agent_exits_78_at_start_instead_of_passing_a_cpu_only_self_test(
     monkeypatch.setenv("GPU_BACKEND", "nvml")
     monkeypatch.setenv("GPUSHARE_VAR_DIR", str(tmp_path / "var"))
     monkeypatch.delenv("GPUSHARE_HOSTS_FILE", raising=False)
+    monkeypatch.setenv(
+        "GPUSHARE_CONTROL_PUBLIC_KEY", signing.public_text(signing.private_key(signing.new_private_key()))
+    )
+    monkeypatch.setattr(signing.ControlSignedTask, "control_key", None)  # load_keys sets it
     monkeypatch.setattr(workers.agent, "_agent", None)
     monkeypatch.setattr(workers.agent, "make_backend", lambda *_: backend)
     monkeypatch.setattr(workers.agent, "make_driver", lambda *_: docker_on(tmp_path))

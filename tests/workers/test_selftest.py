@@ -12,6 +12,7 @@ import pytest
 
 from portal import launcher
 from tests.workers.engines import require_engine
+from wire import signing
 from wire.celery import CHATTY_LOGGERS, _quiet_task_lines
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.process import bwrap_available
@@ -69,6 +70,8 @@ def test_an_agent_whose_driver_cannot_launch_refuses_to_start(tmp_path: Path) ->
         "GPU_BACKEND": "simulated",
         "SANDBOX_DRIVER": "process",
         "GPUSHARE_VAR_DIR": str(tmp_path / "var"),
+        "GPUSHARE_HOST_KEY": signing.new_private_key(),
+        "GPUSHARE_CONTROL_PUBLIC_KEY": signing.public_text(signing.private_key(signing.new_private_key())),
     }
     argv = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-Q", "host.selftest-refused"]
     done = subprocess.run(
@@ -106,3 +109,31 @@ def test_celery_lines_per_task_show_only_at_debug(level: str, quiet: bool) -> No
     finally:
         for name, value in saved.items():
             logging.getLogger(name).setLevel(value)
+
+
+@pytest.mark.e2e
+def test_an_agent_without_its_keys_refuses_to_start(tmp_path: Path) -> None:
+    """No host key (it would report unsigned, and be dropped) or no control-plane key (it could
+    not tell the control plane's messages from another's): exit 78, saying which and how."""
+    base = {
+        **os.environ,
+        "GPUSHARE_ROLE": "agent",
+        "GPUSHARE_HOST": "keyless",
+        "GPU_BACKEND": "simulated",
+        "SANDBOX_DRIVER": "simulated",
+        "GPUSHARE_VAR_DIR": str(tmp_path / "var"),
+    }
+    for name in ("GPUSHARE_HOST_KEY", "GPUSHARE_CONTROL_PUBLIC_KEY"):
+        base.pop(name, None)
+    argv = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-Q", "host.keyless", "-P", "threads"]
+    without_own = subprocess.run(
+        argv, env=base, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert without_own.returncode == 78, without_own.stdout + without_own.stderr
+    assert "GPUSHARE_HOST_KEY_FILE" in without_own.stderr and "host_credential issue" in without_own.stderr
+    own = {**base, "GPUSHARE_HOST_KEY": signing.new_private_key()}
+    without_control = subprocess.run(
+        argv, env=own, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert without_control.returncode == 78, without_control.stdout + without_control.stderr
+    assert "GPUSHARE_CONTROL_PUBLIC_KEY_FILE" in without_control.stderr

@@ -27,13 +27,13 @@ from wire import config
 from wire.messages import MinuteRollup, OverShareReport, to_control
 from wire.spec import SandboxSpec
 from wire.telemetry import (
-    FLEET_GROUP,
     AlertMessage,
     GpuSampleMessage,
     SandboxFigures,
+    fleet_group,
     fleet_message,
     gpu_group,
-    sandbox_group,
+    host_sandbox_group,
 )
 from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost, GpuSample
 from workers.host.context import HostContext
@@ -146,7 +146,7 @@ class Sampler:
                 figures,
                 self.faults.last_xid.get(gpu.uuid, 0),
             )
-            await publish(layer, gpu_group(gpu.uuid), message)
+            await publish(layer, gpu_group(self.host, gpu.uuid), message)
             newest.append(message)
             self.rollups.add_gpu(message)
             changes += self.context.alerts.observe_gpu(message, t_ms)
@@ -154,7 +154,7 @@ class Sampler:
         if tick % FLEET_EVERY == 0 and newest:
             # The fleet gets the host's GPUs as one message: a burst of one per GPU would queue
             # behind each other in every fleet watcher's channel and age the GPU streams too.
-            await publish(layer, FLEET_GROUP, fleet_message(self.host, t_ms, list(newest)))
+            await publish(layer, fleet_group(self.host), fleet_message(self.host, t_ms, list(newest)))
         changes += await asyncio.to_thread(self.faults.report, running, changes, parent_of)
         changes += await self._publish_sandboxes(layer, running, samples, parent_of, newest, t_ms)
         self._drop_lost(samples)
@@ -163,7 +163,7 @@ class Sampler:
         changes += self.context.alerts.forget(live, t_ms)
         await store_latest(latest, self.host, newest)
         for piece in await asyncio.to_thread(self.context.output.collect, running):
-            await publish(layer, sandbox_group(piece["sandbox"]), piece)
+            await publish(layer, host_sandbox_group(self.host, piece["sandbox"]), piece)
         if changes:
             await self._publish_alerts(layer, changes)
 
@@ -199,7 +199,7 @@ class Sampler:
                     self.faults.last_xid.get(gpu_uuid, 0),
                     parent_of.get(device, ""),
                 )
-                await publish(layer, sandbox_group(spec.sandbox_id), own)
+                await publish(layer, host_sandbox_group(self.host, spec.sandbox_id), own)
                 over_share += self.share_watch.observe(spec, device, own_figures["mem_mib"], t_ms)
                 if device != spec.device_uuids[0]:
                     continue  # a multi-GPU sandbox is rolled up and judged by its first GPU
@@ -251,9 +251,9 @@ class Sampler:
     async def _publish_alerts(self, layer: Any, changes: list[AlertMessage]) -> None:
         """Live to the subject's groups and the fleet; stored by the control worker."""
         for change in changes:
-            groups = {FLEET_GROUP, gpu_group(change["gpu"])}
+            groups = {fleet_group(self.host), gpu_group(self.host, change["gpu"])}
             if change["sandbox"] is not None:
-                groups.add(sandbox_group(change["sandbox"]))
+                groups.add(host_sandbox_group(self.host, change["sandbox"]))
             for group in groups:
                 await publish(layer, group, change)
         log.warning("alerts on %s: %s", self.host, [(c["state"], c["message"]) for c in changes])

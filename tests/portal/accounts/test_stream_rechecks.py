@@ -125,9 +125,9 @@ def test_the_queries_of_a_pass_do_not_grow_with_the_open_sockets(
 
     few, many = queries_for(1), queries_for(25)
     # Who (sessions, users, tokens: 3), then each class's own bulk questions: sandbox streams
-    # (sandboxes, memberships, usage: 3), GPU streams (allocations, memberships: 2), terminals
-    # (running sandboxes, managers: 2); the fleet's asks none.
-    assert few == many == 10, (few, many)
+    # (sandboxes, memberships, usage, their hosts: 4), GPU streams (allocations, memberships,
+    # their hosts: 3), terminals (running sandboxes, managers: 2), the fleet (its hosts: 1).
+    assert few == many == 13, (few, many)
 
 
 @pytest.mark.django_db(transaction=True)  # the pass reads on Channels' database thread

@@ -15,7 +15,7 @@ from django.core.management import CommandError, call_command
 
 from portal.fleet import credentials
 from portal.fleet.models import HostCredential
-from wire import broker_acl, liveness, relay, telemetry
+from wire import broker_acl, liveness, relay, signing, telemetry
 from wire.celery import CONTROL_QUEUE, host_queue, unacked_keys
 
 pytestmark = pytest.mark.django_db
@@ -44,6 +44,11 @@ def as_host(url: str) -> Any:
     return redis.Redis.from_url(url, socket_timeout=5)
 
 
+def group(name: str) -> str:
+    """The Redis channel of a channel-layer group."""
+    return broker_acl.CHANNEL_GROUP.format(group=name)
+
+
 def refused(call: Any, *args: Any) -> bool:
     try:
         call(*args)
@@ -56,7 +61,7 @@ def test_a_host_reaches_its_own_keys_and_pushes_to_control_only(
     admin: redis.Redis, hosts: tuple[str, str]
 ) -> None:
     a, b = hosts
-    url_a = credentials.issue(a)
+    url_a = credentials.issue(a).redis_url
     credentials.issue(b)
     assert broker_acl.username(a) in url_a and "@" in url_a
     host_a = as_host(url_a)
@@ -68,7 +73,9 @@ def test_a_host_reaches_its_own_keys_and_pushes_to_control_only(
         host_a.set(liveness.KEY.format(host=a), 1, ex=10)
         host_a.hset(telemetry.latest_key(a), "GPU-1", b"{}")
         host_a.xadd(relay.out_stream(a, "s1"), {"type": "opened"})
-        host_a.publish("asgi__group__gpu.GPU-1", b"sample")  # live figures: see broker_acl
+        # Live figures, alerts and output on its own groups (wire.telemetry names them by host).
+        host_a.publish(group(telemetry.gpu_group(a, "GPU-1")), b"sample")
+        host_a.publish(group(telemetry.fleet_group(a)), b"sample")
         # The control queue: push and count, nothing else.
         assert host_a.lpush(CONTROL_QUEUE, b"report") >= 1
         assert host_a.llen(CONTROL_QUEUE) >= 1
@@ -85,6 +92,11 @@ def test_a_host_reaches_its_own_keys_and_pushes_to_control_only(
             (host_a.xadd, (relay.in_stream(b, "s2"), {"type": "input"})),
             (host_a.set, (liveness.KEY.format(host=b), 1)),
             (host_a.hset, (telemetry.latest_key(b), "GPU-2", b"{}")),
+            # Another host's live groups, a sandbox page's own, the old shared names.
+            (host_a.publish, (group(telemetry.gpu_group(b, "GPU-2")), b"x")),
+            (host_a.publish, (group(telemetry.host_sandbox_group(b, 7)), b"x")),
+            (host_a.publish, (group(telemetry.sandbox_group(7)), b"x")),
+            (host_a.publish, ("asgi__group__fleet", b"x")),
             # Everyone's in-flight messages, key listings, the server.
             (host_a.hgetall, ("unacked",)),
             (host_a.hgetall, (unacked_keys(b)["unacked_key"],)),
@@ -107,12 +119,22 @@ def test_a_revoked_host_is_cut_off_and_a_rotated_password_replaces_the_old(
     admin: redis.Redis, hosts: tuple[str, str]
 ) -> None:
     a, _ = hosts
-    first = credentials.issue(a)
+    issued = credentials.issue(a)
+    first = issued.redis_url
     with pytest.raises(credentials.CredentialError, match="already has a credential"):
         credentials.issue(a)
     connected = as_host(first)
     assert connected.ping()
-    second = credentials.rotate(a)
+    assert credentials.public_key_of(signing.host_signer(a)) == signing.public_text(
+        signing.private_key(issued.host_key)
+    )
+    rotated = credentials.rotate(a)
+    second = rotated.redis_url
+    # A new key too: what the old one signs is no longer believed.
+    assert rotated.host_key != issued.host_key
+    assert credentials.public_key_of(signing.host_signer(a)) == signing.public_text(
+        signing.private_key(rotated.host_key)
+    )
     with pytest.raises(redis.exceptions.ConnectionError):
         connected.ping()  # its connection was cut
     with pytest.raises(redis.exceptions.AuthenticationError):
@@ -125,13 +147,14 @@ def test_a_revoked_host_is_cut_off_and_a_rotated_password_replaces_the_old(
     with pytest.raises(redis.exceptions.AuthenticationError):
         as_host(second).ping()
     assert not HostCredential.objects.get(host=a).active
+    assert credentials.public_key_of(signing.host_signer(a)) is None
     with pytest.raises(credentials.CredentialError, match="no active credential"):
         credentials.revoke(a)
 
 
 def test_a_redis_that_lost_its_users_gets_them_back(admin: redis.Redis, hosts: tuple[str, str]) -> None:
     a, b = hosts
-    url = credentials.issue(a)
+    url = credentials.issue(a).redis_url
     credentials.issue(b)
     credentials.revoke(b)
     admin.execute_command("ACL", "DELUSER", broker_acl.username(a))  # a restart without an ACL file
@@ -161,20 +184,32 @@ def test_a_host_name_that_could_widen_an_acl_pattern_is_refused(name: str) -> No
         credentials.issue(name)
 
 
-def test_the_command_writes_the_agents_url_for_the_host_alone_and_renews_it(
+def test_the_command_writes_the_agents_credentials_for_the_host_alone_and_renews_them(
     admin: redis.Redis, hosts: tuple[str, str], tmp_path: Any
 ) -> None:
     a, _ = hosts
-    out = tmp_path / "credentials" / "redis_url"
+    out = tmp_path / "credentials"
     call_command("host_credential", "issue", a, "--out", str(out), stdout=io.StringIO())
-    assert out.stat().st_mode & 0o777 == 0o600
-    first = out.read_text().strip()
+    # The three files the agent's unit loads (LoadCredential=), secrets kept to root.
+    assert sorted(p.name for p in out.iterdir()) == ["control_key.pub", "host_key", "redis_url"]
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in out.iterdir())
+    first = (out / "redis_url").read_text().strip()
     assert as_host(first).ping()
+    assert (out / "control_key.pub").read_text().strip() == credentials.control_public_key()
+    key = (out / "host_key").read_text().strip()
+    assert credentials.public_key_of(signing.host_signer(a)) == signing.public_text(signing.private_key(key))
+    # A link planted where a file goes is replaced, never written through.
+    (out / "host_key").unlink()
+    (out / "host_key").symlink_to(tmp_path / "elsewhere")
     renewed = io.StringIO()
+    call_command("host_credential", "rotate", a, "--out", str(out), stdout=io.StringIO())
+    assert not (tmp_path / "elsewhere").exists() and not (out / "host_key").is_symlink()
     call_command("host_credential", "renew", a, stdout=renewed)  # what make run does each start
     with pytest.raises(redis.exceptions.AuthenticationError):
         as_host(first).ping()
-    assert as_host(renewed.getvalue().strip()).ping()
+    env = dict(line.split("=", 1) for line in renewed.getvalue().splitlines())
+    assert sorted(env) == ["GPUSHARE_CONTROL_PUBLIC_KEY", "GPUSHARE_HOST_KEY", "REDIS_URL"]
+    assert as_host(env["REDIS_URL"]).ping()
     listed = io.StringIO()
     call_command("host_credential", "list", stdout=listed)
     assert f"{a}\tactive" in listed.getvalue()
@@ -189,7 +224,7 @@ def test_an_agent_pool_reaches_the_hosts_under_its_prefix_and_no_other(
 ) -> None:
     a, b = hosts  # "a-<tag>", "b-<tag>": the pool takes the "a-" side
     prefix = a[: a.index("-") + 1] + a.split("-", 1)[1][:4]
-    pool = as_host(credentials.issue(prefix, pool=True))
+    pool = as_host(credentials.issue(prefix, pool=True).redis_url)
     try:
         assert pool.llen(host_queue(a)) == 0
         assert pool.set(liveness.KEY.format(host=a), 1, ex=10)

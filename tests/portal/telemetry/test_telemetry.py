@@ -23,7 +23,7 @@ from portal.telemetry.rollups import do_purge_rollups, do_store_rollups
 from portal.webhooks.models import WebhookDelivery, WebhookEndpoint
 from tests.factories import beat, inventory
 from tests.portal.helpers import client_for, place_all, request
-from wire.telemetry import AlertMessage, sandbox_group
+from wire.telemetry import AlertMessage, host_sandbox_group, sandbox_group
 
 
 @pytest.fixture
@@ -191,7 +191,11 @@ def test_the_sandbox_stream_adds_billings_running_cost_to_its_samples(people: An
     consumer = SandboxSamples()
     consumer.scope = {"url_route": {"kwargs": {"sandbox_id": sandbox.pk}}}
     consumer.init_stream()
-    assert consumer.authorize(people["member"]) == sandbox_group(sandbox.pk)
+    # The portal's notices of it, and its own figures from the host it is placed on alone.
+    assert consumer.authorize(people["member"]) == {
+        sandbox_group(sandbox.pk),
+        host_sandbox_group(sandbox.host.name, sandbox.pk),
+    }
     key, gpu = str(sandbox.pk), sandbox.allocations.get().gpu.uuid
     price = sandbox.tier.price_per_gpu_hour_micros
     older_agents = {"mem_mib": 1024, "util_pct": None, "cost_micros": 7}

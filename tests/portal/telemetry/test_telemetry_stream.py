@@ -22,11 +22,13 @@ from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_K
 from django.contrib.sessions.backends.db import SessionStore
 
 from portal.asgi import application
+from portal.fleet.models import Gpu
 from portal.telemetry.consumers import GpuSamples
+from tests.conftest import seed_host
 from tests.e2e.platform import Platform
 from tests.factories import UserFactory
 from tests.portal.helpers import client_for
-from wire.telemetry import FLEET_GROUP, gpu_group
+from wire.telemetry import fleet_group, gpu_group
 from workers.host.telemetry import make_layer
 
 
@@ -93,7 +95,8 @@ def test_one_publish_reaches_every_socket_on_a_gpu_through_one_subscription(peop
     """The agent's layer and the portal's speak Redis pub/sub: the web process subscribes to a
     GPU's group once for all its sockets on it, so a sample is one Redis message per process,
     not one per socket (issue 37: 2,000 open pages)."""
-    uuid = "GPU-fanout-0"
+    seed_host("fanout", "A100-80GB:1")
+    uuid = Gpu.objects.get(host__name="fanout").uuid
     cookie = f"sessionid={client_for(people['admin']).cookies['sessionid'].value}".encode()
     headers = [(b"host", b"localhost"), (b"origin", b"http://localhost"), (b"cookie", cookie)]
     sockets = [WebsocketCommunicator(application, f"/ws/gpus/{uuid}/", headers=headers) for _ in range(3)]
@@ -103,11 +106,11 @@ def test_one_publish_reaches_every_socket_on_a_gpu_through_one_subscription(peop
             assert (await sock.connect())[0]
         await asyncio.sleep(0.3)  # each consumer's group_add lands after its accept
         client = redis.Redis.from_url(settings.REDIS_URL)
-        numsub: Any = client.pubsub_numsub(f"asgi__group__{gpu_group(uuid)}")  # a sync client
+        numsub: Any = client.pubsub_numsub(f"asgi__group__{gpu_group('fanout', uuid)}")  # a sync client
         [(_, subscribers)] = numsub
         client.close()
         agent = make_layer(settings.REDIS_URL)
-        await agent.group_send(gpu_group(uuid), gpu_sample(uuid, 7))
+        await agent.group_send(gpu_group("fanout", uuid), gpu_sample(uuid, 7))
         received = [await sock.receive_json_from(timeout=5) for sock in sockets]
         await agent.flush()
         for sock in sockets:
@@ -142,6 +145,7 @@ def test_a_client_that_stops_reading_does_not_grow_the_server(tmp_path: Path, tr
     import websockets
 
     cookie = _staff_cookie()
+    seed_host("flood", "A100-80GB:1")  # the fleet page listens to each host's group
     (tmp_path / "logs").mkdir()
     platform = Platform(tmp_path / "var", tmp_path / "logs")
     base = platform.start_web()
@@ -168,13 +172,13 @@ def test_a_client_that_stops_reading_does_not_grow_the_server(tmp_path: Path, tr
         ) as ws:
             await asyncio.sleep(0.5)  # subscribed
             for t in range(100):  # warm the server up before measuring
-                await layer.group_send(FLEET_GROUP, gpu_sample(f"GPU-{t % 8}", t, padding))
+                await layer.group_send(fleet_group("flood"), gpu_sample(f"GPU-{t % 8}", t, padding))
             await asyncio.sleep(1)
             before = _rss_kib(web_pid)
             # The client reads nothing from here on: its queue (2 messages), then its socket
             # buffers fill, then the server's; the server must then keep only the newest.
             for t in range(100, flood):
-                await layer.group_send(FLEET_GROUP, gpu_sample(f"GPU-{t % 8}", t, padding))
+                await layer.group_send(fleet_group("flood"), gpu_sample(f"GPU-{t % 8}", t, padding))
                 if t % 40 == 0:
                     await asyncio.sleep(0.1)  # ~400 a second: the server keeps up, the client does not
             await asyncio.sleep(2)

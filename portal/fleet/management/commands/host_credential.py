@@ -1,8 +1,8 @@
-"""``manage.py host_credential issue|rotate|revoke|list|reconcile``: a GPU host's own Redis user."""
+"""``manage.py host_credential issue|rotate|renew|revoke|list|reconcile``: a GPU host's own Redis
+user and message-signing key."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,9 @@ from portal.fleet.models import HostCredential
 class Command(BaseCommand):
     help = (
         "Enrol a GPU host: issue its own Redis user (it may read only its own queue and push only "
-        "to the control queue), rotate its password, revoke it (its agent is cut off and the host "
-        "is marked lost), list them, or apply them to Redis again after a restart."
+        "to the control queue) and the key it signs its reports with, rotate both, revoke them "
+        "(its agent is cut off and the host is marked lost), list them, or apply them to Redis "
+        "again after a restart."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -35,8 +36,9 @@ class Command(BaseCommand):
         parser.add_argument(
             "--out",
             type=Path,
-            help="write the agent's broker URL to this file (mode 0600) instead of printing it: "
-            "copy it to the host as /etc/gpushare/credentials/redis_url",
+            help="write the agent's credentials to this directory (redis_url, host_key and "
+            "control_key.pub, mode 0600) instead of printing them: copy them to the host's "
+            "/etc/gpushare/credentials/, which its systemd unit loads",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -57,18 +59,17 @@ class Command(BaseCommand):
                 self.stdout.write(f"{host}: revoked; its agent is cut off")
                 return
             if action == "issue":
-                url = credentials.issue(host, pool=options["pool"])
+                enrolment = credentials.issue(host, pool=options["pool"])
             elif action == "renew":
-                url = credentials.renew(host, pool=options["pool"])
+                enrolment = credentials.renew(host, pool=options["pool"])
             else:
-                url = credentials.rotate(host)
+                enrolment = credentials.rotate(host)
         except credentials.CredentialError as exc:
             raise CommandError(str(exc)) from exc
         if out is None:
-            self.stdout.write(url)
+            # As environment lines: what an agent started by hand (or a secret store) takes.
+            for name, value in enrolment.env().items():
+                self.stdout.write(f"{name}={value}")
             return
-        out.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(descriptor, "w") as sink:
-            sink.write(url + "\n")
-        self.stdout.write(f"{host}: broker URL written to {out}")
+        written = enrolment.write(out)
+        self.stdout.write(f"{host}: {', '.join(p.name for p in written)} written to {out}")
