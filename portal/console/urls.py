@@ -1,8 +1,8 @@
-"""The operators' pages: fleet, plans, queue, audit, catalog, GPU actions."""
+"""The operators' pages: fleet, plans, queue, audit, catalog, GPU actions, host enrolment."""
 
 from django.urls import path
 
-from portal.console import views
+from portal.console import hosts, views
 
 urlpatterns = [
     path("console/fleet/", views.fleet, name="console-fleet"),
@@ -17,4 +17,8 @@ urlpatterns = [
     path("console/gpus/<str:uuid>/mode/", views.set_gpu_mode, name="console-gpu-mode"),
     path("console/gpus/<str:uuid>/drain/", views.drain_gpu, name="console-drain-gpu"),
     path("console/gpus/<str:uuid>/undrain/", views.undrain_gpu, name="console-undrain-gpu"),
+    path("console/hosts/", hosts.hosts, name="console-hosts"),
+    path("console/hosts/issue/", hosts.issue, name="console-hosts-issue"),
+    path("console/hosts/<slug:host>/rotate/", hosts.rotate, name="console-hosts-rotate"),
+    path("console/hosts/<slug:host>/revoke/", hosts.revoke, name="console-hosts-revoke"),
 ]

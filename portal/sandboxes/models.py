@@ -142,6 +142,9 @@ class Sandbox(models.Model):
             ),
             # "My sandboxes" and project pages list by project, newest first.
             models.Index(fields=["project", "-requested_at"], name="sandbox_project_idx"),
+            # Every report of a host's about a sandbox names it by its placement's key, and the
+            # control worker checks who may send it by the host holding that key.
+            models.Index(fields=["allocation_key"], name="sandbox_allocation_key_idx"),
             # Placed sandboxes by host: each scheduling cycle reads the CPU-only ones (they
             # hold no allocation, yet take their host's CPU and memory), and a lost host's.
             models.Index(

@@ -103,6 +103,11 @@ route("POST", "/console/gpus/{gpu}/mode/", **staff_only(400))  # an empty form: 
 route("POST", "/console/gpus/{gpu}/drain/", **staff_only((302, "elsewhere")))
 route("POST", "/console/gpus/{gpu}/undrain/", **staff_only((302, "elsewhere")))
 route("GET", "/console/gpus/{gpu}/", **staff_only(200))
+# Host enrolment: an empty form is refused; a host with no credential is said so, on the list.
+route("GET", "/console/hosts/", **staff_only(200))
+route("POST", "/console/hosts/issue/", **staff_only(400))
+route("POST", "/console/hosts/nowhere/rotate/", **staff_only((302, "elsewhere")))
+route("POST", "/console/hosts/nowhere/revoke/", **staff_only((302, "elsewhere")))
 route("GET", "/console/heatmap/", **staff_only(200))
 # Chart history and alerts grant what the matching WebSocket grants: a sandbox's members,
 # a GPU's admins (or members while their sandbox holds it; {gpu} is a free one), the fleet's staff.
@@ -265,6 +270,7 @@ def test_every_route_is_in_the_matrix() -> None:
         .replace("{reset}", "<uidb64>/<token>")
         .replace("app/lab/tree", "app/<path:path>")
         .replace("{gpu}", "<str:uuid>")
+        .replace("hosts/nowhere", "hosts/<slug:host>")
         .replace("catalog/tiers/new", "catalog/<str:kind>/new")
         .replace("catalog/quotas/new", "catalog/<str:kind>/new")
         .replace("catalog/tiers/{tier}", "catalog/<str:kind>/<int:pk>")

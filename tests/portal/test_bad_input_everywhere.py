@@ -56,13 +56,14 @@ KWARGS = {
     "pk": "{sandbox}", "slug": "vision", "uuid": "{gpu}", "kind": "tier",
     "uidb64": "MQ", "token": "set-password",  # a reset link's parts (Django's own view)
     "path": "lab/tree",  # a path under a sandbox's app (the grant's next page)
+    "host": "gpu-nul-probe",  # a host to enrol, rotate or revoke
 }  # fmt: skip
 POSTED = {
     "sandbox-new", "sandbox-preview", "project-members", "sandbox-stop", "sandbox-extend",
     "console-catalog-new", "console-catalog-edit", "console-start-mig-relayout",
     "console-start-consolidation", "console-drain-gpu", "console-undrain-gpu", "console-plans",
     "login", "logout", "api-tokens", "api-token-revoke", "password_change", "password_reset",
-    "password_reset_confirm",
+    "password_reset_confirm", "console-hosts-issue", "console-hosts-rotate", "console-hosts-revoke",
 }  # fmt: skip
 
 

@@ -110,7 +110,7 @@ def test_the_alert_policys_temperature_rule_is_the_one_that_drains(
     assert drains(sent_tasks) == []  # held under 2 s: nothing yet
     asyncio.run(ticks(3))
     assert drains(sent_tasks) == [(hot, "overheat")]  # once, with the rule's alert
-    alerts = [m for g, m in layer.sent if g == "fleet" and m["type"] == "alert.changed"]
+    alerts = [m for g, m in layer.sent if g == "host.h.fleet" and m["type"] == "alert.changed"]
     assert [(m["kind"], m["gpu"]) for m in alerts] == [("temperature", hot)]
     asyncio.run(ticks(3))
     assert drains(sent_tasks) == [(hot, "overheat")] and cool not in {u for u, _ in drains(sent_tasks)}
@@ -139,8 +139,10 @@ def test_a_lost_gpu_is_reported_once_and_the_rest_of_the_host_keeps_streaming(
     assert [g.uuid for g in agent.context.inventory.gpus] == [kept]
     samples = {m["gpu"] for g, m in layer.sent if m["type"] == "gpu.sample"}
     assert samples == {kept}  # the kept GPU and its sandbox's group, every tick
-    assert sum(1 for g, _ in layer.sent if g == "sandbox.8") == 2
-    alerts = [(m["kind"], m["state"]) for g, m in layer.sent if g == "fleet" and m["type"] == "alert.changed"]
+    assert sum(1 for g, _ in layer.sent if g == "host.h.sandbox.8") == 2
+    alerts = [
+        (m["kind"], m["state"]) for g, m in layer.sent if g == "host.h.fleet" and m["type"] == "alert.changed"
+    ]
     assert alerts == [("gpu_lost", "raised")]  # and it stays open: nothing the agent sees clears it
 
 

@@ -206,11 +206,14 @@ def test_a_busy_and_an_idle_tenant_each_get_their_own_utilization(
     fake.h100.util = 95
     ticks(agent, layer, clock, 5, lambda _: fake.record_process_util(fake.h100, {101: 60, 102: 35}))
     own = {
-        group: m["sandboxes"][group.split(".")[1]]["util_pct"]
+        group: m["sandboxes"][group.rsplit(".", 1)[1]]["util_pct"]
         for group, m in layer.sent
-        if group.startswith("sandbox.") and m["type"] == "gpu.sample"
+        if group.startswith("host.h.sandbox.") and m["type"] == "gpu.sample"
     }
-    assert own == {"sandbox.7": 95.0, "sandbox.8": 0.0}  # its two processes summed; the idle one idle
+    assert own == {
+        "host.h.sandbox.7": 95.0,
+        "host.h.sandbox.8": 0.0,
+    }  # its two processes summed; the idle one idle
     assert agent.context.utilization.over_window("busy") == (95.0, 4.0)
     assert agent.context.utilization.over_window("idle") == (0.0, 4.0)  # what culling judges
     [gpu_message] = [m for m in read_latest_sync().values() if m["gpu"] == H100_UUID]
@@ -233,7 +236,7 @@ def test_a_shared_gpu_that_cannot_measure_per_process_leaves_its_tenants_unmeasu
     fake.record_process_util(fake.h100, {999: 95})  # the server's pid, not a client's
     ticks(agent, layer, clock, 3)
     figures = [
-        m["sandboxes"] for g, m in layer.sent if g.startswith("sandbox.") and m["type"] == "gpu.sample"
+        m["sandboxes"] for g, m in layer.sent if g.startswith("host.h.sandbox.") and m["type"] == "gpu.sample"
     ]
     assert {u["util_pct"] for f in figures for u in f.values()} == {None}  # never the GPU's 55 %
     assert agent.context.utilization.over_window("idle") == (None, 2.0)  # culling skips it
@@ -251,7 +254,9 @@ def test_a_dedicated_gpu_keeps_the_device_utilization(
         agent.context.sandboxes.running["busy"], memory_share=None
     )
     ticks(agent, layer, clock, 1)
-    [own] = [m["sandboxes"]["7"] for g, m in layer.sent if g == "sandbox.7" and m["type"] == "gpu.sample"]
+    [own] = [
+        m["sandboxes"]["7"] for g, m in layer.sent if g == "host.h.sandbox.7" and m["type"] == "gpu.sample"
+    ]
     assert own["util_pct"] == 55.0
 
 

@@ -222,20 +222,26 @@ def test_a_tick_streams_rolls_up_raises_and_stores(
 
     asyncio.run(ticks(12))
     groups = {g for g, _ in layer.sent}
-    assert {f"gpu.{plain.uuid}", f"gpu.{mig_gpu.uuid}", "sandbox.7", "sandbox.8", "fleet"} <= groups
-    fleet = [m for g, m in layer.sent if g == "fleet" and m["type"] == "fleet.samples"]
+    assert {
+        f"host.h.gpu.{plain.uuid}",
+        f"host.h.gpu.{mig_gpu.uuid}",
+        "host.h.sandbox.7",
+        "host.h.sandbox.8",
+        "host.h.fleet",
+    } <= groups
+    fleet = [m for g, m in layer.sent if g == "host.h.fleet" and m["type"] == "fleet.samples"]
     assert len(fleet) == 3  # ticks 0, 5 and 10: the host's GPUs together, one message a tick
     assert [m["gpu"] for m in fleet[0]["samples"]] == [plain.uuid, mig_gpu.uuid]
-    box = next(m for g, m in layer.sent if g == "sandbox.7" and m["type"] == "gpu.sample")
+    box = next(m for g, m in layer.sent if g == "host.h.sandbox.7" and m["type"] == "gpu.sample")
     assert set(box["sandboxes"]["7"]) == {"mem_mib", "util_pct"}  # no cost: the agent knows no price
-    mig_sample = next(m for g, m in layer.sent if g == "sandbox.8")
+    mig_sample = next(m for g, m in layer.sent if g == "host.h.sandbox.8")
     assert mig_sample["gpu"] == device and mig_sample["parent"] == mig_gpu.uuid
     # 95 °C held 10 s: raised for the GPU (fleet rules) and for the sandbox on it, live and to control.
-    raised = [m for g, m in layer.sent if g == "fleet" and m["type"] == "alert.changed"]
+    raised = [m for g, m in layer.sent if g == "host.h.fleet" and m["type"] == "alert.changed"]
     assert {(m["kind"], m["sandbox"]) for m in raised} == {("temperature", None), ("temperature", 7)}
     [(_q, _t, (host, changes))] = [t for t in sent_tasks if t[1] == "telemetry_alerts"]
     assert host == "h" and len(changes) == 2
-    assert any(g == "sandbox.7" and m["type"] == "alert.changed" for g, m in layer.sent)
+    assert any(g == "host.h.sandbox.7" and m["type"] == "alert.changed" for g, m in layer.sent)
     # Crossing into the next minute closes the minute's rollups, for the caller to send.
     clock["now"] = 120_500
     asyncio.run(ticks(1))
