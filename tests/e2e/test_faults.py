@@ -31,6 +31,19 @@ def containers(client: Any, sandbox: Sandbox, key: str = "") -> list[Any]:
     return client.containers.list(all=True, sparse=True, filters={"label": label})
 
 
+def what_the_platform_saw(client: Any, sandbox: Sandbox) -> str:
+    """For a wait that timed out (it has, twice, on CI's loaded machine and never here): the
+    sandbox's row, its host's last beat, and every container the engine still lists for it."""
+    row = Sandbox.objects.select_related("host").get(pk=sandbox.pk)
+    listed = [(c.short_id, c.status) for c in containers(client, sandbox)]
+    return (
+        f"sandbox {row.pk}: state {row.state}, started_at {row.started_at}, placed_at {row.placed_at}, "
+        f"host {row.host.name if row.host else None} last beat "
+        f"{row.host.last_heartbeat_at if row.host else None}, now {datetime.now(tz=UTC)}; "
+        f"containers still listed for its key: {listed}\n"
+    )
+
+
 def ask(people: Any, catalog: Any) -> Sandbox:
     return request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
 
@@ -53,7 +66,11 @@ def test_a_container_removed_behind_our_back_is_noticed(
         # once had not noticed after 30 s of wall time; alone here it takes about 1 s. How soon
         # it noticed is the report's own time, asserted below.
         wait_for(
-            lambda: state_of(sandbox.pk) == "failed", 90, lambda: "the platform to notice\n" + platform.logs()
+            lambda: state_of(sandbox.pk) == "failed",
+            90,
+            lambda: (
+                "the platform to notice\n" + what_the_platform_saw(docker_client, sandbox) + platform.logs()
+            ),
         )
         sandbox.refresh_from_db()
         assert "vanished" in sandbox.failure

@@ -1,9 +1,10 @@
 """A compromised host speaking for another (issue 38): with host A's own Redis user and key,
-messages claiming to be host B reach the real control worker, which drops them and raises
-an alert; B's own key is believed."""
+a heartbeat and a report claiming to be host B reach the real control worker, which drops
+them and raises an alert; B's own key is believed."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,12 @@ from django.conf import settings
 from django.utils import timezone
 
 from portal.fleet.models import Host
+from portal.sandboxes.models import Sandbox
 from portal.telemetry.models import Alert
 from tests.conftest import seed_host
 from tests.e2e.platform import running_platform, wait_for
 from tests.factories import beat
+from tests.portal.helpers import request
 from wire import config, signing
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -36,7 +39,7 @@ def send_as(credential: dict[str, str], signer_name: str, task: str, *args: Any)
 
 
 def test_a_heartbeat_for_host_b_sent_with_host_as_credentials_changes_nothing_and_alerts(
-    tmp_path: Path,
+    tmp_path: Path, people: Any, catalog: Any
 ) -> None:
     with running_platform(tmp_path, sim_gpus="A100-80GB:1", driver="simulated") as platform:
         a, b = platform.host, f"{platform.host}-b"
@@ -44,6 +47,12 @@ def test_a_heartbeat_for_host_b_sent_with_host_as_credentials_changes_nothing_an
         platform.agent_credential(b)  # B is enrolled; its agent is not running
         long_ago = timezone.now() - timedelta(minutes=10)
         Host.objects.filter(name=b).update(state=Host.State.LOST, last_heartbeat_at=long_ago)
+        # A sandbox that runs on B (as the database has it).
+        on_b = request(people["owner"], people["project"], catalog["dedicated"], catalog["image"])
+        key_b = uuid.uuid4().hex
+        Sandbox.objects.filter(pk=on_b.pk).update(
+            host=Host.objects.get(name=b), allocation_key=key_b, state="running", started_at=long_ago
+        )
 
         # Step 1: A's user and key, B's name: dropped, B stays lost, an alert names A.
         send_as(platform.credentials[a], signing.host_signer(a), "agent_heartbeats", [beat(b)])
@@ -59,7 +68,17 @@ def test_a_heartbeat_for_host_b_sent_with_host_as_credentials_changes_nothing_an
             30,
             lambda: "the misattributed one to be logged\n" + platform.logs(),
         )
-        alert = Alert.objects.get(kind=Alert.Kind.FORGED, host__name=a)
+        # A report on B's sandbox, sent as A: dropped too, the sandbox runs on.
+        send_as(platform.credentials[a], signing.host_signer(a), "sandbox_stopped", key_b, 0, "stopped")
+        wait_for(
+            lambda: Alert.objects.filter(
+                kind=Alert.Kind.FORGED, host__name=a, message__contains="sandbox_stopped"
+            ).exists(),
+            30,
+            lambda: "the forged report's alert\n" + platform.logs(),
+        )
+        assert Sandbox.objects.get(pk=on_b.pk).state == "running"
+        alert = Alert.objects.get(kind=Alert.Kind.FORGED, host__name=a, message__contains="agent_heartbeats")
         assert f"agent_heartbeats from host:{a} dropped: speaks for {b}" in alert.message
         host_b = Host.objects.get(name=b)
         assert host_b.state == Host.State.LOST and host_b.last_heartbeat_at == long_ago
