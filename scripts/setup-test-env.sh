@@ -3,8 +3,8 @@
 # first (and so does .ci/run, through `make test`). A second run only checks and returns.
 #
 #   - Debian packages: Docker, busybox, debootstrap, bubblewrap, Chromium, nginx/openssl/systemd (the
-#     deployment test), OpenLDAP (slapd and its headers), libvirt + QEMU + the libvirt headers, and what the VM guest's kernel
-#     build needs. Installed with apt-get when we are root; otherwise the exact command is
+#     deployment test), OpenLDAP (slapd and its headers), libvirt + QEMU + the libvirt headers, what the VM guest's kernel
+#     build needs, and Slurm with munge and MariaDB. Installed with apt-get when we are root; otherwise the exact command is
 #     printed and the script fails.
 #   - PostgreSQL and Redis on 127.0.0.1 started if they are installed but stopped.
 #   - A Docker engine (leaving the host's network alone) and libvirtd, started if not running.
@@ -32,7 +32,10 @@ packages=(docker.io busybox-static bubblewrap chromium fonts-dejavu-core
   # libvirt driver: the daemon, QEMU (TCG when there is no usable KVM), headers for
   # libvirt-python, and what scripts/build-vm-image.sh needs to build the guest kernel.
   libvirt-daemon-system qemu-system-x86 libvirt-dev pkg-config
-  linux-source build-essential bc bison flex libelf-dev cpio)
+  linux-source build-essential bc bison flex libelf-dev cpio
+  # Slurm (tests/slurm): its daemons, REST API and accounting, munge, and the MariaDB that
+  # slurmdbd stores in; the tests start private instances of each on loopback.
+  slurm-wlm slurmctld slurmd slurmrestd slurmdbd slurm-client munge mariadb-server)
 missing=()
 for p in "${packages[@]}"; do
   [[ "$(dpkg-query -W -f '${Status}' "$p" 2>/dev/null)" == "install ok installed" ]] || missing+=("$p")

@@ -47,7 +47,7 @@ def _touches_database(item: object) -> bool:
 # the database tests that start no processes, engines or browser and race no threads, which
 # run niced beside the rest; "foreground" keeps the rest. Tests with these markers watch
 # timing (processes, engines, a browser, threads racing for rows) and must not be starved.
-FOREGROUND_MARKERS = frozenset({"e2e", "browser", "docker", "libvirt", "bwrap", "races"})
+FOREGROUND_MARKERS = frozenset({"e2e", "browser", "docker", "libvirt", "bwrap", "slurm", "races"})
 
 
 def _background(item: object) -> bool:
