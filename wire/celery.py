@@ -41,7 +41,9 @@ def unacked_keys(host: str) -> dict[str, str]:
 ROLE = env_choice("GPUSHARE_ROLE", ROLES, "client")
 _TASK_MODULES = {"control": ["workers.control"], "agent": ["workers.agent"]}
 
-app = Celery("gpushare", include=_TASK_MODULES.get(ROLE, []))
+# Every task, Celery's own canvas tasks included, runs a message only once this worker's
+# verifier believes who signed it (wire/signing.py).
+app = Celery("gpushare", include=_TASK_MODULES.get(ROLE, []), task_cls=signing.SignedTask)
 app.conf.update(
     broker_url=config.celery_broker_url(config.redis_url()),
     broker_connection_retry_on_startup=True,

@@ -6,7 +6,8 @@ about. So every task message carries two headers: its signer (``control``, ``hos
 or ``pool:<prefix>``) and a signature over the task's name, id, arguments and that signer.
 The control worker checks a host's messages against the key it was enrolled with and what
 they claim against the hosts that key covers (``portal.control.provenance``); an agent runs
-only what the control plane signed (``ControlSignedTask``).
+only what the control plane signed (``control_only``). Every task of the app, Celery's own
+included, is checked (``SignedTask``).
 
 Keys:
 - a host's (or an agent pool's) is made when it is enrolled (``manage.py host_credential``);
@@ -195,31 +196,55 @@ def message_headers(task: Task[Any, Any]) -> dict[str, Any]:
     return headers
 
 
-class ControlSignedTask(Task[Any, Any]):
-    """An agent's task: it runs only a message the control plane signed. Another sender (a
-    host pushing onto a queue it should not reach, a message altered on the way) is logged
-    and dropped, acknowledged so that it is not delivered again."""
+# What this worker believes (``install_verifier``): the control worker's judges signer and
+# claims (portal.control.provenance), an agent's believes the control plane alone.
+Verifier = Callable[[Task[Any, Any], tuple[Any, ...], dict[str, Any]], bool]
+_verifier: Verifier | None = None
 
-    control_key: Ed25519PublicKey | None = None  # the agent sets it at start (workers.agent)
+
+def install_verifier(verifier: Verifier | None) -> None:
+    global _verifier
+    _verifier = verifier
+
+
+def control_only(key: Ed25519PublicKey) -> Verifier:
+    """An agent's: a message runs only if the control plane signed it; another sender (a host
+    pushing onto a queue it should not reach, a message altered on the way) is logged."""
+
+    def believed(task: Task[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        try:
+            verify(
+                message_headers(task),
+                task.name,
+                task.request.id or "",
+                args,
+                kwargs,
+                lambda signer: key if signer == CONTROL else None,
+            )
+        except SigningError as exc:
+            log.error("%s %s dropped: %s", task.name, task.request.id, exc)
+            return False
+        return True
+
+    return believed
+
+
+class SignedTask(Task[Any, Any]):
+    """The base of every task of the app (``wire.celery``'s ``task_cls``), Celery's own
+    canvas tasks (``celery.map``, ``celery.chain``…) included: those run other tasks in
+    process, so a check on ours alone could be walked around by a message naming one of them.
+    A message runs only if this worker's verifier believes it; one it does not is dropped,
+    acknowledged so that it is not delivered again. A task called in process (by a task that
+    was believed, or by a test) or eagerly came from no queue and is not judged."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Celery's tracer calls a task with its own __call__ in place of run, the request
         # already pushed: run is called here, not Task.__call__ (which would push another).
-        if not (self.request.called_directly or self.request.is_eager):
-            key = ControlSignedTask.control_key
-            if key is None:
-                log.error("%s dropped: this agent has no control-plane public key", self.name)
+        request = self.request
+        if not (request.called_directly or request.is_eager):
+            if _verifier is None:
+                log.error("%s %s dropped: this worker has no verifier installed", self.name, request.id)
                 return None
-            try:
-                verify(
-                    message_headers(self),
-                    self.name,
-                    self.request.id or "",
-                    args,
-                    kwargs,
-                    lambda signer: key if signer == CONTROL else None,
-                )
-            except SigningError as exc:
-                log.error("%s %s dropped: %s", self.name, self.request.id, exc)
+            if not _verifier(self, args, kwargs):
                 return None
         return self.run(*args, **kwargs)

@@ -28,7 +28,6 @@ from wire import config, signing
 from wire.celery import app, host_queue, process_signer
 from wire.env import ConfigError
 from wire.messages import StopOrder
-from wire.signing import ControlSignedTask
 from wire.spec import HandleJson, SandboxSpec
 from workers.drivers import DriverUnavailable, make_driver
 from workers.drivers.base import ChecksGpuPath, SandboxDriver
@@ -143,22 +142,22 @@ def agent_for(task: AnyTask) -> Agent:
     return get_pool().for_queue((task.request.delivery_info or {}).get("routing_key"))
 
 
-@app.task(base=ControlSignedTask, name="workers.agent.launch_sandbox", ignore_result=True, bind=True)
+@app.task(name="workers.agent.launch_sandbox", ignore_result=True, bind=True)
 def launch_sandbox(task: AnyTask, spec: dict[str, Any]) -> None:
     agent_for(task).launch(SandboxSpec.from_json(spec))
 
 
-@app.task(base=ControlSignedTask, name="workers.agent.set_alert_policy", ignore_result=True, bind=True)
+@app.task(name="workers.agent.set_alert_policy", ignore_result=True, bind=True)
 def set_alert_policy(task: AnyTask, policy: dict[str, Any]) -> None:
     agent_for(task).set_alert_policy(policy)
 
 
-@app.task(base=ControlSignedTask, name="workers.agent.report_inventory", ignore_result=True, bind=True)
+@app.task(name="workers.agent.report_inventory", ignore_result=True, bind=True)
 def report_inventory(task: AnyTask) -> None:
     agent_for(task).report_inventory()
 
 
-@app.task(base=ControlSignedTask, name="workers.agent.execute_plan", ignore_result=True, bind=True)
+@app.task(name="workers.agent.execute_plan", ignore_result=True, bind=True)
 def execute_plan(
     task: AnyTask,
     plan_id: int,
@@ -169,27 +168,27 @@ def execute_plan(
     agent_for(task).execute_plan(plan_id, stops, mig_plan, busy)
 
 
-@app.task(base=ControlSignedTask, name="workers.agent.open_app", ignore_result=True, bind=True)
+@app.task(name="workers.agent.open_app", ignore_result=True, bind=True)
 def open_app(task: AnyTask, session: str, allocation_key: str, handle: HandleJson | None) -> None:
     agent_for(task).open_app(session, allocation_key, handle)
 
 
-@app.task(base=ControlSignedTask, name="workers.agent.open_terminal", ignore_result=True, bind=True)
+@app.task(name="workers.agent.open_terminal", ignore_result=True, bind=True)
 def open_terminal(task: AnyTask, session: str, allocation_key: str, handle: HandleJson | None) -> None:
     agent_for(task).open_terminal(session, allocation_key, handle)
 
 
-@app.task(base=ControlSignedTask, name="workers.agent.gpu_mode", ignore_result=True, bind=True)
+@app.task(name="workers.agent.gpu_mode", ignore_result=True, bind=True)
 def gpu_mode(task: AnyTask, gpu_uuid: str, mode: str) -> None:
     agent_for(task).gpu_mode(gpu_uuid, mode)
 
 
-@app.task(base=ControlSignedTask, name="workers.agent.stop_sandbox", ignore_result=True, bind=True)
+@app.task(name="workers.agent.stop_sandbox", ignore_result=True, bind=True)
 def stop_sandbox(task: AnyTask, allocation_key: str, sandbox_id: int, handle: HandleJson | None) -> None:
     agent_for(task).stop(allocation_key, handle)
 
 
-@app.task(base=ControlSignedTask, name="workers.agent.warn_sandbox", ignore_result=True, bind=True)
+@app.task(name="workers.agent.warn_sandbox", ignore_result=True, bind=True)
 def warn_sandbox(
     task: AnyTask, allocation_key: str, sandbox_id: int, handle: HandleJson | None, stop_at: float
 ) -> None:
@@ -231,7 +230,7 @@ def load_keys() -> None:
             "runs only what the control plane signed (manage.py host_credential issue writes it)"
         )
     try:
-        ControlSignedTask.control_key = signing.public_key(text)
+        signing.install_verifier(signing.control_only(signing.public_key(text)))
     except signing.KeyFormatError as exc:
         raise ConfigError(f"GPUSHARE_CONTROL_PUBLIC_KEY: {exc}") from exc
 

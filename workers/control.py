@@ -21,6 +21,7 @@ django.setup()
 
 from portal.control import provenance, tasks  # noqa: E402
 from portal.fleet import credentials  # noqa: E402
+from wire import signing  # noqa: E402
 from wire.celery import app  # noqa: E402
 from wire.messages import ControlTasks, control_task_names  # noqa: E402
 
@@ -34,8 +35,6 @@ def _register(name: str, handler: Callable[..., object]) -> Task[Any, None]:
     told_attempt = name in tasks.TOLD_ATTEMPT
 
     def run(task: Task[Any, None], *args: Any) -> None:
-        if not provenance.admit(name, task, args):
-            return  # not signed by whom it must be: dropped, logged and alerted
         extra = {"attempt": task.request.retries + 1} if told_attempt else {}
         answer = handler(*args, **extra)
         if isinstance(answer, tasks.Retry):
@@ -49,6 +48,14 @@ def _register(name: str, handler: Callable[..., object]) -> Task[Any, None]:
     )(run)
     return registered
 
+
+def _believed(task: Task[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Every message this worker takes, Celery's canvas tasks' too, is judged by who signed it
+    and what it claims before it runs (a dropped one is logged and alerted)."""
+    return provenance.admit(task.name.removeprefix("workers.control."), task, args)
+
+
+signing.install_verifier(_believed)
 
 # By the task's name without the prefix; tests run a message through the worker's own task.
 TASKS = {name: _register(name, getattr(HANDLERS, name)) for name in control_task_names()}

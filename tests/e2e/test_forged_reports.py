@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, signature
 from django.conf import settings
 from django.utils import timezone
 
@@ -27,13 +27,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transacti
 
 
 def send_as(credential: dict[str, str], signer_name: str, task: str, *args: Any) -> None:
-    """``task`` onto the control queue through the broker as a host's agent reaches it (its own
-    Redis user where it has one), signed with that host's key."""
+    """``task`` (``workers.control.<task>``, or a full name) onto the control queue through the
+    broker as a host's agent reaches it (its own Redis user where it has one), signed with that
+    host's key."""
     app = Celery("forger", broker=config.celery_broker_url(credential.get("REDIS_URL", settings.REDIS_URL)))
     signer = signing.Signer(signer_name, signing.private_key(credential["GPUSHARE_HOST_KEY"]))
+    name = task if "." in task else f"workers.control.{task}"
     try:
         with signing.signing_as(signer):
-            app.send_task(f"workers.control.{task}", args=list(args), queue="control")
+            app.send_task(name, args=list(args), queue="control")
     finally:
         app.close()
 
@@ -78,6 +80,16 @@ def test_a_heartbeat_for_host_b_sent_with_host_as_credentials_changes_nothing_an
             lambda: "the forged report's alert\n" + platform.logs(),
         )
         assert Sandbox.objects.get(pk=on_b.pk).state == "running"
+        # Through Celery's own canvas task, which would run the heartbeat task in process.
+        heartbeats = signature("workers.control.agent_heartbeats")
+        send_as(platform.credentials[a], signing.host_signer(a), "celery.map", heartbeats, [[beat(b)]])
+        wait_for(
+            lambda: Alert.objects.filter(
+                kind=Alert.Kind.FORGED, host__name=a, message__contains="celery.map"
+            ).exists(),
+            30,
+            lambda: "the canvas task's alert\n" + platform.logs(),
+        )
         alert = Alert.objects.get(kind=Alert.Kind.FORGED, host__name=a, message__contains="agent_heartbeats")
         assert f"agent_heartbeats from host:{a} dropped: speaks for {b}" in alert.message
         host_b = Host.objects.get(name=b)

@@ -72,7 +72,7 @@ def test_the_agent_exits_78_at_start_instead_of_passing_a_cpu_only_self_test(
     monkeypatch.setenv(
         "GPUSHARE_CONTROL_PUBLIC_KEY", signing.public_text(signing.private_key(signing.new_private_key()))
     )
-    monkeypatch.setattr(signing.ControlSignedTask, "control_key", None)  # load_keys sets it
+    monkeypatch.setattr(signing, "_verifier", None)  # load_keys installs the agent's
     monkeypatch.setattr(workers.agent, "_agent", None)
     monkeypatch.setattr(workers.agent, "make_backend", lambda *_: backend)
     monkeypatch.setattr(workers.agent, "make_driver", lambda *_: docker_on(tmp_path))
