@@ -513,7 +513,8 @@ def do_plan_report(
         # sync can drop the instances the re-layout destroyed, and 3. the new ones hold them.
         stopped: list[tuple[Sandbox, Allocation | None, str]] = []
         for result in results:
-            sandbox = Sandbox.objects.filter(pk=result["sandbox_id"]).first()
+            # Only a sandbox on the reporting host: a host speaks for itself alone (issue 38).
+            sandbox = Sandbox.objects.filter(pk=result["sandbox_id"], host__name=host_name).first()
             if sandbox is None:
                 continue
             note = result.get("message", "")

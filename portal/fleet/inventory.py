@@ -28,8 +28,14 @@ from wire.messages import HostFacts
 log = logging.getLogger(__name__)
 SMALL_INT = 32767  # PositiveSmallIntegerField's ceiling
 BIG_INT = 2147483647  # PositiveIntegerField's
+
+
 # What the database or the transition table says against one entry: its host is refused.
-REFUSALS = (IntegrityError, DataError, actions.FleetTransitionError)
+class ForeignDevice(ValueError):
+    """An inventory listing a GPU or MIG device the database has on another host."""
+
+
+REFUSALS = (IntegrityError, DataError, actions.FleetTransitionError, ForeignDevice)
 
 
 @dataclass(frozen=True)
@@ -253,10 +259,28 @@ def do_sync_inventory(
 
 def _apply(hosts: list[HostSeen]) -> list[Host]:
     """The batch's rows locked (hosts by name, then their GPUs), created or updated."""
+    _refuse_foreign_devices(hosts)
     rows = _hosts(hosts)
     gpus = _gpus(hosts, rows)
     _mig_instances(hosts, gpus)
     return [rows[host.name] for host in hosts]
+
+
+def _refuse_foreign_devices(hosts: list[HostSeen]) -> None:
+    """A host speaks for itself alone (issue 38): an inventory listing a device the database
+    has on another host would rewrite that host's GPU (its model, its MIG layout, an
+    unavailable GPU made available again), so it is refused whole. Two queries a batch."""
+    claimant = {
+        uuid: host.name
+        for host in hosts
+        for gpu in host.gpus
+        for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig))
+    }
+    owners = list(Gpu.objects.filter(uuid__in=list(claimant)).values_list("uuid", "host__name"))
+    owners += MigInstance.objects.filter(uuid__in=list(claimant)).values_list("uuid", "gpu__host__name")
+    for uuid, owner in owners:
+        if owner != claimant[uuid]:
+            raise ForeignDevice(f"{uuid} is host {owner}'s, not {claimant[uuid]}'s")
 
 
 def _hosts(hosts: list[HostSeen]) -> dict[str, Host]:

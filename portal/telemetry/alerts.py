@@ -66,10 +66,15 @@ def do_record_alerts(host: str, changes: list[AlertMessage]) -> list[tuple[int, 
     with transaction.atomic():
         for change in changes:
             key, kind = str(change.get("key", ""))[:200], change.get("kind")
-            if not key or kind not in KINDS:
+            if not key or kind not in KINDS or kind == Alert.Kind.FORGED:
                 log.warning(
                     "alert change from %s without a key or with an unknown kind ignored: %s", host, change
                 )
+                continue
+            # A host speaks for itself alone (issue 38): its agent makes every key under its
+            # name, so it can neither clear another host's alerts nor take their keys first.
+            if not key.startswith(f"{host}:"):
+                log.warning("alert change from %s with another host's key ignored: %s", host, key)
                 continue
             if change.get("state") == "raised":
                 alert = _raise(host_row, key, kind, change)
@@ -79,7 +84,7 @@ def do_record_alerts(host: str, changes: list[AlertMessage]) -> list[tuple[int, 
             elif change.get("state") == "cleared":
                 at = _when(change.get("t"))
                 reason = str(change.get("message", ""))[:120]
-                open_alert = Alert.objects.filter(key=key, cleared_at__isnull=True).first()
+                open_alert = Alert.objects.filter(key=key, host=host_row, cleared_at__isnull=True).first()
                 if open_alert is not None:
                     open_alert.cleared_at, open_alert.clear_reason = at, reason
                     open_alert.save(update_fields=["cleared_at", "clear_reason"])
@@ -91,9 +96,14 @@ def do_record_alerts(host: str, changes: list[AlertMessage]) -> list[tuple[int, 
 def _raise(host: Host, key: str, kind: str, change: AlertMessage) -> Alert | None:
     if Alert.objects.filter(key=key).exists():
         return None
-    gpu = Gpu.objects.filter(uuid=change.get("gpu", "")).first()
+    # Only its own GPU and a sandbox placed on it: another's would notify a stranger.
+    gpu = Gpu.objects.filter(uuid=change.get("gpu", ""), host=host).first()
     sandbox_id = change.get("sandbox")
-    sandbox = Sandbox.objects.filter(pk=sandbox_id).select_related("owner").first() if sandbox_id else None
+    sandbox = (
+        Sandbox.objects.filter(pk=sandbox_id, host=host).select_related("owner").first()
+        if sandbox_id
+        else None
+    )
     alert = Alert.objects.create(
         key=key,
         kind=kind,

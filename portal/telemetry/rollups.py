@@ -16,7 +16,7 @@ from django.db import transaction
 
 from portal.fleet.models import Gpu
 from portal.inputs import whole_number
-from portal.sandboxes.models import Sandbox
+from portal.sandboxes.models import Allocation
 from portal.telemetry.models import GpuRollup, SandboxRollup
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,12 @@ def _sandbox_row(sandbox_id: int, minute: datetime, figures: dict[str, Any]) -> 
 def do_store_rollups(rollups: list[tuple[str, dict[str, Any]]]) -> tuple[int, int]:
     """Upsert the minutes of ``rollups`` ((host, payload) each: one host's agent sends one, a
     process serving many hosts a round of them) in one transaction; returns (GPU rows,
-    sandbox rows) written. A GPU counts only on the host that reports it."""
+    sandbox rows) written. A GPU counts only on the host that reports it, a sandbox only from
+    a host it was allocated on: a host is believed about itself alone (issue 38), and one's
+    figures must not land in another tenant's history."""
     gpu_keys: dict[tuple[str, str], tuple[datetime, dict[str, Any]]] = {}
     box_keys: dict[int, list[tuple[datetime, dict[str, Any]]]] = {}
+    box_hosts: dict[int, set[str]] = {}
     for host, payload in rollups:
         minute = datetime.fromtimestamp(int(payload["minute"]), tz=UTC)
         for uuid, figures in payload.get("gpus", {}).items():
@@ -86,13 +89,17 @@ def do_store_rollups(rollups: list[tuple[str, dict[str, Any]]]) -> tuple[int, in
         for sandbox, figures in payload.get("sandboxes", {}).items():
             if (n := whole_number(str(sandbox))) is not None:
                 box_keys.setdefault(n, []).append((minute, figures))
+                box_hosts.setdefault(n, set()).add(host)
     gpu_ids = {
         (host, uuid): pk
         for uuid, host, pk in Gpu.objects.filter(uuid__in=[u for _, u in gpu_keys]).values_list(
             "uuid", "host__name", "pk"
         )
     }
-    known = set(Sandbox.objects.filter(pk__in=list(box_keys)).values_list("pk", flat=True))
+    held_on = Allocation.objects.filter(
+        sandbox_id__in=list(box_keys), gpu__host__name__in={h for hosts in box_hosts.values() for h in hosts}
+    ).values_list("sandbox_id", "gpu__host__name")
+    known = {pk for pk, host in held_on if host in box_hosts[pk]}
     # One row per key: an upsert may not touch a row twice (a minute sent twice in a batch).
     gpu_rows = {
         (gpu_ids[key], minute): _gpu_row(gpu_ids[key], minute, figures)

@@ -102,13 +102,13 @@ def test_drained_gpus_take_no_new_sandboxes(people: Any, catalog: Any, fleet: An
 def test_undrain_closes_the_gpus_fault_alerts(people: Any, fleet: Any) -> None:
     gpu = first_gpu(fleet)
     fault: dict[str, Any] = {
-        "key": "h:gpu:ecc:1",
+        "key": f"{gpu.host.name}:gpu:ecc:1",  # as the agent makes keys: under its host
         "state": "raised",
         "kind": "ecc",
         "gpu": gpu.uuid,
         "sandbox": None,
     }
-    hot = {**fault, "key": "h:gpu:temperature:1", "kind": "temperature"}
+    hot = {**fault, "key": f"{gpu.host.name}:gpu:temperature:1", "kind": "temperature"}
     # What a rule's alert carries that these do not is read with defaults: partial on purpose.
     do_record_alerts(
         gpu.host.name,

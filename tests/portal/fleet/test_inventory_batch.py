@@ -97,6 +97,22 @@ def test_a_gpu_two_hosts_of_a_batch_list_is_refused_for_the_second() -> None:
     assert Gpu.objects.filter(host__name="node-0000").count() == 2
 
 
+def test_another_hosts_gpu_in_an_inventory_is_refused_and_left_as_it_was() -> None:
+    """A host speaks for itself alone (issue 38): listing node-0000's GPU (to bring it back
+    from unavailable, or rename it) costs node-0001 its inventory, not node-0000 its GPU."""
+    do_sync_inventories(fleet(2))
+    theirs = Gpu.objects.filter(host__name="node-0000").order_by("index").first()
+    assert theirs is not None
+    Gpu.objects.filter(pk=theirs.pk).update(state=Gpu.State.UNAVAILABLE, unavailable_reason="host lost")
+    batch = [
+        inventory("node-0001", [*gpus("node-0001"), dict(gpus("node-0000")[0], index=2, name="mine now")])
+    ]
+    outcome = do_sync_inventories(batch)
+    assert f"{theirs.uuid} is host node-0000's, not node-0001's" in outcome.refused["node-0001"]
+    theirs.refresh_from_db()
+    assert (theirs.host.name, theirs.state, theirs.name) == ("node-0000", Gpu.State.UNAVAILABLE, theirs.name)
+
+
 def test_a_hundred_hosts_cost_a_few_statements() -> None:
     """One at a time, a host's first inventory cost 3 statements and 5 more per GPU: 1,300
     for these hundred (SQLite splits a bulk statement past its 999 variables)."""
@@ -126,8 +142,8 @@ def test_a_host_back_from_lost_has_its_gpus_back_and_one_whose_agent_started_its
     Host.objects.update(state=Host.State.LOST)
     Gpu.objects.update(state=Gpu.State.UNAVAILABLE, unavailable_reason="host lost")
     raised = AlertMessage(
-        type="alert.changed", key="k1", state="raised", kind="temperature", host="node-0000", gpu="",
-        sandbox=None, value=91.0, threshold=85.0, message="GPU hot", t=1_700_000_000_000,
+        type="alert.changed", key="node-0000:k1", state="raised", kind="temperature", host="node-0000",
+        gpu="", sandbox=None, value=91.0, threshold=85.0, message="GPU hot", t=1_700_000_000_000,
     )  # fmt: skip
     do_record_alerts("node-0000", [raised])
     batch = fleet(2)
@@ -135,7 +151,7 @@ def test_a_host_back_from_lost_has_its_gpus_back_and_one_whose_agent_started_its
     tasks.agent_inventories(batch)
     assert set(Host.objects.values_list("state", flat=True)) == {Host.State.UP}
     assert set(Gpu.objects.values_list("state", flat=True)) == {Gpu.State.AVAILABLE}
-    assert Alert.objects.get(key="k1").clear_reason == "agent restarted"
+    assert Alert.objects.get(key="node-0000:k1").clear_reason == "agent restarted"
 
 
 def test_a_host_listed_twice_counts_by_its_later_entry() -> None:

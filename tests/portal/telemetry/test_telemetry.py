@@ -70,6 +70,8 @@ def test_rollups_are_stored_once_and_purged_after_the_retention(sandbox: Any, se
     assert (row.minute, row.temp_max_c, row.throttled_samples, row.samples) == (minute, 75.0, 3, 60)
     # From another host, the GPU is not its: nothing written.
     assert do_store_rollups([(other, minute_payload(minute, gpu.uuid, 999999))]) == (0, 0)
+    # Nor is the sandbox: another host's figures never land in this tenant's history.
+    assert do_store_rollups([(other, minute_payload(this_minute(1), gpu.uuid, sandbox.pk))]) == (0, 0)
     settings.TELEMETRY_RETENTION_DAYS = 1
     old = datetime(2020, 1, 1, tzinfo=UTC)
     do_store_rollups([(host, minute_payload(old, gpu.uuid, sandbox.pk))])
@@ -213,7 +215,10 @@ def test_alerts_are_recorded_once_notified_and_listed(
 ) -> None:
     gpu = sandbox.allocations.get().gpu
     WebhookEndpoint.objects.create(url="http://127.0.0.1:9/hook", events=["alert.raised", "alert.cleared"])
-    raised = [change("raised", "k1", gpu=gpu.uuid), change("raised", "k2", gpu=gpu.uuid, sandbox=sandbox.pk)]
+    raised = [
+        change("raised", "h100:k1", gpu=gpu.uuid),
+        change("raised", "h100:k2", gpu=gpu.uuid, sandbox=sandbox.pk),
+    ]
     with django_capture_on_commit_callbacks(execute=True):
         assert [s for _, s in do_record_alerts("h100", raised)] == ["raised", "raised"]
         assert do_record_alerts("h100", raised) == []  # redelivered: nothing new
@@ -221,21 +226,29 @@ def test_alerts_are_recorded_once_notified_and_listed(
     assert Notification.objects.filter(user=people["owner"], kind="alert").count() == 1
     # Each raised alert is a webhook delivery, sent after commit (tests/portal/webhooks/test_webhooks.py).
     raised_events = WebhookDelivery.objects.filter(event="alert.raised")
-    assert sorted(d.payload["key"] for d in raised_events) == ["k1", "k2"]
+    assert sorted(d.payload["key"] for d in raised_events) == ["h100:k1", "h100:k2"]
     assert [t[2] for t in sent_tasks if t[1] == "deliver_webhook"] == [
         (d.pk,) for d in raised_events.order_by("pk")
     ]
-    do_record_alerts("h100", [change("cleared", "k1", message="cleared: back to normal")])
-    k1 = Alert.objects.get(key="k1")
+    do_record_alerts("h100", [change("cleared", "h100:k1", message="cleared: back to normal")])
+    k1 = Alert.objects.get(key="h100:k1")
     assert k1.cleared_at is not None and k1.clear_reason == "cleared: back to normal"
     listed = client_for(people["member"]).get(f"/telemetry/alerts/?sandbox={sandbox.pk}").json()["alerts"]
-    assert [(a["key"], a["state"]) for a in listed] == [("k2", "raised")]  # its own, as streamed
+    assert [(a["key"], a["state"]) for a in listed] == [("h100:k2", "raised")]  # its own, as streamed
     on_gpu = client_for(people["admin"]).get(f"/telemetry/alerts/?gpu={gpu.uuid}").json()["alerts"]
-    assert [(a["key"], a["state"]) for a in on_gpu] == [("k2", "raised"), ("k1", "cleared")]
+    assert [(a["key"], a["state"]) for a in on_gpu] == [("h100:k2", "raised"), ("h100:k1", "cleared")]
     assert client_for(people["outsider"]).get(f"/telemetry/alerts/?sandbox={sandbox.pk}").status_code == 403
     assert client_for(people["member"]).get("/telemetry/alerts/").status_code == 403
     # Unknown kinds and hosts are logged and ignored.
-    assert do_record_alerts("h100", [change("raised", "k3", kind="fan")]) == []
+    assert do_record_alerts("h100", [change("raised", "h100:k3", kind="fan")]) == []
+    # Another host speaks for itself alone (issue 38): it cannot clear h100's alert, take one of
+    # its keys, or put its alert on h100's sandbox (whose owner it would notify).
+    assert do_record_alerts("a100", [change("cleared", "h100:k2"), change("raised", "h100:k9")]) == []
+    assert Alert.objects.get(key="h100:k2").cleared_at is None
+    do_record_alerts("a100", [change("raised", "a100:k1", gpu=gpu.uuid, sandbox=sandbox.pk)])
+    stray = Alert.objects.get(key="a100:k1")
+    assert stray.sandbox is None and stray.gpu is None
+    assert Notification.objects.filter(user=people["owner"], kind="alert").count() == 1
     assert do_record_alerts("nowhere", raised) == []
 
 
@@ -256,9 +269,9 @@ def test_heartbeat_sends_a_changed_policy_and_a_restart_closes_alerts(
     [(queue, _task, (sent,))] = [t for t in sent_tasks if t[1] == "set_alert_policy"]
     assert queue == "host.h100" and sent["fleet"]["temp_high_c"] == 80
     assert sent["tiers"][sandbox.tier.slug]["mem_high_pct"] == 80 and sent["version"] != policy["version"]
-    do_record_alerts("h100", [change("raised", "open-1")])
+    do_record_alerts("h100", [change("raised", "h100:open-1")])
     control.TASKS["agent_inventories"]([inventory("h100", [], started=True)])
-    assert Alert.objects.get(key="open-1").clear_reason == "agent restarted"
+    assert Alert.objects.get(key="h100:open-1").clear_reason == "agent restarted"
 
 
 def test_a_policy_with_clear_over_raise_is_refused(db: Any) -> None:

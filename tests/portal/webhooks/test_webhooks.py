@@ -27,6 +27,7 @@ from standardwebhooks import Webhook, WebhookVerificationError
 
 from portal.billing import ledger
 from portal.billing.models import UsageRecord
+from portal.fleet.models import Host
 from portal.sandboxes import actions
 from portal.sandboxes.models import SandboxEvent
 from portal.telemetry.alerts import do_record_alerts
@@ -160,18 +161,20 @@ def test_alert_events_go_through_the_same_deliveries(
     fleet_hook = WebhookEndpoint.objects.create(url=receiver.url, events=ALERTS)
     billing_hook = WebhookEndpoint.objects.create(url=receiver.url, events=["usage.closed"])
     project_hook = WebhookEndpoint.objects.create(url=receiver.url, events=ALERTS, project=people["project"])
+    # A host's alert names only a sandbox placed on that host.
+    type(sandbox).objects.filter(pk=sandbox.pk).update(host=Host.objects.get(name="h100"))
     with django_capture_on_commit_callbacks(execute=True):
         do_record_alerts(
-            "h100", [alert_change("raised", "a1"), alert_change("raised", "a2", sandbox=sandbox.pk)]
+            "h100", [alert_change("raised", "h100:a1"), alert_change("raised", "h100:a2", sandbox=sandbox.pk)]
         )
-        do_record_alerts("h100", [alert_change("raised", "a1")])  # redelivered: nothing new
-        do_record_alerts("h100", [alert_change("cleared", "a1", message="cleared: back to normal")])
+        do_record_alerts("h100", [alert_change("raised", "h100:a1")])  # redelivered: nothing new
+        do_record_alerts("h100", [alert_change("cleared", "h100:a1", message="cleared: back to normal")])
     rows = WebhookDelivery.objects.order_by("pk")
     assert [(d.event, d.payload["key"], d.endpoint_id) for d in rows] == [
-        ("alert.raised", "a1", fleet_hook.pk),
-        ("alert.raised", "a2", fleet_hook.pk),
-        ("alert.raised", "a2", project_hook.pk),
-        ("alert.cleared", "a1", fleet_hook.pk),
+        ("alert.raised", "h100:a1", fleet_hook.pk),
+        ("alert.raised", "h100:a2", fleet_hook.pk),
+        ("alert.raised", "h100:a2", project_hook.pk),
+        ("alert.cleared", "h100:a1", fleet_hook.pk),
     ]
     assert billing_hook.deliveries.count() == 0
     assert [t[1] for t in sent_tasks if t[1].startswith("deliver")] == ["deliver_webhook"] * 4
