@@ -23,6 +23,7 @@ import pytest
 from portal.catalog.models import SandboxImage, Storage
 from portal.control.faults import do_drain_gpu
 from portal.fleet.models import Gpu
+from portal.launcher import AGENT_WORKER_FLAGS
 from portal.sandboxes.models import Sandbox
 from tests.browser.pages import SHOTS, shot, sign_in
 from tests.e2e.platform import running_platform, wait_for
@@ -119,7 +120,7 @@ def test_a_notebook_through_the_portal_keeps_its_files_across_hosts(
         platform.start(
             "agent-b",
             [sys.executable, "-m", "celery", "-A", "workers", "worker", "-Q", f"host.{second}", "-n",
-             f"agent-{second}@%h", "-P", "threads", "-c", "2", "--loglevel=INFO"],
+             f"agent-{second}@%h", "-P", "threads", "-c", "2", *AGENT_WORKER_FLAGS, "--loglevel=INFO"],
             GPUSHARE_ROLE="agent", GPUSHARE_HOST=second, GPUSHARE_SIM_GPUS="A100-80GB:1",
             GPU_BACKEND="simulated", SANDBOX_DRIVER="docker", SAMPLE_INTERVAL_MS="500",
             **platform.agent_credential(second),

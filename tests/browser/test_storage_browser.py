@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,17 @@ def run_batch(page: Any, base: str, who: str, command: str) -> Sandbox:
 
 
 def output(page: Any, text: str) -> str:
-    page.reload()
-    return str(page.locator("pre.output", has_text=text).inner_text(timeout=20_000))
+    """The ended run's output as its page renders it, reloaded until ``text`` is there: the
+    last lines travel in their own message, which the control worker may take after the
+    stop's (its threads run them side by side), so the page may first show the run ended
+    and its output a moment later."""
+    deadline = time.monotonic() + 30
+    while True:
+        page.reload()
+        shown = page.locator("pre.output", has_text=text)
+        if shown.count() or time.monotonic() > deadline:
+            return str(shown.inner_text(timeout=5_000))
+        time.sleep(0.5)
 
 
 def test_files_outlive_the_sandbox_and_stay_their_owners(
