@@ -24,7 +24,7 @@ from portal.control.reconcile import do_reconcile_host, from_ms, needs_reconcili
 from portal.control.redis_client import client as redis_client
 from portal.fleet import actions as fleet_actions
 from portal.fleet.inventory import do_heartbeats
-from portal.fleet.models import Host
+from portal.fleet.models import Host, HostCredential
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox, SandboxState
 from portal.scheduling.snapshot import HOLDING
@@ -54,6 +54,14 @@ def mark_lost_hosts(now: datetime) -> int:
     except redis.RedisError as exc:
         log.warning("agent liveness unreadable, judging hosts by the database alone: %s", exc)
         beating = set()
+    # A revoked host's beats are dropped unread (portal.control.provenance): its liveness key,
+    # which its agent writes itself (through the control plane's Redis URL, where the Redis
+    # has no per-host users), says nothing about beats still to come.
+    beating -= set(
+        HostCredential.objects.filter(host__in=beating, pool=False, revoked_at__isnull=False).values_list(
+            "host", flat=True
+        )
+    )
     for name in sorted(beating):
         log.info("host %s: no heartbeat processed lately, but its agent beats: not lost", name)
     with transaction.atomic():

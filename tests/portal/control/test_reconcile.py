@@ -264,6 +264,16 @@ def test_a_host_whose_agent_still_beats_is_not_lost_while_its_beats_wait_in_the_
     mark_lost_hosts(now)
     host.refresh_from_db()
     assert host.state == "up"
+    # Revoked, its beats are dropped unread: its own liveness key (written through a Redis
+    # without per-host users) does not keep it up.
+    from portal.fleet.models import HostCredential
+
+    credential = HostCredential.objects.create(host=host.name, password_sha256="0" * 64, revoked_at=now)
+    assert mark_lost_hosts(now) >= 1
+    host.refresh_from_db()
+    assert host.state == "lost"
+    credential.delete()
+    Host.objects.filter(pk=host.pk).update(state="up")
     liveness.note_alive(client, [host.name], int(now.timestamp() * 1000) - 5 * 60 * 1000)
     assert mark_lost_hosts(now) >= 1
     host.refresh_from_db()
