@@ -67,21 +67,17 @@ def hosts(request: HttpRequest) -> HttpResponse:
 def _issued(
     request: HttpRequest, enrolment: credentials.Enrolment, pool: bool, rotated: bool
 ) -> HttpResponse:
-    response = render(
+    # never_cache on the views that call this: the answer is no-store.
+    return render(
         request,
         "console/host_issued.html",
         {
             "enrolment": enrolment,
-            "files": zip(enrolment.FILES, _values(enrolment), strict=True),
+            "files": enrolment.files(),
             "pool": pool,
             "rotated": rotated,
         },
     )
-    return response  # never_cache on the views: no-store
-
-
-def _values(enrolment: credentials.Enrolment) -> tuple[str, str, str]:
-    return enrolment.redis_url, enrolment.host_key, enrolment.control_public_key
 
 
 @staff_member_required

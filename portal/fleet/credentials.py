@@ -68,14 +68,16 @@ class Enrolment:
             "GPUSHARE_CONTROL_PUBLIC_KEY": self.control_public_key,
         }
 
+    def files(self) -> list[tuple[str, str]]:
+        """(file name, content) of each part, as ``write`` writes them and the console shows them."""
+        return list(zip(self.FILES, (self.redis_url, self.host_key, self.control_public_key), strict=True))
+
     def write(self, directory: Path) -> list[Path]:
         """Each part to its own file in ``directory`` (made 0700; files 0600, never through a
         link someone left there)."""
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         written = []
-        for name, value in zip(
-            self.FILES, (self.redis_url, self.host_key, self.control_public_key), strict=True
-        ):
+        for name, value in self.files():
             path = directory / name
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # a fresh file: no old mode, no link followed
