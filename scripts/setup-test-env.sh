@@ -35,7 +35,8 @@ packages=(docker.io busybox-static bubblewrap chromium fonts-dejavu-core
   linux-source build-essential bc bison flex libelf-dev cpio
   # Slurm (tests/slurm): its daemons, REST API and accounting, munge, and the MariaDB that
   # slurmdbd stores in; the tests start private instances of each on loopback.
-  slurm-wlm slurmctld slurmd slurmrestd slurmdbd slurm-client munge mariadb-server)
+  # auth/jwt (slurmrestd's tokens) is its own package, only recommended by slurmrestd.
+  slurm-wlm slurmctld slurmd slurmrestd slurm-wlm-jwt-plugin slurmdbd slurm-client munge mariadb-server)
 missing=()
 for p in "${packages[@]}"; do
   [[ "$(dpkg-query -W -f '${Status}' "$p" 2>/dev/null)" == "install ok installed" ]] || missing+=("$p")

@@ -99,7 +99,7 @@ if ROLE == "agent":
     # no per-host Redis user can be confined to; nothing here uses it.
     app.conf.worker_enable_remote_control = False
     _host = os.environ.get("GPUSHARE_HOST", "").strip()
-    if config.hosts_file() is not None:  # an agent pool: its own keys only if enrolled as one
+    if config.serves_many_hosts():  # a pool or a gateway: its own keys only if enrolled as one
         _host = pool_unacked_host(config.pool_prefix()) if config.pool_prefix() else ""
     if _host:
         app.conf.broker_transport_options = {**app.conf.broker_transport_options, **unacked_keys(_host)}
@@ -117,10 +117,11 @@ def process_signer() -> signing.Signer:
             "GPUSHARE_HOST_KEY_FILE (or GPUSHARE_HOST_KEY) is unset: an agent signs what it reports "
             "with its host's key (manage.py host_credential issue <host> --out DIR writes it)"
         )
-    if config.hosts_file() is not None:
+    if config.serves_many_hosts():
         if not config.pool_prefix():
             raise ConfigError(
-                "an agent pool signs as the prefix it was enrolled under: set GPUSHARE_POOL_PREFIX"
+                "an agent pool or a Slurm gateway signs as the prefix it was enrolled under: set "
+                "GPUSHARE_POOL_PREFIX"
             )
         name = signing.pool_signer(config.pool_prefix())
     else:

@@ -71,6 +71,17 @@ def hosts_file() -> Path | None:
     return Path(value) if value else None
 
 
+def slurm_gateway() -> bool:
+    """GPUSHARE_SLURM_URL set: this agent process is a Slurm cluster's gateway (workers.slurm)."""
+    return bool(os.environ.get("GPUSHARE_SLURM_URL", "").strip())
+
+
+def serves_many_hosts() -> bool:
+    """Whether this agent process speaks for many hosts (an agent pool, a Slurm gateway): it is
+    enrolled, signs and keeps its in-flight messages under its prefix (GPUSHARE_POOL_PREFIX)."""
+    return hosts_file() is not None or slurm_gateway()
+
+
 def pool_prefix() -> str:
     """GPUSHARE_POOL_PREFIX: the name prefix an agent pool was enrolled under (every host of its
     file must start with it; ``manage.py host_credential issue --pool``); empty: not enrolled."""

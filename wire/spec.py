@@ -26,7 +26,11 @@ RENAMED_FIELDS = {"allocation_id": "allocation_key"}
 # The isolation level each driver gives a sandbox: a host runs one driver, so it serves
 # only requests for that level (a VM request must never get a container). The state-only
 # driver of simulated hosts stands in for containers, the level most requests ask for.
-DRIVER_ISOLATION = {"docker": "container", "process": "process", "libvirt": "vm", "simulated": "container"}
+DRIVER_ISOLATION = {
+    "docker": "container", "process": "process", "libvirt": "vm", "simulated": "container",
+    # A Slurm job is a process tree on its node, confined by the cluster's task/cgroup plugin.
+    "slurm": "process",
+}  # fmt: skip
 
 
 def renamed(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from workers.host import selftest
 from workers.host.agent import Agent
 from workers.host.agent_pool import REPORT_BUILDERS, AgentPool, SimulatedHost, read_hosts_file
 from workers.host.agent_settings import AgentSettings
+from workers.slurm.gateway import SlurmGateway
+from workers.slurm.settings import SlurmSettings
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ def refuse_gpus_the_driver_cannot_hand_out(backend: GpuBackend, driver: SandboxD
 AnyTask = Task[Any, Any]  # a bound task: its request says which queue a message came in on
 _agent: Agent | None = None
 _pool: AgentPool | None = None
+_gateway: SlurmGateway | None = None
 _agent_lock = threading.Lock()
 
 
@@ -134,12 +138,27 @@ def get_pool() -> AgentPool:
         return _pool
 
 
+def get_gateway() -> SlurmGateway:
+    """A Slurm cluster's gateway (GPUSHARE_SLURM_URL): its nodes are this process's hosts,
+    named with the prefix it was enrolled under (GPUSHARE_POOL_PREFIX)."""
+    global _gateway
+    with _agent_lock:
+        if _gateway is None:
+            settings = SlurmSettings.from_env()
+            base = AgentSettings.from_env(host="slurm-gateway")
+            _gateway = SlurmGateway(settings, base, config.var_dir(), config.pool_prefix())
+        return _gateway
+
+
 def agent_for(task: AnyTask) -> Agent:
-    """The agent a task's message is for: this process's, or, in one serving many hosts, that
-    of the host whose queue it came in on."""
+    """The agent a task's message is for: this process's, or, in one serving many hosts (a
+    pool, a Slurm gateway), that of the host whose queue it came in on."""
+    queue = (task.request.delivery_info or {}).get("routing_key")
+    if config.slurm_gateway():
+        return get_gateway().for_queue(queue)
     if config.hosts_file() is None:
         return get_agent()
-    return get_pool().for_queue((task.request.delivery_info or {}).get("routing_key"))
+    return get_pool().for_queue(queue)
 
 
 @app.task(name="workers.agent.launch_sandbox", ignore_result=True, bind=True)
@@ -198,7 +217,12 @@ def warn_sandbox(
 def _consume_every_hosts_queue() -> None:
     """A process serving many hosts consumes each one's queue (a one-host agent is given its
     own with ``-Q host.<name>``): the worker reads these when it sets up its consumers. A bad
-    hosts file is left to the worker's start, which logs it and exits (``_self_test``)."""
+    hosts file is left to the worker's start, which logs it and exits (``_self_test``). A
+    Slurm gateway learns its nodes from the cluster once it starts, and consumes their queues
+    from then on; until then it listens on one under its prefix that no host is named."""
+    if config.slurm_gateway():
+        app.conf.task_queues = [Queue(host_queue(config.pool_prefix() or "slurm-gateway"))]
+        return
     path = config.hosts_file()
     if path is None:
         return
@@ -246,11 +270,16 @@ def _self_test(**_: Any) -> None:
     except ConfigError as exc:
         log.error("agent cannot start: %s", exc)
         raise SystemExit(EXIT_CANNOT_LAUNCH) from exc
-    if config.hosts_file() is not None:
+    serves_many: dict[str, Callable[[], object]] = (
+        {"Slurm gateway": get_gateway} if config.slurm_gateway() else {}
+    )
+    if not serves_many and config.hosts_file() is not None:
+        serves_many = {"agent pool": get_pool}
+    for kind, build in serves_many.items():
         try:
-            get_pool()
+            build()
         except ConfigError as exc:
-            log.error("agent pool cannot start: %s", exc)
+            log.error("%s cannot start: %s", kind, exc)
             raise SystemExit(EXIT_CANNOT_LAUNCH) from exc
         return
     try:
@@ -268,8 +297,11 @@ def _self_test(**_: Any) -> None:
 
 
 @signals.worker_ready.connect
-def _on_ready(**_: Any) -> None:
-    if config.hosts_file() is not None:
+def _on_ready(sender: Any = None, **_: Any) -> None:
+    if config.slurm_gateway():
+        # The consumer (the signal's sender) takes each node's queue as the gateway finds it.
+        threading.Thread(target=get_gateway().start, args=(sender.add_task_queue,), daemon=True).start()
+    elif config.hosts_file() is not None:
         get_pool().start()
     else:
         get_agent().start()
@@ -279,5 +311,7 @@ def _on_ready(**_: Any) -> None:
 def _on_shutdown(**_: Any) -> None:
     if _pool is not None:
         _pool.shutdown()
+    if _gateway is not None:
+        _gateway.shutdown()
     if _agent is not None:
         _agent.shutdown()

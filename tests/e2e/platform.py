@@ -346,11 +346,18 @@ def running_platform(
         redis_url=redis_url,
         extra_env=extra_env,
     )
-    try:
+    with stopped_after(platform):
         platform.start_workers(**workers)
         if web:
             platform.start_web(workers=web_workers)
         wait_for(lambda: _has_inventory(platform), 60, "the agent's inventory")
+        yield platform
+
+
+@contextmanager
+def stopped_after(platform: Platform) -> Iterator[Platform]:
+    """The platform's processes stopped at the end, their logs printed when it failed."""
+    try:
         yield platform
     except BaseException:
         sys.stderr.write(platform.logs())

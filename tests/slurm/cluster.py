@@ -32,6 +32,7 @@ from typing import Any
 
 import requests
 
+TENANT = "nobody"  # the Unix user the tests' sandboxes run as
 DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "slurmrestd")
 REST_VERSION = "v0.0.38"  # what slurmrestd 22.05 serves (openapi/v0.0.38, dbv0.0.38)
 
@@ -94,6 +95,11 @@ class SlurmCluster:
         return self.root / "log"
 
     @property
+    def jwt_key(self) -> Path:
+        """The cluster's JWT key (AuthAltParameters): what a gateway mints its tokens with."""
+        return self.etc / "jwt_hs256.key"
+
+    @property
     def rest_url(self) -> str:
         return f"http://127.0.0.1:{self.ports['rest']}"
 
@@ -119,6 +125,8 @@ class SlurmCluster:
         self._run("sacctmgr", "-i", "add", "cluster", self.name)
         self._run("sacctmgr", "-i", "add", "account", self.account)
         self._run("sacctmgr", "-i", "add", "user", "root", f"Account={self.account}")
+        # Sandboxes' jobs run as a user of their own, never root (GPUSHARE_SLURM_RUN_AS).
+        self._run("sacctmgr", "-i", "add", "user", TENANT, f"Account={self.account}")
         self._spawn("slurmctld", ["slurmctld", "-D", "-i"])
         for node in self.nodes:
             (self.root / "spool" / node.name).mkdir(exist_ok=True)

@@ -5,24 +5,14 @@ with a GRES lands on a node that has it and runs, and slurmdbd accounts its GRES
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.slurm.cluster import REST_VERSION, SlurmCluster, missing_tools, running_cluster
-from tests.workers.engines import require_engine
+from tests.slurm.cluster import REST_VERSION, SlurmCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[SlurmCluster]:
-    require_engine(not missing_tools() and os.geteuid() == 0, f"Slurm's daemons as root ({missing_tools()})")
-    with running_cluster() as running:
-        yield running
 
 
 def submit(cluster: SlurmCluster, token: str, gres: str, name: str) -> int:

@@ -697,14 +697,4 @@ class ProcessDriver:
             groups, SANDBOX_HOME, *state["procs_files"], "--", "/bin/sh", "-i",
         ]  # fmt: skip
         env = {**self._sandbox_env(spec), "TERM": "xterm-256color"}
-        master, slave = os.openpty()
-        try:
-            proc = subprocess.Popen(  # noqa: S603 - argv built here, no shell input
-                argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd="/"
-            )
-        except OSError as exc:
-            os.close(master)
-            raise DriverError(f"cannot open a terminal in {handle.allocation_key}: {exc}") from exc
-        finally:
-            os.close(slave)
-        return ProcessTerminal(master, proc)
+        return ProcessTerminal.spawn(argv, handle.allocation_key, env=env, cwd="/")

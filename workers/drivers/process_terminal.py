@@ -9,6 +9,9 @@ import select
 import struct
 import subprocess
 import termios
+from typing import Any
+
+from workers.drivers.base import DriverError
 
 
 class ProcessTerminal:
@@ -17,6 +20,19 @@ class ProcessTerminal:
     ``read`` returns ``b""`` when nothing arrived within the timeout and raises
     ``EOFError`` once the shell has gone.
     """
+
+    @classmethod
+    def spawn(cls, argv: list[str], what: str, **popen: Any) -> ProcessTerminal:
+        """``argv`` started on a new pty; DriverError naming ``what`` when it cannot start."""
+        master, slave = os.openpty()
+        try:
+            proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, **popen)  # noqa: S603
+        except OSError as exc:
+            os.close(master)
+            raise DriverError(f"cannot open a terminal in {what}: {exc}") from exc
+        finally:
+            os.close(slave)
+        return cls(master, proc)
 
     def __init__(self, master_fd: int, proc: subprocess.Popen[bytes]) -> None:
         self._fd = master_fd

@@ -9,7 +9,7 @@ except through ``GpuBackend.simulated``, which the UI always shows.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from wire.xids import describe, is_application
 
@@ -174,6 +174,20 @@ class GpuLost(GpuBackendError):
     def __init__(self, message: str, uuid: str) -> None:
         super().__init__(message)
         self.uuid = uuid  # the GPU's uuid (a MIG device's parent)
+
+
+@runtime_checkable
+class DevicesBoundElsewhere(Protocol):
+    """A backend whose GPUs another engine hands to jobs (Slurm binds a job's GRES itself,
+    and runs MPS daemons on its nodes): the agent's parts keep their picture of MPS shares
+    but start no daemon and set no compute mode. The engine also knows the host's CPUs and
+    memory, which the agent (elsewhere) does not."""
+
+    devices_bound_elsewhere: bool
+
+    def host_facts(self) -> tuple[int, int]:
+        """(CPU cores, memory MiB) the host offers jobs."""
+        ...
 
 
 class GpuBackend(Protocol):

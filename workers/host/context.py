@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.drivers.base import SandboxDriver
-from workers.gpu.base import GpuBackend
+from workers.gpu.base import DevicesBoundElsewhere, GpuBackend
 from workers.gpu.mps import MpsManager, mps_root
 from workers.gpu.mps_daemons import MpsDaemons
 from workers.gpu.mps_recovery import MpsRecovery
@@ -29,6 +29,17 @@ from workers.host.batch_output import OutputPump
 from workers.host.inventory import HostInventory
 from workers.host.sandboxes import HostSandboxes
 from workers.host.utilization import UtilizationWindows
+
+
+def mps_control(root: Path, backend: GpuBackend) -> MpsManager:
+    """Who runs this host's MPS daemons: NVIDIA's control daemon on real GPUs, a model of it on
+    simulated ones, and nobody here for GPUs another engine binds (a Slurm node's MPS is
+    Slurm's): a state-only record of the shares, which sets no compute mode."""
+    if isinstance(backend, DevicesBoundElsewhere):
+        return SimulatedMps(root)
+    if backend.simulated:
+        return SimulatedMps(root, compute_modes=backend)
+    return MpsManager(root, compute_modes=backend)
 
 
 @dataclass
@@ -74,11 +85,7 @@ class HostContext:
             alerts=AlertTracker(settings.host),
             # The backend sets and reads each MPS device's compute mode (EXCLUSIVE_PROCESS while
             # its daemon runs): MPS is always enforced, there is no setting to turn it off.
-            mps_daemons=MpsDaemons(
-                SimulatedMps(root, compute_modes=backend)
-                if backend.simulated
-                else MpsManager(root, compute_modes=backend)
-            ),
+            mps_daemons=MpsDaemons(mps_control(root, backend)),
             utilization=UtilizationWindows(settings.util_window_s),
             output=OutputPump(driver, sandboxes.handles.get),
         )

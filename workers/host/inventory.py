@@ -15,7 +15,7 @@ from typing import Any
 
 from wire.messages import HostFacts, InventoryReport, to_control
 from workers.drivers.base import SandboxDriver
-from workers.gpu.base import GpuBackend, GpuBackendError, GpuInfo
+from workers.gpu.base import DevicesBoundElsewhere, GpuBackend, GpuBackendError, GpuInfo
 from workers.host.agent_settings import AgentSettings
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,9 @@ class HostInventory:
     def facts(self) -> HostFacts:
         """CPU and memory this host offers sandboxes. A simulated host reports the size
         GPUSHARE_SIM_HOST gives it (default 64 cores, 512 GiB), not the machine's own."""
+        if isinstance(self.backend, DevicesBoundElsewhere):
+            cpus, memory_mib = self.backend.host_facts()
+            return {"cpu_cores": cpus, "memory_mib": memory_mib}
         if self.backend.simulated:
             return {"cpu_cores": self.settings.sim_host_cpus, "memory_mib": self.settings.sim_host_memory_mib}
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

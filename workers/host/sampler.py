@@ -35,7 +35,7 @@ from wire.telemetry import (
     gpu_group,
     host_sandbox_group,
 )
-from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost, GpuSample
+from workers.gpu.base import DevicesBoundElsewhere, GpuBackend, GpuBackendError, GpuLost, GpuSample
 from workers.host.context import HostContext
 from workers.host.faults import GpuFaults
 from workers.host.lifecycle import now_ms
@@ -129,7 +129,11 @@ class Sampler:
         samples = TickSamples(self.context.backend, parent_of)
         newest: list[GpuSampleMessage] = []
         changes: list[AlertMessage] = []
-        for gpu in list(self.context.inventory.gpus):
+        # A Slurm node's GPUs are sampled on the node, not by its gateway: nothing to read here.
+        sampled = (
+            [] if isinstance(self.context.backend, DevicesBoundElsewhere) else self.context.inventory.gpus
+        )
+        for gpu in list(sampled):
             sample = samples.get(gpu.uuid)
             if sample is None:
                 continue  # lost or failed this tick

@@ -1,0 +1,194 @@
+"""gpushare in front of a real Slurm cluster, end to end (issue 39): the web server, a control
+worker, beat and the Slurm gateway as their own processes, the cluster of
+tests/slurm/cluster.py, and the command-line client. A scenario of steps: the nodes come up
+as hosts; a sandbox requested through ``gpushare request`` becomes a Slurm job on the node
+gpushare chose and runs; its shell says hi; a batch's output shows on its page; a stop
+cancels the job and closes the ledger; a job submitted outside gpushare holds its GPUs; a
+node Slurm sets down is lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from django.conf import settings
+from django.test import Client
+from django.utils import timezone
+
+from portal.accounts.models import ApiToken
+from portal.billing.models import UsageRecord
+from portal.fleet import credentials
+from portal.fleet.models import Gpu, Host
+from portal.launcher import AGENT_WORKER_FLAGS
+from portal.sandboxes.models import Sandbox
+from tests.e2e.platform import ROOT, Platform, stopped_after, wait_for
+from tests.slurm.cluster import TENANT, SlurmCluster
+from wire import broker_acl
+
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.slow]
+GPUSHARE = str(ROOT / ".venv" / "bin" / "gpushare")
+
+
+@pytest.fixture(scope="class")
+def platform(
+    cluster: SlurmCluster, world: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Platform]:
+    where = tmp_path_factory.mktemp("slurm-platform")
+    (where / "logs").mkdir()
+    platform = Platform(where / "var", where / "logs", heartbeat_s=1)
+    platform.host = f"slurm{uuid.uuid4().hex[:6]}-"  # the gateway's prefix: ACL users are server-wide
+    celery = [sys.executable, "-m", "celery", "-A", "workers"]
+    with stopped_after(platform):
+        platform.start_control("control", celery)
+        platform.start("beat", [*celery, "beat", "-s", str(where / "beat-schedule")], GPUSHARE_ROLE="beat")
+        platform.start_web()
+        own = {**credentials.issue(platform.host, pool=True).env(), "GPUSHARE_POOL_PREFIX": platform.host}
+        if not broker_acl.supports_selectors(redis.Redis.from_url(settings.REDIS_URL)):
+            del own["REDIS_URL"]
+        platform.start(
+            "gateway",
+            [*celery, "worker", "-n", "slurm@%h", "-P", "threads", "-c", "8", *AGENT_WORKER_FLAGS,
+             "--loglevel=INFO"],
+            GPUSHARE_ROLE="agent", GPUSHARE_SLURM_URL=cluster.rest_url, GPUSHARE_SLURM_USER="root",
+            GPUSHARE_SLURM_JWT_KEY_FILE=str(cluster.jwt_key), GPUSHARE_SLURM_RUN_AS=TENANT,
+            GPUSHARE_SLURM_ACCOUNT=cluster.account, GPUSHARE_SLURM_OUTPUT_DIR=str(cluster.root / "output"),
+            GPUSHARE_SLURM_SIMULATED_GPUS="true", GPUSHARE_SLURM_GPU_MODELS="h100=H100-80GB,a100=A100-80GB",
+            GPUSHARE_SLURM_POLL_MS="500", SLURM_CONF=str(cluster.etc / "slurm.conf"), **own,
+        )  # fmt: skip
+        yield platform
+
+
+def gpushare(home: Path, *argv: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / "config"),
+        "LANG": "C.UTF-8",
+    }
+    return subprocess.run(
+        [GPUSHARE, *argv], input=stdin, capture_output=True, text=True, env=env, cwd=home, timeout=180
+    )
+
+
+def job_of(cluster: SlurmCluster, sandbox: Sandbox) -> dict[str, Any]:
+    """Slurm's record of the sandbox's job, by the name the gateway gives it."""
+    jobs = json.loads(cluster.run("squeue", "--json", "--states=all"))["jobs"]
+    [found] = [j for j in jobs if j["name"] == f"gpushare-{sandbox.allocation_key}"]
+    return dict(found)
+
+
+@pytest.mark.steps
+@pytest.mark.usefixtures("scenario_db")
+class TestSandboxesRunAsSlurmJobs:
+    def test_01_every_node_comes_up_as_a_host_with_its_gpus(self, platform: Platform) -> None:
+        names = [f"{platform.host}{n}" for n in ("n1", "n2", "n3")]
+        wait_for(
+            lambda: Host.objects.filter(name__in=names, state="up", driver="slurm").count() == 3,
+            60,
+            lambda: "the Slurm nodes to come up\n" + platform.logs(),
+        )
+        assert Gpu.objects.filter(host__name__in=names).count() == 12
+        assert set(Gpu.objects.filter(host__name=names[0]).values_list("model", flat=True)) == {"H100-80GB"}
+
+    def test_02_a_request_becomes_a_slurm_job_on_the_chosen_node(
+        self, platform: Platform, cluster: SlurmCluster, world: Any, tmp_path_factory: pytest.TempPathFactory,
+        state: dict[str, Any],
+    ) -> None:  # fmt: skip
+        home = state["home"] = tmp_path_factory.mktemp("home")
+        _, key = ApiToken.issue(
+            world["owner"], "laptop", ["read:usage", "write:sandboxes"], timezone.now() + timedelta(days=1)
+        )
+        login = gpushare(
+            home, "login", f"http://127.0.0.1:{platform.port}", "--token-stdin", stdin=key + "\n"
+        )
+        assert login.returncode == 0, login.stderr
+        started = time.monotonic()
+        done = gpushare(
+            home, "request", "--project", "vision", "--tier", "dedicated", "--image", "busybox",
+            "--gpus", "1", "--isolation", "process", "--wait", "--timeout", "60",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr + platform.logs()
+        state["request_to_running_s"] = time.monotonic() - started
+        sandbox = Sandbox.objects.get(pk=int(done.stdout.strip()))
+        state["sandbox"] = sandbox.pk
+        assert sandbox.state == "running" and sandbox.host is not None
+        job = job_of(cluster, sandbox)
+        assert job["job_state"] == "RUNNING" and job["user_name"] == TENANT
+        assert job["nodes"] == sandbox.host.name.removeprefix(platform.host)  # the node gpushare chose
+        assert job["tres_per_node"].startswith("gres:gpu:")
+
+    def test_03_its_shell_says_hi(self, state: dict[str, Any]) -> None:
+        done = gpushare(state["home"], "shell", str(state["sandbox"]), "-c", "echo hi")
+        assert done.returncode == 0 and done.stdout == "hi\n", (done.stdout, done.stderr)
+
+    def test_04_a_stop_cancels_the_job_and_closes_the_ledger(
+        self, platform: Platform, cluster: SlurmCluster, state: dict[str, Any]
+    ) -> None:
+        done = gpushare(state["home"], "stop", str(state["sandbox"]))
+        assert done.returncode == 0, done.stderr
+        sandbox = Sandbox.objects.get(pk=state["sandbox"])
+        wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "stopped", 30, lambda: platform.logs())
+        wait_for(lambda: job_of(cluster, sandbox)["job_state"] == "CANCELLED", 30, "Slurm to cancel the job")
+        records = UsageRecord.objects.filter(sandbox=sandbox)
+        assert records.exists() and not records.filter(ended_at__isnull=True).exists()
+
+    def test_05_a_batchs_output_shows_on_its_page(
+        self, platform: Platform, cluster: SlurmCluster, world: Any, state: dict[str, Any]
+    ) -> None:
+        done = gpushare(
+            state["home"], "request", "--project", "vision", "--tier", "dedicated", "--image", "busybox",
+            "--gpus", "1", "--isolation", "process", "--command", "sh -c 'echo from-slurm-$SLURM_JOB_ID'",
+            "--wait", "--timeout", "60",
+        )  # fmt: skip
+        sandbox = Sandbox.objects.get(pk=int(done.stdout.strip()))
+        job_id = job_of(cluster, sandbox)["job_id"]
+        wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state in ("stopped", "failed"), 60, platform.logs)
+        client = Client()
+        client.force_login(world["owner"])
+        wanted = f"from-slurm-{job_id}"
+        wait_for(
+            lambda: wanted in client.get(f"/sandboxes/{sandbox.pk}/output.txt").content.decode(),
+            30,
+            lambda: f"{wanted} on the output page\n" + platform.logs(),
+        )
+
+    def test_06_an_outside_job_holds_its_gpus_and_a_down_node_is_lost(
+        self, platform: Platform, cluster: SlurmCluster, world: Any
+    ) -> None:
+        n1 = f"{platform.host}n1"
+        job_id = cluster.run(
+            "sbatch", "--parsable", "-w", "n1", "--gres=gpu:h100:4", "-o", "/dev/null", "--wrap", "sleep 300"
+        ).strip()  # fmt: skip
+        try:
+            wait_for(
+                lambda: (
+                    Gpu.objects.filter(
+                        host__name=n1, unavailable_reason__contains=f"Slurm job {job_id}"
+                    ).count()
+                    == 4
+                ),
+                30,
+                lambda: "n1's GPUs to be held\n" + platform.logs(),
+            )
+            client = Client()
+            client.force_login(world["admin"])
+            assert f"held by Slurm job {job_id}" in client.get("/console/fleet/").content.decode()
+            cluster.run("scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=e2e")
+            wait_for(
+                lambda: Host.objects.get(name=f"{platform.host}n2").state == "lost",
+                30,
+                lambda: platform.logs(),
+            )
+        finally:
+            cluster.run("scancel", job_id)
+            cluster.run("scontrol", "update", "NodeName=n2", "State=RESUME")
+        wait_for(lambda: Host.objects.get(name=f"{platform.host}n2").state == "up", 30, "n2 back up")

@@ -1,0 +1,307 @@
+"""A sandbox as a Slurm job on the node gpushare's cycle chose (issue 39).
+
+launch = a batch job pinned to the node (``--nodelist``), with the GRES of the placement
+(whole GPUs of the node's model, ``shard`` for a time-slice replica, ``mps`` for an MPS
+share), the tier's CPUs and memory, the project's Slurm account, run as the owner's user
+(``GPUSHARE_SLURM_RUN_AS``), named ``gpushare-<allocation key>`` so that ``list_owned`` and
+reconcile find it again after any restart; stop = cancel; the preemption warning = SIGTERM
+to the job; batch output = the job's output file; the terminal = a pty on
+``srun --jobid … --overlap --pty``, as the job's user.
+
+Submission goes through ``sbatch``: slurmrestd 22.05 (API v0.0.38) refuses a node list in a
+submitted job ("Disabled key: required_nodes"), and gpushare, not Slurm, chooses the node.
+Everything else (the job's state, the node's, cancel, signal) goes through slurmrestd.
+Slurm binds the devices itself: which of the node's GPUs a job got is learned from the job
+(``SlurmJob.gpu_indices``), not told to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pwd
+import shlex
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from wire.relay import Terminal
+from wire.spec import SandboxHandle, SandboxSpec
+from workers.drivers.base import DriverError, SandboxStatus
+from workers.drivers.output import OutputChunk
+from workers.drivers.process_terminal import ProcessTerminal
+from workers.slurm.model import JOB_NAME_PREFIX, SlurmJob
+from workers.slurm.rest import SlurmError, SlurmRest
+from workers.slurm.settings import SlurmSettings
+from workers.slurm.view import ClusterView
+
+SUBMIT_TIMEOUT_S = 30.0
+STATE_POLL_S = 0.05
+# How a job that ended looks to the platform: its exit (Slurm's own words for the rest).
+ENDED_REASONS = {
+    "CANCELLED": "cancelled", "TIMEOUT": "reached its Slurm time limit",
+    "OUT_OF_MEMORY": "out of memory", "NODE_FAIL": "its Slurm node failed",
+    "PREEMPTED": "preempted by Slurm", "BOOT_FAIL": "its node did not boot",
+    "DEADLINE": "reached its deadline", "FAILED": "failed",
+}  # fmt: skip
+
+
+def gres_request(spec: SandboxSpec, gpu_model: str, shards_per_gpu: int) -> str:
+    """The ``--gres`` of a placement: ``gpu:<model>:<n>`` for whole GPUs, ``shard:<n>`` for a
+    time-slice replica (the GPU's shards over its replicas), ``mps:<threads %>`` for an MPS
+    share; "" for a CPU-only sandbox."""
+    if not spec.device_uuids:
+        return ""
+    if spec.mps is not None:
+        return f"mps:{spec.mps.thread_pct}"
+    share = spec.memory_share
+    if share is not None and share.kind == "timeslice":
+        if not shards_per_gpu:
+            raise DriverError("this Slurm node offers no shard GRES, so no time-slice replica of its GPUs")
+        return f"shard:{max(1, shards_per_gpu // max(1, share.replicas))}"
+    typed = f"gpu:{gpu_model}" if gpu_model else "gpu"
+    return f"{typed}:{len(spec.device_uuids)}"
+
+
+def job_script(spec: SandboxSpec) -> str:
+    """The batch script: the sandbox's command, run by exec so that Slurm's signals reach it."""
+    command = spec.command or ("sleep", "infinity")
+    lines = ["#!/bin/sh", *(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))]
+    return "\n".join([*lines, f"exec {shlex.join(command)}", ""])
+
+
+class SlurmDriver:
+    """The sandboxes of one Slurm node (``node``; ``host`` is gpushare's name for it)."""
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        host: str,
+        node: str,
+        settings: SlurmSettings,
+        rest: SlurmRest,
+        view: ClusterView,
+        sbatch: Callable[[list[str], str], str] | None = None,
+    ) -> None:
+        self.host = host
+        self.node = node
+        self.settings = settings
+        self.rest = rest
+        self.view = view
+        self._sbatch = sbatch or run_sbatch
+        self._submitted: dict[str, int] = {}  # allocation key -> job id, until the view lists it
+        # Stopped here: their ended jobs are no longer listed (as a stopped container is gone).
+        self._stopped: set[str] = set()
+
+    @property
+    def storage_dir(self) -> Path | None:
+        return None  # storage on a Slurm cluster is its file systems', not gpushare's
+
+    def prepare(self, spec: SandboxSpec, report: Callable[[str], None]) -> None:
+        return None
+
+    # --- launch -------------------------------------------------------------------------
+
+    def launch(self, spec: SandboxSpec) -> SandboxHandle:
+        job_id = self._existing(spec.allocation_key)
+        if job_id is None:
+            job_id = self._submit(spec)
+            self._submitted[spec.allocation_key] = job_id
+        job = self._wait_running(job_id)
+        if job.state != "RUNNING":
+            self._cancel_quietly(job_id)
+            raise DriverError(
+                f"Slurm did not start job {job_id} on {self.node} within {self.settings.start_wait_s:.0f} s "
+                f"({job.state}: {job.reason}); cancelled"
+            )
+        return SandboxHandle(self.name, spec.allocation_key, spec.sandbox_id, str(job_id))
+
+    def _existing(self, allocation_key: str) -> int | None:
+        if allocation_key in self._submitted:
+            return self._submitted[allocation_key]
+        job = self.view.job_for(allocation_key)
+        return job.job_id if job is not None else None
+
+    def _submit(self, spec: SandboxSpec) -> int:
+        node = self.view.node(self.node)
+        if node is None:
+            raise DriverError(f"Slurm lists no node {self.node}")
+        user = self.settings.user_for(spec.owner)
+        try:
+            account = pwd.getpwnam(user)
+        except KeyError:
+            raise DriverError(
+                f"no Unix user {user!r} on the gateway to run the job as (GPUSHARE_SLURM_RUN_AS)"
+            ) from None
+        output = self._output_file(spec.allocation_key, account.pw_uid, account.pw_gid)
+        workdir = account.pw_dir if os.path.isdir(account.pw_dir) else "/tmp"  # noqa: S108 - a user without a home
+        options = [
+            f"--job-name={JOB_NAME_PREFIX}{spec.allocation_key}",
+            f"--comment=gpushare sandbox {spec.sandbox_id} of {spec.owner} in {spec.project}",
+            f"--nodelist={self.node}", "--nodes=1", "--ntasks=1",
+            f"--cpus-per-task={max(1, math.ceil(spec.cpu_limit))}",
+            f"--mem={spec.memory_limit_mib}M",
+            f"--account={self.settings.account_for(spec.project)}",
+            f"--uid={account.pw_uid}", f"--gid={account.pw_gid}",
+            f"--output={output}", "--open-mode=append", f"--chdir={workdir}",
+            "--export=NONE", "--no-requeue",
+        ]  # fmt: skip
+        shards_per_gpu = node.shards // node.gpus if node.gpus else 0
+        gres = gres_request(spec, node.gpu_model, shards_per_gpu)
+        if gres:
+            options.append(f"--gres={gres}")
+        if self.settings.partition:
+            options.append(f"--partition={self.settings.partition}")
+        said = self._sbatch(options, job_script(spec))
+        try:
+            return int(said.strip().split(";")[0])
+        except ValueError:
+            raise DriverError(f"sbatch answered {said!r}, not a job id") from None
+
+    def _output_file(self, allocation_key: str, uid: int, gid: int) -> Path:
+        """The job's output file, made here before the job exists, owned by the job's user in
+        a folder only the gateway writes: the job appends to it, and cannot swap it for a
+        link to a file of the gateway's (which reads it as root)."""
+        folder = self.settings.output_dir
+        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+        path = folder / f"{allocation_key}.out"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise DriverError(f"cannot make the job's output file {path}: {exc.strerror}") from exc
+        try:
+            os.fchown(fd, uid, gid)
+        finally:
+            os.close(fd)
+        return path
+
+    def _wait_running(self, job_id: int) -> SlurmJob:
+        deadline = time.monotonic() + self.settings.start_wait_s
+        while True:
+            job = self._job(job_id)
+            if job.state not in ("PENDING", "CONFIGURING") or time.monotonic() > deadline:
+                return job
+            time.sleep(STATE_POLL_S)
+
+    # --- the rest of the seam -----------------------------------------------------------
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        """As of the gateway's last read for a job it listed then (every report asks this of
+        every job: a request each would grow with the cluster), else asked now."""
+        job_id = int(handle.ref)
+        job = self.view.job(job_id)
+        key = handle.allocation_key
+        if job is None or key in self._submitted or key in self._stopped:
+            try:
+                job = self.rest.job(job_id)
+            except SlurmError as exc:
+                raise DriverError(str(exc)) from exc
+        if job is None:
+            return SandboxStatus("missing")
+        started = job.start_s * 1000 if job.start_s else None
+        if job.state in ("PENDING", "CONFIGURING"):
+            return SandboxStatus("created")
+        if job.active:
+            return SandboxStatus("running", started_at_ms=started)
+        reason = ENDED_REASONS.get(job.state, job.state.lower())
+        return SandboxStatus("exited", exit_code=job.exit_code, started_at_ms=started, reason=reason)
+
+    def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
+        """Cancel the job (SIGTERM, then SIGKILL after the cluster's KillWait) and wait for it
+        to end, at most ``grace_s`` and the KillWait beyond."""
+        job_id = int(handle.ref)
+        self._submitted.pop(handle.allocation_key, None)
+        self._stopped.add(handle.allocation_key)
+        try:
+            self.rest.cancel(job_id)
+        except SlurmError as exc:
+            raise DriverError(str(exc)) from exc
+        deadline = time.monotonic() + grace_s + 30
+        while time.monotonic() < deadline:
+            job = self.rest.job(job_id)
+            if job is None or not job.active:
+                return
+            time.sleep(0.2)
+
+    def warn(self, handle: SandboxHandle) -> str:
+        try:
+            self.rest.signal(int(handle.ref), "SIGTERM")
+        except SlurmError as exc:
+            raise DriverError(str(exc)) from exc
+        return f"sent SIGTERM to Slurm job {handle.ref}"
+
+    def list_owned(self) -> list[SandboxHandle]:
+        """gpushare's jobs on this node as of the gateway's last read (its newest for each
+        allocation), and those submitted since. An ended job stays listed, with its exit, until
+        it is stopped (as an exited container is, until it is removed) or slurmctld forgets
+        it (MinJobAge): reconcile learns how a batch ended from it."""
+        found: dict[str, SandboxHandle] = {}
+        for job in sorted(self.view.jobs_on(self.node), key=lambda j: j.job_id):
+            key = job.allocation_key
+            if key is not None and (job.active or key not in self._stopped):
+                found[key] = SandboxHandle(self.name, key, 0, str(job.job_id))
+        for key, job_id in list(self._submitted.items()):
+            listed = found.get(key)
+            if listed is not None and int(listed.ref) == job_id:
+                self._submitted.pop(key, None)  # the view lists it now, and answers for it
+            else:
+                found[key] = SandboxHandle(self.name, key, 0, str(job_id))
+        return list(found.values())
+
+    def exec_terminal(self, handle: SandboxHandle) -> Terminal:
+        job = self._job(int(handle.ref))
+        if job.state != "RUNNING":
+            raise DriverError(f"Slurm job {handle.ref} is {job.state.lower()}, not running")
+        argv = ["runuser", "-u", job.user, "--", "srun", f"--jobid={job.job_id}", "--overlap", "--pty",
+                "/bin/sh", "-l"]  # fmt: skip
+        # A session of its own: the pty's hang-up reaches srun, which ends the step.
+        return ProcessTerminal.spawn(argv, f"Slurm job {job.job_id}", start_new_session=True)
+
+    def open_app(self, handle: SandboxHandle) -> Terminal:
+        raise DriverError("web apps are not served from Slurm jobs")
+
+    def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
+        path = self.settings.output_dir / f"{handle.allocation_key}.out"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return OutputChunk(start=offset, data=b"", total=offset)
+        except OSError as exc:
+            raise DriverError(f"cannot read the job's output {path}: {exc.strerror}") from exc
+        with os.fdopen(fd, "rb") as out:
+            total = os.fstat(out.fileno()).st_size
+            out.seek(min(offset, total))
+            data = out.read(limit) if offset < total else b""
+        return OutputChunk(start=min(offset, total), data=data, total=total)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _job(self, job_id: int) -> SlurmJob:
+        try:
+            job = self.rest.job(job_id)
+        except SlurmError as exc:
+            raise DriverError(str(exc)) from exc
+        if job is None:
+            raise DriverError(f"Slurm no longer knows job {job_id}")
+        return job
+
+    def _cancel_quietly(self, job_id: int) -> None:
+        with contextlib.suppress(SlurmError):
+            self.rest.cancel(job_id)
+
+
+def run_sbatch(options: list[str], script: str) -> str:
+    """``sbatch --parsable`` with the script on its standard input; its answer (the job id)."""
+    try:
+        done = subprocess.run(  # noqa: S603
+            ["sbatch", "--parsable", *options], input=script, capture_output=True, text=True,  # noqa: S607
+            timeout=SUBMIT_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DriverError(f"sbatch: {exc}") from exc
+    if done.returncode != 0:
+        raise DriverError(f"sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout

@@ -1,0 +1,136 @@
+"""A Slurm node's GPUs as a gpushare GPU backend: what its ``gpu`` GRES declares, each GPU
+named by its node and index (Slurm's ``IDX``), since Slurm, not gpushare, binds devices to
+jobs and the gateway sees no GPU of its own.
+
+A GPU that a job submitted outside gpushare holds (any part of it: the whole GPU, shards
+of it, an MPS share) is reported not ready, with the job that holds it, so gpushare places
+nothing there and its fleet page says why; so is every GPU of a node Slurm drains. Both come
+back by themselves once Slurm frees them. The node's own sampling (NVML) is the monitor
+agent's on the node (docs/slurm.md): the gateway samples nothing.
+"""
+
+from __future__ import annotations
+
+from scheduler.gpus import CATALOG
+from workers.gpu.base import (
+    COMPUTE_DEFAULT,
+    FaultEvent,
+    GpuBackendError,
+    GpuInfo,
+    GpuSample,
+    MemoryRepairs,
+    MigDevice,
+)
+from workers.slurm.model import SlurmJob
+from workers.slurm.view import ClusterView
+
+UUID_PREFIX = "SLURM-"
+
+
+def gpu_uuid(host: str, index: int) -> str:
+    return f"{UUID_PREFIX}{host}-GPU{index}"
+
+
+def gpu_index(uuid: str) -> int:
+    """The Slurm index of a GPU named by ``gpu_uuid``; ValueError for any other name."""
+    if not uuid.startswith(UUID_PREFIX) or "-GPU" not in uuid:
+        raise ValueError(f"{uuid!r} is not a Slurm node's GPU")
+    return int(uuid.rsplit("-GPU", 1)[1])
+
+
+def catalog_model(gres_type: str, models: dict[str, str]) -> str:
+    """gpushare's name for a GPU of this Slurm GRES type: the operator's mapping
+    (GPUSHARE_SLURM_GPU_MODELS, ``h100=H100-80GB``), else the only catalog model whose name
+    starts with the type (``h200`` -> H200), else "" (an unknown model)."""
+    if gres_type in models:
+        return models[gres_type]
+    found = [name for name in CATALOG if name.lower().startswith(gres_type.lower())] if gres_type else []
+    return found[0] if len(found) == 1 else ""
+
+
+def holder_of(jobs: list[SlurmJob], node: str, index: int) -> SlurmJob | None:
+    """The job outside gpushare that holds part of GPU ``index`` of ``node``, if any."""
+    return next((j for j in jobs if j.allocation_key is None and index in j.gpu_indices(node)), None)
+
+
+class SlurmGpus:
+    """The GPU backend of one Slurm node, read from the gateway's ``ClusterView``."""
+
+    name = "slurm"
+    devices_bound_elsewhere = True  # Slurm binds each job's GRES and runs MPS on the node
+
+    def __init__(
+        self, host: str, node: str, view: ClusterView, simulated: bool, models: dict[str, str]
+    ) -> None:
+        self.host = host  # gpushare's name for the node
+        self.node = node  # Slurm's
+        self.view = view
+        self.simulated = simulated
+        self.models = models
+
+    def list_gpus(self) -> list[GpuInfo]:
+        node = self.view.node(self.node)
+        if node is None:
+            return []
+        jobs = self.view.active_jobs_on(self.node)
+        model = catalog_model(node.gpu_model, self.models)
+        memory = CATALOG[model].memory_mib if model in CATALOG else 0
+        gpus = []
+        for index in range(node.gpus):
+            holder = holder_of(jobs, self.node, index)
+            if node.draining:
+                why = f"node {self.node} is drained in Slurm" + (
+                    f": {node.reason[:100]}" if node.reason else ""
+                )
+            elif holder is not None:
+                why = f"held by Slurm job {holder.job_id} ({holder.user}), submitted outside gpushare"
+            else:
+                why = ""
+            gpus.append(
+                GpuInfo(
+                    uuid=gpu_uuid(self.host, index), index=index,
+                    name=f"{node.gpu_model or 'gpu'} (Slurm GRES on {self.node})", model=model,
+                    memory_mib=memory, mig_enabled=False, simulated=self.simulated, not_ready=why,
+                )
+            )  # fmt: skip
+        return gpus
+
+    def host_facts(self) -> tuple[int, int]:
+        node = self.view.node(self.node)
+        return (node.cpus, node.memory_mib) if node is not None else (0, 0)
+
+    def sample(self, uuid: str) -> GpuSample:
+        raise GpuBackendError(f"{uuid}: a Slurm node's GPUs are sampled on the node, not by the gateway")
+
+    def mig_layout(self, uuid: str) -> list[MigDevice]:
+        return []
+
+    def create_mig(self, uuid: str, profile: str, start: int) -> MigDevice:
+        raise GpuBackendError("MIG layouts on a Slurm node are Slurm's (gres.conf), not gpushare's")
+
+    def destroy_mig(self, uuid: str, mig_uuid: str) -> None:
+        raise GpuBackendError("MIG layouts on a Slurm node are Slurm's (gres.conf), not gpushare's")
+
+    def fault_events(self) -> list[FaultEvent]:
+        return []
+
+    def fabric_problem(self, uuid: str) -> str:
+        return next((g.not_ready for g in self.list_gpus() if g.uuid == uuid), "")
+
+    def memory_repairs(self, uuid: str) -> MemoryRepairs:
+        return MemoryRepairs()
+
+    def note_load(self, owner: str, device_uuids: list[str], mem_mib: int, util_pct: float) -> None:
+        return None
+
+    def forget_load(self, owner: str) -> None:
+        return None
+
+    def compute_mode(self, uuid: str) -> str:
+        return COMPUTE_DEFAULT
+
+    def set_compute_mode(self, uuid: str, mode: str) -> None:
+        raise GpuBackendError("a Slurm node's compute modes are its administrator's (Slurm's MPS prolog)")
+
+    def close(self) -> None:
+        return None
