@@ -54,6 +54,9 @@ class GpuState:
     # fractional packing the trace replays measure) and the agent's per-sandbox memory watch
     # warns and stops a sandbox over its share (portal setting MPS_ONE_SIZE_PER_GPU).
     mps_one_size: bool = False
+    # The modes its host can give at all: every one, but for a GPU an engine in front of its
+    # host binds (a Slurm node offers time-slicing only with shard GRES, MPS only with mps).
+    offers: tuple[str, ...] = MODES
 
     @property
     def idle(self) -> bool:
@@ -71,6 +74,8 @@ class GpuState:
     def serves(self, mode: str) -> bool:
         """Whether a ``mode`` request may be placed on it, capacity aside: its pinned mode,
         or, following demand, any mode an idle GPU can turn into and the one it is in."""
+        if mode not in self.offers:
+            return False
         if self.mode != AUTO:
             return self.mode == mode
         if mode not in FOLLOWS_DEMAND:
@@ -83,7 +88,7 @@ class GpuState:
 
     def could_serve(self, mode: str) -> bool:
         """Whether it could take a ``mode`` request once emptied (what preemption may free)."""
-        return self.mode == mode or (self.mode == AUTO and mode in FOLLOWS_DEMAND)
+        return mode in self.offers and (self.mode == mode or (self.mode == AUTO and mode in FOLLOWS_DEMAND))
 
     @property
     def free_milli(self) -> int:

@@ -22,7 +22,7 @@ from django.db import DataError, IntegrityError, transaction
 from django.db.models import Q
 
 from portal.fleet import actions
-from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
+from portal.fleet.models import ENGINE_MODES, TIMESLICE_REPLICAS, Gpu, GpuMode, Host, MigInstance
 from wire.messages import HostFacts
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,8 @@ class GpuSeen:
     mig_enabled: bool
     not_ready: str  # why it cannot run CUDA work now; "" when it can
     mig: tuple[MigSeen, ...]
+    engine_modes: tuple[str, ...] = ()  # GpuInfo.engine_modes: () for every mode
+    engine_replicas: int = 0  # GpuInfo.engine_replicas: 0 for the admin's
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,18 @@ def _gpu(data: Any) -> GpuSeen:
         memory_mib=_int(data, "memory_mib", BIG_INT), mig_enabled=data["mig_enabled"],
         # An agent before fabric checks sends none; the reason is kept to 200 characters.
         not_ready=str(data.get("not_ready") or ""), mig=tuple(_mig(d) for d in devices),
+        engine_modes=_engine_modes(data),
+        engine_replicas=_int(data, "engine_replicas", SMALL_INT) if "engine_replicas" in data else 0,
     )  # fmt: skip
+
+
+def _engine_modes(data: Mapping[str, Any]) -> tuple[str, ...]:
+    modes = data.get("engine_modes") or ()
+    if not isinstance(modes, list | tuple) or not set(modes) <= set(ENGINE_MODES):
+        raise BadInventory(
+            f"GPU {data.get('uuid')!r:.80}: engine_modes {modes!r:.80} not among {', '.join(ENGINE_MODES)}"
+        )
+    return tuple(m for m in ENGINE_MODES if m in modes)
 
 
 def read_report(report: Any) -> HostSeen:
@@ -335,6 +348,8 @@ def _gpus(hosts: list[HostSeen], rows: dict[str, Host]) -> dict[str, Gpu]:
         Gpu(
             uuid=seen.uuid, host=rows[host.name], index=seen.index, name=seen.name, model=seen.model,
             memory_mib=seen.memory_mib, mig_enabled=seen.mig_enabled, sharing_mode=_mode(seen, GpuMode.AUTO),
+            engine_modes=list(seen.engine_modes),
+            timeslice_replicas=seen.engine_replicas or TIMESLICE_REPLICAS,
         )
         for host, seen in (reported[uuid] for uuid in new)
     )  # fmt: skip
@@ -351,12 +366,20 @@ def _gpus(hosts: list[HostSeen], rows: dict[str, Host]) -> dict[str, Gpu]:
         if (gpu.name, gpu.model, gpu.memory_mib, gpu.mig_enabled, gpu.sharing_mode) != values:
             gpu.name, gpu.model, gpu.memory_mib, gpu.mig_enabled, gpu.sharing_mode = values
             changed.append(gpu)
+        # What the engine offers is its to say (Slurm's GRES), not the admin's.
+        replicas = seen.engine_replicas or gpu.timeslice_replicas
+        if (gpu.engine_modes, gpu.timeslice_replicas) != (list(seen.engine_modes), replicas):
+            gpu.engine_modes, gpu.timeslice_replicas = list(seen.engine_modes), replicas
+            changed.append(gpu)
         if seen.not_ready:
             actions.gpu_not_ready(gpu, seen.not_ready)
         elif gpu.state == Gpu.State.UNAVAILABLE:
             was = f" (it was unavailable: {gpu.unavailable_reason})" if gpu.unavailable_reason else ""
             available_again[f"available: host {host.name}'s agent offers it again{was}"].append(gpu)
-    Gpu.objects.bulk_update(changed, ["name", "model", "memory_mib", "mig_enabled", "sharing_mode"])
+    Gpu.objects.bulk_update(
+        changed,
+        ["name", "model", "memory_mib", "mig_enabled", "sharing_mode", "engine_modes", "timeslice_replicas"],
+    )
     for message, back in available_again.items():
         actions.gpus_available(back, message)
     for host in hosts:

@@ -24,6 +24,9 @@ class GpuMode(models.TextChoices):
 
 # What an admin may set on a non-MIG GPU.
 SETTABLE_MODES = (GpuMode.AUTO, GpuMode.DEDICATED, GpuMode.MPS, GpuMode.TIMESLICE)
+# What an engine in front of its hosts (Slurm) may offer of a GPU (Gpu.engine_modes).
+ENGINE_MODES = (GpuMode.DEDICATED.value, GpuMode.MPS.value, GpuMode.TIMESLICE.value)
+TIMESLICE_REPLICAS = 4  # a time-sliced GPU's replicas until an admin (or its engine) says otherwise
 
 
 class Host(models.Model):
@@ -78,7 +81,10 @@ class Gpu(models.Model):
     # Following demand, pinned by an admin, or MIG (see GpuMode); agents' new GPUs follow demand.
     sharing_mode = models.CharField(max_length=16, choices=GpuMode.choices, default=GpuMode.AUTO)
     # Replicas it offers when time-sliced: pinned to time-slice, or following demand into it.
-    timeslice_replicas = models.PositiveSmallIntegerField(default=4)
+    timeslice_replicas = models.PositiveSmallIntegerField(default=TIMESLICE_REPLICAS)
+    # The sharing modes the engine that binds it offers (a Slurm node's GRES: "dedicated",
+    # "mps", "timeslice"); empty when its agent hands it out itself, in every mode.
+    engine_modes = models.JSONField(default=list, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.AVAILABLE)
     drain_reason = models.CharField(max_length=200, blank=True)
     # Why it is unavailable ("host … lost", "its agent no longer sees it", or the agent's

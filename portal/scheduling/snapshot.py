@@ -29,6 +29,7 @@ from scheduler.cluster import (
     AUTO,
     DEDICATED,
     MIG,
+    MODES,
     MPS,
     TIMESLICE,
     DeviceGrant,
@@ -156,7 +157,7 @@ def build_snapshot() -> Snapshot:
     gpu_rows = list(
         Gpu.objects.order_by("host_id", "index").values_list(
             "pk", "host_id", "index", "uuid", "model", "memory_mib", "sharing_mode", "timeslice_replicas",
-            "state",
+            "state", "engine_modes",
         )
     )  # fmt: skip
     mig_rows = list(
@@ -183,7 +184,7 @@ def build_snapshot() -> Snapshot:
     no_gpus = {pk for pk, *_, driver, backend in hosts if driver == "libvirt" and backend != "simulated"}
     gpus: dict[int, list[GpuState]] = defaultdict(list)
     one_size = settings.MPS_ONE_SIZE_PER_GPU
-    for pk, host_id, index, uuid, model, memory_mib, sharing_mode, replicas, state in gpu_rows:
+    for pk, host_id, index, uuid, model, memory_mib, sharing_mode, replicas, state, engine_modes in gpu_rows:
         used = held.get(pk) or _Held()
         gpus[host_id].append(
             GpuState(
@@ -202,6 +203,7 @@ def build_snapshot() -> Snapshot:
                 replicas_used=set(used.replicas),
                 mps_share=used.mps_share,
                 mps_one_size=one_size,
+                offers=tuple(engine_modes) or MODES,
             )
         )
     states = [

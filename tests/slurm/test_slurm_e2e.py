@@ -161,6 +161,34 @@ class TestSandboxesRunAsSlurmJobs:
             lambda: f"{wanted} on the output page\n" + platform.logs(),
         )
 
+    @pytest.mark.parametrize(
+        ("tier", "extra", "nodes", "gres"),
+        [
+            ("timeslice", {}, ("n1", "n2"), "shard:1"),  # shard GRES: 2 a GPU, so 2 replicas a GPU
+            ("mps", {"mps_memory_gib": "8", "mps_thread_pct": "30"}, ("n3",), "mps:30"),  # n3 alone has mps
+        ],
+    )
+    def test_05b_a_share_requested_in_the_portal_runs_on_a_node_with_its_gres(
+        self, platform: Platform, cluster: SlurmCluster, world: Any,
+        tier: str, extra: dict[str, str], nodes: tuple[str, ...], gres: str,
+    ) -> None:  # fmt: skip
+        client = Client()
+        client.force_login(world["owner"])
+        form = {
+            "project": str(world["project"].pk), "tier": str(world[tier].pk), "image": str(world["image"].pk),
+            "isolation": "process", "gpu_count": "1", "duration_hours": "1", "run": "interactive", **extra,
+        }  # fmt: skip
+        answer = client.post("/sandboxes/new/", form)
+        assert answer.status_code == 302, answer.content.decode()[:2000]
+        sandbox = Sandbox.objects.filter(owner=world["owner"], tier=world[tier]).latest("pk")
+        wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "running", 60, lambda: platform.logs())
+        sandbox.refresh_from_db()
+        assert sandbox.host is not None and sandbox.host.name.removeprefix(platform.host) in nodes
+        job = job_of(cluster, sandbox)
+        assert job["job_state"] == "RUNNING" and job["tres_per_node"] == f"gres:{gres}"
+        assert client.post(f"/sandboxes/{sandbox.pk}/stop/").status_code in (200, 302)
+        wait_for(lambda: job_of(cluster, sandbox)["job_state"] == "CANCELLED", 30, "Slurm to cancel the job")
+
     def test_06_an_outside_job_holds_its_gpus_and_a_down_node_is_lost(
         self, platform: Platform, cluster: SlurmCluster, world: Any
     ) -> None:

@@ -57,6 +57,13 @@ def test_every_node_is_a_host_with_its_gpus_cpus_and_memory(gateway: SlurmGatewa
     assert [(g["model"], g["simulated"], g["uuid"]) for g in inventory["gpus"]][:1] == [
         ("H100-80GB", True, "SLURM-lab-n1-GPU0")
     ]
+    # n1 has shard GRES (8 over 4 GPUs), n3 mps: what each offers besides whole GPUs.
+    first = {h: gateway.agents[h].context.inventory.current()["gpus"][0] for h in ("lab-n1", "lab-n3")}
+    assert (first["lab-n1"]["engine_modes"], first["lab-n1"]["engine_replicas"]) == (
+        ("dedicated", "timeslice"),
+        2,
+    )
+    assert first["lab-n3"]["engine_modes"] == ("dedicated", "mps")
 
 
 def test_an_outside_job_is_sent_as_held_gpus_and_a_down_node_stops_beating(

@@ -53,6 +53,12 @@ class GpuInfo:
     # it in the NVLink fabric (until then every CUDA call fails with 802). The portal shows
     # the GPU unavailable with this reason, and it comes back by itself once it is "".
     not_ready: str = ""
+    # How the engine that binds this GPU to jobs (Slurm's GRES) lets it be shared: a subset of
+    # "dedicated", "mps", "timeslice" (scheduler.cluster.FOLLOWS_DEMAND); () when the agent
+    # hands out the GPU itself, in any mode. And the time-slice replicas that engine cuts it
+    # into (Slurm's shards per GPU); 0 when that is the admin's setting.
+    engine_modes: tuple[str, ...] = ()
+    engine_replicas: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -75,6 +75,10 @@ class SlurmGpus:
         jobs = self.view.active_jobs_on(self.node)
         model = catalog_model(node.gpu_model, self.models)
         memory = CATALOG[model].memory_mib if model in CATALOG else 0
+        # Slurm hands out a whole GPU always, a time-slice replica as shards, an MPS share as
+        # mps units: a mode whose GRES the node lacks is not offered.
+        modes = ("dedicated", *(("timeslice",) if node.shards else ()), *(("mps",) if node.mps else ()))
+        replicas = node.shards // node.gpus if node.gpus else 0
         gpus = []
         for index in range(node.gpus):
             holder = holder_of(jobs, self.node, index)
@@ -91,6 +95,7 @@ class SlurmGpus:
                     uuid=gpu_uuid(self.host, index), index=index,
                     name=f"{node.gpu_model or 'gpu'} (Slurm GRES on {self.node})", model=model,
                     memory_mib=memory, mig_enabled=False, simulated=self.simulated, not_ready=why,
+                    engine_modes=modes, engine_replicas=replicas,
                 )
             )  # fmt: skip
         return gpus
