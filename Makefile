@@ -116,7 +116,7 @@ bench: install-libvirt
 	$(PY) -m scheduler.research.bench --out BENCHMARKS.md
 	GPUSHARE_VAR_DIR=var/test BENCH_OUT=BENCHMARKS.md VM_KERNEL=$(VM_KERNEL) VM_INITRD=$(VM_INITRD) \
 		LIBVIRT_DOMAIN_TYPE=$(LIBVIRT_DOMAIN_TYPE) \
-		$(PY) -m pytest -q -s -p no:cacheprovider -m bench tests/bench
+		$(PY) -m pytest -q -s -p no:cacheprovider -m bench tests/bench tests/slurm/test_slurm_bench.py
 
 # The load benchmark at USERS users and at 100 in the same run (tests/bench/test_load.py): every
 # user with a sandbox page open, one in ten working; LOAD_SECONDS measured at each scale after a

@@ -10,29 +10,23 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
-from django.conf import settings
 from django.test import Client
 from django.utils import timezone
 
 from portal.accounts.models import ApiToken
 from portal.billing.models import UsageRecord
-from portal.fleet import credentials
 from portal.fleet.models import Gpu, Host
-from portal.launcher import AGENT_WORKER_FLAGS
 from portal.sandboxes.models import Sandbox
-from tests.e2e.platform import ROOT, Platform, stopped_after, wait_for
+from tests.e2e.platform import ROOT, Platform, wait_for
 from tests.slurm.cluster import TENANT, SlurmCluster
-from wire import broker_acl
+from tests.slurm.platform import slurm_platform
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.slow]
 GPUSHARE = str(ROOT / ".venv" / "bin" / "gpushare")
@@ -42,28 +36,7 @@ GPUSHARE = str(ROOT / ".venv" / "bin" / "gpushare")
 def platform(
     cluster: SlurmCluster, world: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Platform]:
-    where = tmp_path_factory.mktemp("slurm-platform")
-    (where / "logs").mkdir()
-    platform = Platform(where / "var", where / "logs", heartbeat_s=1)
-    platform.host = f"slurm{uuid.uuid4().hex[:6]}-"  # the gateway's prefix: ACL users are server-wide
-    celery = [sys.executable, "-m", "celery", "-A", "workers"]
-    with stopped_after(platform):
-        platform.start_control("control", celery)
-        platform.start("beat", [*celery, "beat", "-s", str(where / "beat-schedule")], GPUSHARE_ROLE="beat")
-        platform.start_web()
-        own = {**credentials.issue(platform.host, pool=True).env(), "GPUSHARE_POOL_PREFIX": platform.host}
-        if not broker_acl.supports_selectors(redis.Redis.from_url(settings.REDIS_URL)):
-            del own["REDIS_URL"]
-        platform.start(
-            "gateway",
-            [*celery, "worker", "-n", "slurm@%h", "-P", "threads", "-c", "8", *AGENT_WORKER_FLAGS,
-             "--loglevel=INFO"],
-            GPUSHARE_ROLE="agent", GPUSHARE_SLURM_URL=cluster.rest_url, GPUSHARE_SLURM_USER="root",
-            GPUSHARE_SLURM_JWT_KEY_FILE=str(cluster.jwt_key), GPUSHARE_SLURM_RUN_AS=TENANT,
-            GPUSHARE_SLURM_ACCOUNT=cluster.account, GPUSHARE_SLURM_OUTPUT_DIR=str(cluster.root / "output"),
-            GPUSHARE_SLURM_SIMULATED_GPUS="true", GPUSHARE_SLURM_GPU_MODELS="h100=H100-80GB,a100=A100-80GB",
-            GPUSHARE_SLURM_POLL_MS="500", SLURM_CONF=str(cluster.etc / "slurm.conf"), **own,
-        )  # fmt: skip
+    with slurm_platform(cluster, tmp_path_factory.mktemp("slurm-platform")) as platform:
         yield platform
 
 

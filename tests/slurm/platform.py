@@ -1,0 +1,48 @@
+"""The platform in front of the test cluster (tests/slurm/cluster.py): a control worker, beat,
+the web server and the Slurm gateway as their own processes, the gateway enrolled as a pool
+under a prefix of its own, as docs/slurm.md deploys it."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+from django.conf import settings
+
+from portal.fleet import credentials
+from portal.launcher import AGENT_WORKER_FLAGS
+from tests.e2e.platform import Platform, stopped_after
+from tests.slurm.cluster import TENANT, SlurmCluster
+from wire import broker_acl
+
+
+@contextmanager
+def slurm_platform(cluster: SlurmCluster, where: Path, web: bool = True) -> Iterator[Platform]:
+    """``platform.host`` is the gateway's prefix: node n1 is the host ``<prefix>n1``."""
+    (where / "logs").mkdir(parents=True, exist_ok=True)
+    platform = Platform(where / "var", where / "logs", heartbeat_s=1)
+    platform.host = f"slurm{uuid.uuid4().hex[:6]}-"  # ACL users are the Redis server's, for every run
+    celery = [sys.executable, "-m", "celery", "-A", "workers"]
+    with stopped_after(platform):
+        platform.start_control("control", celery)
+        platform.start("beat", [*celery, "beat", "-s", str(where / "beat-schedule")], GPUSHARE_ROLE="beat")
+        if web:
+            platform.start_web()
+        own = {**credentials.issue(platform.host, pool=True).env(), "GPUSHARE_POOL_PREFIX": platform.host}
+        if not broker_acl.supports_selectors(redis.Redis.from_url(settings.REDIS_URL)):
+            del own["REDIS_URL"]
+        platform.start(
+            "gateway",
+            [*celery, "worker", "-n", "slurm@%h", "-P", "threads", "-c", "8", *AGENT_WORKER_FLAGS,
+             "--loglevel=INFO"],
+            GPUSHARE_ROLE="agent", GPUSHARE_SLURM_URL=cluster.rest_url, GPUSHARE_SLURM_USER="root",
+            GPUSHARE_SLURM_JWT_KEY_FILE=str(cluster.jwt_key), GPUSHARE_SLURM_RUN_AS=TENANT,
+            GPUSHARE_SLURM_ACCOUNT=cluster.account, GPUSHARE_SLURM_OUTPUT_DIR=str(cluster.root / "output"),
+            GPUSHARE_SLURM_SIMULATED_GPUS="true", GPUSHARE_SLURM_GPU_MODELS="h100=H100-80GB,a100=A100-80GB",
+            GPUSHARE_SLURM_POLL_MS="500", SLURM_CONF=str(cluster.etc / "slurm.conf"), **own,
+        )  # fmt: skip
+        yield platform
