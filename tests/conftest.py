@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -11,6 +12,8 @@ from django.conf import settings
 
 from portal.fleet.inventory import do_sync_inventory
 from tests.factories import ImageFactory, MembershipFactory, ProjectFactory, TierFactory, UserFactory
+from tests.slurm.cluster import SlurmCluster, missing_tools, running_cluster
+from tests.workers.engines import require_engine
 from wire.config import ensure_embedded_redis
 from workers.gpu.simulated import SimulatedBackend, parse_sim_spec
 
@@ -321,3 +324,13 @@ def world(scenario_db: None) -> dict[str, Any]:
 @pytest.fixture(scope="class")
 def state() -> dict[str, Any]:
     return {}
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[SlurmCluster]:
+    """A Slurm cluster on loopback (tests/slurm/cluster.py), started once for every test that
+    asks for it (about ten seconds). Tests leave it as they found it: their jobs cancelled,
+    nodes resumed."""
+    require_engine(not missing_tools() and os.geteuid() == 0, f"Slurm's daemons as root ({missing_tools()})")
+    with running_cluster() as running:
+        yield running

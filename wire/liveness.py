@@ -30,6 +30,7 @@ class OwnedSandbox(TypedDict):
     exit_code: NotRequired[int | None]
     reason: NotRequired[str | None]  # why it exited, when the driver knows
     started_at_ms: NotRequired[int | None]
+    ended_at_ms: NotRequired[int]  # an exited one's end, by an engine that keeps it (Slurm)
     handle: NotRequired[HandleJson]
     util: NotRequired[tuple[float | None, float] | None]  # (mean util %, window s) for idle culling
 

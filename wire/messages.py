@@ -112,6 +112,17 @@ class OverShareReport(TypedDict):
     action: str
 
 
+class SlurmAccounting(TypedDict):
+    """What slurmdbd accounted for a gpushare job that ended (``/slurmdb/v0.0.38/job/{id}``), as
+    a Slurm gateway reads it: the portal checks its ledger against it."""
+
+    job_id: int
+    start_s: int  # epoch seconds, Slurm's clock
+    end_s: int
+    elapsed_s: int
+    gres: dict[str, int]  # allocated GRES: {"gpu": 1}, {"shard": 2}, {"mps": 30}
+
+
 # A stopped sandbox's volumes: {volume id (JSON keys are strings): [bytes, whether measured whole]}.
 StorageUsage = dict[str, list[Any]]
 
@@ -156,6 +167,7 @@ class ControlTasks(Protocol):
     def telemetry_host_rollups(self, rollups: list[tuple[str, MinuteRollup]], /) -> None: ...
     def telemetry_alerts(self, host: str, changes: list[AlertMessage], /) -> None: ...
     def sandbox_over_share(self, host: str, report: OverShareReport, /) -> None: ...
+    def slurm_accounted(self, allocation_key: str, record: SlurmAccounting, /) -> object: ...
 
 
 class StopOrder(TypedDict):

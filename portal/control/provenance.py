@@ -73,6 +73,7 @@ CLAIMS: dict[str, Callable[[list[Any]], Claims]] = {
     "telemetry_host_rollups": lambda a: _hosts(host for host, _ in a[0]),
     "telemetry_alerts": lambda a: _hosts([a[0]]),
     "sandbox_over_share": lambda a: Claims(hosts={str(a[0])}, allocation_keys={str(a[1]["allocation_key"])}),
+    "slurm_accounted": lambda a: Claims(allocation_keys={str(a[0])}),
 }
 
 

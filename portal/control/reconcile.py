@@ -183,7 +183,9 @@ def _reconcile_owned(
         actions.do_mark_running(key, entry.get("handle") or {}, from_ms(started_ms))
         repairs.marked_running.append(sandbox.pk)
     elif not running and sandbox.state in (S.RUNNING, S.STARTING):
-        actions.do_mark_stopped(key, taken_at, exit_message(entry))
+        # When it ended, where its engine keeps that (Slurm's accounting), else when it was seen.
+        ended = from_ms(entry["ended_at_ms"]) if entry.get("ended_at_ms") else taken_at
+        actions.do_mark_stopped(key, min(ended, taken_at), exit_message(entry))
         # The agent keeps an exited sandbox until told to stop it: clean it up now.
         _stop_after_commit(host.name, key, sandbox.pk, entry.get("handle"))
         repairs.exited.append(sandbox.pk)

@@ -15,9 +15,8 @@ import base64
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import redis
 from django.db import transaction
@@ -31,7 +30,9 @@ from portal.control.faults import do_fault_event
 from portal.control.plans import auto_relayout, do_plan_report, expire_stale_plans
 from portal.control.reconcile import from_ms
 from portal.control.redis_client import client as redis_client
+from portal.control.retry import Retry
 from portal.control.scheduling import schedule_cycle as run_schedule_cycle
+from portal.control.slurm_accounting import do_check_accounting
 from portal.fleet.inventory import do_heartbeats, do_sync_inventories
 from portal.notifications.emails import send_notification_emails
 from portal.sandboxes import actions, live, preemption
@@ -52,6 +53,7 @@ from wire.messages import (
     MoveReport,
     OverShareReport,
     PlanInventory,
+    SlurmAccounting,
     StorageUsage,
 )
 from wire.spec import HandleJson
@@ -78,19 +80,12 @@ CELERY_OPTIONS: dict[str, CeleryOptions] = {
     "email_notifications": {"max_retries": None, "soft_time_limit": 100, "time_limit": 120},
     "sweep_webhooks": {"soft_time_limit": 60, "time_limit": 90},
     "invoice_tick": {"soft_time_limit": 240, "time_limit": 300},
+    # Waits up to a minute for the ledger to have the job's end (LEDGER_WAIT_S apart).
+    "slurm_accounted": {"max_retries": 12},
 }
 # Handlers told which run of their message this is (``attempt=``, 1 for the first), from
 # Celery's count of retries: they pace their own backoff.
 TOLD_ATTEMPT = frozenset({"email_notifications"})
-
-
-@dataclass(frozen=True)
-class Retry:
-    """A handler's answer that its message should run again in ``countdown_s``, with
-    ``args`` instead of its own when given (the part that is still to do)."""
-
-    countdown_s: float
-    args: tuple[Any, ...] | None = None
 
 
 def schedule_cycle() -> None:
@@ -183,6 +178,12 @@ def sandbox_stopped(allocation_key: str, ended_ms: int, message: str = "stopped"
 
 def sandbox_warned(allocation_key: str, checkpoint: str) -> None:
     preemption.do_record_warning(allocation_key, checkpoint)
+
+
+def slurm_accounted(allocation_key: str, record: SlurmAccounting) -> Retry | None:
+    """slurmdbd's account of a gpushare job that ended, checked against the ledger once the
+    ledger has its end: a difference is an alert for admins (portal.control.slurm_accounting)."""
+    return do_check_accounting(allocation_key, record)
 
 
 def sandbox_over_share(host: str, report: OverShareReport) -> None:

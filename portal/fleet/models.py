@@ -24,6 +24,10 @@ class GpuMode(models.TextChoices):
 
 # What an admin may set on a non-MIG GPU.
 SETTABLE_MODES = (GpuMode.AUTO, GpuMode.DEDICATED, GpuMode.MPS, GpuMode.TIMESLICE)
+# GPU backends whose GPUs are not real: simulated ones, and a test Slurm cluster's GRES on fake
+# device files (workers.slurm.gpus). SLURM_BACKENDS: the nodes of a Slurm cluster's gateway.
+SIMULATED_BACKENDS = ("simulated", "slurm-sim")
+SLURM_BACKENDS = ("slurm", "slurm-sim")
 # What an engine in front of its hosts (Slurm) may offer of a GPU (Gpu.engine_modes).
 ENGINE_MODES = (GpuMode.DEDICATED.value, GpuMode.MPS.value, GpuMode.TIMESLICE.value)
 TIMESLICE_REPLICAS = 4  # a time-sliced GPU's replicas until an admin (or its engine) says otherwise
@@ -52,7 +56,12 @@ class Host(models.Model):
 
     @property
     def simulated(self) -> bool:
-        return self.backend == "simulated"
+        return self.backend in SIMULATED_BACKENDS
+
+    @property
+    def sampled_elsewhere(self) -> bool:
+        """A Slurm node: its gateway reads no GPU figures (docs/slurm.md)."""
+        return self.backend in SLURM_BACKENDS
 
     @property
     def simulated_sandboxes(self) -> bool:

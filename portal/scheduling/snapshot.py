@@ -21,7 +21,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from portal.billing.models import UsageRecord
-from portal.fleet.models import Gpu, Host, MigInstance, running_plan_gpus
+from portal.fleet.models import SIMULATED_BACKENDS, Gpu, Host, MigInstance, running_plan_gpus
 from portal.quotas.models import QuotaPolicy
 from portal.sandboxes.actions import SandboxRequest
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
@@ -181,7 +181,9 @@ def build_snapshot() -> Snapshot:
     # A VM cannot take a real GPU yet (the libvirt driver refuses passthrough, see
     # docs/gpu-hosts.md): such a host offers its CPU and memory only, so a GPU request for a
     # VM waits instead of being placed where its launch can only fail.
-    no_gpus = {pk for pk, *_, driver, backend in hosts if driver == "libvirt" and backend != "simulated"}
+    no_gpus = {
+        pk for pk, *_, driver, backend in hosts if driver == "libvirt" and backend not in SIMULATED_BACKENDS
+    }
     gpus: dict[int, list[GpuState]] = defaultdict(list)
     one_size = settings.MPS_ONE_SIZE_PER_GPU
     for pk, host_id, index, uuid, model, memory_mib, sharing_mode, replicas, state, engine_modes in gpu_rows:

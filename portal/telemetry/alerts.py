@@ -120,19 +120,32 @@ def _raise(host: Host, key: str, kind: str, change: AlertMessage) -> Alert | Non
     return alert
 
 
+# Raised by the control worker about a host, never cleared by its agent: an operator
+# clears them, once they have looked.
+CONTROL_KINDS = (Alert.Kind.FORGED, Alert.Kind.ACCOUNTING)
+
+
 def do_raise_forgery_alert(host: Host, key: str, message: str) -> Alert | None:
     """A forged message, attributed to ``host`` (the one whose key signed it, else the one it
-    claimed to be): an open alert and its ``alert.raised`` event, once per ``key`` (the caller
-    keys it by signer and hour, so a host that keeps forging raises one an hour, not one a
-    message). No agent clears it: an operator does, once they have looked at the host."""
+    claimed to be): ``do_raise_control_alert``, keyed by the caller by signer and hour, so a
+    host that keeps forging raises one an hour, not one a message."""
+    return do_raise_control_alert(Alert.Kind.FORGED, host, key, message)
+
+
+def do_raise_control_alert(
+    kind: str, host: Host, key: str, message: str, sandbox_id: int | None = None, value: float = 1.0
+) -> Alert | None:
+    """An alert the control worker raises (one of ``CONTROL_KINDS``): open, with its
+    ``alert.raised`` event, once per ``key``. No agent clears it."""
     with transaction.atomic():
         alert, created = Alert.objects.get_or_create(
             key=key[:200],
             defaults={
-                "kind": Alert.Kind.FORGED,
+                "kind": kind,
                 "host": host,
+                "sandbox_id": sandbox_id,
                 "message": message[:300],
-                "value": 1.0,
+                "value": value,
                 "threshold": 0.0,
                 "raised_at": timezone.now(),
             },
@@ -148,10 +161,10 @@ def do_close_host_alerts(hosts: Collection[str], reason: str) -> int:
     raises again whatever is still true. One statement however many hosts."""
     if not hosts:
         return 0
-    # A forged message's alert is the control worker's, not the agent's: an agent restarted
-    # (by whoever holds its host) does not close it.
+    # A forged message's or an accounting mismatch's alert is the control worker's, not the
+    # agent's: an agent restarted (by whoever holds its host) does not close it.
     opened = Alert.objects.filter(host__name__in=list(hosts), cleared_at__isnull=True)
-    return opened.exclude(kind=Alert.Kind.FORGED).update(cleared_at=timezone.now(), clear_reason=reason[:120])
+    return opened.exclude(kind__in=CONTROL_KINDS).update(cleared_at=timezone.now(), clear_reason=reason[:120])
 
 
 # --- webhooks ----------------------------------------------------------------------------

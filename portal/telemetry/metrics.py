@@ -48,7 +48,7 @@ from prometheus_client.samples import Sample
 from portal.billing.ledger import COSTED_FIELDS, running_cost_micros
 from portal.billing.models import UsageRecord
 from portal.catalog.models import Tier
-from portal.fleet.models import Gpu, Host, MigInstance
+from portal.fleet.models import SIMULATED_BACKENDS, Gpu, Host, MigInstance
 from portal.inputs import whole_number
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
 from portal.telemetry import control_figures
@@ -238,7 +238,7 @@ class FleetCollector(Collector):
         )
         by_state = dict.fromkeys(Gpu.State.values, 0)
         for gpu in gpus:
-            simulated = "true" if gpu["host__backend"] == "simulated" else "false"
+            simulated = "true" if gpu["host__backend"] in SIMULATED_BACKENDS else "false"
             mode = "mig" if gpu["mig_enabled"] else gpu["sharing_mode"]
             info.add_metric(
                 [

@@ -169,6 +169,9 @@ class Alert(models.Model):
         # Raised by the control worker, not an agent: a message signed by one host that spoke
         # for another, or one whose signature did not verify (portal/control/provenance.py).
         FORGED = "forged", "Forged message"
+        # Raised by the control worker: a Slurm job's accounting (slurmdbd) and gpushare's
+        # ledger disagree on its time or its GRES (portal/control/slurm_accounting.py).
+        ACCOUNTING = "accounting", "Accounting mismatch"
 
     key = models.CharField(max_length=200, unique=True)
     kind = models.CharField(max_length=16, choices=Kind.choices)

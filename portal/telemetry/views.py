@@ -19,7 +19,7 @@ from django.views.decorators.http import require_GET
 
 from portal.accounts.access import visible_projects
 from portal.billing.ledger import cost_by, sandbox_usage
-from portal.fleet.models import Gpu
+from portal.fleet.models import SIMULATED_BACKENDS, Gpu
 from portal.inputs import plain_text, whole_number
 from portal.sandboxes.models import Sandbox
 from portal.telemetry.access import may_watch_fleet, may_watch_gpu, may_watch_sandbox
@@ -184,7 +184,7 @@ def fleet_history(request: HttpRequest) -> JsonResponse:
                     "host": host,
                     "index": index,
                     "model": model or name,
-                    "simulated": backend == "simulated",
+                    "simulated": backend in SIMULATED_BACKENDS,
                     "values": values.get(pk, [None] * width),
                 }
                 for pk, uuid, host, index, model, name, backend in gpus

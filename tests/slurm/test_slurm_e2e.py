@@ -24,6 +24,7 @@ from portal.accounts.models import ApiToken
 from portal.billing.models import UsageRecord
 from portal.fleet.models import Gpu, Host
 from portal.sandboxes.models import Sandbox
+from portal.telemetry.models import Alert
 from tests.e2e.platform import ROOT, Platform, wait_for
 from tests.slurm.cluster import TENANT, SlurmCluster
 from tests.slurm.platform import slurm_platform
@@ -119,9 +120,11 @@ class TestSandboxesRunAsSlurmJobs:
     ) -> None:
         done = gpushare(
             state["home"], "request", "--project", "vision", "--tier", "dedicated", "--image", "busybox",
-            "--gpus", "1", "--isolation", "process", "--command", "sh -c 'echo from-slurm-$SLURM_JOB_ID'",
+            "--gpus", "1", "--isolation", "process", "--command", "sh -c 'echo from-slurm-$SLURM_JOB_ID; sleep 2'",
             "--wait", "--timeout", "60",
         )  # fmt: skip
+        # It runs two seconds: --wait sees it running (a batch that ended first exits 6).
+        assert done.returncode == 0, done.stderr
         sandbox = Sandbox.objects.get(pk=int(done.stdout.strip()))
         job_id = job_of(cluster, sandbox)["job_id"]
         wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state in ("stopped", "failed"), 60, platform.logs)
@@ -193,3 +196,29 @@ class TestSandboxesRunAsSlurmJobs:
             cluster.run("scancel", job_id)
             cluster.run("scontrol", "update", "NodeName=n2", "State=RESUME")
         wait_for(lambda: Host.objects.get(name=f"{platform.host}n2").state == "up", 30, "n2 back up")
+
+    def test_07_every_jobs_accounting_agrees_with_the_ledger(
+        self, platform: Platform, cluster: SlurmCluster
+    ) -> None:
+        """slurmdbd's elapsed time and GRES of every gpushare job, against the ledger: read here
+        from both sides, and checked by the control worker, which raised no alert."""
+        token = cluster.token()
+        jobs = cluster.rest("GET", "/slurmdb/v0.0.38/jobs", token).json()["jobs"]
+        keys = set(Sandbox.objects.values_list("allocation_key", flat=True))  # this scenario's
+        ours = [j for j in jobs if j["name"].removeprefix("gpushare-") in keys]
+        assert len(ours) >= 4  # the shell, the two shares, the batch
+        for job in ours:
+            key = job["name"].removeprefix("gpushare-")
+            [interval] = UsageRecord.objects.filter(allocation_key=key)
+            assert interval.ended_at is not None
+            billed = (interval.ended_at - interval.started_at).total_seconds()
+            assert abs(billed - job["time"]["elapsed"]) <= 1.0, (job["job_id"], billed, job["time"])
+            gres = {t["name"]: t["count"] for t in job["tres"]["allocated"] if t["type"] == "gres"}
+            assert set(gres) & {"gpu", "shard", "mps"}, gres
+        control_log = platform.log_dir / "control.log"
+        wait_for(
+            lambda: control_log.read_text().count("agrees with the ledger") >= len(ours),
+            60,
+            lambda: "the control worker's checks\n" + platform.logs(),
+        )
+        assert not Alert.objects.filter(kind=Alert.Kind.ACCOUNTING).exists()

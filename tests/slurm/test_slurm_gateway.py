@@ -52,7 +52,7 @@ def test_every_node_is_a_host_with_its_gpus_cpus_and_memory(gateway: SlurmGatewa
     assert beaten(sent_tasks) == {"lab-n1", "lab-n2", "lab-n3"}
     assert not inventories(sent_tasks)  # nothing changed since they were announced
     inventory = gateway.agents["lab-n1"].context.inventory.current()
-    assert inventory["driver"] == "slurm" and inventory["backend"] == "slurm"
+    assert inventory["driver"] == "slurm" and inventory["backend"] == "slurm-sim"  # fake GRES
     assert inventory["facts"] == {"cpu_cores": 4, "memory_mib": 4000}
     assert [(g["model"], g["simulated"], g["uuid"]) for g in inventory["gpus"]][:1] == [
         ("H100-80GB", True, "SLURM-lab-n1-GPU0")

@@ -7,6 +7,7 @@ import pytest
 
 from wire.spec import MemoryShare, MpsShare, SandboxSpec
 from workers.drivers.base import DriverError
+from workers.slurm.accounting import accounting_record
 from workers.slurm.driver import gres_request, job_script
 from workers.slurm.gpus import catalog_model, gpu_index, gpu_uuid
 from workers.slurm.model import (
@@ -99,3 +100,21 @@ def test_a_gpu_is_named_by_its_host_and_index_and_a_model_by_the_catalog() -> No
     assert catalog_model("h200", {}) == "H200"
     assert catalog_model("a100", {}) == ""  # A100-80GB or A100-40GB: the operator says
     assert catalog_model("a100", {"a100": "A100-40GB"}) == "A100-40GB"
+
+
+def test_slurmdbds_record_is_read_once_it_has_the_jobs_end() -> None:
+    record = {
+        "time": {"elapsed": 116, "start": 1796004435, "end": 1796004551},
+        "tres": {
+            "allocated": [
+                {"type": "cpu", "name": None, "count": 1},
+                {"type": "gres", "name": "gpu", "count": 2},
+                {"type": "gres", "name": "shard", "count": 0},
+            ]
+        },
+    }
+    assert accounting_record(9, record) == {
+        "job_id": 9, "start_s": 1796004435, "end_s": 1796004551, "elapsed_s": 116,
+        "gres": {"gpu": 2, "shard": 0},
+    }  # fmt: skip
+    assert accounting_record(9, {**record, "time": {"start": 1796004435, "end": 0}}) is None  # still running

@@ -146,6 +146,9 @@ class SandboxStatus:
     exit_code: int | None = None
     started_at_ms: int | None = None
     reason: str | None = None  # why it exited when the driver knows, e.g. "out of memory"
+    # When it ended, by the engine's own clock, for an engine that keeps it (Slurm's end time,
+    # which its accounting reports): the ledger then ends where that accounting does.
+    ended_at_ms: int | None = None
 
 
 class DriverError(RuntimeError):
@@ -192,6 +195,17 @@ class SandboxDriver(Protocol):
         """At most ``limit`` bytes of the sandbox's stdout and stderr from ``offset`` (into
         all it wrote) on. The host keeps the last ``SANDBOX_OUTPUT_MAX_BYTES`` of it: a chunk
         starting beyond ``offset`` says the bytes in between were dropped."""
+        ...
+
+
+@runtime_checkable
+class KeepsEndTimes(Protocol):
+    """A driver whose engine keeps each sandbox's end time and accounts it (Slurm): a stop is
+    reported at that time, not when the agent got to report it, so that gpushare's ledger and
+    the engine's accounting agree (``portal.control.slurm_accounting``)."""
+
+    def ended_at_ms(self, handle: SandboxHandle) -> int | None:
+        """When the stopped sandbox ended, by the engine's clock; None when it does not know."""
         ...
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from wire.messages import to_control
 from wire.spec import DRIVER_ISOLATION, SandboxHandle, SandboxSpec
-from workers.drivers.base import DriverError
+from workers.drivers.base import DriverError, KeepsEndTimes
 from workers.drivers.simulated import simulated_load
 from workers.host.checkpoint import run_checkpoint_hook
 from workers.host.context import HostContext
@@ -94,7 +94,9 @@ class SandboxLifecycle:
     def stop(self, allocation_key: str, handle_json: Mapping[str, Any] | None) -> None:
         handle = SandboxHandle.from_json(handle_json) if handle_json else self.find(allocation_key)
         spec = self.stop_quietly(allocation_key, handle)
-        to_control.sandbox_stopped(allocation_key, now_ms())
+        driver = self.context.driver
+        ended = driver.ended_at_ms(handle) if handle and isinstance(driver, KeepsEndTimes) else None
+        to_control.sandbox_stopped(allocation_key, ended or now_ms())
         if spec is not None:  # what its volumes hold now: after the stop's report, never delaying it
             self.meter.report(spec)
 

@@ -216,19 +216,20 @@ class HostReports:
             status = self.context.driver.status(handle)
             if status.state == "missing":
                 continue
-            report.append(
-                OwnedSandbox(
-                    allocation_key=handle.allocation_key,
-                    sandbox_id=handle.sandbox_id,
-                    state=status.state,
-                    exit_code=status.exit_code,
-                    reason=status.reason,
-                    started_at_ms=status.started_at_ms,
-                    handle=handle.to_json(),
-                    tracked=handle.allocation_key in tracked,
-                    util=self.context.utilization.over_window(handle.allocation_key),
-                )
+            entry = OwnedSandbox(
+                allocation_key=handle.allocation_key,
+                sandbox_id=handle.sandbox_id,
+                state=status.state,
+                exit_code=status.exit_code,
+                reason=status.reason,
+                started_at_ms=status.started_at_ms,
+                handle=handle.to_json(),
+                tracked=handle.allocation_key in tracked,
+                util=self.context.utilization.over_window(handle.allocation_key),
             )
+            if status.ended_at_ms:
+                entry["ended_at_ms"] = status.ended_at_ms
+            report.append(entry)
         listed = {entry["allocation_key"] for entry in report}
         for allocation_key, sandbox_id in (launching or {}).items():
             if allocation_key not in listed:

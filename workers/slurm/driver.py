@@ -207,7 +207,18 @@ class SlurmDriver:
         if job.active:
             return SandboxStatus("running", started_at_ms=started)
         reason = ENDED_REASONS.get(job.state, job.state.lower())
-        return SandboxStatus("exited", exit_code=job.exit_code, started_at_ms=started, reason=reason)
+        ended = job.end_s * 1000 if job.end_s else None
+        return SandboxStatus(
+            "exited", exit_code=job.exit_code, started_at_ms=started, reason=reason, ended_at_ms=ended
+        )
+
+    def ended_at_ms(self, handle: SandboxHandle) -> int | None:
+        """Slurm's end time of a stopped job (what slurmdbd accounts); None while it runs."""
+        try:
+            job = self.rest.job(int(handle.ref))
+        except SlurmError:
+            return None
+        return job.end_s * 1000 if job is not None and not job.active and job.end_s else None
 
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
         """Cancel the job (SIGTERM, then SIGKILL after the cluster's KillWait) and wait for it

@@ -13,7 +13,9 @@ requests whatever the cluster's size). Then:
 - a node whose GPUs changed (a job outside gpushare took one or freed it, Slurm drained the
   node) has its inventory sent again: those GPUs are offered to nobody, and the fleet page
   says which job holds them;
-- a node that appeared is enrolled: its agent is made, announced, and its queue consumed.
+- a node that appeared is enrolled: its agent is made, announced, and its queue consumed;
+- each gpushare job that ended has slurmdbd's record of it sent to the control plane, which
+  checks its ledger against it (``workers.slurm.accounting``).
 
 The gateway is enrolled as a pool (``manage.py host_credential issue --pool <prefix>``): it
 may speak for, and read the queues of, hosts named with its prefix only.
@@ -37,6 +39,7 @@ from workers.host.agent import Agent, announce, run_loop
 from workers.host.agent_settings import AgentSettings
 from workers.host.reports import send_beats
 from workers.host.sampler import Sampler, tick_forever
+from workers.slurm.accounting import AccountingWatch
 from workers.slurm.driver import SlurmDriver
 from workers.slurm.gpus import SlurmGpus
 from workers.slurm.model import SlurmFormatError
@@ -73,6 +76,7 @@ class SlurmGateway:
         self._consume: Callable[[str], None] = lambda queue: None
         self._last_beat = 0.0
         self._samplers: list[Sampler] = []
+        self.accounting = AccountingWatch(self.rest, self.view)
 
     def host_name(self, node: str) -> str:
         return f"{self.prefix}{node}"
@@ -168,6 +172,7 @@ class SlurmGateway:
             announce(back)
             for agent in back:
                 self._sent[agent.host] = [g.to_json() for g in agent.context.inventory.gpus]
+        self.accounting.round()
         if time.monotonic() - self._last_beat >= self.base.heartbeat_s:
             self._last_beat = time.monotonic()
             beats = [a.reports.beat() for h, a in self.agents.items() if h not in self._down]
@@ -182,6 +187,8 @@ class SlurmGateway:
             except (SlurmError, SlurmFormatError) as exc:  # slurmrestd away: no beats, hosts go lost
                 log.error("Slurm gateway: cannot read the cluster: %s", exc)
             except Exception:  # the broker refused a message: the next round tries again
+                if self.stopping.is_set():
+                    return  # shut down in the middle of the round: its builders are gone
                 log.exception("Slurm gateway: poll round failed")
             self.stopping.wait(max(0.0, self.settings.poll_s - (time.monotonic() - started)))
 

@@ -56,7 +56,6 @@ def holder_of(jobs: list[SlurmJob], node: str, index: int) -> SlurmJob | None:
 class SlurmGpus:
     """The GPU backend of one Slurm node, read from the gateway's ``ClusterView``."""
 
-    name = "slurm"
     devices_bound_elsewhere = True  # Slurm binds each job's GRES and runs MPS on the node
 
     def __init__(
@@ -66,6 +65,8 @@ class SlurmGpus:
         self.node = node  # Slurm's
         self.view = view
         self.simulated = simulated
+        # The fleet badges a test cluster's fake GRES as simulated (portal.fleet.models).
+        self.name = "slurm-sim" if simulated else "slurm"
         self.models = models
 
     def list_gpus(self) -> list[GpuInfo]:

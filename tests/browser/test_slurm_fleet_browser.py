@@ -1,0 +1,50 @@
+"""The fleet in Chromium with a Slurm cluster in front (issue 39): the web server, a control
+worker and the Slurm gateway against the real daemons of tests/slurm/cluster.py. The Slurm
+nodes show as hosts with their GPUs; a job submitted with sbatch outside gpushare shows its
+GPUs held, with the job and its user. Screenshots go to docs/screenshots/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from portal.fleet.models import Gpu, Host
+from tests.browser.pages import shot, sign_in
+from tests.e2e.platform import wait_for
+from tests.slurm.cluster import SlurmCluster
+from tests.slurm.platform import slurm_platform
+
+pytestmark = [
+    pytest.mark.browser, pytest.mark.slurm, pytest.mark.e2e, pytest.mark.slow,
+    pytest.mark.django_db(transaction=True),
+]  # fmt: skip
+
+
+def test_the_fleet_shows_slurm_nodes_and_an_outside_jobs_gpus_held(
+    cluster: SlurmCluster, people: Any, tmp_path: Path, browser_page: Any
+) -> None:
+    page = browser_page
+    with slurm_platform(cluster, tmp_path) as platform:
+        wait_for(
+            lambda: (
+                Host.objects.filter(name__startswith=platform.host, state="up").count() == len(cluster.nodes)
+            ),
+            60,
+            lambda: "the Slurm nodes to come up\n" + platform.logs(),
+        )
+        job_id = cluster.run(
+            "sbatch", "--parsable", "-w", "n1", "--gres=gpu:h100:2", "-o", "/dev/null", "--wrap", "sleep 300"
+        ).strip()  # fmt: skip
+        try:
+            held = Gpu.objects.filter(host__name=f"{platform.host}n1", unavailable_reason__contains=job_id)
+            wait_for(lambda: held.count() == 2, 30, lambda: "n1's GPUs to be held\n" + platform.logs())
+            sign_in(page, f"http://127.0.0.1:{platform.port}", "ada", "/console/fleet/")
+            text = page.locator("main").inner_text()
+            for node in ("n1", "n2", "n3"):
+                assert f"{platform.host}{node}" in text
+            assert f"held by Slurm job {job_id} (root), submitted outside gpushare" in text
+            shot(page, "console-fleet-slurm")
+        finally:
+            cluster.run("scancel", job_id)
