@@ -120,8 +120,8 @@ class TestSandboxesRunAsSlurmJobs:
     ) -> None:
         done = gpushare(
             state["home"], "request", "--project", "vision", "--tier", "dedicated", "--image", "busybox",
-            "--gpus", "1", "--isolation", "process", "--command", "sh -c 'echo from-slurm-$SLURM_JOB_ID; sleep 2'",
-            "--wait", "--timeout", "60",
+            "--gpus", "1", "--isolation", "process",
+            "--command", "sh -c 'echo from-slurm-$SLURM_JOB_ID; sleep 2'", "--wait", "--timeout", "60",
         )  # fmt: skip
         # It runs two seconds: --wait sees it running (a batch that ended first exits 6).
         assert done.returncode == 0, done.stderr
