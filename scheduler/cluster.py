@@ -115,6 +115,9 @@ class HostState:
     memory_used_mib: int = 0
     # Isolation levels its agent's sandbox driver gives (container, process, vm); () = any.
     isolation_levels: tuple[str, ...] = ()
+    # The engine cluster it belongs to, whose jobs may span several of its hosts (a Slurm
+    # cluster: scheduler.placement.gang); "" for a host that runs its sandboxes alone.
+    cluster: str = ""
 
     def has_room(self, cpu_milli: int, memory_mib: int) -> bool:
         return (not self.cpu_milli or self.cpu_used_milli + cpu_milli <= self.cpu_milli) and (
@@ -172,6 +175,7 @@ class Request:
     memory_mib: int = 0  # host memory it is limited to
     isolation: str = ""  # container, process or vm; "" when any host will do (trace replay)
     gpu_models: tuple[str, ...] = ()  # GPU models it accepts; () for any
+    nodes: int = 1  # hosts it spans, gpu_count whole GPUs on each (a multi-node Slurm job)
 
     @property
     def gpu_milli(self) -> int:

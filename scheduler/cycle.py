@@ -33,6 +33,7 @@ from scheduler.cluster import (
     CPU_ONLY,
     DEDICATED,
     MIG,
+    MILLI,
     MODES,
     MPS,
     TIMESLICE,
@@ -54,6 +55,7 @@ from scheduler.cluster import (
 from scheduler.fairshare import FairOrder, Quotas, demand_milli
 from scheduler.gc_pause import collection_paused
 from scheduler.placement import Policy
+from scheduler.placement.gang import place_gang
 from scheduler.preemption import Plan, plan_preemption, victim_order
 
 # Blocked requests tried in turn for the head's reservation when the ones before them could
@@ -167,6 +169,8 @@ class _Cycle:
         candidates = (r for r in self.working.running if r.preemptible or r.borrowed)
         for alloc in sorted(candidates, key=victim_order):
             held = [self.gpus[g.gpu_uuid] for g in alloc.grants if g.gpu_uuid in self.gpus]
+            if len({gpu.host for gpu in held}) > 1:
+                continue  # a gang across hosts: a preemption frees one host's part, and stops it all
             for mode in MODES:
                 if any(gpu.could_serve(mode) for gpu in held):
                     self.victims[mode].append(alloc)
@@ -213,6 +217,8 @@ class _Cycle:
         return self.decisions
 
     def _decide(self, request: Request) -> Place | None:
+        if request.nodes > 1:
+            return self._decide_gang(request)
         demand = demand_milli(request, self.timeslice_milli if request.mode == TIMESLICE else 1000)
         refusal = self.quotas.refusal(request.project, demand)
         if refusal:
@@ -249,6 +255,17 @@ class _Cycle:
         self.waiting_by_mode[(request.mode, request.priority)] += 1
         return None
 
+    def _decide_gang(self, request: Request) -> Place | None:
+        """A multi-node request: placed all or nothing where it fits now (``place_gang``),
+        within its project's quota; it neither preempts nor holds a reservation."""
+        refusal = self.quotas.refusal(request.project, request.nodes * request.gpu_count * MILLI)
+        decision = Pending(request.id, refusal) if refusal else place_gang(self.working, request)
+        if isinstance(decision, Place):
+            return self._commit(request, decision, ())
+        self.decisions.append(decision)
+        self.waiting_by_mode[(request.mode, request.priority)] += 1
+        return None
+
     def _commit(self, request: Request, place: Place, victims: tuple[Running, ...]) -> Place:
         for victim in victims:
             self.decisions.append(Preempt(victim.sandbox_id, self._preempt_reason(request, victim)))
@@ -269,11 +286,20 @@ class _Cycle:
         milli = sum(g.milli_gpu for g in place.grants)
         borrowed = self.quotas.borrows(request.project, milli)
         was_over = self.quotas.over_guarantee(request.project) > 0
-        host = self.hosts[place.host]
-        for grant in place.grants:
-            book(next(g for g in host.gpus if g.uuid == grant.gpu_uuid), grant)
-        host.take(request.cpu_milli, request.memory_mib)
-        self.working.changed(place.host)
+        # A gang's grants are on several hosts, each of which gives the tier's CPU and memory.
+        taken = (
+            {place.host} | {self.gpus[g.gpu_uuid].host for g in place.grants}
+            if request.nodes > 1
+            else {place.host}
+        )
+        for name in taken:
+            host = self.hosts[name]
+            for grant in place.grants:
+                found = next((g for g in host.gpus if g.uuid == grant.gpu_uuid), None)
+                if found is not None:
+                    book(found, grant)
+            host.take(request.cpu_milli, request.memory_mib)
+            self.working.changed(name)
         self.quotas.add(request.project, milli)
         if borrowed and not was_over:
             # Its project's older borrowed sandboxes just became reclaimable.

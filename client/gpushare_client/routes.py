@@ -69,6 +69,13 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
         "gpu_count", int, "--gpus", "dedicated tiers: whole GPUs, 1 to the tier's maximum", metavar="N"
     ),
     RequestField(
+        "nodes",
+        int,
+        "--nodes",
+        "dedicated tiers on a Slurm cluster: one job over N nodes, --gpus on each",
+        metavar="N",
+    ),
+    RequestField(
         "mig_profile", str, "--mig-profile", "MIG tiers: the profile, e.g. 1g.10gb", metavar="PROFILE"
     ),
     RequestField(

@@ -34,6 +34,7 @@ from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes import live, notify, nudge
 from portal.sandboxes.models import (
     LIVE_STATES,
+    MAX_NODES,
     PENDING_REASON_MAX,
     Allocation,
     Notification,
@@ -82,6 +83,7 @@ class SandboxRequest:
     image: SandboxImage
     isolation: str
     gpu_count: int = 1
+    nodes: int = 1  # dedicated tiers: hosts of one Slurm cluster, gpu_count GPUs on each
     mig_profile: str = ""
     mps_memory_mib: int = 0
     mps_thread_pct: int = 0
@@ -115,6 +117,14 @@ def check_request_sandbox(user: Any, req: SandboxRequest, *, quota: bool = True)
     mode = tier.sharing_mode
     if mode == SharingMode.DEDICATED and not 1 <= req.gpu_count <= tier.max_gpus:
         raise SandboxRequestError("gpu_count", f"The tier {tier.name} allows 1 to {tier.max_gpus} GPUs.")
+    if req.nodes != 1:
+        if mode != SharingMode.DEDICATED:
+            raise SandboxRequestError("nodes", "Only a whole-GPU tier runs a sandbox across several nodes.")
+        if not 1 <= req.nodes <= MAX_NODES or req.nodes * req.gpu_count > tier.max_gpus:
+            raise SandboxRequestError(
+                "nodes",
+                f"The tier {tier.name} allows {tier.max_gpus} GPUs in all, over at most {MAX_NODES} nodes.",
+            )
     if mode == SharingMode.MIG:
         known = {p.name for m in MODELS.values() for p in m.mig_profiles}
         if req.mig_profile not in known:
@@ -181,6 +191,7 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
             isolation=req.isolation,
             name=req.name,
             gpu_count=req.gpu_count if req.tier.sharing_mode == SharingMode.DEDICATED else 1,
+            nodes=req.nodes if req.tier.sharing_mode == SharingMode.DEDICATED else 1,
             mig_profile=req.mig_profile if req.tier.sharing_mode == SharingMode.MIG else "",
             mps_memory_mib=req.mps_memory_mib if req.tier.sharing_mode == SharingMode.MPS else 0,
             mps_thread_pct=req.mps_thread_pct if req.tier.sharing_mode == SharingMode.MPS else 0,
@@ -292,10 +303,16 @@ def _claim_devices(
     held: dict[int, list[Allocation]] = defaultdict(list)
     for alloc in Allocation.objects.filter(gpu__in=list(gpus.values()), active=True):
         held[alloc.gpu_id].append(alloc)
+    # A gang (a multi-node sandbox) holds GPUs of other hosts too: of the same engine's.
+    hosts = {host.pk} | (
+        set(Host.objects.filter(driver=host.driver, state=Host.State.UP).values_list("pk", flat=True))
+        if sandbox.nodes > 1
+        else set()
+    )
     allocations = []
     for g in grants:
         gpu = gpus.get(g.gpu_uuid)
-        if gpu is None or gpu.host_id != host.pk:
+        if gpu is None or gpu.host_id not in hosts:
             raise SlotTaken(f"GPU {g.gpu_uuid} is not on {host.name}")
         if in_service and gpu.state != Gpu.State.AVAILABLE:
             raise SlotTaken(f"GPU {gpu.uuid} is {gpu.state}")

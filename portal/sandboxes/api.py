@@ -86,6 +86,7 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
             "failure",
             "host",
             "gpu_count",
+            "nodes",
             "mig_profile",
             "mps_memory_mib",
             "mps_thread_pct",
@@ -101,6 +102,7 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
             "launch_progress": {"help_text": "While it starts: what its host is doing that takes time "
                                 "(pulling its image), else empty."},
             "failure": {"help_text": "Why it failed, once it has; else empty."},
+            "nodes": {"help_text": "Hosts it spans, gpu_count GPUs on each (one Slurm job); 1 for most."},
         }  # fmt: skip
 
     def get_max_duration_hours(self, obj: Sandbox) -> float:
@@ -129,6 +131,10 @@ class SandboxCreateSerializer(StrictSerializer):
         error_messages=choices_message(IsolationLevel.values),
     )
     gpu_count = WholeNumber(required=False, help_text="Dedicated tiers: 1 to the tier's max.")
+    nodes = WholeNumber(
+        required=False,
+        help_text="Dedicated tiers on a Slurm cluster: one job over this many nodes, gpu_count GPUs each.",
+    )
     mig_profile = serializers.ChoiceField(
         choices=MIG_PROFILES,
         required=False,
@@ -230,7 +236,7 @@ BATCH_EXAMPLE = OpenApiExample(
 
 # The fields that shape a request in each sharing mode; the others do not apply to it.
 MODE_FIELDS: dict[str, tuple[str, ...]] = {
-    SharingMode.DEDICATED: ("gpu_count",),
+    SharingMode.DEDICATED: ("gpu_count", "nodes"),
     SharingMode.MIG: ("mig_profile",),
     SharingMode.MPS: ("mps_memory_gib", "mps_thread_pct"),
     SharingMode.TIMESLICE: (),

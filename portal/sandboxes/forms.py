@@ -15,6 +15,7 @@ from portal.api.text import repeated_fields, text_problem, unknown_fields
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
 from portal.fleet.models import Host
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
+from portal.sandboxes.models import MAX_NODES
 from scheduler.gpus import MODELS
 from wire.spec import DRIVER_ISOLATION
 
@@ -63,6 +64,10 @@ class SandboxRequestForm(forms.Form):
     gpu_count = forms.IntegerField(
         min_value=1, max_value=8, initial=1, required=False, label="GPUs", help_text="Dedicated tiers"
     )
+    nodes = forms.IntegerField(
+        min_value=1, max_value=MAX_NODES, initial=1, required=False, label="Nodes",
+        help_text="Dedicated tiers on a Slurm cluster: one job over this many nodes, that many GPUs each",
+    )  # fmt: skip
     mig_profile = forms.ChoiceField(
         choices=[("", "—")] + [(p, p) for p in MIG_PROFILES],
         required=False,
@@ -178,6 +183,7 @@ class SandboxRequestForm(forms.Form):
             image=data["image"],
             isolation=data["isolation"],
             gpu_count=data.get("gpu_count") or 1,
+            nodes=data.get("nodes") or 1,
             mig_profile=data.get("mig_profile") or "",
             mps_memory_mib=(data.get("mps_memory_gib") or 0) * 1024,
             mps_thread_pct=data.get("mps_thread_pct") or 0,

@@ -50,6 +50,7 @@ LIVE_STATES = (
 ENDED_STATES = (SandboxState.STOPPED, SandboxState.FAILED, SandboxState.PREEMPTED, SandboxState.EXPIRED)
 # What is kept of the scheduler's reason for a wait: the cycle compares it with the stored one.
 PENDING_REASON_MAX = 200
+MAX_NODES = 16  # the most hosts one sandbox spans (a multi-node Slurm job)
 
 
 class StopCause(models.TextChoices):
@@ -73,6 +74,9 @@ class Sandbox(models.Model):
     name = models.CharField(max_length=60, blank=True)
     # What was asked for: exactly one of these applies, by the tier's sharing mode.
     gpu_count = models.PositiveSmallIntegerField(default=1)
+    # Whole-GPU tiers: the hosts it spans, gpu_count GPUs on each (one Slurm job across nodes);
+    # ``host`` is the first, where the job's batch script runs.
+    nodes = models.PositiveSmallIntegerField(default=1)
     mig_profile = models.CharField(max_length=16, blank=True)
     mps_memory_mib = models.PositiveIntegerField(default=0)
     mps_thread_pct = models.PositiveSmallIntegerField(default=0)
@@ -160,6 +164,11 @@ class Sandbox(models.Model):
                 violation_error_message="A sandbox takes 1 to 8 GPUs.",
             ),
             models.CheckConstraint(
+                condition=models.Q(nodes__gte=1, nodes__lte=MAX_NODES),
+                name="%(app_label)s_%(class)s_nodes_1_to_16",
+                violation_error_message="A sandbox spans 1 to 16 nodes.",
+            ),
+            models.CheckConstraint(
                 condition=models.Q(mps_thread_pct__lte=100),
                 name="%(app_label)s_%(class)s_mps_threads_at_most_100",
                 violation_error_message="An MPS share takes at most 100% of the threads.",
@@ -211,7 +220,8 @@ class Sandbox(models.Model):
             return f"MPS {self.mps_memory_mib // 1024} GiB, {self.mps_thread_pct}% threads"
         if mode == "timeslice":
             return "1 time-slice replica"
-        return f"{self.gpu_count} GPU" + ("s" if self.gpu_count > 1 else "")
+        gpus = f"{self.gpu_count} GPU" + ("s" if self.gpu_count > 1 else "")
+        return f"{gpus} on each of {self.nodes} nodes" if self.nodes > 1 else gpus
 
 
 class Allocation(models.Model):

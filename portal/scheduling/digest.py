@@ -41,6 +41,7 @@ from django.conf import settings
 
 from portal.scheduling import kept_snapshot
 from scheduler.cluster import (
+    MODES,
     DeviceGrant,
     FairShareState,
     GpuState,
@@ -162,13 +163,13 @@ def _host_row(host: HostState) -> list[Any]:
             g.uuid, g.index, g.model, g.memory_mib, g.mode, g.available, g.exclusive_busy,
             g.mps_used_mib, g.mps_used_threads, g.replicas, sorted(g.replicas_used),
             [[m.uuid, m.profile, m.start, m.memory_slices, m.busy] for m in g.mig],
-            list(g.mps_share) if g.mps_share else None, g.mps_one_size,
+            list(g.mps_share) if g.mps_share else None, g.mps_one_size, list(g.offers),
         ]
         for g in host.gpus
     ]  # fmt: skip
     return [
         host.name, host.up, host.cpu_milli, host.memory_mib, host.cpu_used_milli, host.memory_used_mib,
-        list(host.isolation_levels), gpus,
+        list(host.isolation_levels), gpus, host.cluster,
     ]  # fmt: skip
 
 
@@ -284,23 +285,26 @@ class Mirror:
 def _layout(row: list[Any]) -> tuple[Any, ...]:
     """What a policy may have built on for the whole fleet, of one host's row: its name,
     capacity and isolation, and each GPU's UUID, model and sharing mode. Not what is free."""
-    return (row[0], row[2], row[3], row[6], [(g[0], g[2], g[4]) for g in row[7]])
+    return (row[0], row[2], row[3], row[6], row[8:], [(g[0], g[2], g[4], g[14:]) for g in row[7]])
 
 
 def _host(row: list[Any]) -> HostState:
-    name, up, cpu, memory, cpu_used, memory_used, isolation, gpus = row
+    name, up, cpu, memory, cpu_used, memory_used, isolation, gpus, *cluster = row  # none: from before
     states = [
         GpuState(
             uuid, name, index, model, memory_mib, mode, available, exclusive_busy,
             [MigSlot(*slot) for slot in mig], mps_mib, mps_threads, replicas, set(replicas_used),
             tuple(sizing[0]) if sizing and sizing[0] else None, bool(sizing[1:] and sizing[1]),
+            tuple(sizing[2]) if sizing[2:] else MODES,
         )
         for (
             uuid, index, model, memory_mib, mode, available, exclusive_busy,
             mps_mib, mps_threads, replicas, replicas_used, mig, *sizing,  # none: a digest from before
         ) in gpus
     ]  # fmt: skip
-    return HostState(name, up, states, cpu, memory, cpu_used, memory_used, tuple(isolation))
+    return HostState(
+        name, up, states, cpu, memory, cpu_used, memory_used, tuple(isolation), cluster[0] if cluster else ""
+    )
 
 
 _cached: Digest | None = None

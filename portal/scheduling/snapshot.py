@@ -152,6 +152,10 @@ def _running(grants: dict[int, list[DeviceGrant]]) -> list[Running]:
     return running
 
 
+# Drivers whose hosts form one cluster that runs a job across several of them.
+MULTI_NODE_DRIVERS = {"slurm": "slurm"}
+
+
 def build_snapshot() -> Snapshot:
     """Every host and GPU, what is free on them and who holds the rest."""
     gpu_rows = list(
@@ -216,6 +220,8 @@ def build_snapshot() -> Snapshot:
             cpu_milli=cpu_cores * 1000,  # 0 until its agent reports: not tracked
             memory_mib=memory_mib,
             isolation_levels=(DRIVER_ISOLATION[driver],) if driver in DRIVER_ISOLATION else (),
+            # A Slurm gateway's nodes run a job across several of them (one gateway a fleet).
+            cluster=MULTI_NODE_DRIVERS.get(driver, ""),
         )
         for pk, name, state, cpu_cores, memory_mib, driver, _backend in hosts
     ]
@@ -249,6 +255,7 @@ def _request(
     submitted_at: float,
     mode: str,
     gpu_count: int,
+    nodes: int = 1,
     mig_profile: str,
     mps_memory_mib: int,
     mps_thread_pct: int,
@@ -265,6 +272,7 @@ def _request(
         submitted_at=submitted_at,
         mode=mode,
         gpu_count=gpu_count if mode == DEDICATED else 1,
+        nodes=nodes if mode == DEDICATED else 1,
         mig_profile=mig_profile if mode == MIG else "",
         mps_memory_mib=mps_memory_mib if mode == MPS else 0,
         mps_thread_pct=mps_thread_pct if mode == MPS else 0,
@@ -286,16 +294,17 @@ def read_queue() -> list[Queued]:
     queued = []
     for (
         pk, project, priority, preemptible, requested_at, mode, gpu_count, mig_profile, mps_mib, mps_threads,
-        asked_for, tier_max, cpu_cores, memory_mib, isolation, reason, preempt_after, grace,
+        asked_for, tier_max, cpu_cores, memory_mib, isolation, reason, preempt_after, grace, nodes,
     ) in rows.values_list(
         "pk", "project__slug", "tier__priority_class__value", "tier__priority_class__preemptible",
         "requested_at", "tier__sharing_mode", "gpu_count", "mig_profile", "mps_memory_mib", "mps_thread_pct",
         "max_duration", "tier__max_duration", "tier__cpu_limit", "tier__memory_limit_mib", "isolation",
-        "pending_reason", "tier__preempt_after", "tier__preempt_grace",
+        "pending_reason", "tier__preempt_after", "tier__preempt_grace", "nodes",
     ):  # fmt: skip
         request = _request(
             pk, project=project, priority=priority, submitted_at=requested_at.timestamp(), mode=mode,
-            gpu_count=gpu_count, mig_profile=mig_profile, mps_memory_mib=mps_mib, mps_thread_pct=mps_threads,
+            gpu_count=gpu_count, nodes=nodes, mig_profile=mig_profile, mps_memory_mib=mps_mib,
+            mps_thread_pct=mps_threads,
             max_duration=asked_for or tier_max, cpu_cores=cpu_cores, memory_mib=memory_mib,
             isolation=isolation,
         )  # fmt: skip
@@ -315,7 +324,7 @@ def scheduler_request(request_id: int, asked: SandboxRequest, submitted_at: floa
     tier = asked.tier
     return _request(
         request_id, project=asked.project.slug, priority=tier.priority_class.value, submitted_at=submitted_at,
-        mode=tier.sharing_mode, gpu_count=asked.gpu_count, mig_profile=asked.mig_profile,
+        mode=tier.sharing_mode, gpu_count=asked.gpu_count, nodes=asked.nodes, mig_profile=asked.mig_profile,
         mps_memory_mib=asked.mps_memory_mib, mps_thread_pct=asked.mps_thread_pct,
         max_duration=asked.duration or tier.max_duration, cpu_cores=tier.cpu_limit,
         memory_mib=tier.memory_limit_mib, isolation=asked.isolation,

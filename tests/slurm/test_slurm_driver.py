@@ -180,3 +180,26 @@ def test_a_job_outside_gpushare_holds_its_gpus_and_a_drained_node_all(
         cluster.run("scancel", job_id)
         if drained:
             cluster.run("scontrol", "update", "NodeName=n2", "State=RESUME")
+
+
+def test_a_gang_runs_as_one_job_across_its_nodes_with_ranks_and_a_rendezvous(
+    drivers: dict[str, SlurmDriver], view: ClusterView
+) -> None:
+    driver = drivers["n2"]
+    say = ("sh", "-c", "echo rank=$RANK node_rank=$NODE_RANK world=$WORLD_SIZE at=$MASTER_ADDR:$MASTER_PORT")
+    gang = spec("gang", "n2", devices=1, command=say)
+    gang = SandboxSpec(
+        **{**gang.__dict__, "device_uuids": (gpu_uuid("slurm-n2", 0), gpu_uuid("slurm-n3", 0))}
+    )
+    handle = driver.launch(gang)
+    job = view.rest.job(int(handle.ref))
+    assert job is not None and sorted(job.nodes) == ["n2", "n3"] and job.lead_node == "n2"
+    output_of(driver, handle, b"1: rank=1")
+    out = output_of(driver, handle, b"0: rank=0").decode()  # the ranks' lines come in any order
+    assert "0: rank=0 node_rank=0 world=2" in out and "1: rank=1 node_rank=1 world=2" in out, out
+    [master] = {line.split("at=")[1] for line in out.splitlines() if "at=" in line}
+    assert master.split(":")[0] == "n2" and master.split(":")[1].isdigit()
+    view.refresh()
+    assert handle.ref in [h.ref for h in driver.list_owned()]  # n2's host lists it
+    assert handle.ref not in [h.ref for h in drivers["n3"].list_owned()]  # n3's does not: it is n2's
+    driver.stop(handle, grace_s=0)

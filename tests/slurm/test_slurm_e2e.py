@@ -28,6 +28,7 @@ from portal.telemetry.models import Alert
 from tests.e2e.platform import ROOT, Platform, wait_for
 from tests.slurm.cluster import TENANT, SlurmCluster
 from tests.slurm.platform import slurm_platform
+from workers.slurm.model import expand_hostlist
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.slow]
 GPUSHARE = str(ROOT / ".venv" / "bin" / "gpushare")
@@ -164,6 +165,35 @@ class TestSandboxesRunAsSlurmJobs:
         assert job["job_state"] == "RUNNING" and job["tres_per_node"] == f"gres:{gres}"
         assert client.post(f"/sandboxes/{sandbox.pk}/stop/").status_code in (200, 302)
         wait_for(lambda: job_of(cluster, sandbox)["job_state"] == "CANCELLED", 30, "Slurm to cancel the job")
+
+    def test_05c_a_two_node_request_runs_as_one_job_across_two_nodes(
+        self, platform: Platform, cluster: SlurmCluster, world: Any, state: dict[str, Any]
+    ) -> None:
+        said = "echo rank=$RANK of $WORLD_SIZE meets at $MASTER_ADDR:$MASTER_PORT; sleep 2"
+        done = gpushare(
+            state["home"], "request", "--project", "vision", "--tier", "dedicated", "--image", "busybox",
+            "--gpus", "1", "--nodes", "2", "--isolation", "process", "--command", f"sh -c '{said}'",
+            "--wait", "--timeout", "60",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr + platform.logs()
+        sandbox = Sandbox.objects.get(pk=int(done.stdout.strip()))
+        hosts = set(sandbox.allocations.values_list("gpu__host__name", flat=True))
+        assert len(hosts) == 2 and sandbox.host is not None and sandbox.host.name in hosts
+        job = job_of(cluster, sandbox)
+        assert expand_hostlist(job["nodes"]) == sorted(h.removeprefix(platform.host) for h in hosts)
+        client = Client()
+        client.force_login(world["owner"])
+        lead = sandbox.host.name.removeprefix(platform.host)
+        wanted = [f"{rank}: rank={rank} of 2 meets at {lead}:" for rank in (0, 1)]
+        wait_for(
+            lambda: all(
+                w in client.get(f"/sandboxes/{sandbox.pk}/output.txt").content.decode() for w in wanted
+            ),
+            30,
+            lambda: "both ranks on the output page\n" + platform.logs(),
+        )
+        # Its end reported before the next step takes a node down (its ledger would end at the loss).
+        wait_for(lambda: Sandbox.objects.get(pk=sandbox.pk).state == "stopped", 30, platform.logs)
 
     def test_06_an_outside_job_holds_its_gpus_and_a_down_node_is_lost(
         self, platform: Platform, cluster: SlurmCluster, world: Any

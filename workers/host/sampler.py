@@ -129,11 +129,7 @@ class Sampler:
         samples = TickSamples(self.context.backend, parent_of)
         newest: list[GpuSampleMessage] = []
         changes: list[AlertMessage] = []
-        # A Slurm node's GPUs are sampled on the node, not by its gateway: nothing to read here.
-        sampled = (
-            [] if isinstance(self.context.backend, DevicesBoundElsewhere) else self.context.inventory.gpus
-        )
-        for gpu in list(sampled):
+        for gpu in list(self.context.inventory.gpus):
             sample = samples.get(gpu.uuid)
             if sample is None:
                 continue  # lost or failed this tick
@@ -293,9 +289,11 @@ class TickSamples:
         self._taken: dict[str, GpuSample] = {}
         self.lost: set[str] = set()  # GPU uuids (a MIG device's parent) now gone
         self.failed: dict[str, str] = {}  # device uuid -> why, this tick only
+        # A Slurm node's GPUs are sampled on the node, not by its gateway: nothing to read.
+        self.elsewhere = isinstance(backend, DevicesBoundElsewhere)
 
     def get(self, uuid: str) -> GpuSample | None:
-        if self.parent_of.get(uuid, uuid) in self.lost or uuid in self.failed:
+        if self.parent_of.get(uuid, uuid) in self.lost or uuid in self.failed or self.elsewhere:
             return None
         if uuid not in self._taken:
             try:

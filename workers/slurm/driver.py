@@ -32,7 +32,8 @@ from wire.spec import SandboxHandle, SandboxSpec
 from workers.drivers.base import DriverError, SandboxStatus
 from workers.drivers.output import OutputChunk
 from workers.drivers.process_terminal import ProcessTerminal
-from workers.slurm.model import JOB_NAME_PREFIX, SlurmJob
+from workers.slurm.gpus import host_of
+from workers.slurm.model import COMMENT_PREFIX, JOB_NAME_PREFIX, SlurmJob
 from workers.slurm.rest import SlurmError, SlurmRest
 from workers.slurm.settings import SlurmSettings
 from workers.slurm.view import ClusterView
@@ -48,10 +49,10 @@ ENDED_REASONS = {
 }  # fmt: skip
 
 
-def gres_request(spec: SandboxSpec, gpu_model: str, shards_per_gpu: int) -> str:
-    """The ``--gres`` of a placement: ``gpu:<model>:<n>`` for whole GPUs, ``shard:<n>`` for a
-    time-slice replica (the GPU's shards over its replicas), ``mps:<threads %>`` for an MPS
-    share; "" for a CPU-only sandbox."""
+def gres_request(spec: SandboxSpec, gpu_model: str, shards_per_gpu: int, nodes: int = 1) -> str:
+    """The ``--gres`` of a placement, per node: ``gpu:<model>:<n>`` for whole GPUs (a gang's
+    are spread evenly over its ``nodes``), ``shard:<n>`` for a time-slice replica (the GPU's
+    shards over its replicas), ``mps:<threads %>`` for an MPS share; "" for a CPU-only one."""
     if not spec.device_uuids:
         return ""
     if spec.mps is not None:
@@ -62,14 +63,38 @@ def gres_request(spec: SandboxSpec, gpu_model: str, shards_per_gpu: int) -> str:
             raise DriverError("this Slurm node offers no shard GRES, so no time-slice replica of its GPUs")
         return f"shard:{max(1, shards_per_gpu // max(1, share.replicas))}"
     typed = f"gpu:{gpu_model}" if gpu_model else "gpu"
-    return f"{typed}:{len(spec.device_uuids)}"
+    return f"{typed}:{len(spec.device_uuids) // nodes}"
 
 
-def job_script(spec: SandboxSpec) -> str:
-    """The batch script: the sandbox's command, run by exec so that Slurm's signals reach it."""
+def job_script(spec: SandboxSpec, nodes: int = 1) -> str:
+    """The batch script: the sandbox's command, run by exec so that Slurm's signals reach it.
+    Across several nodes, one task a node (``srun``), each told its rank and where to meet:
+    ``MASTER_ADDR`` (the first node) and ``MASTER_PORT`` (one per job), ``WORLD_SIZE``,
+    ``RANK``, ``NODE_RANK`` and ``LOCAL_RANK``, as torchrun and most launchers read them."""
     command = spec.command or ("sleep", "infinity")
-    lines = ["#!/bin/sh", *(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))]
-    return "\n".join([*lines, f"exec {shlex.join(command)}", ""])
+    lines = [
+        "#!/bin/sh",
+        'export PATH="${PATH:-/usr/local/bin:/usr/bin:/bin}"',  # none when the user's login env is not loaded
+        *(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())),
+    ]
+    if nodes <= 1:
+        return "\n".join([*lines, f"exec {shlex.join(command)}", ""])
+    rank = (
+        'export RANK="$SLURM_PROCID" NODE_RANK="$SLURM_NODEID" LOCAL_RANK="$SLURM_LOCALID" '
+        'WORLD_SIZE="$SLURM_NTASKS"; exec "$@"'
+    )
+    return "\n".join(
+        [
+            *lines,
+            'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+            'MASTER_PORT="$((20000 + SLURM_JOB_ID % 20000))"',
+            "export MASTER_ADDR MASTER_PORT",
+            # --export=ALL: the job was submitted with NONE, which its steps inherit otherwise.
+            f"exec srun --export=ALL --label --kill-on-bad-exit=1 --ntasks-per-node=1 /bin/sh -c "
+            f"{shlex.quote(rank)} gpushare-rank {shlex.join(command)}",
+            "",
+        ]
+    )
 
 
 class SlurmDriver:
@@ -136,12 +161,15 @@ class SlurmDriver:
             raise DriverError(
                 f"no Unix user {user!r} on the gateway to run the job as (GPUSHARE_SLURM_RUN_AS)"
             ) from None
+        nodes = self._nodes(spec)
         output = self._output_file(spec.allocation_key, account.pw_uid, account.pw_gid)
         workdir = account.pw_dir if os.path.isdir(account.pw_dir) else "/tmp"  # noqa: S108 - a user without a home
         options = [
             f"--job-name={JOB_NAME_PREFIX}{spec.allocation_key}",
-            f"--comment=gpushare sandbox {spec.sandbox_id} of {spec.owner} in {spec.project}",
-            f"--nodelist={self.node}", "--nodes=1", "--ntasks=1",
+            # The node whose host the sandbox is on leads: a gang's job is that host's alone.
+            f"--comment={COMMENT_PREFIX} {self.node} sandbox {spec.sandbox_id} of {spec.owner} in "
+            f"{spec.project}",
+            f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}", "--ntasks-per-node=1",
             f"--cpus-per-task={max(1, math.ceil(spec.cpu_limit))}",
             f"--mem={spec.memory_limit_mib}M",
             f"--account={self.settings.account_for(spec.project)}",
@@ -150,16 +178,31 @@ class SlurmDriver:
             "--export=NONE", "--no-requeue",
         ]  # fmt: skip
         shards_per_gpu = node.shards // node.gpus if node.gpus else 0
-        gres = gres_request(spec, node.gpu_model, shards_per_gpu)
+        gres = gres_request(spec, node.gpu_model, shards_per_gpu, len(nodes))
         if gres:
             options.append(f"--gres={gres}")
         if self.settings.partition:
             options.append(f"--partition={self.settings.partition}")
-        said = self._sbatch(options, job_script(spec))
+        said = self._sbatch(options, job_script(spec, len(nodes)))
         try:
             return int(said.strip().split(";")[0])
         except ValueError:
             raise DriverError(f"sbatch answered {said!r}, not a job id") from None
+
+    def _nodes(self, spec: SandboxSpec) -> list[str]:
+        """The Slurm nodes of the placement, this one first (the batch script's): a gang's GPUs
+        are on several hosts of this gateway, each ``<prefix><node>``."""
+        prefix = self.host.removesuffix(self.node)
+        try:
+            hosts = {host_of(uuid) for uuid in spec.device_uuids} - {self.host}
+        except ValueError as exc:
+            raise DriverError(f"the placement names a GPU that is no Slurm node's: {exc}") from None
+        strangers = sorted(h for h in hosts if not h.startswith(prefix))
+        if strangers:
+            raise DriverError(
+                f"the placement spans hosts this Slurm gateway does not serve: {', '.join(strangers)}"
+            )
+        return [self.node, *sorted(h.removeprefix(prefix) for h in hosts)]
 
     def _output_file(self, allocation_key: str, uid: int, gid: int) -> Path:
         """The job's output file, made here before the job exists, owned by the job's user in
@@ -252,6 +295,8 @@ class SlurmDriver:
         found: dict[str, SandboxHandle] = {}
         for job in sorted(self.view.jobs_on(self.node), key=lambda j: j.job_id):
             key = job.allocation_key
+            if job.lead_node not in ("", self.node):
+                continue  # a gang's, on its lead node's host
             if key is not None and (job.active or key not in self._stopped):
                 found[key] = SandboxHandle(self.name, key, 0, str(job.job_id))
         for key, job_id in list(self._submitted.items()):

@@ -38,6 +38,12 @@ def gpu_index(uuid: str) -> int:
     return int(uuid.rsplit("-GPU", 1)[1])
 
 
+def host_of(uuid: str) -> str:
+    """The gpushare host of a GPU named by ``gpu_uuid``; ValueError for any other name."""
+    gpu_index(uuid)
+    return uuid.removeprefix(UUID_PREFIX).rsplit("-GPU", 1)[0]
+
+
 def catalog_model(gres_type: str, models: dict[str, str]) -> str:
     """gpushare's name for a GPU of this Slurm GRES type: the operator's mapping
     (GPUSHARE_SLURM_GPU_MODELS, ``h100=H100-80GB``), else the only catalog model whose name

@@ -16,6 +16,9 @@ from typing import Any
 # A job gpushare made carries this prefix and its allocation key in its name; the rest of the
 # platform finds its sandboxes by that key (``list_owned``, reconcile).
 JOB_NAME_PREFIX = "gpushare-"
+# ... and its comment starts "gpushare <node>": the node whose gpushare host holds the
+# sandbox (a job across several nodes is listed by that host alone).
+COMMENT_PREFIX = "gpushare"
 
 # Job states (squeue(1), "JOB STATE CODES"): a job in one of these holds or is about to hold
 # its node's resources.
@@ -162,6 +165,15 @@ class SlurmJob:
     exit_code: int | None = None
     reason: str = ""  # why it is pending or how it ended (state_reason)
     standard_output: str = ""
+    comment: str = ""
+
+    @property
+    def lead_node(self) -> str:
+        """The node whose gpushare host holds this gpushare job ("" for another's job)."""
+        words = self.comment.split()
+        if self.allocation_key is None or len(words) < 2 or words[0] != COMMENT_PREFIX:
+            return ""
+        return words[1]
 
     @property
     def allocation_key(self) -> str | None:
@@ -204,6 +216,7 @@ class SlurmJob:
                 exit_code=int(exit_code) if isinstance(exit_code, int) else None,
                 reason=str(data.get("state_reason") or ""),
                 standard_output=str(data.get("standard_output") or ""),
+                comment=str(data.get("comment") or ""),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SlurmFormatError(f"job {data.get('job_id')!r}: {exc}") from exc
