@@ -135,7 +135,14 @@ class SlurmCluster:
         self._start_rest()
 
     def stop(self) -> None:
-        """Every daemon, newest first (slurmrestd … munged), TERM then KILL."""
+        """Every job cancelled, then every daemon, newest first (slurmrestd … munged), TERM then
+        KILL, then any job step slurmd left running (a slurmstepd outlives its slurmd)."""
+        if self.procs.get("slurmctld") is not None and self.procs["slurmctld"].poll() is None:
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                jobs = self._run("squeue", "-h", "-o", "%i").split()
+                if jobs:
+                    self._run("scancel", *jobs)
+                    time.sleep(1)
         for name in reversed(list(self.procs)):
             proc = self.procs[name]
             if proc.poll() is None:
@@ -150,6 +157,25 @@ class SlurmCluster:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs.clear()
+        self._kill_leftover_steps()
+
+    def _kill_leftover_steps(self) -> None:
+        """slurmstepd processes of this cluster's jobs (found by the SLURM_CONF they run
+        with) and everything under them: killed, so that a test run leaves no job behind."""
+        ours = f"SLURM_CONF={self.etc / 'slurm.conf'}".encode()
+        doomed: list[int] = []
+        for proc in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                step = proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"slurmstepd")
+                if step and ours in (proc / "environ").read_bytes().split(b"\0"):
+                    doomed.append(int(proc.name))
+        while doomed:
+            pid = doomed.pop()
+            with contextlib.suppress(OSError):
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    doomed += [int(c) for c in (task / "children").read_text().split()]
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def logs(self, lines: int = 40) -> str:
         """Each daemon's last lines, for a failed wait."""
