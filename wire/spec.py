@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from wire.storage import StorageMount
 
@@ -159,6 +159,7 @@ class HandleJson(TypedDict):
     allocation_key: str
     sandbox_id: int
     ref: str
+    devices: NotRequired[list[str]]  # SandboxHandle.devices, when there are any
 
 
 @dataclass(frozen=True)
@@ -166,13 +167,21 @@ class SandboxHandle:
     driver: str  # "docker" | "process" | "libvirt"
     allocation_key: str
     sandbox_id: int
-    ref: str  # container id, pid, domain uuid
+    ref: str  # container id, pid, domain uuid, Slurm job id
+    # The GPUs the engine granted, where it chose them itself (Slurm binds a job's GRES): the
+    # portal's allocations follow them (portal.sandboxes.granted). () for every other driver.
+    devices: tuple[str, ...] = ()
 
     def to_json(self) -> HandleJson:
-        return HandleJson(
+        found = HandleJson(
             driver=self.driver, allocation_key=self.allocation_key, sandbox_id=self.sandbox_id, ref=self.ref
         )
+        if self.devices:
+            found["devices"] = list(self.devices)
+        return found
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SandboxHandle:
-        return cls(**renamed(data))
+        values = renamed(data)
+        values["devices"] = tuple(values.get("devices") or ())
+        return cls(**values)

@@ -32,6 +32,7 @@ from portal.fleet.modes import KIND_MODE
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes import live, notify, nudge
+from portal.sandboxes.granted import follow_granted_devices
 from portal.sandboxes.models import (
     LIVE_STATES,
     MAX_NODES,
@@ -441,10 +442,12 @@ def do_mark_running(allocation_key: str, handle: dict[str, Any], started_at: dat
             return  # a duplicate report, or the sandbox was stopped meanwhile
         sandbox.handle = handle
         sandbox.started_at = started_at
+        # Where the engine chose the GPUs itself (Slurm), the allocations follow its choice.
+        moved = follow_granted_devices(sandbox, handle.get("devices") or ())
         # The driver only: the handle's ref is the host's pid for the process driver (a
         # container or VM id for the others), host detail the tenant reading the timeline
         # has no use for. Staff find the whole handle on the sandbox in the admin.
-        said = f"running ({handle.get('driver')})"
+        said = f"running ({handle.get('driver')})" + (f"; {moved}" if moved else "")
         # A new placement (a move, a requeue) starts within its GPU memory share until its
         # agent says otherwise.
         sandbox.over_share_since = None

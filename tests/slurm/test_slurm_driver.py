@@ -77,6 +77,7 @@ def test_a_whole_gpu_runs_as_a_job_on_the_chosen_node_as_the_tenant(
     assert job is not None and job.state == "RUNNING" and job.nodes == ("n2",)
     assert job.user == TENANT and job.account == "lab-vision" and job.name == "gpushare-whole-1"
     assert [h.name for h in job.holds["n2"]] == ["gpu"] and len(job.gpu_indices("n2")) == 2
+    assert handle.devices == tuple(gpu_uuid("slurm-n2", i) for i in job.gpu_indices("n2"))  # what Slurm bound
     assert b"CUDA=" in output_of(driver, handle, b"CUDA=")
     assert driver.status(handle).state == "running"
     view.refresh()

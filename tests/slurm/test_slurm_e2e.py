@@ -100,6 +100,10 @@ class TestSandboxesRunAsSlurmJobs:
         assert job["job_state"] == "RUNNING" and job["user_name"] == TENANT
         assert job["nodes"] == sandbox.host.name.removeprefix(platform.host)  # the node gpushare chose
         assert job["tres_per_node"].startswith("gres:gpu:")
+        # The GPU gpushare books is the one Slurm bound (its choice, learned from the job).
+        [detail] = job["gres_detail"]
+        [index] = sandbox.allocations.filter(active=True).values_list("gpu__index", flat=True)
+        assert detail.endswith(f"(IDX:{index})"), (detail, index)
 
     def test_03_its_shell_says_hi(self, state: dict[str, Any]) -> None:
         done = gpushare(state["home"], "shell", str(state["sandbox"]), "-c", "echo hi")

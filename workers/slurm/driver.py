@@ -32,7 +32,7 @@ from wire.spec import SandboxHandle, SandboxSpec
 from workers.drivers.base import DriverError, SandboxStatus
 from workers.drivers.output import OutputChunk
 from workers.drivers.process_terminal import ProcessTerminal
-from workers.slurm.gpus import host_of
+from workers.slurm.gpus import gpu_uuid, host_of
 from workers.slurm.model import COMMENT_PREFIX, JOB_NAME_PREFIX, SlurmJob
 from workers.slurm.rest import SlurmError, SlurmRest
 from workers.slurm.settings import SlurmSettings
@@ -142,7 +142,14 @@ class SlurmDriver:
                 f"Slurm did not start job {job_id} on {self.node} within {self.settings.start_wait_s:.0f} s "
                 f"({job.state}: {job.reason}); cancelled"
             )
-        return SandboxHandle(self.name, spec.allocation_key, spec.sandbox_id, str(job_id))
+        return SandboxHandle(self.name, spec.allocation_key, spec.sandbox_id, str(job_id), self.granted(job))
+
+    def granted(self, job: SlurmJob) -> tuple[str, ...]:
+        """The GPUs Slurm bound to ``job`` (any part of them), as gpushare names them."""
+        prefix = self.host.removesuffix(self.node)
+        return tuple(
+            gpu_uuid(f"{prefix}{node}", index) for node in job.nodes for index in job.gpu_indices(node)
+        )
 
     def _existing(self, allocation_key: str) -> int | None:
         if allocation_key in self._submitted:
