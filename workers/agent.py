@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -270,16 +269,12 @@ def _self_test(**_: Any) -> None:
     except ConfigError as exc:
         log.error("agent cannot start: %s", exc)
         raise SystemExit(EXIT_CANNOT_LAUNCH) from exc
-    serves_many: dict[str, Callable[[], object]] = (
-        {"Slurm gateway": get_gateway} if config.slurm_gateway() else {}
-    )
-    if not serves_many and config.hosts_file() is not None:
-        serves_many = {"agent pool": get_pool}
-    for kind, build in serves_many.items():
+    if config.serves_many_hosts():
+        gateway = config.slurm_gateway()
         try:
-            build()
+            get_gateway() if gateway else get_pool()
         except ConfigError as exc:
-            log.error("%s cannot start: %s", kind, exc)
+            log.error("%s cannot start: %s", "Slurm gateway" if gateway else "agent pool", exc)
             raise SystemExit(EXIT_CANNOT_LAUNCH) from exc
         return
     try:

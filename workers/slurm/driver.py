@@ -120,6 +120,7 @@ class SlurmDriver:
         self._submitted: dict[str, int] = {}  # allocation key -> job id, until the view lists it
         # Stopped here: their ended jobs are no longer listed (as a stopped container is gone).
         self._stopped: set[str] = set()
+        self._ended_ms: dict[str, int] = {}  # allocation key -> its job's end, seen by ``stop``
 
     @property
     def storage_dir(self) -> Path | None:
@@ -263,12 +264,9 @@ class SlurmDriver:
         )
 
     def ended_at_ms(self, handle: SandboxHandle) -> int | None:
-        """Slurm's end time of a stopped job (what slurmdbd accounts); None while it runs."""
-        try:
-            job = self.rest.job(int(handle.ref))
-        except SlurmError:
-            return None
-        return job.end_s * 1000 if job is not None and not job.active and job.end_s else None
+        """Slurm's end time of a job ``stop`` saw end (what slurmdbd accounts); None when it did
+        not see one."""
+        return self._ended_ms.pop(handle.allocation_key, None)
 
     def stop(self, handle: SandboxHandle, grace_s: float = 10.0) -> None:
         """Cancel the job (SIGTERM, then SIGKILL after the cluster's KillWait) and wait for it
@@ -284,6 +282,8 @@ class SlurmDriver:
         while time.monotonic() < deadline:
             job = self.rest.job(job_id)
             if job is None or not job.active:
+                if job is not None and job.end_s:  # for the stop's report (ended_at_ms)
+                    self._ended_ms[handle.allocation_key] = job.end_s * 1000
                 return
             time.sleep(0.2)
 

@@ -34,8 +34,7 @@ class ClusterView:
             return self.nodes.get(name)
 
     def active_jobs_on(self, node: str) -> list[SlurmJob]:
-        with self._lock:
-            return [j for j in self.jobs if j.active and node in j.nodes]
+        return [j for j in self.jobs_on(node) if j.active]
 
     def jobs_on(self, node: str) -> list[SlurmJob]:
         """Every job on the node slurmctld still knows, ended ones too (for MinJobAge)."""
