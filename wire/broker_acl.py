@@ -12,7 +12,8 @@ connects as ``gpushare-host-<name>`` whose ACL allows:
 - to push onto the ``control`` queue and nothing else there: with Redis 7's selectors,
   LPUSH and LLEN alone (no LRANGE of other hosts' reports, no DEL of the queue);
 - its own liveness key, its own latest-telemetry hash, its own relay streams
-  (``wire.relay`` names them by host);
+  (``wire.relay`` names them by host), and, on a Slurm node, the key its monitor hands its
+  samples to the gateway in (``wire.telemetry.node_samples_key``);
 - PUBLISH on its own channel-layer groups (``asgi__group__host.<name>.*``: live samples,
   alerts and batch output, which ``wire.telemetry`` names under the publishing host); the
   portal's consumers listen to the groups of the host that holds what they show, so no
@@ -69,6 +70,7 @@ _COMMANDS = [
     "+zrange",
     "+zrevrangebyscore",
     "+get",
+    "+mget",
     "+set",
     "+del",
     "+expire",
@@ -119,6 +121,7 @@ def agent_rules(host: str, secret_hash: str, selectors: bool = True) -> list[str
         f"_kombu.binding_permanent.{queue}",
         liveness.KEY.format(host=host),
         telemetry.latest_key(host),
+        telemetry.node_samples_key(host),
         relay.host_pattern(host),
     ]
     control = [CONTROL_QUEUE, f"{CONTROL_QUEUE}{_PRIORITY_SEP}*"]

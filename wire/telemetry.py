@@ -139,6 +139,16 @@ def latest_key(host: str) -> str:
     return f"{LATEST_PREFIX}{host}"
 
 
+# A Slurm node's monitor hands each tick to its gateway here (workers.slurm.node_samples):
+# one key per node, replaced every tick, gone when the monitor stops.
+NODE_SAMPLES_PREFIX = "gpushare:telemetry:node:"
+NODE_SAMPLES_TTL_S = 5
+
+
+def node_samples_key(host: str) -> str:
+    return f"{NODE_SAMPLES_PREFIX}{host}"
+
+
 def read_latest(client: Any) -> dict[str, dict[str, Any]]:
     """Every stored newest sample by device UUID; ``client`` is a sync ``redis.Redis``.
     Samples older than LATEST_TTL_S (a host whose agent died mid-hash) are left out."""

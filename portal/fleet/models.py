@@ -59,8 +59,8 @@ class Host(models.Model):
         return self.backend in SIMULATED_BACKENDS
 
     @property
-    def sampled_elsewhere(self) -> bool:
-        """A Slurm node: its gateway reads no GPU figures (docs/slurm.md)."""
+    def slurm_node(self) -> bool:
+        """A Slurm node: its figures come from the monitor on the node (docs/slurm.md)."""
         return self.backend in SLURM_BACKENDS
 
     @property

@@ -1,7 +1,8 @@
 """The fleet in Chromium with a Slurm cluster in front (issue 39): the web server, a control
-worker and the Slurm gateway against the real daemons of tests/slurm/cluster.py. The Slurm
-nodes show as hosts with their GPUs; a job submitted with sbatch outside gpushare shows its
-GPUs held, with the job and its user. Screenshots go to docs/screenshots/."""
+worker, the Slurm gateway and a monitor on each node against the real daemons of
+tests/slurm/cluster.py. The Slurm nodes show as hosts with their GPUs and their live figures
+(the monitors'); a job submitted with sbatch outside gpushare shows its GPUs held, with the
+job and its user. Screenshots go to docs/screenshots/."""
 
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ def test_the_fleet_shows_slurm_nodes_and_an_outside_jobs_gpus_held(
             for node in ("n1", "n2", "n3"):
                 assert f"{platform.host}{node}" in text
             assert f"held by Slurm job {job_id} (root), submitted outside gpushare" in text
+            live = page.locator(f'[data-live-gpu="SLURM-{platform.host}n1-GPU0"]')
+            wait_for(
+                lambda: "°C" in live.inner_text(),
+                30,
+                lambda: "n1's figures from its monitor\n" + platform.logs(),
+            )
             shot(page, "console-fleet-slurm")
         finally:
             cluster.run("scancel", job_id)

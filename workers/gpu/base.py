@@ -172,6 +172,11 @@ class GpuBackendError(RuntimeError):
     """A backend operation that cannot be done (illegal MIG placement, unknown GPU...)."""
 
 
+class GpuNotSampled(GpuBackendError):
+    """No sample of the device to give now, and nothing wrong with it: a Slurm node whose
+    monitor has not written one lately. The sampler skips the device quietly."""
+
+
 class GpuLost(GpuBackendError):
     """The GPU (or the board a MIG device lives on) is lost: NVML_ERROR_GPU_IS_LOST, or it
     fell off the bus. The backend has queued one ``gpu_lost`` fault event for it; the

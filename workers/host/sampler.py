@@ -35,7 +35,7 @@ from wire.telemetry import (
     gpu_group,
     host_sandbox_group,
 )
-from workers.gpu.base import DevicesBoundElsewhere, GpuBackend, GpuBackendError, GpuLost, GpuSample
+from workers.gpu.base import GpuBackend, GpuBackendError, GpuLost, GpuNotSampled, GpuSample
 from workers.host.context import HostContext
 from workers.host.faults import GpuFaults
 from workers.host.lifecycle import now_ms
@@ -289,11 +289,9 @@ class TickSamples:
         self._taken: dict[str, GpuSample] = {}
         self.lost: set[str] = set()  # GPU uuids (a MIG device's parent) now gone
         self.failed: dict[str, str] = {}  # device uuid -> why, this tick only
-        # A Slurm node's GPUs are sampled on the node, not by its gateway: nothing to read.
-        self.elsewhere = isinstance(backend, DevicesBoundElsewhere)
 
     def get(self, uuid: str) -> GpuSample | None:
-        if self.parent_of.get(uuid, uuid) in self.lost or uuid in self.failed or self.elsewhere:
+        if self.parent_of.get(uuid, uuid) in self.lost or uuid in self.failed:
             return None
         if uuid not in self._taken:
             try:
@@ -301,6 +299,9 @@ class TickSamples:
             except GpuLost as err:
                 self.lost.add(err.uuid)
                 log.error("GPU %s is lost (%s): no longer sampled", err.uuid, err)
+                return None
+            except GpuNotSampled as err:  # e.g. a Slurm node without its monitor: every tick
+                self.failed[uuid] = str(err)
                 return None
             except GpuBackendError as err:
                 self.failed[uuid] = str(err)

@@ -48,6 +48,9 @@ class AccountingWatch:
 
     def round(self) -> None:
         """Each gpushare job the view shows ended: its record sent once slurmdbd has it."""
+        listed = {job.job_id for job in self.view.jobs}
+        self._done &= listed  # slurmctld forgot them (MinJobAge): they will not come back
+        self._waiting = {job_id: t for job_id, t in self._waiting.items() if job_id in listed}
         for job in self.view.jobs:
             key = job.allocation_key
             if key is None or job.active or job.job_id in self._done:

@@ -21,6 +21,7 @@ import contextlib
 import math
 import os
 import pwd
+import re
 import shlex
 import subprocess
 import time
@@ -39,6 +40,9 @@ from workers.slurm.settings import SlurmSettings
 from workers.slurm.view import ClusterView
 
 SUBMIT_TIMEOUT_S = 30.0
+# What an allocation key may be here (the portal makes uuid4 hex): it names a file.
+ALLOCATION_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+FORGET_STOP_S = 3600.0
 STATE_POLL_S = 0.05
 # How a job that ended looks to the platform: its exit (Slurm's own words for the rest).
 ENDED_REASONS = {
@@ -119,7 +123,8 @@ class SlurmDriver:
         self._sbatch = sbatch or run_sbatch
         self._submitted: dict[str, int] = {}  # allocation key -> job id, until the view lists it
         # Stopped here: their ended jobs are no longer listed (as a stopped container is gone).
-        self._stopped: set[str] = set()
+        # Allocation key -> when; forgotten once slurmctld has forgotten the job as well.
+        self._stopped: dict[str, float] = {}
         self._ended_ms: dict[str, int] = {}  # allocation key -> its job's end, seen by ``stop``
 
     @property
@@ -218,7 +223,7 @@ class SlurmDriver:
         link to a file of the gateway's (which reads it as root)."""
         folder = self.settings.output_dir
         folder.mkdir(mode=0o755, parents=True, exist_ok=True)
-        path = folder / f"{allocation_key}.out"
+        path = self._output_path(allocation_key)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -228,6 +233,14 @@ class SlurmDriver:
         finally:
             os.close(fd)
         return path
+
+    def _output_path(self, allocation_key: str) -> Path:
+        """A job's output file in the output folder; an allocation key that could name
+        anything else (a ``/``, ``..``) is refused: it comes from a message, and the gateway
+        writes and reads the file as root."""
+        if not ALLOCATION_KEY.fullmatch(allocation_key):
+            raise DriverError(f"allocation key {allocation_key[:80]!r} is not one gpushare makes")
+        return self.settings.output_dir / f"{allocation_key}.out"
 
     def _wait_running(self, job_id: int) -> SlurmJob:
         deadline = time.monotonic() + self.settings.start_wait_s
@@ -273,7 +286,7 @@ class SlurmDriver:
         to end, at most ``grace_s`` and the KillWait beyond."""
         job_id = int(handle.ref)
         self._submitted.pop(handle.allocation_key, None)
-        self._stopped.add(handle.allocation_key)
+        self._stopped[handle.allocation_key] = time.monotonic()
         try:
             self.rest.cancel(job_id)
         except SlurmError as exc:
@@ -300,7 +313,9 @@ class SlurmDriver:
         it is stopped (as an exited container is, until it is removed) or slurmctld forgets
         it (MinJobAge): reconcile learns how a batch ended from it."""
         found: dict[str, SandboxHandle] = {}
-        for job in sorted(self.view.jobs_on(self.node), key=lambda j: j.job_id):
+        on_node = self.view.jobs_on(self.node)
+        self._forget_stops({j.allocation_key for j in on_node if j.allocation_key is not None})
+        for job in sorted(on_node, key=lambda j: j.job_id):
             key = job.allocation_key
             if job.lead_node not in ("", self.node):
                 continue  # a gang's, on its lead node's host
@@ -313,6 +328,14 @@ class SlurmDriver:
             else:
                 found[key] = SandboxHandle(self.name, key, 0, str(job_id))
         return list(found.values())
+
+    def _forget_stops(self, listed: set[str]) -> None:
+        """Stops of jobs slurmctld no longer lists (MinJobAge), kept a while in case the
+        stopped job is not listed yet, so the record does not grow with every sandbox."""
+        cutoff = time.monotonic() - FORGET_STOP_S
+        for key, when in list(self._stopped.items()):
+            if when < cutoff and key not in listed:
+                del self._stopped[key]
 
     def exec_terminal(self, handle: SandboxHandle) -> Terminal:
         job = self._job(int(handle.ref))
@@ -327,7 +350,7 @@ class SlurmDriver:
         raise DriverError("web apps are not served from Slurm jobs")
 
     def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
-        path = self.settings.output_dir / f"{handle.allocation_key}.out"
+        path = self._output_path(handle.allocation_key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:

@@ -41,6 +41,7 @@ from workers.host.reports import send_beats
 from workers.host.sampler import Sampler, tick_forever
 from workers.slurm.accounting import AccountingWatch
 from workers.slurm.driver import SlurmDriver
+from workers.slurm.feed import MonitorFeed
 from workers.slurm.gpus import SlurmGpus
 from workers.slurm.model import SlurmFormatError
 from workers.slurm.rest import SlurmError
@@ -77,6 +78,8 @@ class SlurmGateway:
         self._last_beat = 0.0
         self._samplers: list[Sampler] = []
         self.accounting = AccountingWatch(self.rest, self.view)
+        # The nodes' monitors' samples, read for all nodes once a sampling round.
+        self.feed = MonitorFeed(self._redis, base.sample_interval_s / 2)
 
     def host_name(self, node: str) -> str:
         return f"{self.prefix}{node}"
@@ -94,9 +97,9 @@ class SlurmGateway:
         """``enrol``, then poll on a thread of its own."""
         self.enrol(consume)
         threading.Thread(target=self._poll_forever, name="slurm-poll", daemon=True).start()
-        # What the sampler loop does for a Slurm node: its batches' output, minute rollups,
-        # alert rules (its GPUs' samples are the node's monitor agent's). The list grows as
-        # nodes are enrolled.
+        # The sampler loop does for each Slurm node what it does for a host: its GPUs' samples
+        # (its monitor's, through the feed) to their groups, rollups, alert rules, /metrics,
+        # its batches' output. The list grows as nodes are enrolled.
         run_loop(tick_forever(self._samplers, self.base.sample_interval_s, self.stopping), "slurm-sampler")
         log.info("Slurm gateway: %d nodes of %s", len(self.agents), self.settings.url)
 
@@ -120,7 +123,8 @@ class SlurmGateway:
         own = dataclasses.replace(self.base, host=host, full_report_s=full_report_s)
         var = self.var_dir / "agents" / host
         var.mkdir(parents=True, exist_ok=True)
-        backend = SlurmGpus(host, node, self.view, self.settings.simulated_gpus, self.models)
+        backend = SlurmGpus(host, node, self.view, self.settings.simulated_gpus, self.models, self.feed)
+        self.feed.watch(host, node)
         driver = SlurmDriver(host, node, self.settings, self.rest, self.view)
         return Agent(host, backend, driver, var, own, self._builders)
 

@@ -5,8 +5,10 @@ jobs and the gateway sees no GPU of its own.
 A GPU that a job submitted outside gpushare holds (any part of it: the whole GPU, shards
 of it, an MPS share) is reported not ready, with the job that holds it, so gpushare places
 nothing there and its fleet page says why; so is every GPU of a node Slurm drains. Both come
-back by themselves once Slurm frees them. The node's own sampling (NVML) is the monitor
-agent's on the node (docs/slurm.md): the gateway samples nothing.
+back by themselves once Slurm frees them. The GPUs' samples are the node's monitor's
+(``workers.slurm.monitor``: NVML on the node), read through the gateway's ``MonitorFeed``,
+each job's figures under its sandbox's allocation key; a node without a running monitor has
+none (``GpuNotSampled``), and its GPUs show no figures.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from workers.gpu.base import (
     FaultEvent,
     GpuBackendError,
     GpuInfo,
+    GpuLost,
+    GpuNotSampled,
     GpuSample,
     MemoryRepairs,
     MigDevice,
 )
+from workers.slurm.feed import MonitorFeed
 from workers.slurm.model import SlurmJob
 from workers.slurm.view import ClusterView
 
@@ -65,7 +70,13 @@ class SlurmGpus:
     devices_bound_elsewhere = True  # Slurm binds each job's GRES and runs MPS on the node
 
     def __init__(
-        self, host: str, node: str, view: ClusterView, simulated: bool, models: dict[str, str]
+        self,
+        host: str,
+        node: str,
+        view: ClusterView,
+        simulated: bool,
+        models: dict[str, str],
+        feed: MonitorFeed | None = None,
     ) -> None:
         self.host = host  # gpushare's name for the node
         self.node = node  # Slurm's
@@ -74,6 +85,7 @@ class SlurmGpus:
         # The fleet badges a test cluster's fake GRES as simulated (portal.fleet.models).
         self.name = "slurm-sim" if simulated else "slurm"
         self.models = models
+        self.feed = feed
 
     def list_gpus(self) -> list[GpuInfo]:
         node = self.view.node(self.node)
@@ -112,7 +124,19 @@ class SlurmGpus:
         return (node.cpus, node.memory_mib) if node is not None else (0, 0)
 
     def sample(self, uuid: str) -> GpuSample:
-        raise GpuBackendError(f"{uuid}: a Slurm node's GPUs are sampled on the node, not by the gateway")
+        index = gpu_index(uuid)
+        if host_of(uuid) != self.host:  # a multi-node sandbox's GPU on another node
+            raise GpuNotSampled(f"{uuid}: sampled by its own node, not by {self.host}")
+        tick = self.feed.latest(self.host) if self.feed is not None else None
+        if tick is None:
+            raise GpuNotSampled(f"{uuid}: no samples from the monitor on Slurm node {self.node}")
+        if index in tick.lost:
+            raise GpuLost(f"{uuid}: the monitor on Slurm node {self.node} lost it", uuid)
+        gpu = tick.gpus.get(index)
+        if gpu is None:
+            raise GpuNotSampled(f"{uuid}: the monitor on Slurm node {self.node} has no sample of it")
+        owner_of = {j.job_id: j.allocation_key for j in self.view.jobs_on(self.node) if j.allocation_key}
+        return gpu.as_gpu_sample(uuid, owner_of)
 
     def mig_layout(self, uuid: str) -> list[MigDevice]:
         return []
@@ -124,7 +148,9 @@ class SlurmGpus:
         raise GpuBackendError("MIG layouts on a Slurm node are Slurm's (gres.conf), not gpushare's")
 
     def fault_events(self) -> list[FaultEvent]:
-        return []
+        if self.feed is None:
+            return []
+        return [f.as_event(gpu_uuid(self.host, f.index)) for f in self.feed.new_faults(self.host)]
 
     def fabric_problem(self, uuid: str) -> str:
         return next((g.not_ready for g in self.list_gpus() if g.uuid == uuid), "")
