@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import importlib.util
 import json
 import os
 import re
@@ -176,6 +177,19 @@ def test_unit_command_lines_match_the_code() -> None:
             assert unit(f"gpushare-{name}.service")["User"] == ["gpushare"]
             assert unit(f"gpushare-{name}.service")["ProtectSystem"] == ["strict"]
             assert name == "migrate" or unit(f"gpushare-{name}.service")["Restart"] == ["on-failure"]
+
+
+def test_the_slurm_monitor_unit_runs_the_monitor_with_the_nodes_own_credential() -> None:
+    argv = exec_start("gpushare-slurm-monitor.service")
+    assert argv[1:] == ["-m", "workers.slurm.monitor"]
+    assert importlib.util.find_spec("workers.slurm.monitor") is not None
+    env = unit_env("gpushare-slurm-monitor.service")
+    creds = {c.split(":", 1)[0] for c in unit("gpushare-slurm-monitor.service")["LoadCredential"]}
+    assert creds == {"redis_url"} and env["REDIS_URL_FILE"] == "%d/redis_url"  # no control-plane secret
+    source = (ROOT / "workers/slurm/monitor.py").read_text()
+    for var in ("GPUSHARE_SLURM_NODE", "GPUSHARE_POOL_PREFIX", "GPUSHARE_HOST"):
+        assert f'env_str("{var}"' in source, var
+    assert unit("gpushare-slurm-monitor.service")["ProtectSystem"] == ["strict"]
 
 
 # --- b. behind nginx, over TLS -------------------------------------------------------

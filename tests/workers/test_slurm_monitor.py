@@ -144,6 +144,9 @@ class _View:
     def jobs_on(self, node: str) -> list[SlurmJob]:
         return [j for j in self.jobs if node in j.nodes]
 
+    def allocation_keys(self) -> dict[int, str]:
+        return {j.job_id: j.allocation_key for j in self.jobs if j.allocation_key is not None}
+
     def node(self, name: str) -> SlurmNode | None:
         return None
 

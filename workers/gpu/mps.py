@@ -166,7 +166,10 @@ class MpsManager:
         systemd: bool | None = None,
         compute_modes: ComputeModes | None = None,
         enforce: bool = True,
+        enforced_elsewhere: bool = False,
     ) -> None:
+        """``enforced_elsewhere``: another engine runs the GPUs' MPS (a Slurm node's is
+        Slurm's), so compute modes left alone here are no hole to warn of."""
         self.root = Path(root)  # mps_root(): holds <key>/pipe and <key>/log per device
         self.control_binary = control_binary
         self._clock = clock
@@ -183,7 +186,7 @@ class MpsManager:
         # device -> (pid, start time) of its daemon, as this manager last found it
         self._pids: dict[str, tuple[int, int]] = {}
         self._warned = False
-        if not enforce:
+        if not enforce and not enforced_elsewhere:
             log.warning("MPS compute modes left as they are: shares on this manager are not enforced")
 
     # -- paths and environment ----------------------------------------------------------------

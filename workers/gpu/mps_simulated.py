@@ -28,11 +28,17 @@ class SimulatedMps(MpsManager):
     MARKER = "simulated-daemon"
     LIMITS = "simulated-limits"
 
-    def __init__(self, root: Path | str, compute_modes: ComputeModes | None = None) -> None:
+    def __init__(
+        self, root: Path | str, compute_modes: ComputeModes | None = None, enforced_elsewhere: bool = False
+    ) -> None:
         """``compute_modes``: the simulated backend, whose devices are set to EXCLUSIVE_PROCESS
         while their daemon runs and refuse shares as a real one would when it cannot be set.
-        None: compute modes are not modelled (tests of the lifecycle alone)."""
-        super().__init__(root, systemd=False, compute_modes=compute_modes, enforce=compute_modes is not None)
+        None: compute modes are not modelled (tests of the lifecycle alone, or the record a
+        Slurm node's agent keeps of shares whose MPS is Slurm's: ``enforced_elsewhere``)."""
+        super().__init__(
+            root, systemd=False, compute_modes=compute_modes, enforce=compute_modes is not None,
+            enforced_elsewhere=enforced_elsewhere,
+        )  # fmt: skip
         self.history: list[tuple[str, str]] = []  # ("start" | "stop", device uuid), in order
 
     def running(self, device_uuid: str) -> bool:

@@ -36,7 +36,7 @@ def mps_control(root: Path, backend: GpuBackend) -> MpsManager:
     simulated ones, and nobody here for GPUs another engine binds (a Slurm node's MPS is
     Slurm's): a state-only record of the shares, which sets no compute mode."""
     if isinstance(backend, DevicesBoundElsewhere):
-        return SimulatedMps(root)
+        return SimulatedMps(root, enforced_elsewhere=True)
     if backend.simulated:
         return SimulatedMps(root, compute_modes=backend)
     return MpsManager(root, compute_modes=backend)

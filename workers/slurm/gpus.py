@@ -135,8 +135,7 @@ class SlurmGpus:
         gpu = tick.gpus.get(index)
         if gpu is None:
             raise GpuNotSampled(f"{uuid}: the monitor on Slurm node {self.node} has no sample of it")
-        owner_of = {j.job_id: j.allocation_key for j in self.view.jobs_on(self.node) if j.allocation_key}
-        return gpu.as_gpu_sample(uuid, owner_of)
+        return gpu.as_gpu_sample(uuid, self.view.allocation_keys())
 
     def mig_layout(self, uuid: str) -> list[MigDevice]:
         return []

@@ -15,7 +15,9 @@ A GPU's Slurm index (``IDX``) is taken to be its NVML index: so it is with
 
 Run it on each node as root (it reads every job's processes), with the node's own host
 credential (``manage.py host_credential issue <gateway prefix><node>``):
-``GPUSHARE_HOST=<prefix><node> REDIS_URL_FILE=... python -m workers.slurm.monitor``.
+``GPUSHARE_POOL_PREFIX=<prefix> REDIS_URL_FILE=... python -m workers.slurm.monitor``
+(deploy/systemd/gpushare-slurm-monitor.service); the node is the short host name unless
+``GPUSHARE_SLURM_NODE`` names it, its host ``<prefix><node>`` unless ``GPUSHARE_HOST`` does.
 """
 
 from __future__ import annotations
@@ -226,8 +228,9 @@ def run(
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    host = env_str("GPUSHARE_HOST")
     node = env_str("GPUSHARE_SLURM_NODE", socket.gethostname().split(".")[0])
+    # gpushare's name for the node: as its gateway names it, <prefix><node>.
+    host = env_str("GPUSHARE_HOST", env_str("GPUSHARE_POOL_PREFIX", "") + node)
     interval_s = env_int("SAMPLE_INTERVAL_MS", 1000, minimum=50) / 1000
     backend = make_backend(config.gpu_backend_kind(), host, os.environ.get("GPUSHARE_SIM_GPUS", ""))
     stopping = threading.Event()
