@@ -177,8 +177,9 @@ class NodeMonitor:
             env = _environ(pid)
             if env.get("SLURMD_NODENAME", self.node) != self.node:
                 continue  # a test machine runs several slurmd: another node's job
-            ordinals = [int(i) for i in env.get("GPU_DEVICE_ORDINAL", "").split(",") if i.isdigit()]
-            devices = [by_index[i] for i in ordinals if i in by_index]
+            given = env.get("GPU_DEVICE_ORDINAL", "").split(",")
+            ordinals = [i for i in given if i.isascii() and i.isdigit()]
+            devices = [by_index[int(i)] for i in ordinals if int(i) in by_index]
             if not devices:
                 continue
             whole = bool(env.get("SLURM_JOB_GPUS"))
