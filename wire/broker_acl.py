@@ -77,6 +77,10 @@ _COMMANDS = [
     "+pexpire",
     "+eval",
     "+evalsha",
+    # redis-py's Lock (kombu's mutex over the in-flight messages) runs EVALSHA and, on a
+    # Redis that has not seen its script yet (a fresh one, as `make run` starts), loads it
+    # first: refused, the agent died at start-up. No more than EVAL already allows.
+    "+script|load",
     "+multi",
     "+exec",
     "+watch",

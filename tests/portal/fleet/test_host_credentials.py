@@ -73,6 +73,11 @@ def test_a_host_reaches_its_own_keys_and_pushes_to_control_only(
         host_a.set(liveness.KEY.format(host=a), 1, ex=10)
         host_a.hset(telemetry.latest_key(a), "GPU-1", b"{}")
         host_a.xadd(relay.out_stream(a, "s1"), {"type": "opened"})
+        # A Slurm node's monitor hands its samples over in its own key, its gateway reads them.
+        host_a.set(telemetry.node_samples_key(a), b"{}", ex=10)
+        assert host_a.mget([telemetry.node_samples_key(a)]) == [b"{}"]
+        # A lock's release script, loaded on a Redis that has not seen it (kombu's mutex).
+        assert host_a.script_load("return 1")
         # Live figures, alerts and output on its own groups (wire.telemetry names them by host).
         host_a.publish(group(telemetry.gpu_group(a, "GPU-1")), b"sample")
         host_a.publish(group(telemetry.fleet_group(a)), b"sample")
@@ -92,6 +97,9 @@ def test_a_host_reaches_its_own_keys_and_pushes_to_control_only(
             (host_a.xadd, (relay.in_stream(b, "s2"), {"type": "input"})),
             (host_a.set, (liveness.KEY.format(host=b), 1)),
             (host_a.hset, (telemetry.latest_key(b), "GPU-2", b"{}")),
+            (host_a.set, (telemetry.node_samples_key(b), b"{}")),
+            (host_a.mget, ([telemetry.node_samples_key(b)],)),
+            (host_a.script_flush, ()),
             # Another host's live groups, a sandbox page's own, the old shared names.
             (host_a.publish, (group(telemetry.gpu_group(b, "GPU-2")), b"x")),
             (host_a.publish, (group(telemetry.host_sandbox_group(b, 7)), b"x")),
@@ -112,6 +120,7 @@ def test_a_host_reaches_its_own_keys_and_pushes_to_control_only(
     finally:
         admin.delete(host_queue(b), CONTROL_QUEUE, unacked_keys(a)["unacked_key"])
         admin.delete(liveness.KEY.format(host=a), telemetry.latest_key(a), relay.out_stream(a, "s1"))
+        admin.delete(telemetry.node_samples_key(a))
         host_a.close()
 
 
