@@ -2,7 +2,8 @@
 worker, the Slurm gateway and a monitor on each node against the real daemons of
 tests/slurm/cluster.py. The Slurm nodes show as hosts with their GPUs and their live figures
 (the monitors'); a job submitted with sbatch outside gpushare shows its GPUs held, with the
-job and its user. Screenshots go to docs/screenshots/."""
+job and its user; a sandbox on a Slurm node has its live chart, as on a host of gpushare's.
+Screenshots go to docs/screenshots/."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from typing import Any
 import pytest
 
 from portal.fleet.models import Gpu, Host
-from tests.browser.pages import shot, sign_in
+from portal.sandboxes.models import Sandbox
+from tests.browser.pages import shot, sign_in, wait_until
 from tests.e2e.platform import wait_for
+from tests.portal.helpers import request
 from tests.slurm.cluster import SlurmCluster
 from tests.slurm.platform import slurm_platform
 
@@ -24,7 +27,7 @@ pytestmark = [
 
 
 def test_the_fleet_shows_slurm_nodes_and_an_outside_jobs_gpus_held(
-    cluster: SlurmCluster, people: Any, tmp_path: Path, browser_page: Any
+    cluster: SlurmCluster, people: Any, catalog: Any, tmp_path: Path, browser_page: Any
 ) -> None:
     page = browser_page
     with slurm_platform(cluster, tmp_path) as platform:
@@ -55,3 +58,19 @@ def test_the_fleet_shows_slurm_nodes_and_an_outside_jobs_gpus_held(
             shot(page, "console-fleet-slurm")
         finally:
             cluster.run("scancel", job_id)
+        # A sandbox on a Slurm node: its page's chart moves with its job's figures.
+        sandbox = request(
+            people["owner"], people["project"], catalog["dedicated"], catalog["image"], "process"
+        )
+        running = Sandbox.objects.filter(pk=sandbox.pk, state="running")
+        wait_for(running.exists, 60, lambda: "the sandbox to run on a Slurm node\n" + platform.logs())
+        page.context.clear_cookies()
+        sign_in(page, f"http://127.0.0.1:{platform.port}", "olivia", f"/sandboxes/{sandbox.pk}/")
+        wait_until(
+            page, "Number(document.getElementById('gpu-chart').dataset.samples || 0) >= 5", timeout=30_000
+        )
+        status = page.locator("#chart-status").inner_text()
+        assert "Live: connected" in status and "simulated GPU" in status, status
+        connect = page.locator("#connect").inner_text()  # what Slurm, not gpushare, confines
+        assert "the GPUs Slurm bound to its job" in connect and "Slurm does not confine" in connect, connect
+        shot(page, "sandbox-slurm")
