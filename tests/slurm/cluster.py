@@ -139,10 +139,7 @@ class SlurmCluster:
         KILL, then any job step slurmd left running (a slurmstepd outlives its slurmd)."""
         if self.procs.get("slurmctld") is not None and self.procs["slurmctld"].poll() is None:
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
-                jobs = self._run("squeue", "-h", "-o", "%i").split()
-                if jobs:
-                    self._run("scancel", *jobs)
-                    time.sleep(1)
+                self.cancel_jobs()
         for name in reversed(list(self.procs)):
             proc = self.procs[name]
             if proc.poll() is None:
@@ -158,6 +155,18 @@ class SlurmCluster:
                 proc.wait()
         self.procs.clear()
         self._kill_leftover_steps()
+
+    def cancel_jobs(self, name_prefix: str = "", timeout: float = 30) -> None:
+        """Cancel every job (those whose name starts with ``name_prefix``) and wait until
+        none of them is left running: what a test that started a platform leaves behind."""
+        listed = [line.split("|", 1) for line in self._run("squeue", "-h", "-o", "%i|%j").splitlines()]
+        jobs = [job for job, name in listed if name.startswith(name_prefix)]
+        if not jobs:
+            return
+        self._run("scancel", *jobs)
+        self._wait(
+            lambda: not set(jobs) & set(self._run("squeue", "-h", "-o", "%i").split()), timeout, "jobs to end"
+        )
 
     def _kill_leftover_steps(self) -> None:
         """slurmstepd processes of this cluster's jobs (found by the SLURM_CONF they run

@@ -5,6 +5,7 @@ under a prefix of its own, and a monitor on each node with the node's own host c
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import uuid
 from collections.abc import Iterator
@@ -30,7 +31,11 @@ def slurm_platform(cluster: SlurmCluster, where: Path, web: bool = True) -> Iter
     platform = Platform(where / "var", where / "logs", heartbeat_s=1)
     platform.host = f"slurm{uuid.uuid4().hex[:6]}-"  # ACL users are the Redis server's, for every run
     celery = [sys.executable, "-m", "celery", "-A", "workers"]
-    with stopped_after(platform):
+    with contextlib.ExitStack() as leaving:
+        # Last out: the jobs the platform's sandboxes left running (a stopped gateway cancels
+        # nothing, as on a real cluster), so the next test finds the cluster as this one did.
+        leaving.callback(cluster.cancel_jobs, "gpushare-")
+        leaving.enter_context(stopped_after(platform))
         platform.start_control("control", celery)
         platform.start("beat", [*celery, "beat", "-s", str(where / "beat-schedule")], GPUSHARE_ROLE="beat")
         if web:
