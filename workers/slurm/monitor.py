@@ -107,10 +107,11 @@ class NodeMonitor:
         except (OSError, subprocess.TimeoutExpired) as exc:  # the GPUs are still worth showing
             log.warning("which job each process is: unknown this tick (%s)", exc)
             owners = {}
-        gpus = {g.uuid: g.index for g in self.backend.list_gpus()}
+        listed = self.backend.list_gpus()
+        gpus = {g.uuid: g.index for g in listed}
         self._index_of.update(gpus)
         if self.backend.simulated:
-            self._simulate_loads(owners, gpus)
+            self._simulate_loads(owners, gpus, {g.uuid: g.memory_mib for g in listed})
         samples: dict[int, NodeGpuSample] = {}
         for uuid, index in gpus.items():
             if index in self._lost:
@@ -164,7 +165,7 @@ class NodeMonitor:
             self._faults.append(NodeFault(self._seq, index, event.kind, event.detail, event.t_ms, event.xid))
         del self._faults[: max(0, len(self._faults) - MAX_FAULTS)]
 
-    def _simulate_loads(self, owners: dict[int, int], gpus: dict[str, int]) -> None:
+    def _simulate_loads(self, owners: dict[int, int], gpus: dict[str, int], memory: dict[str, int]) -> None:
         """A simulated GPU has no processes: each job's first process is made to load the GPUs
         Slurm gave its job (``GPU_DEVICE_ORDINAL``, which slurmd sets for gpu, shard and mps
         GRES), keyed by its pid as NVML keys them, so what follows is NVML's path."""
@@ -184,15 +185,12 @@ class NodeMonitor:
                 continue
             whole = bool(env.get("SLURM_JOB_GPUS"))
             share, util = SIMULATED_WHOLE if whole else SIMULATED_SHARE
-            mib = int(share * self._memory(devices[0]))
+            mib = int(share * memory[devices[0]])
             self.backend.note_load(f"pid:{pid}", devices, mib, util)
             loaded.add(f"pid:{pid}")
         for owner in self._loaded - loaded:
             self.backend.forget_load(owner)
         self._loaded = loaded
-
-    def _memory(self, uuid: str) -> int:
-        return next((g.memory_mib for g in self.backend.list_gpus() if g.uuid == uuid), 0)
 
 
 def _pid(owner: str) -> int:
