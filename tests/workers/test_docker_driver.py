@@ -21,7 +21,7 @@ import pytest
 
 from tests.workers.engines import require_engine
 from wire import uids
-from wire.spec import MpsShare, SandboxSpec
+from wire.spec import MpsShare, SandboxHandle, SandboxSpec
 from workers.drivers import base, make_driver
 from workers.drivers.base import DriverError
 from workers.drivers.docker import (
@@ -118,6 +118,24 @@ def test_the_listing_is_the_engines_own_not_an_inspection_per_container() -> Non
     [handle] = DockerDriver(client=Client(), host="h").list_owned()  # type: ignore[arg-type]
     assert Containers.asked["sparse"] is True
     assert (handle.allocation_key, handle.sandbox_id, handle.ref) == ("a1", 7, "c1")
+
+
+def test_a_container_being_removed_is_missing_not_exited() -> None:
+    """``docker rm -f`` kills the container, then lists it "removing" (exit code 137) until
+    its files are gone: a report in that window must not call the removal an exit, or
+    reconcile records an ordinary stop where a sandbox vanished."""
+
+    class Containers:
+        def get(self, ref: str) -> object:
+            state = {"Status": "removing", "ExitCode": 137, "StartedAt": "2026-11-30T08:00:00Z"}
+            return docker.models.containers.Container(attrs={"Id": ref, "State": state})
+
+    class Client:
+        containers = Containers()
+
+    driver = DockerDriver(client=Client(), host="h")  # type: ignore[arg-type]
+    handle = SandboxHandle(driver="docker", allocation_key="a1", sandbox_id=7, ref="c1")
+    assert driver.status(handle).state == "missing"
 
 
 def test_kwargs_real_gpu_requests_devices_by_uuid() -> None:

@@ -61,6 +61,12 @@ _PING_TIMEOUT_S = 2.0
 _RACE_WAIT_S = 5.0
 # Container states that still hold the sandbox's processes.
 _LIVE_STATES = frozenset({"running", "paused", "restarting"})
+# ``docker rm -f`` kills a container, then shows it "removing" until its files are gone. It
+# did not exit, it is going: reporting it exited with the kill's code 137 turned a removal
+# behind the platform's back into an ordinary stop whenever a report fell in that window (a
+# loaded engine's seconds). One left "dead" by a failed removal still reports as exited, so
+# that the stop reconcile sends cleans it up.
+_BEING_REMOVED = "removing"
 
 
 def container_name(allocation_key: str) -> str:
@@ -462,6 +468,8 @@ class DockerDriver:
             started = _parse_docker_time(state.get("StartedAt"))
             if container.status in _LIVE_STATES:
                 return SandboxStatus(state="running", started_at_ms=started)
+            if container.status == _BEING_REMOVED:
+                return SandboxStatus(state="missing")
             if container.status == "created":
                 # Made but never started: a launch died in between; the next launch starts it.
                 return SandboxStatus(state="created")
