@@ -229,6 +229,17 @@ class Running:
 
 
 @dataclass(frozen=True)
+class ModelLimit:
+    """A project's cap on some GPU models (scheduler/model_quotas.py): one model, or a class
+    of models an admin names, in milli-GPU held at once."""
+
+    name: str  # the model, or the class's name
+    models: frozenset[str]
+    limit_milli: int | None  # None: no cap on what it holds at once
+    closed: str = ""  # why nothing more may start on them (GPU-hours used up); "" if open
+
+
+@dataclass(frozen=True)
 class ProjectShare:
     """One project's say in the fair share and its quota, in milli-GPU (1000 = one GPU)."""
 
@@ -236,6 +247,7 @@ class ProjectShare:
     guaranteed_milli: int | None = None  # None: no guarantee, nothing it runs is borrowed
     limit_milli: int | None = None  # None: no ceiling
     usage_gpu_s: float = 0.0  # decayed GPU-seconds, as of FairShareState.usage_at
+    model_limits: tuple[ModelLimit, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from scheduler.cluster import (
 )
 from scheduler.fairshare import FairOrder, Quotas, demand_milli
 from scheduler.gc_pause import collection_paused
+from scheduler.model_quotas import ModelQuotas
 from scheduler.placement import Policy
 from scheduler.placement.gang import place_gang
 from scheduler.preemption import Plan, plan_preemption, victim_order
@@ -105,6 +106,7 @@ def run_cycle(
     in_place: bool = False,
     held: tuple[Request, Reserve] | None = None,
     backfill_window_s: float = BACKFILL_WINDOW_S,
+    explain: bool = True,
 ) -> list[Decision]:
     """Decisions for every request in ``queue``.
 
@@ -129,6 +131,7 @@ def run_cycle(
     # caller gets this: the control worker, the request form's preview, the replays.
     with collection_paused():
         cycle = _Cycle(snapshot if in_place else snapshot.copy(), policy, now, fairshare, backfill_window_s)
+        cycle.explain = explain
         if held is not None:
             cycle.hold_for(*held)
         return cycle.run(queue)
@@ -152,6 +155,7 @@ class _Cycle:
         # What holds devices, by sandbox id: running before the cycle, then placed in it.
         self.running = {r.sandbox_id: r for r in self.working.running}
         self.quotas = Quotas(fairshare, self.working.running)
+        self.model_quotas = ModelQuotas(fairshare, self.working.running, self._model_of)
         self.decisions: list[Decision] = []
         self.head: Request | None = None
         self.reservation: Reserve | None = None
@@ -193,6 +197,9 @@ class _Cycle:
         # do, until capacity is given back.
         self.unhidden: dict[FitShape, tuple[int, Place | Pending]] = {}
         self.commits = 0
+        # Without it a request that waits gets the policy's first answer, unexplained, and no
+        # reservation (the request form's answer per GPU model: a place in line is enough).
+        self.explain = True
 
     # Both read every GPU of the fleet, and most cycles need neither: a placement books its
     # grants through its host's few GPUs (``_commit``), and only a time-slice request's quota
@@ -205,6 +212,25 @@ class _Cycle:
     def timeslice_milli(self) -> int:
         replicas = [g.replicas for g in self.gpus.values() if g.could_serve(TIMESLICE) and g.replicas]
         return 1000 // max(replicas) if replicas else 1000
+
+    def _model_of(self, gpu_uuid: str) -> str:
+        gpu = self.gpus.get(gpu_uuid)
+        return gpu.model if gpu is not None else ""
+
+    def _fleet_models(self) -> set[str]:
+        return {gpu.model for gpu in self.gpus.values()}
+
+    def _within_model_limits(self, request: Request, demand: int) -> tuple[Request | None, str]:
+        """``request`` narrowed to the GPU models its project's model limits leave it, with a
+        note of those left out (for its reason if it waits); None (and its Pending decision)
+        when they leave none."""
+        if not self.model_quotas:
+            return request, ""
+        narrowed = self.model_quotas.narrow(request, demand, self._fleet_models)
+        if narrowed.refusal:
+            self.decisions.append(Pending(request.id, narrowed.refusal))
+            return None, ""
+        return narrowed.request, narrowed.kept_off
 
     def run(self, queue: list[Request]) -> list[Decision]:
         order = FairOrder(queue, self.fairshare, self.working.running, self.now)
@@ -224,6 +250,10 @@ class _Cycle:
         if refusal:
             self.decisions.append(Pending(request.id, refusal))
             return None
+        within, kept_off = self._within_model_limits(request, demand)
+        if within is None:
+            return None
+        request = within
         plan: Plan | None = None
         kind, sizes = _fit_kind(request, self._hides(request))
         known = next(
@@ -238,7 +268,7 @@ class _Cycle:
             with self._hide_reserved(request):
                 # Behind the head, ``_reason`` asks again with its devices in view and
                 # says why from that: the answer with them hidden needs no reason.
-                decision = self.policy.place(self.working, request, explain=not hides)
+                decision = self.policy.place(self.working, request, explain=self.explain and not hides)
                 if not isinstance(decision, Place):
                     self.unfit.setdefault(kind, []).append((sizes, decision.reason))
                     plan = self._preemption(request, demand)
@@ -251,15 +281,25 @@ class _Cycle:
                 return self._commit(request, decision, plan.victims if plan else ())
             self.decisions.append(Pending(request.id, refusal))
             return None
-        self.decisions.append(Pending(request.id, self._reason(request, decision.reason)))
+        reason = self._reason(request, decision.reason)
+        self.decisions.append(Pending(request.id, f"{reason}; {kept_off}" if kept_off else reason))
         self.waiting_by_mode[(request.mode, request.priority)] += 1
         return None
 
     def _decide_gang(self, request: Request) -> Place | None:
         """A multi-node request: placed all or nothing where it fits now (``place_gang``),
         within its project's quota; it neither preempts nor holds a reservation."""
-        refusal = self.quotas.refusal(request.project, request.nodes * request.gpu_count * MILLI)
+        demand = request.nodes * request.gpu_count * MILLI
+        refusal = self.quotas.refusal(request.project, demand)
+        kept_off = ""
+        if not refusal:
+            within, kept_off = self._within_model_limits(request, demand)
+            if within is None:
+                return None
+            request = within
         decision = Pending(request.id, refusal) if refusal else place_gang(self.working, request)
+        if isinstance(decision, Pending) and kept_off:
+            decision = Pending(request.id, f"{decision.reason}; {kept_off}")
         if isinstance(decision, Place):
             return self._commit(request, decision, ())
         self.decisions.append(decision)
@@ -275,6 +315,7 @@ class _Cycle:
                 self.hosts[victim.host].take(victim.cpu_milli, victim.memory_mib, -1)
             self.working.changed(victim.host)
             self.quotas.remove(victim.project, victim.milli_gpu)
+            self.model_quotas.remove(victim.project, victim.grants)
         self.commits += 1
         if victims:
             self.unfit.clear()  # capacity was given back
@@ -301,6 +342,7 @@ class _Cycle:
             host.take(request.cpu_milli, request.memory_mib)
             self.working.changed(name)
         self.quotas.add(request.project, milli)
+        self.model_quotas.add(request.project, place.grants)
         if borrowed and not was_over:
             # Its project's older borrowed sandboxes just became reclaimable.
             self.hopeless.clear()
@@ -475,6 +517,8 @@ class _Cycle:
 
         ``why`` is the policy's answer, given with the reserved devices hidden when they were.
         """
+        if not self.explain:
+            return why
         notes = [why]
         if self.reservation is None:
             shape = _fit_shape(request)

@@ -71,7 +71,23 @@ def ordinal(n: int) -> str:
 
 
 def preview_lines(preview: dict[str, Any]) -> list[str]:
-    """The request form's live answer, as the portal's page words it."""
+    """The request form's live answer, as the portal's page words it, then the answer with
+    each GPU model the tier offers."""
+    return _verdict_lines(preview) + [
+        f"With {answer.get('model')}: {_model_answer(answer)}" for answer in preview.get("by_model") or []
+    ]
+
+
+def _model_answer(answer: dict[str, Any]) -> str:
+    verdict, message = answer.get("verdict"), str(answer.get("message", ""))
+    if verdict == "now":
+        return message
+    if verdict == "waits":
+        return f"waits, {ordinal(int(answer.get('position') or 1))} in line"
+    return f"refused: {message}"
+
+
+def _verdict_lines(preview: dict[str, Any]) -> list[str]:
     verdict, message = preview.get("verdict"), str(preview.get("message", ""))
     if verdict == "now":
         return [f"Would start: {message}."]

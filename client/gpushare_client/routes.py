@@ -76,6 +76,13 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
         metavar="N",
     ),
     RequestField(
+        "gpu_model",
+        str,
+        "--gpu-model",
+        "GPU tiers: the model, one the tier offers (/api/v1/prices/ lists them), e.g. H100-80GB; default any",
+        metavar="MODEL",
+    ),
+    RequestField(
         "mig_profile", str, "--mig-profile", "MIG tiers: the profile, e.g. 1g.10gb", metavar="PROFILE"
     ),
     RequestField(

@@ -60,6 +60,23 @@ def do_change_role(project: Project, membership_id: int, role: str) -> Membershi
         return membership
 
 
+MAX_MEMBER_GPUS = 1000
+
+
+def do_set_member_limit(project: Project, membership_id: int, max_gpus: int | None) -> Membership:
+    """Cap what one member's sandboxes in the project hold or wait for, in whole-GPU
+    equivalents (None: no cap of their own). Sandboxes already running are left alone."""
+    if max_gpus is not None and not 0 <= max_gpus <= MAX_MEMBER_GPUS:
+        raise MembershipError(f"A member's GPU limit is 0 to {MAX_MEMBER_GPUS}, or empty for none.")
+    with transaction.atomic():
+        membership = Membership.objects.select_for_update().filter(pk=membership_id, project=project).first()
+        if membership is None:
+            raise MembershipError("No such member.")
+        membership.max_gpus = max_gpus
+        membership.save(update_fields=["max_gpus"])
+        return membership
+
+
 def do_remove_member(project: Project, membership_id: int) -> None:
     with transaction.atomic():
         membership = Membership.objects.select_for_update().filter(pk=membership_id, project=project).first()

@@ -32,6 +32,13 @@ class Membership(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    # Set by the project's managers: a student may hold at most 2 GPUs of the group's 8.
+    max_gpus = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        help_text="GPUs (whole-GPU equivalents) this member's sandboxes in the project may hold or "
+        "wait for at once; empty: only the project's limits.",
+    )
 
     class Meta:
         constraints = [

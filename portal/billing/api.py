@@ -305,9 +305,15 @@ class PriceSerializer(serializers.ModelSerializer[Tier]):
             "price_per_gpu_hour_micros",
             "currency",
             "max_gpus",
+            "gpu_models",
             "max_duration_hours",
         ]
         read_only_fields = fields
+        extra_kwargs = {
+            "gpu_models": {
+                "help_text": "The GPU models a request may pick (gpu_model); empty: any model of the fleet."
+            }
+        }
 
     def get_max_duration_hours(self, obj: Tier) -> float:
         return obj.max_duration.total_seconds() / 3600

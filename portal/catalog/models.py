@@ -74,6 +74,17 @@ class Tier(models.Model):
     priority_class = models.ForeignKey(PriorityClass, on_delete=models.PROTECT, related_name="tiers")
     max_duration = models.DurationField(default=timedelta(hours=8))
     max_gpus = models.PositiveSmallIntegerField(default=1, help_text="Dedicated tiers: GPUs per sandbox.")
+    # The request form's menu of GPU models: a mixed fleet (A100 + H100) where a tier sells
+    # only some, or all of them as choices. A request that picks none takes any of these.
+    gpu_models = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="GPU models this tier offers, e.g. H100-80GB, A100-80GB; empty: every model of the fleet.",
+    )
+    # MIG tiers: the slice sizes on the menu (a teaching tier of 1g slices only); empty: all.
+    mig_profiles = models.JSONField(
+        default=list, blank=True, help_text="MIG tiers: the MIG profiles offered; empty: every profile."
+    )
     cpu_limit = models.FloatField(default=2.0)
     memory_limit_mib = models.PositiveIntegerField(default=4096)
     # A pids cgroup counts threads, not processes: PyTorch's OpenMP pool (a thread per host

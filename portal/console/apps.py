@@ -14,7 +14,7 @@ class ConsoleConfig(AppConfig):
         from portal.catalog.models import ImageRegistry, PriorityClass, SandboxImage, Storage, Tier
         from portal.fleet.models import Gpu
         from portal.identity.models import GroupRule
-        from portal.quotas.models import QuotaPolicy
+        from portal.quotas.models import ModelQuota, QuotaPolicy
 
         watch(
             Tier,
@@ -24,6 +24,7 @@ class ConsoleConfig(AppConfig):
             ImageRegistry,
             GroupRule,
             QuotaPolicy,
+            ModelQuota,
             Project,
             Membership,
             Gpu,

@@ -10,7 +10,9 @@ from portal.catalog.models import ImageRegistry, IsolationLevel, PriorityClass, 
 from portal.catalog.sharing import TIER_DESCRIPTION_HELP, tier_mode_help
 from portal.fleet.models import SETTABLE_MODES, Gpu, Host
 from portal.identity.models import GroupRule
-from portal.quotas.models import QuotaPolicy
+from portal.quotas.models import ModelQuota, QuotaPolicy
+from portal.sandboxes.forms import MIG_PROFILES
+from portal.sandboxes.gpu_choice import fleet_models
 from scheduler.gpus import COMPUTE_SLICES, MODELS
 
 
@@ -82,19 +84,43 @@ class ConsolidationForm(forms.Form):
     )
 
 
+def tier_model_choices() -> list[tuple[str, str]]:
+    """The models a tier's menu may list: the fleet's, and every model the scheduler knows
+    (an admin may open a tier to a model before its hosts join)."""
+    return [(m, m) for m in sorted({*fleet_models(), *MODELS})]
+
+
+def ticked(choices: Any, label: str, help_text: str) -> forms.MultipleChoiceField:
+    """A list field as checkboxes, none ticked allowed (a JSON list on the model)."""
+    return forms.MultipleChoiceField(
+        choices=choices, widget=forms.CheckboxSelectMultiple, required=False, label=label, help_text=help_text
+    )
+
+
 class TierForm(forms.ModelForm):
     isolation_levels = forms.MultipleChoiceField(
         choices=IsolationLevel.choices, widget=forms.CheckboxSelectMultiple, label="Isolation levels"
+    )
+    gpu_models = ticked(
+        tier_model_choices,
+        "GPU models offered",
+        "The request form's menu of models (none ticked: every model of the fleet). A request that picks "
+        "none takes any of these.",
+    )
+    mig_profiles = ticked(
+        [(p, p) for p in MIG_PROFILES],
+        "MIG profiles offered",
+        "MIG tiers: the slice sizes the request form offers (none ticked: every profile).",
     )
 
     class Meta:
         model = Tier
         fields = [
             "name", "slug", "description", "sharing_mode", "isolation_levels", "price_per_gpu_hour_micros",
-            "currency", "priority_class", "max_duration", "max_gpus", "cpu_limit", "memory_limit_mib",
-            "pids_limit", "shm_size_mib", "network", "requeue_on_failure", "preempt_after", "preempt_grace",
-            "requeue_on_preemption", "idle_util_pct", "idle_minutes", "idle_grace_minutes", "over_share",
-            "over_share_grace", "storages", "active",
+            "currency", "priority_class", "max_duration", "max_gpus", "gpu_models", "mig_profiles",
+            "cpu_limit", "memory_limit_mib", "pids_limit", "shm_size_mib", "network", "requeue_on_failure",
+            "preempt_after", "preempt_grace", "requeue_on_preemption", "idle_util_pct", "idle_minutes",
+            "idle_grace_minutes", "over_share", "over_share_grace", "storages", "active",
         ]  # fmt: skip
         widgets = {"storages": forms.CheckboxSelectMultiple}
         labels = {
@@ -143,6 +169,31 @@ class QuotaForm(forms.ModelForm):
         fields = [
             "project", "max_live_sandboxes", "max_gpus", "guaranteed_gpus", "weight", "max_gpu_hours_month",
         ]  # fmt: skip
+
+
+class ModelQuotaForm(forms.ModelForm):
+    gpu_models = ticked(
+        tier_model_choices,
+        "Models of the class",
+        "A class of models (Hopper: H100-80GB and H200) counts them together; none ticked: the limit's "
+        "name is the model.",
+    )
+
+    class Meta:
+        model = ModelQuota
+        fields = ["quota", "name", "gpu_models", "max_gpus", "max_gpu_hours_month"]
+        labels = {"quota": "Project's quota", "name": "GPU model or class name"}
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        known = dict(tier_model_choices())
+        if not data.get("gpu_models") and data.get("name") and data["name"] not in known:
+            self.add_error(
+                "name", "Name a GPU model the fleet or the scheduler knows, or tick the models of the class."
+            )
+        if data.get("max_gpus") is None and data.get("max_gpu_hours_month") is None:
+            self.add_error(None, "Set a limit on GPUs held, on GPU-hours a month, or both.")
+        return data
 
 
 class PriorityClassForm(forms.ModelForm):

@@ -26,6 +26,7 @@ from portal.console.forms import (
     GroupRuleForm,
     ImageForm,
     MigRelayoutForm,
+    ModelQuotaForm,
     PriorityClassForm,
     QuotaForm,
     RegistryForm,
@@ -44,7 +45,7 @@ from portal.fleet.models import FleetPlan, Gpu, Host, PlanStep
 from portal.fleet.modes import GpuModeError, describe, do_set_gpu_mode, serving
 from portal.identity.models import GroupRule
 from portal.inputs import plain_text
-from portal.quotas.models import QuotaPolicy
+from portal.quotas.models import ModelQuota, QuotaPolicy
 from portal.sandboxes.models import Allocation, Sandbox
 from portal.scheduling.snapshot import build_fairshare, build_queue, build_snapshot
 from scheduler.fairshare import FairOrder
@@ -285,6 +286,7 @@ def audit_log(request: HttpRequest) -> HttpResponse:
 CATALOG: dict[str, tuple[type[models.Model], type[forms.ModelForm], str]] = {
     "tiers": (Tier, TierForm, "tier"),
     "quotas": (QuotaPolicy, QuotaForm, "quota policy"),
+    "model-quotas": (ModelQuota, ModelQuotaForm, "GPU model limit"),
     "priority-classes": (PriorityClass, PriorityClassForm, "priority class"),
     "images": (SandboxImage, ImageForm, "image"),
     "storage": (Storage, StorageForm, "storage"),
@@ -304,6 +306,9 @@ def catalog(request: HttpRequest) -> HttpResponse:
         {
             "tiers": Tier.objects.select_related("priority_class"),
             "quotas": QuotaPolicy.objects.select_related("project"),
+            "model_quotas": ModelQuota.objects.select_related("quota__project").order_by(
+                "quota__project__name", "name"
+            ),
             "classes": PriorityClass.objects.all(),
             "images": images,
             # Those the agents pull when missing: one query for the approvals, not one per image.

@@ -20,13 +20,14 @@ from portal.accounts.members import (
     do_add_member,
     do_change_role,
     do_remove_member,
+    do_set_member_limit,
 )
 from portal.accounts.models import Membership, Project
 from portal.billing.models import UsageRecord
 from portal.billing.pricing import format_money
 from portal.catalog.storage import storage_lines
 from portal.inputs import whole_number
-from portal.quotas.models import QuotaPolicy
+from portal.quotas.models import ModelQuota, QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes.models import LIVE_STATES, Allocation
 from portal.telemetry.utilization import GpuHours, gpu_hours
@@ -65,7 +66,34 @@ def quota_bars(projects: list[Project]) -> dict[int, list[tuple[str, dict[str, A
             now = timezone.now()
             used = round(gpu_hours_since(pk, month_start(now), now), 1)
             bars[pk].append(("GPU-hours this month", _bar(used, quota.max_gpu_hours_month)))
+    _model_bars(ids, bars)
     return bars
+
+
+def _model_bars(ids: list[int], bars: dict[int, list[tuple[str, dict[str, Any]]]]) -> None:
+    """Each limit per GPU model: what the project holds of its models, and their GPU-hours
+    this month (2 queries, and 2 a limit on hours)."""
+    limits = list(
+        ModelQuota.objects.filter(quota__project_id__in=ids).select_related("quota").order_by("name")
+    )
+    if not limits:
+        return
+    held: dict[tuple[int, str], int] = {
+        (project, model): milli
+        for project, model, milli in Allocation.objects.filter(active=True, sandbox__project_id__in=ids)
+        .values("sandbox__project_id", "gpu__model")
+        .annotate(milli=Sum("milli_gpu"))
+        .values_list("sandbox__project_id", "gpu__model", "milli")
+    }
+    now = timezone.now()
+    for limit in limits:
+        pk, covered = limit.quota.project_id, limit.covered
+        if limit.max_gpus is not None:
+            gpus = sum(held.get((pk, model), 0) for model in covered) / 1000
+            bars[pk].append((f"{limit.name} GPUs held", _bar(gpus, limit.max_gpus)))
+        if limit.max_gpu_hours_month is not None:
+            used = round(gpu_hours_since(pk, month_start(now), now, covered), 1)
+            bars[pk].append((f"{limit.name} GPU-hours this month", _bar(used, limit.max_gpu_hours_month)))
 
 
 @login_required
@@ -143,6 +171,17 @@ def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
     )
 
 
+def _member_limit(data: Any) -> int | None:
+    """The posted GPU limit of a member: empty for none, else a whole number."""
+    text = str(data.get("max_gpus", "")).strip()
+    if not text:
+        return None
+    value = whole_number(text)
+    if value is None:
+        raise MembershipError("A member's GPU limit is a whole number, or empty for none.")
+    return value
+
+
 @login_required
 @require_POST
 def project_members(request: HttpRequest, slug: str) -> HttpResponse:
@@ -160,6 +199,18 @@ def project_members(request: HttpRequest, slug: str) -> HttpResponse:
         elif action == "role":
             changed = do_change_role(project, whole_number(request.POST.get("membership")) or 0, role)
             messages.success(request, f"{changed.user.get_username()} is now {changed.get_role_display()}.")
+        elif action == "limit":
+            changed = do_set_member_limit(
+                project, whole_number(request.POST.get("membership")) or 0, _member_limit(request.POST)
+            )
+            limit = (
+                "no GPU limit of their own"
+                if changed.max_gpus is None
+                else f"at most {changed.max_gpus} GPUs"
+            )
+            messages.success(
+                request, f"{changed.user.get_username()} may now hold {limit} in {project.name}."
+            )
         elif action == "remove":
             do_remove_member(project, whole_number(request.POST.get("membership")) or 0)
             messages.success(request, "Member removed.")

@@ -8,6 +8,7 @@ from typing import Any
 from django.db.models import F, FloatField, Func, Sum
 
 from portal.billing.models import UsageRecord
+from portal.quotas.models import ModelQuota
 
 
 class DurationSeconds(Func):
@@ -28,13 +29,31 @@ def month_start(now: datetime) -> datetime:
     return now.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
 
 
-def gpu_hours_since(project_id: int, since: datetime, now: datetime) -> float:
+def gpu_hours_since(
+    project_id: int, since: datetime, now: datetime, gpu_models: list[str] | None = None
+) -> float:
     """GPU-hours (whole-GPU equivalents x hours) of the project's usage since ``since``,
-    open intervals counted up to ``now``. Two queries, whatever the number of intervals."""
+    open intervals counted up to ``now``; only on ``gpu_models`` if given. Two queries,
+    whatever the number of intervals."""
     held = Sum(F("milli_gpu") * DurationSeconds("duration"), output_field=FloatField())
     records = UsageRecord.objects.filter(project_id=project_id, started_at__gte=since)
+    if gpu_models is not None:
+        records = records.filter(gpu_model__in=gpu_models)
     milli_seconds = records.filter(ended_at__isnull=False).aggregate(total=held)["total"] or 0
     hours = float(milli_seconds) / 3600 / 1000
     for milli, started_at in records.filter(ended_at__isnull=True).values_list("milli_gpu", "started_at"):
         hours += milli / 1000 * max(0.0, (now - started_at).total_seconds()) / 3600
     return hours
+
+
+def model_hours_used_up(row: ModelQuota, project_name: str, now: datetime) -> str:
+    """How a limit per GPU model (``row``) ran out of its GPU-hours this month, or "" while
+    some are left (or it sets none): "project Vision has used 10.2 of its 10 H100-80GB
+    GPU-hours this month"."""
+    if row.max_gpu_hours_month is None:
+        return ""
+    used = gpu_hours_since(row.quota.project_id, month_start(now), now, row.covered)
+    if used < row.max_gpu_hours_month:
+        return ""
+    limit = row.max_gpu_hours_month
+    return f"project {project_name} has used {used:.1f} of its {limit} {row.name} GPU-hours this month"

@@ -30,9 +30,11 @@ from portal.durations import duration_text
 from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 from portal.fleet.modes import KIND_MODE
 from portal.quotas.models import QuotaPolicy
-from portal.quotas.usage import gpu_hours_since, month_start
+from portal.quotas.usage import gpu_hours_since, model_hours_used_up, month_start
 from portal.sandboxes import live, notify, nudge
+from portal.sandboxes.gpu_choice import model_refusal, profile_refusal
 from portal.sandboxes.granted import follow_granted_devices
+from portal.sandboxes.member_limit import member_limit_refusal
 from portal.sandboxes.models import (
     LIVE_STATES,
     MAX_NODES,
@@ -86,6 +88,7 @@ class SandboxRequest:
     gpu_count: int = 1
     nodes: int = 1  # dedicated tiers: hosts of one Slurm cluster, gpu_count GPUs on each
     mig_profile: str = ""
+    gpu_model: str = ""  # one its tier offers (portal.sandboxes.gpu_choice); "": any of them
     mps_memory_mib: int = 0
     mps_thread_pct: int = 0
     duration: timedelta | None = None
@@ -130,6 +133,10 @@ def check_request_sandbox(user: Any, req: SandboxRequest, *, quota: bool = True)
         known = {p.name for m in MODELS.values() for p in m.mig_profiles}
         if req.mig_profile not in known:
             raise SandboxRequestError("mig_profile", f"Unknown MIG profile {req.mig_profile!r}.")
+        if (refusal := profile_refusal(tier, req.mig_profile)) is not None:
+            raise SandboxRequestError("mig_profile", refusal)
+    if req.gpu_model and (refusal := model_refusal(tier, req.gpu_model, req.mig_profile)) is not None:
+        raise SandboxRequestError("gpu_model", refusal)
     if mode == SharingMode.MPS:
         if not 1 <= req.mps_thread_pct <= 100:
             raise SandboxRequestError("mps_thread_pct", "The thread share must be 1 to 100 %.")
@@ -145,15 +152,17 @@ def check_request_sandbox(user: Any, req: SandboxRequest, *, quota: bool = True)
     if (refusal := storage_refusal(tier, user, req.project)) is not None:
         raise SandboxRequestError("tier", refusal)
     if quota:
-        check_quota(req)
+        check_quota(user, req)
 
 
-def check_quota(req: SandboxRequest) -> tuple[QuotaPolicy | None, int]:
-    """The project's GPU-hour budget (a CPU-only sandbox, which uses none, is not held to it)
-    and live-sandbox limit. ``do_request_sandbox`` runs it again under a lock on the project
-    row: two requests checked at the same moment would otherwise both see room for one more.
-    Returns the quota and the project's live sandboxes (0 when there is no quota), which the
-    request's notice reads rather than reading them again."""
+def check_quota(user: Any, req: SandboxRequest) -> tuple[QuotaPolicy | None, int]:
+    """The project's GPU-hour budget (a CPU-only sandbox, which uses none, is not held to it),
+    its live-sandbox limit and the member's own GPU limit. ``do_request_sandbox`` runs it
+    again under a lock on the project row: two requests checked at the same moment would
+    otherwise both see room for one more. Returns the quota and the project's live sandboxes
+    (0 when there is no quota), which the request's notice reads rather than reading them."""
+    if (refusal := member_limit_refusal(user, req)) is not None:
+        raise SandboxRequestError("project", refusal)
     quota = QuotaPolicy.objects.filter(project=req.project).first()
     if quota is not None and quota.max_gpu_hours_month is not None and not req.tier.cpu_only:
         now = timezone.now()
@@ -166,6 +175,8 @@ def check_quota(req: SandboxRequest) -> tuple[QuotaPolicy | None, int]:
             )
     if quota is None:
         return None, 0
+    if (refusal := model_hours_refusal(req, quota)) is not None:
+        raise SandboxRequestError("gpu_model", refusal)
     live = Sandbox.objects.filter(project=req.project, state__in=LIVE_STATES).count()
     if live >= quota.max_live_sandboxes:
         raise SandboxRequestError(
@@ -173,6 +184,23 @@ def check_quota(req: SandboxRequest) -> tuple[QuotaPolicy | None, int]:
             f"Project {req.project.name} has reached its quota of {quota.max_live_sandboxes} live sandboxes.",
         )
     return quota, live
+
+
+def model_hours_refusal(req: SandboxRequest, quota: QuotaPolicy | None = None) -> str | None:
+    """Why the model ``req`` names has no GPU-hours left this month for its project (one of
+    its limits per model), or None. A request for any model is kept off a used-up one by the
+    scheduler instead (scheduler/model_quotas.py). ``quota``: the project's, if read."""
+    if not req.gpu_model or req.tier.cpu_only:
+        return None
+    quota = quota or QuotaPolicy.objects.filter(project=req.project).first()
+    if quota is None:
+        return None
+    for row in quota.model_quotas.filter(max_gpu_hours_month__isnull=False):
+        if req.gpu_model in row.covered and (
+            used_up := model_hours_used_up(row, req.project.name, timezone.now())
+        ):
+            return f"{used_up[0].upper()}{used_up[1:]}."
+    return None
 
 
 def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
@@ -183,7 +211,7 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
     gives the early, unlocked answer)."""
     with transaction.atomic():
         Project.objects.select_for_update().filter(pk=req.project.pk).exists()
-        quota, live = check_quota(req)
+        quota, live = check_quota(user, req)
         sandbox = Sandbox.objects.create(
             project=req.project,
             owner=user,
@@ -194,6 +222,7 @@ def do_request_sandbox(user: Any, req: SandboxRequest) -> Sandbox:
             gpu_count=req.gpu_count if req.tier.sharing_mode == SharingMode.DEDICATED else 1,
             nodes=req.nodes if req.tier.sharing_mode == SharingMode.DEDICATED else 1,
             mig_profile=req.mig_profile if req.tier.sharing_mode == SharingMode.MIG else "",
+            gpu_model="" if req.tier.cpu_only else req.gpu_model,
             mps_memory_mib=req.mps_memory_mib if req.tier.sharing_mode == SharingMode.MPS else 0,
             mps_thread_pct=req.mps_thread_pct if req.tier.sharing_mode == SharingMode.MPS else 0,
             max_duration=req.duration or req.tier.max_duration,

@@ -87,6 +87,7 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
             "host",
             "gpu_count",
             "nodes",
+            "gpu_model",
             "mig_profile",
             "mps_memory_mib",
             "mps_thread_pct",
@@ -103,6 +104,7 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
                                 "(pulling its image), else empty."},
             "failure": {"help_text": "Why it failed, once it has; else empty."},
             "nodes": {"help_text": "Hosts it spans, gpu_count GPUs on each (one Slurm job); 1 for most."},
+            "gpu_model": {"help_text": "The GPU model asked for; empty: any its tier offers."},
         }  # fmt: skip
 
     def get_max_duration_hours(self, obj: Sandbox) -> float:
@@ -134,6 +136,12 @@ class SandboxCreateSerializer(StrictSerializer):
     nodes = WholeNumber(
         required=False,
         help_text="Dedicated tiers on a Slurm cluster: one job over this many nodes, gpu_count GPUs each.",
+    )
+    gpu_model = Text(
+        required=False,
+        allow_blank=True,
+        max_length=40,
+        help_text="GPU tiers: the GPU model, one the tier offers (/api/v1/prices/); empty or absent: any.",
     )
     mig_profile = serializers.ChoiceField(
         choices=MIG_PROFILES,

@@ -15,6 +15,7 @@ from portal.api.text import repeated_fields, text_problem, unknown_fields
 from portal.catalog.models import IsolationLevel, SandboxImage, Tier
 from portal.fleet.models import Host
 from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
+from portal.sandboxes.gpu_choice import fleet_models, offered_models
 from portal.sandboxes.models import MAX_NODES
 from scheduler.gpus import MODELS
 from wire.spec import DRIVER_ISOLATION
@@ -44,6 +45,29 @@ class ReadChoiceField(forms.ModelChoiceField):
         return super().to_python(value)
 
 
+class ModelMenuField(forms.ChoiceField):
+    """The GPU model menu. Any value passes here: ``check_request_sandbox`` checks it against
+    the chosen tier's models and names them, which "choose one of the listed options" does
+    not for a script (the API's caller has no menu to look at)."""
+
+    def valid_value(self, value: str) -> bool:
+        return True
+
+
+def tier_menus(tiers: list[Tier] | None = None) -> dict[str, list[str]]:
+    """Each open tier's GPU models by its id (``tiers``: the open tiers, if read already):
+    the page shows the chosen tier's. The fleet's models are read only for a tier that
+    lists none."""
+    tiers = list(Tier.objects.filter(active=True)) if tiers is None else tiers
+    fleet = fleet_models() if any(not t.gpu_models and not t.cpu_only for t in tiers) else []
+    return {str(tier.pk): offered_models(tier, fleet) for tier in tiers}
+
+
+def model_choices(menus: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """The menu field's choices: every model some open tier offers."""
+    return [("", "Any"), *((m, m) for m in sorted({m for models in menus.values() for m in models}))]
+
+
 def isolation_the_fleet_gives() -> str:
     """The first of container, process and VM that a host that is up gives: the form's
     default, so that where no host runs Docker (``make run`` on a machine without it) the
@@ -60,6 +84,13 @@ class SandboxRequestForm(forms.Form):
     image = ReadChoiceField(queryset=SandboxImage.objects.filter(active=True))
     isolation = forms.ChoiceField(
         choices=IsolationLevel.choices, initial=IsolationLevel.CONTAINER, error_messages=_CHOOSE
+    )
+    gpu_model = ModelMenuField(
+        choices=[("", "Any")],
+        required=False,
+        label="GPU model",
+        help_text="Any: whichever model the tier offers has room first",
+        error_messages=_CHOOSE,
     )
     gpu_count = forms.IntegerField(
         min_value=1, max_value=8, initial=1, required=False, label="GPUs", help_text="Dedicated tiers"
@@ -105,12 +136,19 @@ class SandboxRequestForm(forms.Form):
     )
 
     def __init__(
-        self, *args: Any, user: Any, for_create: bool = False, read: tuple[Model, ...] = (), **kwargs: Any
+        self,
+        *args: Any,
+        user: Any,
+        for_create: bool = False,
+        read: tuple[Model, ...] = (),
+        menus: dict[str, list[str]] | None = None,
+        **kwargs: Any,
     ) -> None:
         """``for_create``: the request goes on to ``do_request_sandbox``, which checks the
         quota itself (under the project's lock), so ``clean`` leaves it out. ``read``: the
         project, tier or image rows the caller read from queries at least as narrow as the
-        fields' (the API's: the token's projects, open tiers, allowed images), not read again."""
+        fields' (the API's: the token's projects, open tiers, allowed images), not read again.
+        ``menus``: ``tier_menus()``, if the page read them already."""
         super().__init__(*args, **kwargs)
         for row in read:
             for field in self.fields.values():
@@ -135,6 +173,10 @@ class SandboxRequestForm(forms.Form):
             )
         )
         self.fields["project"].queryset = projects.distinct()  # type: ignore[attr-defined]
+        # A callable: read when the form is drawn, never for a POST (the actions check a
+        # pick against its tier), so the API's burst of requests reads no menu.
+        menu_field: Any = self.fields["gpu_model"]
+        menu_field.choices = lambda: model_choices(tier_menus() if menus is None else menus)
         self.request_obj: SandboxRequest | None = None
 
     def _refuse_unexpected_fields(self) -> None:
@@ -185,6 +227,7 @@ class SandboxRequestForm(forms.Form):
             gpu_count=data.get("gpu_count") or 1,
             nodes=data.get("nodes") or 1,
             mig_profile=data.get("mig_profile") or "",
+            gpu_model=data.get("gpu_model") or "",
             mps_memory_mib=(data.get("mps_memory_gib") or 0) * 1024,
             mps_thread_pct=data.get("mps_thread_pct") or 0,
             duration=timedelta(hours=data["duration_hours"]),

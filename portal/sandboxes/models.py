@@ -49,7 +49,8 @@ LIVE_STATES = (
 )
 ENDED_STATES = (SandboxState.STOPPED, SandboxState.FAILED, SandboxState.PREEMPTED, SandboxState.EXPIRED)
 # What is kept of the scheduler's reason for a wait: the cycle compares it with the stored one.
-PENDING_REASON_MAX = 200
+# Room for a placement's reason and the GPU model limits that kept the request off some models.
+PENDING_REASON_MAX = 400
 MAX_NODES = 16  # the most hosts one sandbox spans (a multi-node Slurm job)
 
 
@@ -78,6 +79,8 @@ class Sandbox(models.Model):
     # ``host`` is the first, where the job's batch script runs.
     nodes = models.PositiveSmallIntegerField(default=1)
     mig_profile = models.CharField(max_length=16, blank=True)
+    # The GPU model asked for (one of its tier's); blank: any model the tier offers.
+    gpu_model = models.CharField(max_length=40, blank=True)
     mps_memory_mib = models.PositiveIntegerField(default=0)
     mps_thread_pct = models.PositiveSmallIntegerField(default=0)
     max_duration = models.DurationField()
@@ -214,13 +217,14 @@ class Sandbox(models.Model):
         mode = self.tier.sharing_mode
         if mode == "cpu":
             return f"CPU only · {self.tier.cpu_limit:g} CPU, {self.tier.memory_limit_mib} MiB"
+        on = f" on {self.gpu_model}" if self.gpu_model else ""
         if mode == "mig":
-            return f"MIG {self.mig_profile}"
+            return f"MIG {self.mig_profile}{on}"
         if mode == "mps":
-            return f"MPS {self.mps_memory_mib // 1024} GiB, {self.mps_thread_pct}% threads"
+            return f"MPS {self.mps_memory_mib // 1024} GiB, {self.mps_thread_pct}% threads{on}"
         if mode == "timeslice":
-            return "1 time-slice replica"
-        gpus = f"{self.gpu_count} GPU" + ("s" if self.gpu_count > 1 else "")
+            return f"1 time-slice replica{on}"
+        gpus = f"{self.gpu_count} {self.gpu_model or 'GPU'}" + ("s" if self.gpu_count > 1 else "")
         return f"{gpus} on each of {self.nodes} nodes" if self.nodes > 1 else gpus
 
 

@@ -23,7 +23,7 @@ from portal.catalog.storage import storage_lines
 from portal.fleet.modes import most_replicas
 from portal.inputs import whole_number
 from portal.sandboxes import actions, unread
-from portal.sandboxes.forms import EXTEND_CHOICES_H, SandboxRequestForm
+from portal.sandboxes.forms import EXTEND_CHOICES_H, SandboxRequestForm, tier_menus
 from portal.sandboxes.models import Allocation, Notification, Sandbox
 from portal.sandboxes.output import read_output
 from portal.sandboxes.reach import TERMINAL_ISOLATION, app_origin
@@ -73,7 +73,9 @@ def sandbox_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def sandbox_new(request: HttpRequest) -> HttpResponse:
-    form = SandboxRequestForm(request.POST or None, user=request.user, for_create=True)
+    tiers = list(Tier.objects.filter(active=True))
+    menus = tier_menus(tiers)
+    form = SandboxRequestForm(request.POST or None, user=request.user, for_create=True, menus=menus)
     if request.method == "POST" and form.is_valid() and form.request_obj is not None:
         try:
             sandbox = actions.do_request_sandbox(request.user, form.request_obj)
@@ -81,7 +83,7 @@ def sandbox_new(request: HttpRequest) -> HttpResponse:
             form.add_request_error(exc)
         else:
             return redirect("sandbox-detail", pk=sandbox.pk)
-    tier_modes = {str(t.pk): t.sharing_mode for t in Tier.objects.filter(active=True)}
+    tier_modes = {str(t.pk): t.sharing_mode for t in tiers}
     # What each mode the tiers offer gives and does not, stated before anyone chooses.
     offered = [mode for mode in LABELS if mode in tier_modes.values()]
     return render(
@@ -90,6 +92,8 @@ def sandbox_new(request: HttpRequest) -> HttpResponse:
         {
             "form": form,
             "tier_modes": tier_modes,
+            "tier_menus": menus,
+            "tier_profiles": {str(t.pk): t.mig_profiles for t in tiers if t.mig_profiles},
             "offered_modes": offered,
             "replicas": most_replicas() if TIMESLICE in offered else None,
         },

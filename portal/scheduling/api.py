@@ -16,7 +16,14 @@ from rest_framework.views import APIView
 from portal.api.errors import errors
 from portal.api.views import ApiView
 from portal.sandboxes.api import CREATE_EXAMPLE, SandboxCreateSerializer, checked_request
-from portal.scheduling.preview import preview_request
+from portal.scheduling.preview import offer_other_models, preview_by_model, preview_request
+
+
+class ModelAnswerSerializer(serializers.Serializer[Any]):
+    model = serializers.CharField(help_text="A GPU model the request's tier offers.")
+    verdict = serializers.ChoiceField(choices=["now", "waits", "refused"])
+    message = serializers.CharField(help_text="As the request's own message, for this model.")
+    position = serializers.IntegerField(help_text="Its place in line with this model; 0 unless it waits.")
 
 
 class PreviewSerializer(serializers.Serializer[Any]):
@@ -38,6 +45,11 @@ class PreviewSerializer(serializers.Serializer[Any]):
     alternatives = serializers.ListField(
         child=serializers.CharField(), help_text="What could start now instead, in the same sharing mode."
     )
+    by_model = serializers.ListField(
+        child=ModelAnswerSerializer(),
+        help_text="The answer with each GPU model the tier offers (gpu_model set to it); empty "
+        "when the tier offers one model or none.",
+    )
 
 
 class SandboxPreviewView(ApiView, APIView):
@@ -51,9 +63,17 @@ class SandboxPreviewView(ApiView, APIView):
         responses={200: PreviewSerializer, **errors(400, 401, 403, 429)},
     )
     def post(self, request: Request) -> Response:
-        answer = preview_request(request.user, checked_request(request, for_create=False))
+        asked = checked_request(request, for_create=False)
+        answers = preview_by_model(request.user, asked)
+        answer = offer_other_models(preview_request(request.user, asked), answers)
+        by_model = [
+            {"model": a.model, "verdict": a.preview.verdict, "message": a.preview.message,
+             "position": a.preview.position}
+            for a in answers
+        ]  # fmt: skip
         body = {
             "verdict": answer.verdict, "message": answer.message, "host": answer.host,
             "position": answer.position, "earliest_start": answer.eta, "alternatives": answer.alternatives,
+            "by_model": by_model,
         }  # fmt: skip
         return Response(PreviewSerializer(body).data)

@@ -47,6 +47,7 @@ from scheduler.cluster import (
     GpuState,
     HostState,
     MigSlot,
+    ModelLimit,
     ProjectShare,
     Request,
     Reserve,
@@ -59,7 +60,7 @@ log = logging.getLogger(__name__)
 
 BODY_KEY = "gpushare:scheduling:state"
 META_KEY = "gpushare:scheduling:state-meta"
-FORMAT = 2  # bump when the layout below changes: an old digest then reads as missing
+FORMAT = 3  # bump when the layout below changes: an old digest then reads as missing
 # An idle cycle (empty queue) republishes at most this often, so capacity freed by
 # sandboxes that stopped shows in the preview within a few seconds.
 IDLE_REFRESH_S = 5.0
@@ -113,7 +114,13 @@ def encode(
             "horizon_s": fairshare.horizon_s,
             "usage_at": now if fairshare.usage_at is None else fairshare.usage_at,
             "projects": {
-                name: [s.weight, s.guaranteed_milli, s.limit_milli, s.usage_gpu_s]
+                name: [
+                    s.weight,
+                    s.guaranteed_milli,
+                    s.limit_milli,
+                    s.usage_gpu_s,
+                    [[m.name, sorted(m.models), m.limit_milli, m.closed] for m in s.model_limits],
+                ]
                 for name, s in sorted(fairshare.projects.items())
             },
         },
@@ -396,7 +403,7 @@ def decode(body: bytes, digest_hash: str = "", written_at: float = 0.0) -> Diges
             ],
             reservation=_reservation(data["reservation"]),
             fairshare=FairShareState(
-                projects={name: ProjectShare(*share) for name, share in fair["projects"].items()},
+                projects={name: _share(share) for name, share in fair["projects"].items()},
                 half_life_s=fair["half_life_s"],
                 usage_at=fair["usage_at"],
                 horizon_s=fair["horizon_s"],
@@ -410,6 +417,12 @@ def decode(body: bytes, digest_hash: str = "", written_at: float = 0.0) -> Diges
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("scheduling state undecodable, ignored: %r", exc)
         return None
+
+
+def _share(row: list[Any]) -> ProjectShare:
+    weight, guaranteed, limit, usage, model_limits = row
+    limits = tuple(ModelLimit(n, frozenset(models), milli, why) for n, models, milli, why in model_limits)
+    return ProjectShare(weight, guaranteed, limit, usage, limits)
 
 
 def _grant(row: list[Any]) -> DeviceGrant:

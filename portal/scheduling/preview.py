@@ -28,14 +28,20 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
 
 from portal.durations import duration_text
-from portal.sandboxes.actions import SandboxRequest, SandboxRequestError, check_request_sandbox
+from portal.sandboxes.actions import (
+    SandboxRequest,
+    SandboxRequestError,
+    check_request_sandbox,
+    model_hours_refusal,
+)
+from portal.sandboxes.gpu_choice import model_refusal
 from portal.scheduling import digest
 from portal.scheduling.policy import new_policy, warm, workload_of
 from portal.scheduling.snapshot import build_fairshare, build_queue, build_snapshot, scheduler_request
@@ -78,7 +84,11 @@ def preview_request(user: Any, req: SandboxRequest, now: float | None = None) ->
         check_request_sandbox(user, req)
     except SandboxRequestError as exc:
         return Preview("refused", exc.message)
-    mine = scheduler_request(PREVIEW_ID, req, now)
+    return _answer(scheduler_request(PREVIEW_ID, req, now), now)
+
+
+def _answer(mine: Request, now: float) -> Preview:
+    """The scheduler's answer for a request that passed the checks."""
     with collection_paused():
         state = digest.latest()
         if state is not None:
@@ -86,6 +96,76 @@ def preview_request(user: Any, req: SandboxRequest, now: float | None = None) ->
             if answer is not None:
                 return answer
         return _from_database(mine, now)
+
+
+def _brief_answer(mine: Request, now: float) -> Preview | None:
+    """Where it would start or its place in line, without the earliest start or what could
+    start instead (each a further attempt): from the last cycle's state only, None without
+    one (the whole cycle from the database, once per model, is seconds at the cluster's size)."""
+    with collection_paused():
+        state = digest.latest()
+        return None if state is None else _from_last_cycle(state, mine, now, detail=False)
+
+
+@dataclass
+class ModelAnswer:
+    """The live answer for one GPU model of the request's tier."""
+
+    model: str
+    preview: Preview
+    picked: bool  # the model the request names ("any" picks none)
+
+
+# Each model answered is one more placement attempt on the last cycle's state per form change
+# (BENCHMARKS.md, "Scheduling cycle and preview in the portal"): a menu an admin shaped, and
+# its first few models only.
+MAX_MODEL_ANSWERS = 4
+
+
+def preview_by_model(user: Any, req: SandboxRequest, now: float | None = None) -> list[ModelAnswer]:
+    """The answer for each model on the request's tier's menu (``Tier.gpu_models``, its first
+    ``MAX_MODEL_ANSWERS``), the request otherwise as written: "H100: starts now; A100: waits,
+    3rd in line"; none for a tier whose admin listed no models (it offers every model of the
+    fleet: the openb cluster's seven would be seven attempts a keystroke), for one of a
+    single model, or for a request refused whatever the model. The checks that do not depend
+    on the model run once; each model then costs its own checks and one placement attempt."""
+    models = [str(m) for m in req.tier.gpu_models][:MAX_MODEL_ANSWERS]
+    if len(models) < 2:
+        return []
+    now = time.time() if now is None else now
+    try:
+        check_request_sandbox(user, replace(req, gpu_model=""))
+    except SandboxRequestError:
+        return []
+    answers = []
+    with collection_paused():  # once for all of them: each pause's end may run a collection
+        for model in models:
+            answer = _model_answer(replace(req, gpu_model=model), now)
+            if answer is None:
+                return []  # no recent cycle state: the request's own answer only
+            answers.append(ModelAnswer(model, answer, model == req.gpu_model))
+    return answers
+
+
+def _model_answer(asked: SandboxRequest, now: float) -> Preview | None:
+    """One model's answer: refused by its own checks, or a brief placement attempt."""
+    refusal = model_refusal(asked.tier, asked.gpu_model, asked.mig_profile) or model_hours_refusal(asked)
+    if refusal:
+        return Preview("refused", refusal)
+    return _brief_answer(scheduler_request(PREVIEW_ID, asked, now), now)
+
+
+def offer_other_models(answer: Preview, by_model: list[ModelAnswer]) -> Preview:
+    """A request for one model that would wait or be refused (its project at that model's
+    limit, the model all taken) is offered the models that would start now."""
+    if answer.verdict not in ("waits", "refused"):
+        return answer
+    others = [
+        f"on {a.model}: it {a.preview.message}"
+        for a in by_model
+        if a.preview.verdict == "now" and not a.picked
+    ]
+    return replace(answer, alternatives=[*others, *answer.alternatives][:4]) if others else answer
 
 
 def _from_database(mine: Request, now: float) -> Preview:
@@ -119,7 +199,7 @@ _fleet = digest.Mirror()
 _mirrors_lock = threading.Lock()
 
 
-def _from_last_cycle(state: digest.Digest, mine: Request, now: float) -> Preview | None:
+def _from_last_cycle(state: digest.Digest, mine: Request, now: float, detail: bool = True) -> Preview | None:
     """One placement attempt on the state the last cycle left; None if its policy is unknown
     here or its rows unreadable."""
     with _mirrors_lock:
@@ -140,10 +220,10 @@ def _from_last_cycle(state: digest.Digest, mine: Request, now: float) -> Preview
         try:
             decisions = run_cycle(
                 snapshot, [mine], policy, now, fairshare=state.fairshare, in_place=True, held=held,
-                backfill_window_s=settings.BACKFILL_WINDOW_S,
+                backfill_window_s=settings.BACKFILL_WINDOW_S, explain=detail,
             )  # fmt: skip
             try:
-                return _verdict(decisions, snapshot, mine, now, policy, waiting_ahead=ahead)
+                return _verdict(decisions, snapshot, mine, now, policy, waiting_ahead=ahead, detail=detail)
             finally:
                 revert(snapshot, decisions, [mine])
         except Exception:
@@ -175,9 +255,11 @@ def _verdict(
     now: float,
     policy: Policy,
     waiting_ahead: int,
+    detail: bool = True,
 ) -> Preview:
     """Read the cycle's decisions for the preview's request; ``snapshot`` is the fleet before
-    them (or after, if it waits: then nothing of it changed)."""
+    them (or after, if it waits: then nothing of it changed). Without ``detail`` a request
+    that waits gets no earliest start and no alternatives."""
     victims, warning_s = 0, 0.0
     warnings = {r.sandbox_id: r.warning_s for r in snapshot.running}
     for decision in decisions:
@@ -207,6 +289,8 @@ def _verdict(
                 )
             return Preview("now", f"starts now on {decision.host}", host=decision.host, devices=devices)
         if isinstance(decision, Pending):
+            if not detail:  # unexplained unless a quota held it (that costs no search)
+                return Preview("waits", decision.reason or "no room for it now", position=waiting_ahead + 1)
             instead = alternatives(snapshot, mine)  # before the ETA's own attempt, which may book it
             return Preview(
                 "waits",

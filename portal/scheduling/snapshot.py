@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db.models import Q
@@ -22,11 +22,14 @@ from django.utils import timezone
 
 from portal.billing.models import UsageRecord
 from portal.fleet.models import SIMULATED_BACKENDS, Gpu, Host, MigInstance, running_plan_gpus
-from portal.quotas.models import QuotaPolicy
+from portal.quotas.models import ModelQuota, QuotaPolicy
+from portal.quotas.usage import model_hours_used_up
 from portal.sandboxes.actions import SandboxRequest
+from portal.sandboxes.gpu_choice import models_accepted
 from portal.sandboxes.models import Allocation, Sandbox, SandboxState
 from scheduler.cluster import (
     AUTO,
+    CPU_ONLY,
     DEDICATED,
     MIG,
     MODES,
@@ -37,6 +40,7 @@ from scheduler.cluster import (
     GpuState,
     HostState,
     MigSlot,
+    ModelLimit,
     ProjectShare,
     Request,
     Running,
@@ -263,6 +267,7 @@ def _request(
     cpu_cores: float,
     memory_mib: int,
     isolation: str,
+    gpu_models: tuple[str, ...] = (),
 ) -> Request:
     """What the scheduler sees of a request: only the fields of its tier's sharing mode."""
     return Request(
@@ -280,6 +285,7 @@ def _request(
         cpu_milli=_cpu_milli(cpu_cores),
         memory_mib=memory_mib,
         isolation=isolation,
+        gpu_models=gpu_models if mode != CPU_ONLY else (),
     )
 
 
@@ -295,18 +301,20 @@ def read_queue() -> list[Queued]:
     for (
         pk, project, priority, preemptible, requested_at, mode, gpu_count, mig_profile, mps_mib, mps_threads,
         asked_for, tier_max, cpu_cores, memory_mib, isolation, reason, preempt_after, grace, nodes,
+        gpu_model, tier_models,
     ) in rows.values_list(
         "pk", "project__slug", "tier__priority_class__value", "tier__priority_class__preemptible",
         "requested_at", "tier__sharing_mode", "gpu_count", "mig_profile", "mps_memory_mib", "mps_thread_pct",
         "max_duration", "tier__max_duration", "tier__cpu_limit", "tier__memory_limit_mib", "isolation",
         "pending_reason", "tier__preempt_after", "tier__preempt_grace", "nodes",
+        "gpu_model", "tier__gpu_models",
     ):  # fmt: skip
         request = _request(
             pk, project=project, priority=priority, submitted_at=requested_at.timestamp(), mode=mode,
             gpu_count=gpu_count, nodes=nodes, mig_profile=mig_profile, mps_memory_mib=mps_mib,
             mps_thread_pct=mps_threads,
             max_duration=asked_for or tier_max, cpu_cores=cpu_cores, memory_mib=memory_mib,
-            isolation=isolation,
+            isolation=isolation, gpu_models=models_accepted(gpu_model, tier_models),
         )  # fmt: skip
         queued.append(
             Queued(request, reason, preemptible, preempt_after.total_seconds(), grace.total_seconds())
@@ -328,7 +336,22 @@ def scheduler_request(request_id: int, asked: SandboxRequest, submitted_at: floa
         mps_memory_mib=asked.mps_memory_mib, mps_thread_pct=asked.mps_thread_pct,
         max_duration=asked.duration or tier.max_duration, cpu_cores=tier.cpu_limit,
         memory_mib=tier.memory_limit_mib, isolation=asked.isolation,
+        gpu_models=models_accepted(asked.gpu_model, tier.gpu_models),
     )  # fmt: skip
+
+
+def model_limits(now: datetime) -> dict[str, tuple[ModelLimit, ...]]:
+    """Each project's limits per GPU model (``ModelQuota``), by slug; a limit whose GPU-hours
+    of the month are used up is closed, saying so. One query, and two a limit on hours."""
+    found: dict[str, list[ModelLimit]] = defaultdict(list)
+    for row in ModelQuota.objects.select_related("quota__project").order_by("pk"):
+        slug = row.quota.project.slug
+        used_up = model_hours_used_up(row, slug, now)
+        limit = row.max_gpus * 1000 if row.max_gpus is not None else None
+        found[slug].append(
+            ModelLimit(row.name, frozenset(row.covered), limit, f"quota: {used_up}" if used_up else "")
+        )
+    return {slug: tuple(limits) for slug, limits in found.items()}
 
 
 def build_fairshare(now: float) -> FairShareState:
@@ -341,6 +364,7 @@ def build_fairshare(now: float) -> FairShareState:
     ).values_list("project__slug", "started_at", "ended_at", "milli_gpu"):
         intervals[slug].append((start.timestamp(), end.timestamp() if end else now, milli))
     projects = {}
+    per_model = model_limits(timezone.now())
     for slug, weight, guaranteed, max_gpus in QuotaPolicy.objects.values_list(
         "project__slug", "weight", "guaranteed_gpus", "max_gpus"
     ):
@@ -349,6 +373,7 @@ def build_fairshare(now: float) -> FairShareState:
             guaranteed_milli=int(guaranteed * 1000) or None,
             limit_milli=max_gpus * 1000,
             usage_gpu_s=decayed_usage(intervals.pop(slug, []), now, half_life_s),
+            model_limits=per_model.get(slug, ()),
         )
     for slug, spans in intervals.items():  # projects without a policy: default weight, no limits
         projects[slug] = ProjectShare(usage_gpu_s=decayed_usage(spans, now, half_life_s))

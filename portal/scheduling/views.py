@@ -14,7 +14,7 @@ from portal.catalog.storage import storage_lines
 from portal.fleet.modes import most_replicas
 from portal.inputs import whole_number
 from portal.sandboxes.forms import SandboxRequestForm
-from portal.scheduling.preview import Preview, preview_request
+from portal.scheduling.preview import Preview, offer_other_models, preview_by_model, preview_request
 
 
 @login_required
@@ -36,6 +36,9 @@ def sandbox_preview(request: HttpRequest) -> HttpResponse:
             for error in errors
         ]
         answer = Preview("refused", "; ".join(problems))
+    # The answer for each model the tier offers, when it offers a choice.
+    by_model = preview_by_model(request.user, form.request_obj) if form.request_obj is not None else []
+    answer = offer_other_models(answer, by_model)
     # The storage it would mount, with its usage: only for one of the user's own projects.
     project = getattr(form, "cleaned_data", {}).get("project")
     storage = storage_lines(tier, request.user, project) if tier is not None and project is not None else []
@@ -44,7 +47,7 @@ def sandbox_preview(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "sandboxes/_preview.html",
-        {"preview": answer, "tier": tier, "storage": storage, "replicas": replicas},
+        {"preview": answer, "by_model": by_model, "tier": tier, "storage": storage, "replicas": replicas},
     )
 
 

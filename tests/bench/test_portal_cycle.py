@@ -13,7 +13,9 @@ through the entry points production uses:
 - the write statements of a cycle in which nothing changed (the goal: none);
 - the preview's server time through the Django test client (``POST /sandboxes/preview/``)
   for requests shaped like the waiting ones, answered from the state the last cycle
-  published; and, for comparison, a few answered by the database path it falls back to.
+  published; and, for comparison, a few answered by the database path it falls back to;
+  and the whole-GPU ones again naming a GPU model of a menu of three an admin set on their
+  tier, which answers for each model of the menu too (issue 40).
 
 Goals: a cycle <= 1.5 s, no write in a cycle that changes nothing, a preview <= 150 ms.
 """
@@ -36,7 +38,9 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from portal.accounts.models import Membership
+from portal.catalog.models import Tier
 from portal.control import scheduling
+from portal.fleet.models import Gpu
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
 from portal.scheduling import digest, policy
@@ -134,6 +138,8 @@ class Figures:
     verdicts: list[str] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
     fallback_s: list[float] = field(default_factory=list)
+    menu: list[str] = field(default_factory=list)
+    model_s: list[float] = field(default_factory=list)
 
 
 def test_portal_cycle_at_the_openb_clusters_size(sent_tasks: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,6 +178,7 @@ def test_portal_cycle_at_the_openb_clusters_size(sent_tasks: Any, monkeypatch: p
         depart_and_arrive(figures.seeded, rng)
         scheduling.schedule_once(time.time())
         figures.decode_s += post_previews([(user, form)])[0]
+    figures.menu, figures.model_s = model_previews(forms[:PREVIEWS])
     monkeypatch.setattr(digest, "max_age_s", lambda: -1.0)  # the control worker is down
     figures.fallback_s, _ = post_previews(forms[:FALLBACK_PREVIEWS])
 
@@ -180,6 +187,22 @@ def test_portal_cycle_at_the_openb_clusters_size(sent_tasks: Any, monkeypatch: p
     if os.environ.get("BENCH_OUT"):
         write_section(ROOT / os.environ["BENCH_OUT"], section)
     assert writes == []
+
+
+def model_previews(forms: list[tuple[Any, dict[str, str]]]) -> tuple[list[str], list[float]]:
+    """The whole-GPU forms again, each naming a model of a menu of three the admin set on
+    their tiers: the request's answer, and one for each model of the menu."""
+    menu = sorted(set(Gpu.objects.exclude(model="").values_list("model", flat=True)))[:3]
+    Tier.objects.filter(sharing_mode="dedicated").update(gpu_models=menu)
+    named = [
+        (user, {**form, "gpu_model": menu[i % len(menu)]})
+        for i, (user, form) in enumerate(forms)
+        if "gpu_count" in form
+    ]
+    post_previews(named[:1])  # the policy's first scores for the named models' shapes
+    times, _ = post_previews(named)
+    Tier.objects.filter(sharing_mode="dedicated").update(gpu_models=[])
+    return menu, times
 
 
 def render(f: Figures) -> str:
@@ -247,6 +270,10 @@ def render(f: Figures) -> str:
             previews(f"from the last cycle's state ({verdicts})", f.preview_s),
             previews("the first after a new state (decodes it)", f.decode_s),
             previews("from the database: the state too old (control worker down)", f.fallback_s),
+            previews(
+                f"naming a model of a tier's menu of {len(f.menu)} ({', '.join(f.menu)}), answered per model",
+                f.model_s,
+            ),
             END,
         ]
     )

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs"), 
 # owner's. The bounds hold whatever the number of sandboxes: lists are paged or capped.
 PAGES: list[tuple[str, str, str, int]] = [
     ("owner", "GET", "/sandboxes/", 5),
-    ("owner", "GET", "/sandboxes/new/", 9),  # 1 for the most replicas a GPU is cut into (sharing terms)
+    # 1 for the most replicas a GPU is cut into (sharing terms), 1 for the fleet's GPU models (the menu)
+    ("owner", "GET", "/sandboxes/new/", 10),
     ("owner", "POST", "/sandboxes/preview/", 26),  # 2 for the tier's storage: checked, then shown
     ("owner", "GET", "/sandboxes/{sandbox}/", 9),
     ("owner", "GET", "/sandboxes/{sandbox}/status/", 9),

@@ -136,7 +136,8 @@ def test_a_request_reads_each_row_once(world: dict[str, Any], django_assert_max_
     client = api(world["member"], ALL)
     body = create_body(run="batch", command="true")
     assert post(client, "/api/v1/sandboxes/", body).status_code == 201
-    with django_assert_max_num_queries(16):  # 14, and a transaction's two savepoint statements
+    # 15 (1 the member's own GPU limit), and a transaction's two savepoint statements
+    with django_assert_max_num_queries(17):
         answer = post(client, "/api/v1/sandboxes/", body)
     assert answer.status_code == 201, answer.json()
     made = Sandbox.objects.select_related("project", "owner", "tier", "image").get(pk=answer.json()["id"])

@@ -228,7 +228,7 @@ def test_the_schema_documents_preview_and_events() -> None:
     )
     assert preview["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/Preview")
     assert set(schema["components"]["schemas"]["Preview"]["properties"]) == {
-        "verdict", "message", "host", "position", "earliest_start", "alternatives",
+        "verdict", "message", "host", "position", "earliest_start", "alternatives", "by_model",
     }  # fmt: skip
     events = schema["paths"]["/api/v1/sandboxes/{id}/events/"]["get"]
     assert {p["name"] for p in events["parameters"]} == {"id", "cursor", "page_size"}
