@@ -217,7 +217,9 @@ class _Cycle:
         gpu = self.gpus.get(gpu_uuid)
         return gpu.model if gpu is not None else ""
 
+    @cached_property
     def _fleet_models(self) -> set[str]:
+        # Asked by every request a model limit narrows: once a cycle, not once a request.
         return {gpu.model for gpu in self.gpus.values()}
 
     def _within_model_limits(self, request: Request, demand: int) -> tuple[Request | None, str]:
@@ -226,7 +228,7 @@ class _Cycle:
         when they leave none."""
         if not self.model_quotas:
             return request, ""
-        narrowed = self.model_quotas.narrow(request, demand, self._fleet_models)
+        narrowed = self.model_quotas.narrow(request, demand, lambda: self._fleet_models)
         if narrowed.refusal:
             self.decisions.append(Pending(request.id, narrowed.refusal))
             return None, ""

@@ -90,7 +90,6 @@ class SandboxRequestForm(forms.Form):
         required=False,
         label="GPU model",
         help_text="Any: whichever model the tier offers has room first",
-        error_messages=_CHOOSE,
     )
     gpu_count = forms.IntegerField(
         min_value=1, max_value=8, initial=1, required=False, label="GPUs", help_text="Dedicated tiers"

@@ -35,6 +35,7 @@ from typing import Any
 from django.conf import settings
 
 from portal.durations import duration_text
+from portal.quotas.models import QuotaPolicy
 from portal.sandboxes.actions import (
     SandboxRequest,
     SandboxRequestError,
@@ -137,19 +138,23 @@ def preview_by_model(user: Any, req: SandboxRequest, now: float | None = None) -
         check_request_sandbox(user, replace(req, gpu_model=""))
     except SandboxRequestError:
         return []
+    quota = QuotaPolicy.objects.filter(project=req.project).first()  # once, not once a model
     answers = []
     with collection_paused():  # once for all of them: each pause's end may run a collection
         for model in models:
-            answer = _model_answer(replace(req, gpu_model=model), now)
+            answer = _model_answer(replace(req, gpu_model=model), quota, now)
             if answer is None:
                 return []  # no recent cycle state: the request's own answer only
             answers.append(ModelAnswer(model, answer, model == req.gpu_model))
     return answers
 
 
-def _model_answer(asked: SandboxRequest, now: float) -> Preview | None:
-    """One model's answer: refused by its own checks, or a brief placement attempt."""
-    refusal = model_refusal(asked.tier, asked.gpu_model, asked.mig_profile) or model_hours_refusal(asked)
+def _model_answer(asked: SandboxRequest, quota: QuotaPolicy | None, now: float) -> Preview | None:
+    """One model's answer: refused by its own checks (``quota``: its project's, if any), or a
+    brief placement attempt."""
+    refusal = model_refusal(asked.tier, asked.gpu_model, asked.mig_profile) or (
+        model_hours_refusal(asked, quota) if quota is not None else None
+    )
     if refusal:
         return Preview("refused", refusal)
     return _brief_answer(scheduler_request(PREVIEW_ID, asked, now), now)
