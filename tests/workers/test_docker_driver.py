@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -579,3 +580,46 @@ def test_a_persons_sandboxes_run_as_their_uid_and_an_mps_share_as_its_gpus() -> 
     assert uids.owner_uid(5) != uids.owner_uid(6) and uids.owner_uid(5) != uids.sandbox_uid(5)
     share = make_spec(owner_id=5, mps=MpsShare("/run/gpushare/mps/x/pipe", 50, 4096))
     assert sandbox_user(share) == uids.mps_uid("GPU-aaaa")
+
+
+class _LoggedContainer:
+    """A container's log as the engine serves it: entries in the order written, ``since``
+    filtering by each entry's own stamp (stdout and stderr are stamped apart, so that order
+    and the stamps' can differ)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[float, bytes]] = []
+
+    def logs(self, **kwargs: object) -> bytes:
+        since = kwargs["since"]
+        lines = []
+        for stamp, content in self.entries:
+            if since is None or stamp >= float(since):  # type: ignore[arg-type]
+                seconds, fraction = f"{stamp:.9f}".split(".")
+                day = datetime.fromtimestamp(int(seconds), UTC).strftime("%Y-%m-%dT%H:%M:%S")
+                lines.append(f"{day}.{fraction}Z ".encode() + content)
+        return b"".join(lines)
+
+
+def test_a_line_logged_behind_a_newer_one_of_the_other_stream_is_still_read() -> None:
+    """``echo out; echo err >&2``: the engine logged err first and out (a few microseconds
+    older) second. A reader that took "older than what I returned" for "returned" lost out,
+    both when the two came in one read and when out landed after a read had taken err."""
+    from workers.drivers.docker_logs import ContainerLogReader
+
+    together, reader = _LoggedContainer(), ContainerLogReader()
+    together.entries = [(1_800_000_000.000200, b"to-stderr\n"), (1_800_000_000.000100, b"hello\n")]
+    chunk = reader.read(together, "a1", 0, 4096)
+    assert chunk.data == b"to-stderr\nhello\n" and chunk.total == 16
+
+    apart = _LoggedContainer()
+    apart.entries = [(1_800_000_000.000200, b"to-stderr\n")]
+    first = reader.read(apart, "a2", 0, 4096)
+    assert first.data == b"to-stderr\n"
+    apart.entries.append((1_800_000_000.000100, b"hello\n"))
+    second = reader.read(apart, "a2", first.end, 4096)
+    assert (second.start, second.data) == (10, b"hello\n")
+    apart.entries.append((1_800_000_001.5, b"later\n"))
+    third = reader.read(apart, "a2", second.end, 4096)
+    assert (third.start, third.data) == (16, b"later\n")  # nothing returned twice
+    assert reader.read(apart, "a2", third.end, 4096).data == b""

@@ -7,6 +7,12 @@ the timestamp of the last entry it returned and how many bytes came before, and 
 engine only for what is newer (``since``). An agent restart forgets that: the reader then
 starts again from the oldest entry the engine still keeps, counted from 0 (so a sandbox that
 printed more than the cap before the restart may show some of its output twice).
+
+The engine stamps stdout and stderr lines in two copiers and writes them to the log as they
+come, so an entry can land after a newer one of the other stream (``echo out; echo err >&2``
+logged err first, out a few microseconds older but second). The reader therefore never takes
+"older than the newest returned" to mean "returned": it asks again from ``_LATE`` seconds
+before its cursor and skips only the entries it remembers returning in that window.
 """
 
 from __future__ import annotations
@@ -36,10 +42,22 @@ def _stamp(raw: bytes) -> tuple[int, int] | None:
     return seconds, int(digits.ljust(9, "0") or 0)
 
 
+# How late an entry may land in the log behind a newer one of the other stream and still be
+# read: far more than the microseconds measured, since a loaded engine can stall a copier.
+_LATE_NS = 5 * 10**9
+
+_Entry = tuple[tuple[int, int], int]  # (stamp, hash of its bytes): an entry already returned
+
+
+def _ns(stamp: tuple[int, int]) -> int:
+    return stamp[0] * 10**9 + stamp[1]
+
+
 @dataclass
 class _Cursor:
     last: tuple[int, int]  # the newest entry returned
-    end: int  # bytes returned up to and including it
+    end: int  # bytes returned so far
+    recent: frozenset[_Entry]  # entries returned no more than _LATE_NS before ``last``
 
 
 class ContainerLogReader:
@@ -56,23 +74,31 @@ class ContainerLogReader:
             cursor = self._cursors.get(allocation_key)
         # A cursor from a read that found nothing yet has no time to resume from: Docker's
         # ``since`` must be positive (0 raised InvalidArgument on the next read).
-        resume = cursor is not None and cursor.end == offset and cursor.last > (0, 0)
+        if cursor is None or cursor.end != offset or cursor.last <= (0, 0):
+            cursor = None
         since = None
-        if resume and cursor is not None:
-            since = cursor.last[0] + cursor.last[1] / 1e9
+        if cursor is not None:
+            since = max(_ns(cursor.last) - _LATE_NS, 1) / 1e9
         raw = container.logs(stdout=True, stderr=True, timestamps=True, since=since)
-        position = cursor.end if resume and cursor is not None else 0
-        last = cursor.last if resume and cursor is not None else (0, 0)
+        position = cursor.end if cursor is not None else 0
+        newest = cursor.last if cursor is not None else (0, 0)
+        floor = _ns(newest) - _LATE_NS
+        returned = cursor.recent if cursor is not None else frozenset()
+        seen = set(returned)
         start: int | None = None
         parts: list[bytes] = []
         for line in raw.splitlines(keepends=True):
             stamp_raw, _, content = line.partition(b" ")
             stamp = _stamp(stamp_raw)
-            if stamp is None or stamp <= last:
-                continue  # before the cursor (``since`` includes its own second)
+            if stamp is None:
+                continue
+            entry = (stamp, hash(content))
+            if cursor is not None and (_ns(stamp) < floor or entry in returned):
+                continue  # returned before (``since`` asked from before the cursor)
             if position + len(content) <= offset:  # already delivered (after a restart)
                 position += len(content)
-                last = stamp
+                newest = max(newest, stamp)
+                seen.add(entry)
                 continue
             if start is None:
                 start = position
@@ -80,10 +106,12 @@ class ContainerLogReader:
                 break
             parts.append(content)
             position += len(content)
-            last = stamp
+            newest = max(newest, stamp)
+            seen.add(entry)
         data = b"".join(parts)
         if start is None:
             start = position
+        keep = frozenset(e for e in seen if _ns(e[0]) >= _ns(newest) - _LATE_NS)
         with self._lock:
-            self._cursors[allocation_key] = _Cursor(last=last, end=start + len(data))
+            self._cursors[allocation_key] = _Cursor(last=newest, end=start + len(data), recent=keep)
         return OutputChunk(start=start, data=data, total=start + len(data))
