@@ -100,6 +100,9 @@ class SandboxSpec:
     owner_id: int = 0  # the owner's portal user id: their sandboxes run as their uid (uids.owner_uid)
     # On a shared GPU (MPS, time-slice): the memory it may hold, watched per sandbox.
     memory_share: MemoryShare | None = None
+    # Its checkpoint folder as the sandbox sees it, in one of its read-write mounts: the agent
+    # makes it before the start (the resume contract, portal/sandboxes/resume.py); "" for none.
+    checkpoint_dir: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

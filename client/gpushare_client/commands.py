@@ -28,6 +28,7 @@ from gpushare_client.render import (
     when,
 )
 from gpushare_client.routes import (
+    ATTEMPTS,
     EVENTS,
     EXTEND,
     INVOICE,
@@ -225,6 +226,31 @@ def _event_line(event: dict[str, Any]) -> str:
     return f"{when(event['at'])}  {moved:<22} {event.get('message') or ''}{by}".rstrip()
 
 
+def _earlier_attempts(api: Api, sandbox: dict[str, Any], ctx: Context, tail: int) -> list[dict[str, Any]]:
+    """A sandbox that ran more than once (queued again, moved): each attempt and why it ended,
+    and for a batch run the output of each earlier one (the current one's follows)."""
+    if int(sandbox.get("attempt") or 0) < 2:
+        return []
+    attempts: list[dict[str, Any]] = api.call(ATTEMPTS, id=sandbox["id"])
+    for attempt in attempts:
+        span = (
+            f"{when(attempt['placed_at'])} to {when(attempt['ended_at'])}"
+            if attempt["ended_at"]
+            else (f"since {when(attempt['placed_at'])}")
+        )
+        why = f": {attempt['end']} ({attempt['end_message']})" if attempt["end"] else ""
+        ctx.show(f"attempt {attempt['number']} on {attempt['host']}, {span}{why}")
+        if not sandbox.get("batch") or attempt["current"]:
+            continue
+        piece = api.call(OUTPUT, id=sandbox["id"], params={"limit": tail, "attempt": attempt["number"]})
+        attempt["output"] = piece
+        if piece["text"] and not ctx.json:
+            ctx.show(f"--- output of attempt {attempt['number']} (bytes {piece['start']} to {piece['end']} "
+                     f"of {piece['total']}) ---")  # fmt: skip
+            ctx.stdout.write(piece["text"] if piece["text"].endswith("\n") else piece["text"] + "\n")
+    return attempts
+
+
 def logs(args: argparse.Namespace, ctx: Context) -> Any:
     """The sandbox's history, then a batch run's output; --follow polls for more until it
     has ended and its host has sent the last of its output. That comes when the host cleans
@@ -235,6 +261,7 @@ def logs(args: argparse.Namespace, ctx: Context) -> Any:
     seen: set[int] = set()
     events: list[dict[str, Any]] = []
     output: dict[str, Any] | None = None
+    attempts: list[dict[str, Any]] | None = None  # read once, after the first events
     text: list[str] = []
     quiet_since = time.monotonic()
     while True:
@@ -243,12 +270,16 @@ def logs(args: argparse.Namespace, ctx: Context) -> Any:
                 seen.add(event["id"])
                 events.append(event)
                 ctx.show(_event_line(event))
+        if attempts is None:
+            attempts = _earlier_attempts(api, sandbox, ctx, args.tail)
         if sandbox.get("batch"):
             params = {"limit": args.tail} if output is None else {"offset": output["end"]}
             piece = api.call(OUTPUT, id=args.sandbox, params=params)
             if piece["text"] and not ctx.json:
                 if not text:
-                    ctx.show(f"--- output (bytes {piece['start']} to {piece['end']} of {piece['total']}) ---")
+                    which = f" of attempt {sandbox['attempt']}" if attempts else ""
+                    span = f"bytes {piece['start']} to {piece['end']} of {piece['total']}"
+                    ctx.show(f"--- output{which} ({span}) ---")
                 ctx.stdout.write(piece["text"])
                 ctx.stdout.flush()
             if piece["text"] or sandbox["state"] not in ENDED:
@@ -264,7 +295,7 @@ def logs(args: argparse.Namespace, ctx: Context) -> Any:
             break
         time.sleep(FOLLOW_EVERY_S)
         sandbox = api.call(SANDBOX, id=args.sandbox)
-    return {"sandbox": sandbox, "events": events, "output": output}
+    return {"sandbox": sandbox, "events": events, "attempts": attempts or [], "output": output}
 
 
 def shell(args: argparse.Namespace, ctx: Context) -> Any:

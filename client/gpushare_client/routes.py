@@ -30,6 +30,7 @@ REQUEST = Route("POST", "/api/v1/sandboxes/")
 PREVIEW = Route("POST", "/api/v1/sandboxes/preview/")
 EVENTS = Route("GET", "/api/v1/sandboxes/{id}/events/")
 OUTPUT = Route("GET", "/api/v1/sandboxes/{id}/output/")
+ATTEMPTS = Route("GET", "/api/v1/sandboxes/{id}/attempts/")
 EXTEND = Route("POST", "/api/v1/sandboxes/{id}/extend/")
 STOP = Route("POST", "/api/v1/sandboxes/{id}/stop/")
 USAGE = Route("GET", "/api/v1/usage/")
@@ -37,7 +38,8 @@ INVOICES = Route("GET", "/api/v1/invoices/")
 INVOICE = Route("GET", "/api/v1/invoices/{id}/")
 
 ROUTES: tuple[Route, ...] = (
-    PROJECTS, SANDBOXES, SANDBOX, REQUEST, PREVIEW, EVENTS, OUTPUT, EXTEND, STOP, USAGE, INVOICES, INVOICE,
+    PROJECTS, SANDBOXES, SANDBOX, REQUEST, PREVIEW, EVENTS, OUTPUT, ATTEMPTS, EXTEND, STOP, USAGE, INVOICES,
+    INVOICE,
 )  # fmt: skip
 
 # The component of the schema whose fields REQUEST_FIELDS mirror (the body of REQUEST and PREVIEW).

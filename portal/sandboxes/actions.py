@@ -31,7 +31,7 @@ from portal.fleet.models import Gpu, GpuMode, Host, MigInstance
 from portal.fleet.modes import KIND_MODE
 from portal.quotas.models import QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, model_hours_used_up, month_start
-from portal.sandboxes import live, notify, nudge
+from portal.sandboxes import live, notify, nudge, resume
 from portal.sandboxes.gpu_choice import model_refusal, profile_refusal
 from portal.sandboxes.granted import follow_granted_devices
 from portal.sandboxes.member_limit import member_limit_refusal
@@ -40,6 +40,7 @@ from portal.sandboxes.models import (
     MAX_NODES,
     PENDING_REASON_MAX,
     Allocation,
+    Attempt,
     Notification,
     Sandbox,
     SandboxEvent,
@@ -300,13 +301,14 @@ def _book(
     sandbox.allocation_key = uuid.uuid4().hex
     if allocations:
         Allocation.objects.bulk_create(allocations)
+    counted = resume.begin_attempt(sandbox, host.name, verb)
     devices = ", ".join(g.device_uuid for g in grants) or "CPU only, no GPU"
     transition(
         sandbox,
         S.PLACING,
         message=f"{verb} on {host.name}: {devices}",
         data={"host": host.name, "devices": [g.device_uuid for g in grants]},
-        also=("host", "allocation_key", *also),
+        also=("host", "allocation_key", *counted, *also),
     )
     if launch:
         sandbox_id = sandbox.pk
@@ -525,7 +527,7 @@ def do_lose(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> s
             end(sandbox, S.FAILED, ended_at, reason, also=("failure",))
             return S.FAILED
         release(sandbox, ended_at)
-        return requeue(sandbox, f"requeued: {reason}")
+        return requeue(sandbox, f"requeued: {reason}", Attempt.End.LOST)
 
 
 # --- stop -------------------------------------------------------------------------------------
@@ -636,7 +638,7 @@ def do_relaunch_moved(sandbox_id: int, plan_id: int, target: MoveTarget | None, 
                 log.warning("sandbox %s: its new slot was taken (%s); requeued", sandbox_id, exc)
                 sandbox.refresh_from_db()
         reason = f"requeued: fleet plan {plan_id} left it no slot" + (f" ({note})" if note else "")
-        return requeue(sandbox, reason, {"plan": plan_id})
+        return requeue(sandbox, reason, Attempt.End.MOVED, {"plan": plan_id})
 
 
 # --- time limits ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from portal.api.views import ApiView
 from portal.catalog.models import IsolationLevel, SandboxImage, SharingMode, Tier
 from portal.catalog.sharing import terms
 from portal.inputs import whole_number
-from portal.sandboxes import actions
+from portal.sandboxes import actions, resume
 from portal.sandboxes.forms import EXTEND_CHOICES_H, MIG_PROFILES, SandboxRequestForm
 from portal.sandboxes.models import ENDED_STATES, Sandbox, SandboxEvent
 from portal.sandboxes.output import read_output
@@ -85,6 +85,7 @@ class SandboxSerializer(serializers.ModelSerializer[Sandbox]):
             "launch_progress",
             "failure",
             "host",
+            "attempt",
             "gpu_count",
             "nodes",
             "gpu_model",
@@ -184,6 +185,16 @@ class OutputSerializer(serializers.Serializer[Any]):
 
 
 OUTPUT_LIMIT = 1024 * 1024
+
+
+class AttemptSerializer(serializers.Serializer[Any]):
+    number = serializers.IntegerField(help_text="1 for the first run, 2 for the next (GPUSHARE_ATTEMPT).")
+    host = serializers.CharField(help_text="The host it was placed on.")
+    placed_at = serializers.DateTimeField()
+    ended_at = serializers.DateTimeField(allow_null=True)
+    end = serializers.CharField(help_text="Why it ended: preempted, lost, moved, ended; empty while it runs.")
+    end_message = serializers.CharField(help_text="The portal's words for why (GPUSHARE_LAST_END_MESSAGE).")
+    current = serializers.BooleanField(help_text="The sandbox's current (or last) attempt.")
 
 
 class SandboxEventSerializer(serializers.ModelSerializer[SandboxEvent]):
@@ -327,7 +338,7 @@ def checked_request(request: Request, *, for_create: bool) -> actions.SandboxReq
 class SandboxViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Sandbox]):
     serializer_class = SandboxSerializer
     pagination_class = NewestRequestFirst
-    action_parameters = {"output": ("offset", "limit"), "events": ("cursor", "page_size")}
+    action_parameters = {"output": ("offset", "limit", "attempt"), "events": ("cursor", "page_size")}
     filters = FILTERS
     queryset = Sandbox.objects.none()  # for the schema; get_queryset scopes it
 
@@ -390,6 +401,18 @@ class SandboxViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Sandbox]):
         return pages.get_paginated_response(SandboxEventSerializer(page, many=True).data)
 
     @extend_schema(
+        summary="A sandbox's attempts",
+        description="Each launch, oldest first: a sandbox queued again (preempted, its host lost, "
+        "moved) runs again as its next attempt, told its number and why the last ended "
+        "(docs/resume.md). Scope read:usage.",
+        responses={200: AttemptSerializer(many=True), **errors(401, 403, 404, 429)},
+    )
+    @action(detail=True, methods=["get"])
+    def attempts(self, request: Request, pk: str | None = None) -> Response:
+        sandbox = self.get_object()  # 404 outside the caller's projects
+        return Response(AttemptSerializer(resume.attempts_of(sandbox), many=True).data)
+
+    @extend_schema(
         summary="A batch run's output",
         description="stdout and stderr together, as the run printed them; the newest "
         "BATCH_OUTPUT_MAX_BYTES are kept, during the run and after it. Without `offset`: the last "
@@ -398,6 +421,11 @@ class SandboxViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Sandbox]):
         parameters=[
             OpenApiParameter("offset", OpenApiTypes.INT, description="Byte offset to read from."),
             OpenApiParameter("limit", OpenApiTypes.INT, description=f"Bytes at most, 1 to {OUTPUT_LIMIT}."),
+            OpenApiParameter(
+                "attempt",
+                OpenApiTypes.INT,
+                description="Which attempt's output (see attempts); the current one by default.",
+            ),
         ],
         responses={200: OutputSerializer, **errors(400, 401, 403, 404, 429)},
     )
@@ -412,9 +440,17 @@ class SandboxViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Sandbox]):
             problems["offset"] = ["A whole number of bytes, 0 or more."]
         if limit is None:
             problems["limit"] = [f"A whole number of bytes from 1 to {OUTPUT_LIMIT}."]
+        key = sandbox.allocation_key
+        if (raw_attempt := request.query_params.get("attempt")) is not None:
+            number = whole_number(raw_attempt, 1)
+            ran = sandbox.attempts.filter(number=number).first() if number is not None else None
+            if ran is None:
+                problems["attempt"] = [f"An attempt this sandbox made: 1 to {sandbox.attempt}."]
+            else:
+                key = ran.allocation_key
         if problems:
             raise exceptions.ValidationError(problems)
-        view = read_output(sandbox, offset, limit or OUTPUT_LIMIT)
+        view = read_output(sandbox, offset, limit or OUTPUT_LIMIT, allocation_key=key)
         body = {
             "start": view.start, "end": view.end, "kept_from": view.kept_from, "total": view.total,
             "missing": view.missing, "text": view.text, "complete": sandbox.state in ENDED_STATES,

@@ -99,6 +99,8 @@ class Sandbox(models.Model):
     host = models.ForeignKey(Host, on_delete=models.PROTECT, null=True, blank=True, related_name="sandboxes")
     # Idempotency key of the current placement: drivers label what they launch with it.
     allocation_key = models.CharField(max_length=40, blank=True)
+    # Its launches so far (``Attempt``): 0 until placed, 2 once queued again and placed again.
+    attempt = models.PositiveSmallIntegerField(default=0)
     # Placed above its project's guarantee: another project's guaranteed work may reclaim it.
     borrowed = models.BooleanField(default=False)
     # Set on a victim of preemption: the request it makes room for (which waits meanwhile).
@@ -287,6 +289,37 @@ class Allocation(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.device_uuid} for sandbox {self.sandbox_id}"
+
+
+class Attempt(models.Model):
+    """One launch of a sandbox, from its placement to why it ended. A sandbox queued again
+    (preempted, its host lost, moved with no slot) or moved by a fleet plan runs again as its
+    next attempt; the sandbox is told which one and why the last ended (the resume contract,
+    ``portal.sandboxes.resume``), and ``gpushare logs`` shows each with its output."""
+
+    class End(models.TextChoices):
+        PREEMPTED = "preempted", "Preempted"
+        LOST = "lost", "Lost to a fault"
+        MOVED = "moved", "Moved by a fleet plan"
+        ENDED = "ended", "Ended"
+
+    sandbox = models.ForeignKey(Sandbox, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveSmallIntegerField()
+    allocation_key = models.CharField(max_length=40, db_index=True)
+    host_name = models.CharField(max_length=255)
+    placed_at = models.DateTimeField(default=timezone.now)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    end = models.CharField(max_length=10, choices=End.choices, blank=True)
+    end_message = models.CharField(max_length=300, blank=True)
+
+    class Meta:
+        ordering = ["sandbox", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["sandbox", "number"], name="sandboxes_attempt_one_per_number"),
+        ]
+
+    def __str__(self) -> str:
+        return f"sandbox {self.sandbox_id}, attempt {self.number}"
 
 
 class SandboxEvent(models.Model):

@@ -22,6 +22,8 @@ def do_store_output(allocation_key: str, start: int, data: bytes, total: int) ->
     one overlapping what is kept (an agent restarted and read again), adds only what is new.
     Lock: the sandbox row, so that two pieces of one sandbox trim in turn."""
     sandbox = Sandbox.objects.select_for_update().filter(allocation_key=allocation_key).first()
+    if sandbox is None:  # an earlier attempt's last words, sent as it was stopped: kept as its own
+        sandbox = Sandbox.objects.select_for_update().filter(attempts__allocation_key=allocation_key).first()
     if sandbox is None:
         log.info("output for unknown allocation %s dropped (the sandbox moved on)", allocation_key)
         return 0
@@ -52,10 +54,14 @@ class OutputView:
         return self.data.decode("utf-8", errors="replace")
 
 
-def read_output(sandbox: Sandbox, offset: int | None = None, limit: int = 256 * 1024) -> OutputView:
-    """At most ``limit`` bytes of the sandbox's current allocation's output: from ``offset``
-    on, or (None) its last ``limit`` bytes. Gaps the host dropped are left out, counted."""
-    chunks = OutputChunk.objects.filter(allocation_key=sandbox.allocation_key)
+def read_output(
+    sandbox: Sandbox, offset: int | None = None, limit: int = 256 * 1024, allocation_key: str | None = None
+) -> OutputView:
+    """At most ``limit`` bytes of the sandbox's current allocation's output (or of the earlier
+    attempt's ``allocation_key``): from ``offset`` on, or (None) its last ``limit`` bytes.
+    Gaps the host dropped are left out, counted."""
+    key = sandbox.allocation_key if allocation_key is None else allocation_key
+    chunks = OutputChunk.objects.filter(sandbox=sandbox, allocation_key=key)
     bounds = chunks.aggregate(first=Min("start"), last=Max("end"))
     kept_from, total = bounds["first"] or 0, bounds["last"] or 0
     if offset is None:

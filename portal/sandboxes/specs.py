@@ -5,6 +5,7 @@ from __future__ import annotations
 from portal.catalog.models import ImageRegistry, Tier
 from portal.catalog.storage import mounts_for
 from portal.fleet.models import GpuMode
+from portal.sandboxes import resume
 from portal.sandboxes.models import Allocation, Sandbox
 from portal.sandboxes.reach import app_token
 from wire.spec import MemoryShare, MpsShare, SandboxSpec
@@ -20,6 +21,9 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         # The agent fills in its control daemon's pipe directory for this GPU.
         mps = MpsShare(pipe_dir="", thread_pct=mps_alloc.mps_thread_pct, memory_mib=mps_alloc.mps_memory_mib)
     tier = sandbox.tier
+    # On a Slurm node the storage is the cluster's own file systems, which gpushare neither
+    # mounts nor writes: no folder it could promise there.
+    folder = "" if sandbox.host.slurm_node else resume.checkpoint_dir(tier, sandbox)
     return SandboxSpec(
         allocation_key=sandbox.allocation_key,
         sandbox_id=sandbox.pk,
@@ -43,6 +47,7 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         env={
             "GPUSHARE_SANDBOX_ID": str(sandbox.pk),
             "GPUSHARE_PROJECT": sandbox.project.slug,
+            **resume.resume_env(sandbox, folder),
             # The app is served at the root of an origin of its own; it asks for its token
             # (the proxy sends it with every request the owner's app session lets through).
             **(
@@ -57,6 +62,7 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         app=bool(sandbox.image.app),
         pull=ImageRegistry.allows(sandbox.image.reference),
         memory_share=memory_share(tier, allocations),
+        checkpoint_dir=folder,
     )
 
 

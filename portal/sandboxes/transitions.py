@@ -16,8 +16,16 @@ from django.utils import timezone
 
 from portal.audit import trail
 from portal.billing import ledger
-from portal.sandboxes import live, notify, nudge, webhooks
-from portal.sandboxes.models import ENDED_STATES, Allocation, Sandbox, SandboxEvent, SandboxState, StopCause
+from portal.sandboxes import live, notify, nudge, resume, webhooks
+from portal.sandboxes.models import (
+    ENDED_STATES,
+    Allocation,
+    Attempt,
+    Sandbox,
+    SandboxEvent,
+    SandboxState,
+    StopCause,
+)
 from wire.messages import to_host
 
 log = logging.getLogger(__name__)
@@ -113,9 +121,11 @@ def release(sandbox: Sandbox, at: datetime) -> None:
     Allocation.objects.filter(sandbox=sandbox, active=True).update(active=False, released_at=at)
 
 
-def requeue(sandbox: Sandbox, message: str, data: dict[str, Any] | None = None) -> str:
-    """Put a released sandbox back in the queue, keeping its age. Its old allocation key
-    matches nothing any more, so a copy that turns up later is stopped as an orphan."""
+def requeue(sandbox: Sandbox, message: str, why: str, data: dict[str, Any] | None = None) -> str:
+    """Put a released sandbox back in the queue, keeping its age; its attempt ended ``why``
+    (an ``Attempt.End``). Its old allocation key matches nothing any more, so a copy that
+    turns up later is stopped as an orphan."""
+    resume.end_attempt(sandbox, timezone.now(), why, message)
     old_key = sandbox.allocation_key
     sandbox.host, sandbox.allocation_key, sandbox.handle = None, "", None
     sandbox.started_at = sandbox.placed_at = None
@@ -142,7 +152,7 @@ def end_stopping(sandbox: Sandbox, ended_at: datetime, message: str, why: str = 
         note = f"preempted for sandbox {sandbox.preempted_for_id}" + (f"; {why}" if why else "")
         if sandbox.tier.requeue_on_preemption:
             release(sandbox, ended_at)
-            return requeue(sandbox, f"{note}; queued again, as its tier says")
+            return requeue(sandbox, f"{note}; queued again, as its tier says", Attempt.End.PREEMPTED)
         end(sandbox, S.PREEMPTED, ended_at, note)
         return S.PREEMPTED
     if sandbox.stop_cause == StopCause.EXPIRED:
@@ -156,6 +166,7 @@ def end(sandbox: Sandbox, to: str, ended_at: datetime, message: str, also: tuple
     """Close usage, release the devices and move to an end state (row lock held). ``also``:
     fields the caller set on the sandbox, saved with the move."""
     release(sandbox, ended_at)
+    resume.end_attempt(sandbox, ended_at, Attempt.End.ENDED, message)
     sandbox.ended_at = ended_at
     transition(sandbox, to, message=message, also=("ended_at", *also))
     nudge.ask_for_cycle()

@@ -32,6 +32,7 @@ def _sandbox(pk: int, **fields: Any) -> dict[str, Any]:
         "id": pk, "name": "", "project": "vision", "owner": "olivia", "tier": "dedicated", "image": "busybox",
         "sharing_mode": "dedicated", "isolation": "container", "state": "queued",
         "pending_reason": "waiting for the scheduler", "launch_progress": "", "failure": "", "host": None,
+        "attempt": 1,
         "gpu_count": 1, "mig_profile": "", "mps_memory_mib": 0, "mps_thread_pct": 0,
         "max_duration_hours": 1.0,
         "batch": False, "command": [], "requested_at": "2026-11-28T10:00:00.123456Z", "started_at": None,
@@ -46,6 +47,13 @@ EVENTS = [
      "actor": "olivia", "message": "waiting for the scheduler"},
     {"id": 3, "at": "2026-11-28T10:00:02Z", "from_state": "queued", "to_state": "running", "actor": None,
      "message": "running (docker)"},
+]  # fmt: skip
+ATTEMPTS = [
+    {"number": 1, "host": "h1", "placed_at": "2026-11-28T10:00:02Z", "ended_at": "2026-11-28T10:30:00Z",
+     "end": "preempted", "end_message": "preempted for sandbox 9; queued again, as its tier says",
+     "current": False},
+    {"number": 2, "host": "h2", "placed_at": "2026-11-28T11:00:00Z", "ended_at": None, "end": "",
+     "end_message": "", "current": True},
 ]  # fmt: skip
 USAGE = {
     "id": 1, "sandbox": 7, "allocation_key": "k", "project": "vision", "user": "olivia", "tier": "dedicated",
@@ -121,6 +129,13 @@ class FakePortal:
             return httpx.Response(200, json=current)
         if (method, path) == ("GET", "/api/v1/sandboxes/7/events/"):
             return httpx.Response(200, json=page(EVENTS))
+        if (method, path) == ("GET", "/api/v1/sandboxes/7/attempts/"):
+            return httpx.Response(200, json=ATTEMPTS)
+        if (method, path) == ("GET", "/api/v1/sandboxes/7/output/") and request.url.params.get("attempt"):
+            text = "step 1\nstep 2\n"
+            piece = {"start": 0, "end": len(text), "kept_from": 0, "total": len(text), "missing": 0,
+                     "text": text, "complete": True}  # fmt: skip
+            return httpx.Response(200, json=piece)
         if (method, path) == ("GET", "/api/v1/sandboxes/7/output/"):
             offset = int(request.url.params.get("offset", "0"))
             text = self.output.pop(0) if len(self.output) > 1 else self.output[0]

@@ -333,6 +333,27 @@ def test_logs_follow_a_batch_until_its_last_output_has_come(
     assert result.json()["output"]["start"] == 0 and result.json()["sandbox"]["state"] == "stopped"
 
 
+def test_logs_show_every_attempt_and_each_ones_output(gpushare: Run) -> None:
+    """A batch preempted and queued again: both attempts, why the first ended, its output."""
+    gpushare.portal.states = [sandbox(state="running", batch=True, attempt=2)]
+    gpushare.portal.output = ["step 3\n"]
+    out = gpushare("logs", "7").out
+    assert (
+        "attempt 1 on h1, 2026-11-28 10:00:02 to 2026-11-28 10:30:00: preempted (preempted for sandbox 9"
+        in out
+    )
+    assert "attempt 2 on h2, since 2026-11-28 11:00:00" in out
+    assert out.endswith(  # each attempt, then its output
+        "--- output of attempt 1 (bytes 0 to 14 of 14) ---\nstep 1\nstep 2\n"
+        "attempt 2 on h2, since 2026-11-28 11:00:00\n"
+        "--- output of attempt 2 (bytes 0 to 7 of 7) ---\nstep 3\n"
+    )
+    document = gpushare("logs", "7", "--json").json()
+    assert [a["number"] for a in document["attempts"]] == [1, 2]
+    assert document["attempts"][0]["output"]["text"] == "step 1\nstep 2\n"
+    assert ("GET", "/api/v1/sandboxes/7/attempts/", None) in gpushare.portal.seen
+
+
 def test_usage_and_invoices(gpushare: Run) -> None:
     usage = gpushare("usage", "--project", "vision", "--start", "2026-11-01")
     assert "Total of the closed intervals listed: 2.50 EUR" in usage.out and "running" in usage.out

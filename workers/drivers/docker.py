@@ -379,7 +379,7 @@ class DockerDriver:
                 # A container whose uid cannot reach the daemon would run without MPS.
                 require_mps_pipe(spec.mps.pipe_dir, sandbox_user(spec), real_gpu=spec.real_gpu)
             try:
-                bound = storage.resolve(self.storage_dir, spec.mounts)
+                bound = storage.resolve(self.storage_dir, spec.mounts, folder=spec.checkpoint_dir)
                 gpu_request = None
                 if spec.real_gpu and spec.device_uuids:  # before anything is made for it
                     gpu_request = self.gpu_paths.facts().device_request(spec.device_uuids)

@@ -597,7 +597,7 @@ class LibvirtDriver:
             missing = self.image.missing()
             if missing:
                 raise DriverError(f"{action}: guest image {', '.join(missing)} not readable; {BUILD_HINT}")
-            bound = storage.resolve(self.storage_dir, spec.mounts)
+            bound = storage.resolve(self.storage_dir, spec.mounts, folder=spec.checkpoint_dir)
             xml = domain_xml(
                 spec,
                 bound=bound,

@@ -458,7 +458,9 @@ class ProcessDriver:
         if spec.mps is not None:
             require_mps_pipe(spec.mps.pipe_dir, self._run_uid(spec), real_gpu=spec.real_gpu)
         # bwrap binds as the sandbox's uid: it needs a way through every folder above them.
-        bound = storage.resolve(self.storage_dir, spec.mounts, bound_by_sandbox=True)
+        bound = storage.resolve(
+            self.storage_dir, spec.mounts, bound_by_sandbox=True, folder=spec.checkpoint_dir
+        )
         if spec.app:
             app_socket.make_dir(
                 self.apps_dir, spec.allocation_key, self._run_uid(spec), bound_by_sandbox=True

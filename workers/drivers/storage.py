@@ -30,6 +30,7 @@ import contextlib
 import errno
 import logging
 import os
+import posixpath
 import stat
 import struct
 import time
@@ -78,14 +79,17 @@ def _checked(check: Callable[[str], str], value: str) -> str:
 
 
 def resolve(
-    root: Path, mounts: tuple[StorageMount, ...], *, bound_by_sandbox: bool = False
+    root: Path, mounts: tuple[StorageMount, ...], *, bound_by_sandbox: bool = False, folder: str = ""
 ) -> list[BoundStorage]:
     """Each mount's host directory under ``root``, checked, and for a read-write volume made
     (and its group, mode and default ACL set); a missing dataset is a launch error.
     ``bound_by_sandbox``: the sandbox's own uid makes the binds (bubblewrap), not a root
-    daemon (Docker, libvirt's virtiofsd), so it must be able to reach the root."""
+    daemon (Docker, libvirt's virtiofsd), so it must be able to reach the root. ``folder``: a
+    path the sandbox sees inside one of its read-write mounts (its checkpoint folder), made
+    there before it starts."""
     bound: list[BoundStorage] = []
     targets: set[str] = set()
+    inside = _folder_inside(mounts, folder) if folder else None
     real_root = os.path.realpath(root)
     if mounts and bound_by_sandbox:
         check_reachable(real_root)
@@ -99,12 +103,52 @@ def resolve(
         try:
             if not mount.read_only:
                 _prepare_volume(volume, os.path.join(real_root, source), mount.gid)
+            if inside is not None and inside[0] is mount:
+                _make_folder(volume, inside[1], mount.name)
         finally:
             os.close(volume)
         path = os.path.join(real_root, source)  # safe to bind by name: nothing above it moves
         gid = 0 if mount.read_only else mount.gid
         bound.append(BoundStorage(path, target, mount.read_only, gid, mount.volume))
     return bound
+
+
+def _folder_inside(mounts: tuple[StorageMount, ...], folder: str) -> tuple[StorageMount, str]:
+    """The read-write mount ``folder`` lies in, and its path below the mount point."""
+    if not folder.startswith("/") or posixpath.normpath(folder) != folder or "\0" in folder:
+        raise DriverError(f"folder {folder!r} is not an absolute, normalised path")
+    for mount in sorted(mounts, key=lambda m: -len(m.target)):
+        if not mount.read_only and folder.startswith(mount.target.rstrip("/") + "/"):
+            return mount, folder[len(mount.target.rstrip("/")) + 1 :]
+    raise DriverError(f"folder {folder} is in none of the sandbox's read-write storage")
+
+
+def _make_folder(volume: int, relative: str, name: str) -> None:
+    """Make ``relative`` (``a/b``) in a volume the tenant writes: one name at a time, each
+    opened without following a link, since the tenant may have planted one at any of them.
+    Made by the agent, a folder is the volume's group's (set-group-id), group-writable."""
+    here = os.dup(volume)
+    try:
+        for part in relative.split("/"):
+            made = True
+            try:
+                os.mkdir(part, VOLUME_MODE, dir_fd=here)
+            except FileExistsError:
+                made = False
+            try:
+                step = tenant_paths.open_beneath(here, part, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError as exc:
+                raise DriverError(
+                    f"storage {name}: cannot make {relative}: {part} is not a plain folder ({exc.strerror})"
+                ) from exc
+            os.close(here)
+            here = step
+            if made:  # the umask (no default ACL on this file system) must not take the group's w
+                os.fchmod(here, VOLUME_MODE)
+    except OSError as exc:
+        raise DriverError(f"storage {name}: cannot make {relative}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(here)
 
 
 def check_reachable(root: str, what: str = "storage root") -> None:
