@@ -7,6 +7,8 @@ import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from scheduler.topology import NO_TOPOLOGY, Topology
+
 DEDICATED, MIG, MPS, TIMESLICE = "dedicated", "mig", "mps", "timeslice"
 MODES = (DEDICATED, MIG, MPS, TIMESLICE)
 # A GPU whose sharing mode follows demand: idle, it takes a dedicated, MPS or time-slice
@@ -118,6 +120,9 @@ class HostState:
     # The engine cluster it belongs to, whose jobs may span several of its hosts (a Slurm
     # cluster: scheduler.placement.gang); "" for a host that runs its sandboxes alone.
     cluster: str = ""
+    # How its GPUs are linked (NVLink, PCIe) and their NUMA nodes, by GPU index: which of its
+    # idle GPUs a multi-GPU request takes (scheduler.topology); none reported: the first ones.
+    topology: Topology = NO_TOPOLOGY
 
     def has_room(self, cpu_milli: int, memory_mib: int) -> bool:
         return (not self.cpu_milli or self.cpu_used_milli + cpu_milli <= self.cpu_milli) and (

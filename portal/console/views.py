@@ -49,6 +49,7 @@ from portal.quotas.models import ModelQuota, QuotaPolicy
 from portal.sandboxes.models import Allocation, Sandbox
 from portal.scheduling.snapshot import build_fairshare, build_queue, build_snapshot
 from scheduler.fairshare import FairOrder
+from scheduler.topology import Topology, describe_host
 
 
 @staff_member_required
@@ -98,6 +99,7 @@ def _fleet_page(request: HttpRequest, refused: tuple[str, GpuModeForm] | None = 
     for alloc in live:
         held.setdefault(alloc.gpu_id, []).append(alloc)
     for host in hosts_list:
+        host.topology_text = _topology_text(host.shown_gpus)
         for gpu in host.shown_gpus:
             gpu.host = host  # its form names it: no query per GPU for its host
             form = refused[1] if refused is not None and refused[0] == gpu.uuid else None
@@ -110,6 +112,15 @@ def _fleet_page(request: HttpRequest, refused: tuple[str, GpuModeForm] | None = 
         {"hosts": hosts_list, "page": page, "search": search, "kept_query": kept.urlencode()},
         status=400 if refused is not None or bad_search else 200,
     )
+
+
+def _topology_text(gpus: list[Gpu]) -> str:
+    """The line under a host's name: how its GPUs are linked and their NUMA nodes ("NVLink:
+    all 8 GPUs linked · NUMA 0: GPUs 0-3 · NUMA 1: GPUs 4-7"); "" when its agent reports none."""
+    topology = Topology.from_gpus(
+        (g.index, g.numa_node, {int(peer): level for peer, level in g.links.items()}) for g in gpus
+    )
+    return describe_host(topology, [g.index for g in gpus])
 
 
 def _describe_gpu(

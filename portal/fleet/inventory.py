@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -23,6 +23,7 @@ from django.db.models import Q
 
 from portal.fleet import actions
 from portal.fleet.models import ENGINE_MODES, TIMESLICE_REPLICAS, Gpu, GpuMode, Host, MigInstance
+from scheduler.topology import LEVELS
 from wire.messages import HostFacts
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class GpuSeen:
     mig: tuple[MigSeen, ...]
     engine_modes: tuple[str, ...] = ()  # GpuInfo.engine_modes: () for every mode
     engine_replicas: int = 0  # GpuInfo.engine_replicas: 0 for the admin's
+    numa_node: int | None = None  # GpuInfo.numa_node: None when not known
+    links: dict[str, str] = field(default_factory=dict)  # GpuInfo.links, by peer index (Gpu.links)
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,28 @@ def _gpu(data: Any) -> GpuSeen:
         not_ready=str(data.get("not_ready") or ""), mig=tuple(_mig(d) for d in devices),
         engine_modes=_engine_modes(data),
         engine_replicas=_int(data, "engine_replicas", SMALL_INT) if "engine_replicas" in data else 0,
+        # An agent before topology sends neither: not known.
+        numa_node=_int(data, "numa_node", SMALL_INT) if data.get("numa_node") is not None else None,
+        links=_links(data),
     )  # fmt: skip
+
+
+def _links(data: Mapping[str, Any]) -> dict[str, str]:
+    """GpuInfo.links ([[peer index, level], ...]) as Gpu.links stores them; a level this
+    portal does not know (a newer agent's) is left out: not known."""
+    links = data.get("links") or ()
+    if not isinstance(links, list | tuple) or len(links) > SMALL_INT:
+        raise BadInventory(f"GPU {data.get('uuid')!r:.80}: links {links!r:.80} is not a list")
+    found = {}
+    for link in links:
+        peer, level = link if isinstance(link, list | tuple) and len(link) == 2 else (None, None)
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer <= SMALL_INT:
+            peer = None
+        if peer is None or not isinstance(level, str):
+            raise BadInventory(f"GPU {data.get('uuid')!r:.80}: link {link!r:.80} is not [GPU index, level]")
+        if level in LEVELS:
+            found[str(peer)] = level
+    return found
 
 
 def _engine_modes(data: Mapping[str, Any]) -> tuple[str, ...]:
@@ -350,6 +374,7 @@ def _gpus(hosts: list[HostSeen], rows: dict[str, Host]) -> dict[str, Gpu]:
             memory_mib=seen.memory_mib, mig_enabled=seen.mig_enabled, sharing_mode=_mode(seen, GpuMode.AUTO),
             engine_modes=list(seen.engine_modes),
             timeslice_replicas=seen.engine_replicas or TIMESLICE_REPLICAS,
+            numa_node=seen.numa_node, links=seen.links,
         )
         for host, seen in (reported[uuid] for uuid in new)
     )  # fmt: skip
@@ -371,6 +396,9 @@ def _gpus(hosts: list[HostSeen], rows: dict[str, Host]) -> dict[str, Gpu]:
         if (gpu.engine_modes, gpu.timeslice_replicas) != (list(seen.engine_modes), replicas):
             gpu.engine_modes, gpu.timeslice_replicas = list(seen.engine_modes), replicas
             changed.append(gpu)
+        if (gpu.numa_node, gpu.links) != (seen.numa_node, seen.links):
+            gpu.numa_node, gpu.links = seen.numa_node, seen.links
+            changed.append(gpu)
         if seen.not_ready:
             actions.gpu_not_ready(gpu, seen.not_ready)
         elif gpu.state == Gpu.State.UNAVAILABLE:
@@ -378,8 +406,11 @@ def _gpus(hosts: list[HostSeen], rows: dict[str, Host]) -> dict[str, Gpu]:
             available_again[f"available: host {host.name}'s agent offers it again{was}"].append(gpu)
     Gpu.objects.bulk_update(
         changed,
-        ["name", "model", "memory_mib", "mig_enabled", "sharing_mode", "engine_modes", "timeslice_replicas"],
-    )
+        [
+            "name", "model", "memory_mib", "mig_enabled", "sharing_mode", "engine_modes",
+            "timeslice_replicas", "numa_node", "links",
+        ],
+    )  # fmt: skip
     for message, back in available_again.items():
         actions.gpus_available(back, message)
     for host in hosts:

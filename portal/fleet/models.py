@@ -100,6 +100,12 @@ class Gpu(models.Model):
     # reason, e.g. "NVLink fabric not ready: …"); empty in any other state. Unlike a drain,
     # unavailability ends by itself when the agent offers the GPU again.
     unavailable_reason = models.CharField(max_length=200, blank=True)
+    # Where it sits on its host, as its agent reads it (scheduler.topology): the NUMA node of
+    # its nearest CPUs, and its link to each other GPU of the host by that GPU's index
+    # ({"1": "nvlink", "4": "system"}). Null and {}: not known (an agent from before, a
+    # VM's GPUs), which makes no preference among the host's GPUs.
+    numa_node = models.PositiveSmallIntegerField(null=True, blank=True)
+    links = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["host__name", "index"]

@@ -55,6 +55,7 @@ from scheduler.cluster import (
     Snapshot,
 )
 from scheduler.placement.workload import TypicalPod
+from scheduler.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def _host_row(host: HostState) -> list[Any]:
     ]  # fmt: skip
     return [
         host.name, host.up, host.cpu_milli, host.memory_mib, host.cpu_used_milli, host.memory_used_mib,
-        list(host.isolation_levels), gpus, host.cluster,
+        list(host.isolation_levels), gpus, host.cluster, host.topology.row(),
     ]  # fmt: skip
 
 
@@ -296,7 +297,8 @@ def _layout(row: list[Any]) -> tuple[Any, ...]:
 
 
 def _host(row: list[Any]) -> HostState:
-    name, up, cpu, memory, cpu_used, memory_used, isolation, gpus, *cluster = row  # none: from before
+    # cluster and topology absent: a digest from before them
+    name, up, cpu, memory, cpu_used, memory_used, isolation, gpus, *cluster = row
     states = [
         GpuState(
             uuid, name, index, model, memory_mib, mode, available, exclusive_busy,
@@ -310,8 +312,9 @@ def _host(row: list[Any]) -> HostState:
         ) in gpus
     ]  # fmt: skip
     return HostState(
-        name, up, states, cpu, memory, cpu_used, memory_used, tuple(isolation), cluster[0] if cluster else ""
-    )
+        name, up, states, cpu, memory, cpu_used, memory_used, tuple(isolation), cluster[0] if cluster else "",
+        Topology.from_row(cluster[1] if cluster[1:] else None),
+    )  # fmt: skip
 
 
 _cached: Digest | None = None

@@ -64,6 +64,7 @@ from scheduler.fairshare import FairOrder
 from scheduler.gc_pause import collection_paused
 from scheduler.placement import Policy
 from scheduler.placement.firstfit import serves
+from scheduler.topology import describe_set
 
 PREVIEW_ID = -1  # no sandbox has it: the request being written
 
@@ -280,10 +281,12 @@ def _verdict(
             continue
         if isinstance(decision, Place):
             devices = [g.device_uuid for g in decision.grants]
+            taken = gpus_taken(snapshot, decision)
+            where = decision.host + (f" ({taken})" if taken else "")
             if victims:
                 return Preview(
                     "now",
-                    f"starts on {decision.host} once {victims} preemptible sandbox(es) have stopped"
+                    f"starts on {where} once {victims} preemptible sandbox(es) have stopped"
                     + (
                         f", within {duration_text(warning_s)} (their warning before the stop)"
                         if warning_s
@@ -292,7 +295,7 @@ def _verdict(
                     host=decision.host,
                     devices=devices,
                 )
-            return Preview("now", f"starts now on {decision.host}", host=decision.host, devices=devices)
+            return Preview("now", f"starts now on {where}", host=decision.host, devices=devices)
         if isinstance(decision, Pending):
             if not detail:  # unexplained unless a quota held it (that costs no search)
                 return Preview("waits", decision.reason or "no room for it now", position=waiting_ahead + 1)
@@ -305,6 +308,19 @@ def _verdict(
                 alternatives=instead,
             )
     return Preview("waits", "the scheduler gave no answer for it", position=waiting_ahead + 1)
+
+
+def gpus_taken(snapshot: Snapshot, place: Place) -> str:
+    """Which GPUs a multi-GPU placement takes and how they are linked ("GPUs 0-3, all linked
+    by NVLink, on NUMA node 0", scheduler.topology); "" for one GPU, a host that reports no
+    topology, or a job across several hosts."""
+    host = next((h for h in snapshot.hosts if h.name == place.host), None)
+    if host is None or len(place.grants) < 2:
+        return ""
+    index = {g.uuid: g.index for g in host.gpus}
+    if any(g.gpu_uuid not in index for g in place.grants):
+        return ""
+    return describe_set(host.topology, [index[g.gpu_uuid] for g in place.grants])
 
 
 def _eta(

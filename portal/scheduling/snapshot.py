@@ -47,6 +47,7 @@ from scheduler.cluster import (
     Snapshot,
 )
 from scheduler.fairshare import decayed_usage
+from scheduler.topology import NO_TOPOLOGY, Topology
 from wire.spec import DRIVER_ISOLATION
 
 S = SandboxState
@@ -165,7 +166,7 @@ def build_snapshot() -> Snapshot:
     gpu_rows = list(
         Gpu.objects.order_by("host_id", "index").values_list(
             "pk", "host_id", "index", "uuid", "model", "memory_mib", "sharing_mode", "timeslice_replicas",
-            "state", "engine_modes",
+            "state", "engine_modes", "numa_node", "links",
         )
     )  # fmt: skip
     mig_rows = list(
@@ -193,8 +194,14 @@ def build_snapshot() -> Snapshot:
         pk for pk, *_, driver, backend in hosts if driver == "libvirt" and backend not in SIMULATED_BACKENDS
     }
     gpus: dict[int, list[GpuState]] = defaultdict(list)
+    # What each GPU says of where it sits, by host: only hosts whose agents report any.
+    placed: dict[int, list[tuple[int, int | None, dict[int, str]]]] = defaultdict(list)
     one_size = settings.MPS_ONE_SIZE_PER_GPU
-    for pk, host_id, index, uuid, model, memory_mib, sharing_mode, replicas, state, engine_modes in gpu_rows:
+    for (
+        pk, host_id, index, uuid, model, memory_mib, sharing_mode, replicas, state, engine_modes, numa, links,
+    ) in gpu_rows:  # fmt: skip
+        if numa is not None or links:
+            placed[host_id].append((index, numa, {int(peer): level for peer, level in links.items()}))
         used = held.get(pk) or _Held()
         gpus[host_id].append(
             GpuState(
@@ -226,6 +233,7 @@ def build_snapshot() -> Snapshot:
             isolation_levels=(DRIVER_ISOLATION[driver],) if driver in DRIVER_ISOLATION else (),
             # A Slurm gateway's nodes run a job across several of them (one gateway a fleet).
             cluster=MULTI_NODE_DRIVERS.get(driver, ""),
+            topology=Topology.from_gpus(placed[pk]) if pk in placed else NO_TOPOLOGY,
         )
         for pk, name, state, cpu_cores, memory_mib, driver, _backend in hosts
     ]

@@ -18,6 +18,7 @@ from scheduler.cluster import (
 )
 from scheduler.gpus import COMPUTE_SLICES, MODELS
 from scheduler.placement.workload import accessible
+from scheduler.topology import Topology, best_connected
 
 
 class FirstFit:
@@ -30,7 +31,7 @@ class FirstFit:
         for host in hosts:
             if request.mode == CPU_ONLY:
                 return Place(request.id, host.name, ())
-            grants = _fit(usable_gpus(host, request), request)
+            grants = _fit(usable_gpus(host, request), request, host.topology)
             if grants:
                 return Place(request.id, host.name, grants)
         return Pending(request.id, why_not(snapshot, request) if explain else "")
@@ -45,12 +46,12 @@ def usable_gpus(host: HostState, request: Request) -> list[GpuState]:
     ]
 
 
-def _fit(gpus: list[GpuState], request: Request) -> tuple[DeviceGrant, ...]:
+def _fit(gpus: list[GpuState], request: Request, topology: Topology) -> tuple[DeviceGrant, ...]:
     if request.mode == DEDICATED:
         free = [g for g in gpus if g.idle]
         if len(free) < request.gpu_count:
             return ()
-        return exclusive_grants(free[: request.gpu_count])
+        return exclusive_grants(best_connected(free, request.gpu_count, topology))
     for gpu in gpus:
         grant = grant_on(gpu, request)
         if grant is not None:

@@ -13,9 +13,20 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from scheduler.cluster import DEDICATED, MILLI, DeviceGrant, HostState, Pending, Place, Request, Snapshot
+from scheduler.cluster import (
+    DEDICATED,
+    MILLI,
+    DeviceGrant,
+    GpuState,
+    HostState,
+    Pending,
+    Place,
+    Request,
+    Snapshot,
+)
+from scheduler.topology import best_connected
 
-Candidate = tuple[HostState, list[str]]  # a host and its idle whole GPUs of the gang's model
+Candidate = tuple[HostState, list[GpuState]]  # a host and its idle whole GPUs of the gang's model
 
 
 def gang_candidates(snapshot: Snapshot, request: Request) -> dict[tuple[str, str], list[Candidate]]:
@@ -26,11 +37,11 @@ def gang_candidates(snapshot: Snapshot, request: Request) -> dict[tuple[str, str
             continue
         if request.isolation and host.isolation_levels and request.isolation not in host.isolation_levels:
             continue
-        by_model: dict[str, list[str]] = defaultdict(list)
+        by_model: dict[str, list[GpuState]] = defaultdict(list)
         wanted = request.gpu_models
         for g in host.gpus:
             if g.available and g.idle and g.serves(DEDICATED) and (not wanted or g.model in wanted):
-                by_model[g.model].append(g.uuid)
+                by_model[g.model].append(g)
         for model, free in by_model.items():
             if len(free) >= request.gpu_count:
                 found[(host.cluster, model)].append((host, free))
@@ -53,8 +64,11 @@ def place_gang(snapshot: Snapshot, request: Request) -> Place | Pending:
             f"needs {request.nodes} nodes of one cluster with {request.gpu_count} idle whole "
             f"GPU{'s' if request.gpu_count > 1 else ''} of one model each",
         )
+    # On each node the best-connected of its idle GPUs, as for a request on one host.
     grants = tuple(
-        DeviceGrant(uuid, uuid, "exclusive", MILLI) for _, free in best for uuid in free[: request.gpu_count]
+        DeviceGrant(g.uuid, g.uuid, "exclusive", MILLI)
+        for host, free in best
+        for g in best_connected(free, request.gpu_count, host.topology)
     )
     return Place(request.id, best[0][0].name, grants)
 

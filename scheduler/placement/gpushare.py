@@ -77,6 +77,7 @@ from scheduler.placement.fragmentation import (
     undominated_models,
 )
 from scheduler.placement.workload import TypicalPod, WorkloadModel
+from scheduler.topology import best_connected
 
 # S(n) changes are ranked to the nearest milli, so float noise in the weighted sums never
 # decides; _SPAN bounds them, as no node has anywhere near 1000 GPUs.
@@ -507,7 +508,11 @@ class GpusharePolicy:
             return ()
         gpus = usable_gpus(host, request)
         if request.mode == DEDICATED:
-            return exclusive_grants([g for g in gpus if g.idle][: request.gpu_count])
+            # Which idle GPUs never changes the host's score (``host_key`` sorts their free
+            # milli), so the best-connected ones are taken at no cost to packing.
+            return exclusive_grants(
+                best_connected([g for g in gpus if g.idle], request.gpu_count, host.topology)
+            )
         choice = self._choose(host, request, measures)
         assert choice is not None  # noqa: S101 - the host was chosen because it can take it
         for gpu in gpus:

@@ -96,6 +96,8 @@ class Dev:
     compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
     compute_mode_refused: int | None = None  # the NVML error Set raises (NO_PERMISSION: not root)
     compute_mode_sticks: bool = True  # False: Set answers SUCCESS and the mode stays as it was
+    # -- topology (issue 40 item 7): the NUMA node of its nearest CPUs; None: NOT_SUPPORTED --
+    numa_node: int | None = None
 
     def profile(self, profile_id: int) -> tuple[int, str, int, int, int]:
         return next(p for p in self.profiles.values() if p[0] == profile_id)
@@ -188,6 +190,11 @@ class FakeNvml:
         self._gi_handles: dict[int, GpuInstance] = {}  # ctypes handle address -> instance
         self._gi_keep: list[Any] = []
         self.made_cis = 0
+        # Topology (issue 40 item 7; presets in nvml_boards.py): pairs of GPU uuids linked by
+        # NVLink, and each pair's closest PCIe ancestor (NVML_TOPOLOGY_*); a pair absent from
+        # ``ancestors`` answers NOT_SUPPORTED, as a VM's passed-through GPUs do.
+        self.nvlink: set[frozenset[str]] = set()
+        self.ancestors: dict[frozenset[str], int] = {}
         xid, dbe = pynvml.nvmlEventTypeXidCriticalError, pynvml.nvmlEventTypeDoubleBitEccError
         self.h100 = Dev(
             H100_UUID,
@@ -668,6 +675,36 @@ class FakeNvml:
             raise nvml_error(dev.compute_mode_refused)
         if dev.compute_mode_sticks:
             dev.compute_mode = mode
+
+    # -- topology (issue 40 item 7): whole GPUs only, as NVML answers them ------------------------
+
+    FUNCTIONS = FUNCTIONS | {
+        "nvmlDeviceGetCpuAffinityWithinScope",
+        "nvmlDeviceGetP2PStatus",
+        "nvmlDeviceGetTopologyCommonAncestor",
+    }
+
+    def nvmlDeviceGetCpuAffinityWithinScope(self, dev: Dev, size: int, scope: int) -> Any:
+        board = self._board_only(self._live(dev))
+        if scope != pynvml.NVML_AFFINITY_SCOPE_NODE or board.numa_node is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        words = (ctypes.c_ulonglong * size)()  # a NUMA node mask, as pynvml returns it
+        words[board.numa_node // 64] = 1 << (board.numa_node % 64)
+        return words
+
+    def nvmlDeviceGetP2PStatus(self, a: Dev, b: Dev, index: int) -> int:
+        for dev in (a, b):
+            self._board_only(self._live(dev))
+        linked = frozenset({a.uuid, b.uuid}) in self.nvlink and index == pynvml.NVML_P2P_CAPS_INDEX_NVLINK
+        return pynvml.NVML_P2P_STATUS_OK if linked else pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a: Dev, b: Dev) -> int:
+        for dev in (a, b):
+            self._board_only(self._live(dev))
+        level = self.ancestors.get(frozenset({a.uuid, b.uuid}))
+        if level is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return level
 
 
 def event(dev: Dev, kind: int, data: int = 0, gi: int = NO_INSTANCE) -> SimpleNamespace:

@@ -10,8 +10,8 @@ import tempfile
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import cast
 

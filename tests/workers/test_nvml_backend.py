@@ -21,6 +21,7 @@ from workers.gpu import gpm as gpm_module
 from workers.gpu import make_backend
 from workers.gpu import nvml as nvml_module
 from workers.gpu import nvml_board as nvml_board_module
+from workers.gpu import nvml_topology as nvml_topology_module
 from workers.gpu import process_util as process_util_module
 from workers.gpu.base import GpuBackendError, GpuLost
 from workers.gpu.nvml import NvmlBackend, decode_clock_reasons, nvml_available
@@ -32,6 +33,7 @@ def test_fake_covers_exactly_the_calls_nvml_makes() -> None:
     source = Path(nvml_module.__file__).read_text() + Path(gpm_module.__file__).read_text()
     source += Path(process_util_module.__file__).read_text()
     source += Path(nvml_board_module.__file__).read_text()
+    source += Path(nvml_topology_module.__file__).read_text()
     names = set(re.findall(r"pynvml\.(nvml\w+)", source)) | set(re.findall(r'"(nvml\w+)"', source))
     functions = {n for n in names if isinstance(getattr(pynvml, n), types.FunctionType)}
     assert functions == FakeNvml.FUNCTIONS

@@ -59,6 +59,11 @@ class GpuInfo:
     # into (Slurm's shards per GPU); 0 when that is the admin's setting.
     engine_modes: tuple[str, ...] = ()
     engine_replicas: int = 0
+    # Where it sits on the host (scheduler.topology): the NUMA node of its nearest CPUs, and
+    # its link to each other GPU as (that GPU's index, a level of scheduler.topology.LEVELS).
+    # None and (): not known (NVML cannot tell, or an engine's GPUs), so no preference.
+    numa_node: int | None = None
+    links: tuple[tuple[int, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

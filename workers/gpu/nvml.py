@@ -44,6 +44,7 @@ from workers.gpu.base import (
 )
 from workers.gpu.gpm import GpmUtilization
 from workers.gpu.nvml_session import NvmlDidNotStart, nvml_session
+from workers.gpu.nvml_topology import TopologyReader
 from workers.gpu.process_util import ProcessUtilization
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class NvmlBackend:
         self._closed = False
         self._gpm = GpmUtilization()
         self._process_util = ProcessUtilization()
+        self._topology = TopologyReader()
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as err:
@@ -186,7 +188,8 @@ class NvmlBackend:
                 if isinstance(err, GpuLost) or isinstance(err.__cause__, _LOST):
                     continue  # a lost GPU leaves the inventory; a gpu_lost event says why
                 raise
-        return gpus
+        with self._lock:
+            return self._topology.apply(gpus)
 
     def _gpu_info(self, index: int) -> GpuInfo:
         with self._guard(f"read GPU {index}", self._known.get(index)):

@@ -38,6 +38,7 @@ from workers.gpu.base import (
     MigDevice,
     xid_event,
 )
+from workers.gpu.simulated_topology import simulated_topology
 
 # Fixed namespace so UUIDs are stable across processes and releases.
 _UUID_NAMESPACE = uuidlib.UUID("6f1d2c1e-5a7b-4c59-9a43-0b6d5f3e8a21")
@@ -236,6 +237,8 @@ class SimulatedBackend:
                         self._create_mig(gpu, profile, start)
                     except GpuBackendError as err:
                         raise ValueError(f"GPU {index}: bad MIG layout: {err}") from None
+        # NUMA node and links by GPU index: fixed, as a real host's boards are.
+        self._topology = simulated_topology([config.model for config in gpus])
 
     # -- inventory and MIG -------------------------------------------------------------
 
@@ -252,6 +255,8 @@ class SimulatedBackend:
                     mig_devices=tuple(self._sorted_migs(gpu)),
                     simulated=True,
                     not_ready=self._not_ready.get(gpu.uuid, ""),
+                    numa_node=self._topology[gpu.index][0],
+                    links=self._topology[gpu.index][1],
                 )
                 for gpu in self._gpus.values()
                 if not gpu.lost  # as with NVML, a GPU that fell off the bus is gone

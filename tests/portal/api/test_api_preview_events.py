@@ -53,7 +53,9 @@ def test_preview_says_where_it_would_start_and_writes_nothing(
     assert response.status_code == 200, response.json()
     body = response.json()
     assert body["verdict"] == "now" and body["host"] in ("h100", "a100")
-    assert body["message"] == f"starts now on {body['host']}"
+    # both hosts' simulated boards are NVSwitch-linked: the answer names the two GPUs it takes
+    assert body["message"].startswith(f"starts now on {body['host']} (GPUs ")
+    assert body["message"].endswith("all linked by NVLink, on NUMA node 1)")
     assert body["position"] == 0 and body["earliest_start"] is None and body["alternatives"] == []
     assert not Sandbox.objects.exists() and sent_tasks == []
 
