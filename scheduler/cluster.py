@@ -253,11 +253,27 @@ class ProjectShare:
     limit_milli: int | None = None  # None: no ceiling
     usage_gpu_s: float = 0.0  # decayed GPU-seconds, as of FairShareState.usage_at
     model_limits: tuple[ModelLimit, ...] = ()
+    department: str | None = None  # the department it belongs to (FairShareState.departments)
+
+
+@dataclass(frozen=True)
+class DepartmentShare:
+    """A department: an organisational unit above projects (an institute, a group), in a tree
+    (scheduler/departments.py). Its guarantee and ceiling bound what all of its projects hold
+    together; its weight is its say against its siblings in the fair share."""
+
+    parent: str | None = None
+    weight: float = 1.0
+    # None: the sum of its children's guarantees (it guarantees what they do, nothing more).
+    guaranteed_milli: int | None = None
+    limit_milli: int | None = None  # None: no ceiling of its own
+    model_limits: tuple[ModelLimit, ...] = ()
 
 
 @dataclass(frozen=True)
 class FairShareState:
     projects: dict[str, ProjectShare] = field(default_factory=dict)
+    departments: dict[str, DepartmentShare] = field(default_factory=dict)
     half_life_s: float = 7 * 86400.0
     usage_at: float | None = None  # when usage_gpu_s was last decayed; None: at ``now``
     # Allocations count against their project as the usage they will add over this horizon,

@@ -52,6 +52,7 @@ from scheduler.cluster import (
     book,
     release,
 )
+from scheduler.departments import node_label
 from scheduler.fairshare import FairOrder, Quotas, demand_milli
 from scheduler.gc_pause import collection_paused
 from scheduler.model_quotas import ModelQuotas
@@ -68,7 +69,7 @@ BACKFILL_WINDOW_S = 86_400.0
 # What a placement policy sees of a request, and what a preemption plan also depends on.
 # (mode, GPUs, MIG profile, MPS memory, MPS threads, CPU, memory, isolation, GPU models)
 FitShape = tuple[str, int, str, int, int, int, int, str, tuple[str, ...]]
-Shape = tuple[FitShape, int, bool, bool, bool]
+Shape = tuple[FitShape, int, bool, bool, bool, str]
 
 
 def revert(snapshot: Snapshot, decisions: Sequence[Decision], requests: Sequence[Request]) -> None:
@@ -249,13 +250,22 @@ class _Cycle:
             return self._decide_gang(request)
         demand = demand_milli(request, self.timeslice_milli if request.mode == TIMESLICE else 1000)
         refusal = self.quotas.refusal(request.project, demand)
-        if refusal:
+        # At a department's limit, a project within its guarantee there may still take back
+        # what a sibling borrowed: the swap leaves the department where it was.
+        limit_at = self._limit_to_reclaim_under(request, demand) if refusal else ""
+        if refusal and not limit_at:
             self.decisions.append(Pending(request.id, refusal))
             return None
         within, kept_off = self._within_model_limits(request, demand)
         if within is None:
             return None
         request = within
+        if limit_at:
+            swap = self._preemption(request, demand, under=limit_at)
+            if swap is None:
+                self.decisions.append(Pending(request.id, refusal))
+                return None
+            return self._commit(request, swap.place, swap.victims)
         plan: Plan | None = None
         kind, sizes = _fit_kind(request, self._hides(request))
         known = next(
@@ -328,7 +338,7 @@ class _Cycle:
             self.victims[request.mode] = [v for v in self.victims[request.mode] if v.sandbox_id not in gone]
         milli = sum(g.milli_gpu for g in place.grants)
         borrowed = self.quotas.borrows(request.project, milli)
-        was_over = self.quotas.over_guarantee(request.project) > 0
+        was_over = self.quotas.over_anywhere(request.project)
         # A gang's grants are on several hosts, each of which gives the tier's CPU and memory.
         taken = (
             {place.host} | {self.gpus[g.gpu_uuid].host for g in place.grants}
@@ -370,8 +380,22 @@ class _Cycle:
 
     # --- preemption ------------------------------------------------------------------------
 
-    def _preemption(self, request: Request, demand: int) -> Plan | None:
-        reclaim = self.quotas.within_guarantee(request.project, demand)
+    def _limit_to_reclaim_under(self, request: Request, demand: int) -> str:
+        """The department whose limit alone refuses ``request``, when the request may reclaim
+        (some level of its path within its guarantee); "" otherwise."""
+        node = self.quotas.refused_at(request.project, demand)
+        if (
+            node is None
+            or not node.startswith("d:")
+            or self.quotas.refused_at(request.project, demand, but=node)
+        ):
+            return ""
+        return node if self.quotas.may_reclaim(request.project, demand) else ""
+
+    def _preemption(self, request: Request, demand: int, under: str = "") -> Plan | None:
+        """The fewest victims that make room for ``request``. ``under``: a department whose
+        limit refused it; only reclaims inside it, freeing what the limit is short of."""
+        reclaim = self.quotas.may_reclaim(request.project, demand)
         borrowing = self.quotas.borrows(request.project, demand)
         shape: Shape = (
             _fit_shape(request),
@@ -379,39 +403,46 @@ class _Cycle:
             reclaim,
             borrowing,
             self._hides(request),
+            under,
         )
         if shape in self.hopeless:
             return None
         candidates: list[Running] = []
-        reclaim_only: set[int] = set()
+        reclaim_only: dict[int, str] = {}  # sandbox id -> the node its reclaim takes down
         # Preempting what holds the head's devices would hand them to a request behind it.
         spared = self.head_holders if self._hides(request) else set()
         for alloc in self.victims[request.mode]:
             if alloc.sandbox_id in spared or alloc.preemptible_at > self.now:
+                continue
+            if under and under not in self.quotas.tree.path(alloc.project):
                 continue
             # A borrowing request may not push out what another project runs within its guarantee,
             # or the two would take the same devices from each other cycle after cycle.
             by_priority = (
                 alloc.preemptible and alloc.priority < request.priority and (alloc.borrowed or not borrowing)
             )
-            by_reclaim = (
-                reclaim
-                and alloc.borrowed
-                and alloc.project != request.project
-                and self.quotas.over_guarantee(alloc.project) > 0
+            if under:
+                by_priority = False  # only a reclaim frees what the department's limit needs
+            side = (
+                self.quotas.reclaim_side(request.project, demand, alloc.project)
+                if reclaim and alloc.borrowed and not by_priority
+                else None
             )
-            if by_priority or by_reclaim:
+            if by_priority or side is not None:
                 candidates.append(alloc)
-                if not by_priority:
-                    reclaim_only.add(alloc.sandbox_id)
+                if side is not None:
+                    reclaim_only[alloc.sandbox_id] = side
 
         def allowed(victims: Sequence[Running]) -> bool:
-            """A reclaim takes a project down towards its guarantee, never below it."""
+            """A reclaim takes a project (or the department that borrowed) down towards its
+            guarantee, never below it."""
             taken: dict[str, list[int]] = {}
             for v in victims:
                 if v.sandbox_id in reclaim_only:
-                    taken.setdefault(v.project, []).append(v.milli_gpu)
-            return all(sum(m) - max(m) < self.quotas.over_guarantee(p) for p, m in taken.items())
+                    taken.setdefault(reclaim_only[v.sandbox_id], []).append(v.milli_gpu)
+            if under and sum(v.milli_gpu for v in victims) < self.quotas.short_of(under, demand):
+                return False
+            return all(sum(m) - max(m) < self.quotas.over_guarantee(node) for node, m in taken.items())
 
         plan = (
             plan_preemption(self.working, request, self.policy, candidates, allowed, gpus=self.gpus)
@@ -428,9 +459,16 @@ class _Cycle:
                 f"preempted for request #{request.id} of higher priority "
                 f"({request.priority} > {victim.priority})"
             )
+        sides = self.quotas.tree.sides(request.project, victim.project)
+        theirs, mine = (node_label(sides[1]), node_label(sides[0])) if sides else ("its project", "its own")
+        if theirs == f"project {victim.project}" and mine == f"project {request.project}":
+            return (
+                f"reclaimed: project {victim.project} borrowed this capacity over its guarantee and "
+                f"project {request.project} (request #{request.id}) is within its own"
+            )
         return (
-            f"reclaimed: project {victim.project} borrowed this capacity over its guarantee and "
-            f"project {request.project} (request #{request.id}) is within its own"
+            f"reclaimed: {theirs} (of project {victim.project}) borrowed this capacity over its guarantee "
+            f"and {mine} is within its own for project {request.project} (request #{request.id})"
         )
 
     # --- reservation and backfill ----------------------------------------------------------
@@ -556,10 +594,9 @@ class _Cycle:
         )
         if ahead:
             notes.append(f"priority: {ahead} higher-priority {request.mode} requests wait ahead of it")
-        if self.quotas.borrows(request.project, demand_milli(request, self.timeslice_milli)):
-            notes.append(
-                f"project {request.project} is over its guarantee, so it may only borrow idle capacity"
-            )
+        over = self.quotas.borrowing_level(request.project, demand_milli(request, self.timeslice_milli))
+        if over is not None:
+            notes.append(f"{node_label(over)} is over its guarantee, so it may only borrow idle capacity")
         return "; ".join(notes)
 
 

@@ -15,7 +15,8 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Iterable
 
-from scheduler.cluster import CPU_ONLY, DEDICATED, MIG, MPS, FairShareState, ProjectShare, Request, Running
+from scheduler.cluster import CPU_ONLY, DEDICATED, MIG, MPS, FairShareState, Request, Running
+from scheduler.departments import OrgTree, node_label, project_node
 from scheduler.gpus import COMPUTE_SLICES
 
 LN2 = math.log(2)
@@ -79,6 +80,14 @@ class FairOrder:
     priority, then age, then id (every project's standing is equal). Ordering by standing,
     usage / weight lowest first, is ordering by Slurm's classic factor ``2**(-U/S)`` highest
     first (U the project's part of all usage, S its part of all weight).
+
+    With departments (scheduler/departments.py) fair share follows the tree, as Slurm's fair
+    tree does: siblings are ordered by their own standing at each level, the top first, so a
+    project of a department that used little goes before one of a department that used much,
+    whatever the two projects used themselves. A placement raises the standing of every level
+    above its project, so entries of other projects may grow stale: a popped entry is checked
+    against its project's current standing and pushed back when it grew (standings only grow
+    within a cycle).
     """
 
     def __init__(
@@ -86,6 +95,7 @@ class FairOrder:
     ) -> None:
         self._state = state
         self._now = now
+        self._tree = OrgTree(state)
         per_project: dict[str, list[Request]] = defaultdict(list)
         for request in queue:
             per_project[request.project].append(request)
@@ -93,87 +103,156 @@ class FairOrder:
             p: deque(sorted(rs, key=lambda r: (-r.priority, r.submitted_at, r.id)))
             for p, rs in per_project.items()
         }
-        self._usage: dict[str, float] = {}
+        self._usage: dict[str, float] = {}  # by project (flat), or by node of the tree
         if state is not None:
             since = now - state.usage_at if state.usage_at is not None else 0.0
-            for name in self._waiting:
-                self._usage[name] = decay(state.share(name).usage_gpu_s, since, state.half_life_s)
+            counted = self._waiting if self._tree.flat else {*self._waiting, *state.projects}
+            for name in counted:
+                self._charge(name, decay(state.share(name).usage_gpu_s, since, state.half_life_s))
             for alloc in running:
-                if alloc.project in self._usage:
-                    self._usage[alloc.project] += commitment_gpu_s(
-                        alloc.milli_gpu, alloc.ends_at, now, state.horizon_s
+                if alloc.project in counted:
+                    self._charge(
+                        alloc.project, commitment_gpu_s(alloc.milli_gpu, alloc.ends_at, now, state.horizon_s)
                     )
-        self._heap: list[tuple[int, float, float, int, str]] = []
+        self._heap: list[tuple[int, tuple[float, ...], float, int, str]] = []
         for name in sorted(self._waiting):
             self._push(name)
+
+    def _charge(self, project: str, gpu_s: float) -> None:
+        if self._tree.flat:
+            self._usage[project] = self._usage.get(project, 0.0) + gpu_s
+            return
+        for node in self._tree.path(project):
+            self._usage[node] = self._usage.get(node, 0.0) + gpu_s
 
     def standing(self, project: str) -> float:
         """Usage per unit of weight; lower goes first. Infinite for a weightless project."""
         if self._state is None:
             return 0.0
+        if not self._tree.flat:
+            return self._node_standing(project_node(project))
         weight = self._state.share(project).weight
         return self._usage.get(project, 0.0) / weight if weight > 0 else math.inf
 
+    def _node_standing(self, node: str) -> float:
+        weight = self._tree.weight(node)
+        return self._usage.get(node, 0.0) / weight if weight > 0 else math.inf
+
+    def _standings(self, project: str) -> tuple[float, ...]:
+        """The project's standing at each level, the top department's first."""
+        if self._state is None or self._tree.flat:
+            return (self.standing(project),)
+        return tuple(self._node_standing(node) for node in reversed(self._tree.path(project)))
+
     def next(self) -> Request | None:
-        if not self._heap:
-            return None
-        *_, project = heapq.heappop(self._heap)
-        return self._waiting[project].popleft()
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            project = entry[-1]
+            if not self._tree.flat:
+                fresh = self._entry(project)
+                if fresh != entry:  # a placement under one of its departments raised it
+                    heapq.heappush(self._heap, fresh)
+                    continue
+            return self._waiting[project].popleft()
+        return None
 
     def settle(self, request: Request, placed_milli: int = 0, ends_at: float | None = None) -> None:
         """Charge what ``request`` was given (nothing if it waits) and queue its project's next."""
         if self._state is not None and placed_milli:
-            self._usage[request.project] = self._usage.get(request.project, 0.0) + commitment_gpu_s(
-                placed_milli, ends_at, self._now, self._state.horizon_s
+            self._charge(
+                request.project, commitment_gpu_s(placed_milli, ends_at, self._now, self._state.horizon_s)
             )
         self._push(request.project)
 
+    def _entry(self, project: str) -> tuple[int, tuple[float, ...], float, int, str]:
+        head = self._waiting[project][0]
+        return (-head.priority, self._standings(project), head.submitted_at, head.id, project)
+
     def _push(self, project: str) -> None:
-        waiting = self._waiting[project]
-        if waiting:
-            head = waiting[0]
-            entry = (-head.priority, self.standing(project), head.submitted_at, head.id, project)
-            heapq.heappush(self._heap, entry)
+        if self._waiting[project]:
+            heapq.heappush(self._heap, self._entry(project))
 
 
 class Quotas:
-    """Milli-GPU held per project this cycle, against its guarantee and limit."""
+    """Milli-GPU held this cycle by each project and each department above it (the tree:
+    scheduler/departments.py), against their guarantees and limits."""
 
     def __init__(self, state: FairShareState | None, running: list[Running]) -> None:
-        self._state = state
-        self.used: dict[str, int] = defaultdict(int)
+        self.tree = OrgTree(state)
+        self.used: dict[str, int] = defaultdict(int)  # by node: p:<project>, d:<department>
         for alloc in running:
-            self.used[alloc.project] += alloc.milli_gpu
-
-    def _share(self, project: str) -> ProjectShare:
-        return self._state.share(project) if self._state is not None else ProjectShare()
+            self.add(alloc.project, alloc.milli_gpu)
 
     def refusal(self, project: str, milli: int) -> str:
-        """Why ``milli`` more would break the project's limit, or "" when it would not."""
-        limit = self._share(project).limit_milli
-        if limit is None or self.used[project] + milli <= limit:
+        """Why ``milli`` more would break a limit on the project's path, or "" when none."""
+        node = self.refused_at(project, milli)
+        if node is None:
             return ""
         return (
-            f"quota: project {project} holds {self.used[project]} of its {limit} milli-GPU limit "
-            f"and this needs {milli} more"
+            f"quota: {node_label(node)} holds {self.used[node]} of its {self.tree.limit(node)} milli-GPU "
+            f"limit and this needs {milli} more"
         )
 
-    def within_guarantee(self, project: str, milli: int) -> bool:
-        guaranteed = self._share(project).guaranteed_milli
-        return guaranteed is not None and self.used[project] + milli <= guaranteed
+    def refused_at(self, project: str, milli: int, but: str = "") -> str | None:
+        """The lowest level of the project's path (other than ``but``) whose limit ``milli``
+        more would break, or None."""
+        for node in self.tree.path(project):
+            limit = self.tree.limit(node)
+            if node != but and limit is not None and self.used[node] + milli > limit:
+                return node
+        return None
+
+    def short_of(self, node: str, milli: int) -> int:
+        """How much a node's limit is short of ``milli`` more: what victims under it must free."""
+        limit = self.tree.limit(node)
+        return 0 if limit is None else self.used[node] + milli - limit
+
+    def may_reclaim(self, project: str, milli: int) -> bool:
+        """Whether some level on the project's path would still be within its guarantee with
+        ``milli`` more: only then can it take borrowed capacity back (``reclaim_side``)."""
+        return any(
+            (g := self.tree.guaranteed(node)) is not None and self.used[node] + milli <= g
+            for node in self.tree.path(project)
+        )
+
+    def reclaim_side(self, project: str, milli: int, holder: str) -> str | None:
+        """The node ``holder``'s sandboxes may be reclaimed from by a request of ``project``
+        for ``milli``: the holder's side where the two meet, when it is over its guarantee
+        and the requester's side would be within its own. None when no reclaim applies."""
+        sides = self.tree.sides(project, holder)
+        if sides is None:
+            return None
+        mine, theirs = sides
+        guaranteed = self.tree.guaranteed(mine)
+        if guaranteed is None or self.used[mine] + milli > guaranteed:
+            return None
+        return theirs if self.over_guarantee(theirs) > 0 else None
 
     def borrows(self, project: str, milli: int) -> bool:
-        """Whether ``milli`` more would run above the guarantee (only where one is set)."""
-        guaranteed = self._share(project).guaranteed_milli
-        return guaranteed is not None and self.used[project] + milli > guaranteed
+        """Whether ``milli`` more would take some level of the project's path over its
+        guarantee (only levels with one count)."""
+        return self.borrowing_level(project, milli) is not None
 
-    def over_guarantee(self, project: str) -> int:
-        """Milli-GPU the project holds above its guarantee: what may be reclaimed from it."""
-        guaranteed = self._share(project).guaranteed_milli
-        return 0 if guaranteed is None else max(0, self.used[project] - guaranteed)
+    def borrowing_level(self, project: str, milli: int) -> str | None:
+        """The lowest level ``milli`` more would take over its guarantee, or None."""
+        for node in self.tree.path(project):
+            guaranteed = self.tree.guaranteed(node)
+            if guaranteed is not None and self.used[node] + milli > guaranteed:
+                return node
+        return None
+
+    def over_anywhere(self, project: str) -> bool:
+        return any(self.over_guarantee(node) > 0 for node in self.tree.path(project))
+
+    def over_guarantee(self, node: str) -> int:
+        """Milli-GPU a node holds above its guarantee: what may be reclaimed from it."""
+        guaranteed = self.tree.guaranteed(node)
+        return 0 if guaranteed is None else max(0, self.used[node] - guaranteed)
 
     def add(self, project: str, milli: int) -> None:
-        self.used[project] += milli
+        for node in self.tree.path(project):
+            self.used[node] += milli
 
     def remove(self, project: str, milli: int) -> None:
-        self.used[project] -= milli
+        for node in self.tree.path(project):
+            self.used[node] -= milli

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from scheduler.cluster import DeviceGrant, FairShareState, ModelLimit, Request, Running
+from scheduler.departments import OrgTree, node_label, project_node
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,17 @@ class ModelQuotas:
     def __init__(
         self, state: FairShareState | None, running: list[Running], model_of: Callable[[str], str]
     ) -> None:
-        self._limits = {
-            project: share.model_limits
-            for project, share in (state.projects.items() if state is not None else ())
-            if share.model_limits
-        }
+        # By node of the tree (scheduler/departments.py): a department's limits bind what all
+        # of its projects hold together, as a project's bind the project.
+        self._tree = OrgTree(state)
+        self._limits: dict[str, tuple[ModelLimit, ...]] = {}
+        if state is not None:
+            for project, share in state.projects.items():
+                if share.model_limits:
+                    self._limits[project_node(project)] = share.model_limits
+            for name, department in state.departments.items():
+                if department.model_limits:
+                    self._limits[f"d:{name}"] = department.model_limits
         self._model_of = model_of
         self.used: dict[tuple[str, str], int] = defaultdict(int)
         for alloc in running:
@@ -52,12 +59,12 @@ class ModelQuotas:
         """``request`` with the models whose limits have no room for ``milli`` more left out
         of what it accepts (all of the fleet's, if it accepts any), or a refusal naming the
         limits when none is left."""
-        limits = self._limits.get(request.project)
+        limits = self._path_limits(request.project)
         if not limits:
             return Narrowed(request)
         held: dict[str, str] = {}  # model -> the first limit that holds it back
-        for limit in limits:
-            why = limit.closed or self._over(request.project, limit, milli)
+        for node, limit in limits:
+            why = limit.closed or self._over(node, limit, milli)
             if why:
                 for model in limit.models:
                     held.setdefault(model, why)
@@ -75,20 +82,26 @@ class ModelQuotas:
         note = f"not on {', '.join(left_out)}: " + "; ".join(reasons)
         return Narrowed(replace(request, gpu_models=allowed), kept_off=note)
 
-    def _over(self, project: str, limit: ModelLimit, milli: int) -> str:
-        used = self.used[(project, limit.name)]
+    def _path_limits(self, project: str) -> list[tuple[str, ModelLimit]]:
+        """The limits on the project's path: its own first, then each department's above it."""
+        if not self._limits:
+            return []
+        return [(node, limit) for node in self._tree.path(project) for limit in self._limits.get(node, ())]
+
+    def _over(self, node: str, limit: ModelLimit, milli: int) -> str:
+        used = self.used[(node, limit.name)]
         if limit.limit_milli is None or used + milli <= limit.limit_milli:
             return ""
         return (
-            f"quota: project {project} holds {used / 1000:g} of its {limit.limit_milli / 1000:g} "
+            f"quota: {node_label(node)} holds {used / 1000:g} of its {limit.limit_milli / 1000:g} "
             f"{limit.name} GPU limit and this needs {milli / 1000:g} more"
         )
 
     def add(self, project: str, grants: Iterable[DeviceGrant], sign: int = 1) -> None:
-        for limit in self._limits.get(project, ()):
+        for node, limit in self._path_limits(project):
             for grant in grants:
                 if self._model_of(grant.gpu_uuid) in limit.models:
-                    self.used[(project, limit.name)] += sign * grant.milli_gpu
+                    self.used[(node, limit.name)] += sign * grant.milli_gpu
 
     def remove(self, project: str, grants: Iterable[DeviceGrant]) -> None:
         self.add(project, grants, sign=-1)

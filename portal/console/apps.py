@@ -14,7 +14,7 @@ class ConsoleConfig(AppConfig):
         from portal.catalog.models import ImageRegistry, PriorityClass, SandboxImage, Storage, Tier
         from portal.fleet.models import Gpu
         from portal.identity.models import GroupRule
-        from portal.quotas.models import ModelQuota, QuotaPolicy
+        from portal.quotas.models import Department, ModelQuota, QuotaPolicy
 
         watch(
             Tier,
@@ -25,6 +25,7 @@ class ConsoleConfig(AppConfig):
             GroupRule,
             QuotaPolicy,
             ModelQuota,
+            Department,
             Project,
             Membership,
             Gpu,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from django import forms
@@ -10,7 +11,7 @@ from portal.catalog.models import ImageRegistry, IsolationLevel, PriorityClass, 
 from portal.catalog.sharing import TIER_DESCRIPTION_HELP, tier_mode_help
 from portal.fleet.models import SETTABLE_MODES, Gpu, Host
 from portal.identity.models import GroupRule
-from portal.quotas.models import ModelQuota, QuotaPolicy
+from portal.quotas.models import Department, ModelQuota, QuotaPolicy
 from portal.sandboxes.forms import MIG_PROFILES
 from portal.sandboxes.gpu_choice import fleet_models
 from scheduler.gpus import COMPUTE_SLICES, MODELS
@@ -167,8 +168,48 @@ class QuotaForm(forms.ModelForm):
     class Meta:
         model = QuotaPolicy
         fields = [
-            "project", "max_live_sandboxes", "max_gpus", "guaranteed_gpus", "weight", "max_gpu_hours_month",
+            "project", "department", "max_live_sandboxes", "max_gpus", "guaranteed_gpus", "weight",
+            "max_gpu_hours_month",
         ]  # fmt: skip
+
+
+def _gpus(count: Decimal) -> str:
+    """ "6", "2.5": a figure of GPUs as a person writes it (a Decimal keeps its zeros)."""
+    return format(count.normalize(), "f")
+
+
+class DepartmentForm(forms.ModelForm):
+    """A unit of the tree above projects. Refused: a parent below itself (a loop), and
+    guarantees that do not nest (its parts promised more than it, or it more than its parent),
+    since a guarantee no level can keep is a promise broken on the first busy day."""
+
+    class Meta:
+        model = Department
+        fields = ["name", "parent", "guaranteed_gpus", "max_gpus", "weight"]
+        labels = {"parent": "Part of"}
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        parent, unit = data.get("parent"), self.instance
+        if parent is not None and unit.pk is not None and (parent == unit or unit in parent.ancestors()):
+            self.add_error("parent", f"{parent} is {unit.name} or one of its parts: that would make a loop.")
+        guaranteed = data.get("guaranteed_gpus")
+        if guaranteed is None:
+            return data
+        if parent is not None and parent.guaranteed_gpus is not None and guaranteed > parent.guaranteed_gpus:
+            whole = _gpus(parent.guaranteed_gpus)
+            self.add_error("guaranteed_gpus", f"More than {parent.name} guarantees in all ({whole} GPUs).")
+        if unit.pk is not None:
+            parts = sum(c.guaranteed_gpus or 0 for c in unit.children.all()) + sum(
+                q.guaranteed_gpus for q in unit.quotas.all()
+            )
+            if parts > guaranteed:
+                self.add_error(
+                    "guaranteed_gpus",
+                    f"Its parts guarantee {_gpus(Decimal(parts))} GPUs together: give it at least that, "
+                    "or leave it empty.",
+                )
+        return data
 
 
 class ModelQuotaForm(forms.ModelForm):
@@ -181,11 +222,17 @@ class ModelQuotaForm(forms.ModelForm):
 
     class Meta:
         model = ModelQuota
-        fields = ["quota", "name", "gpu_models", "max_gpus", "max_gpu_hours_month"]
-        labels = {"quota": "Project's quota", "name": "GPU model or class name"}
+        fields = ["quota", "department", "name", "gpu_models", "max_gpus", "max_gpu_hours_month"]
+        labels = {
+            "quota": "Project's quota",
+            "department": "Or a department's",
+            "name": "GPU model or class name",
+        }
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
+        if (data.get("quota") is None) == (data.get("department") is None):
+            self.add_error(None, "Name a project's quota or a department, one of the two.")
         known = dict(tier_model_choices())
         if not data.get("gpu_models") and data.get("name") and data["name"] not in known:
             self.add_error(

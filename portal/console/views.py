@@ -21,6 +21,7 @@ from portal.catalog import registries
 from portal.catalog.models import ImageRegistry, PriorityClass, SandboxImage, Storage, Tier
 from portal.console.forms import (
     ConsolidationForm,
+    DepartmentForm,
     FleetFilterForm,
     GpuModeForm,
     GroupRuleForm,
@@ -45,7 +46,8 @@ from portal.fleet.models import FleetPlan, Gpu, Host, PlanStep
 from portal.fleet.modes import GpuModeError, describe, do_set_gpu_mode, serving
 from portal.identity.models import GroupRule
 from portal.inputs import plain_text
-from portal.quotas.models import ModelQuota, QuotaPolicy
+from portal.quotas.departments import tree_figures
+from portal.quotas.models import Department, ModelQuota, QuotaPolicy
 from portal.sandboxes.models import Allocation, Sandbox
 from portal.scheduling.snapshot import build_fairshare, build_queue, build_snapshot
 from scheduler.fairshare import FairOrder
@@ -296,6 +298,7 @@ def audit_log(request: HttpRequest) -> HttpResponse:
 # What the catalog page edits: kind in the URL -> (model, form, what to call one).
 CATALOG: dict[str, tuple[type[models.Model], type[forms.ModelForm], str]] = {
     "tiers": (Tier, TierForm, "tier"),
+    "departments": (Department, DepartmentForm, "department"),
     "quotas": (QuotaPolicy, QuotaForm, "quota policy"),
     "model-quotas": (ModelQuota, ModelQuotaForm, "GPU model limit"),
     "priority-classes": (PriorityClass, PriorityClassForm, "priority class"),
@@ -311,14 +314,19 @@ def catalog(request: HttpRequest) -> HttpResponse:
     """Tiers, quotas, priority classes and images at a glance, each with its edit link."""
     images = list(SandboxImage.objects.all())
     prefixes = ImageRegistry.active_prefixes()
+    departments = list(Department.objects.select_related("parent"))
+    figures = tree_figures(departments)
+    for unit in departments:  # for the table: projects anywhere under it, the guarantee it gives
+        unit.projects_below, unit.guarantee_given = figures[unit.pk]  # type: ignore[attr-defined]
     return render(
         request,
         "console/catalog.html",
         {
             "tiers": Tier.objects.select_related("priority_class"),
-            "quotas": QuotaPolicy.objects.select_related("project"),
-            "model_quotas": ModelQuota.objects.select_related("quota__project").order_by(
-                "quota__project__name", "name"
+            "departments": departments,
+            "quotas": QuotaPolicy.objects.select_related("project", "department"),
+            "model_quotas": ModelQuota.objects.select_related("quota__project", "department").order_by(
+                "department__name", "quota__project__name", "name"
             ),
             "classes": PriorityClass.objects.all(),
             "images": images,

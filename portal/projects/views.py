@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from django.contrib import messages
@@ -27,6 +28,7 @@ from portal.billing.models import UsageRecord
 from portal.billing.pricing import format_money
 from portal.catalog.storage import storage_lines
 from portal.inputs import whole_number
+from portal.quotas.departments import project_ids_below
 from portal.quotas.models import ModelQuota, QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes.models import LIVE_STATES, Allocation
@@ -87,6 +89,7 @@ def _model_bars(ids: list[int], bars: dict[int, list[tuple[str, dict[str, Any]]]
     }
     now = timezone.now()
     for limit in limits:
+        assert limit.quota is not None  # noqa: S101 - only projects' limits are read here
         pk, covered = limit.quota.project_id, limit.covered
         if limit.max_gpus is not None:
             gpus = sum(held.get((pk, model), 0) for model in covered) / 1000
@@ -94,6 +97,34 @@ def _model_bars(ids: list[int], bars: dict[int, list[tuple[str, dict[str, Any]]]
         if limit.max_gpu_hours_month is not None:
             used = round(gpu_hours_since(pk, month_start(now), now, covered), 1)
             bars[pk].append((f"{limit.name} GPU-hours this month", _bar(used, limit.max_gpu_hours_month)))
+
+
+def department_lines(quota: QuotaPolicy | None) -> list[dict[str, Any]]:
+    """The project's department and each unit above it, the nearest first: what all of the
+    projects under it hold now against its guarantee and limit (2 queries a level)."""
+    if quota is None or quota.department is None:
+        return []
+    lines = []
+    for unit in [quota.department, *quota.department.ancestors()]:
+        under = project_ids_below(unit)
+        milli = Allocation.objects.filter(active=True, sandbox__project_id__in=under).aggregate(
+            milli=Sum("milli_gpu")
+        )["milli"]
+        held = (milli or 0) / 1000
+        guaranteed = unit.guaranteed_gpus
+        if guaranteed is None:  # its parts' guarantees, summed: as the scheduler counts it
+            parts = QuotaPolicy.objects.filter(project_id__in=under).values_list("guaranteed_gpus", flat=True)
+            guaranteed = sum(parts, Decimal(0))
+        lines.append(
+            {
+                "unit": unit,
+                "projects": len(under),
+                "guaranteed": guaranteed,
+                "over_guarantee": held > guaranteed,
+                "bar": _bar(held, unit.max_gpus),
+            }
+        )
+    return lines
 
 
 @login_required
@@ -143,6 +174,7 @@ def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
         .values_list("currency", "c")
     ]
     hours = gpu_hours("project", month_start(now), now, now=now, only=[project.pk]).get(project.pk)
+    quota = QuotaPolicy.objects.filter(project=project).select_related("department__parent").first()
     invoices = list(
         project.invoices.annotate(credited=Sum("credit_notes__amount_micros")).order_by(
             "-period_start", "currency"
@@ -160,7 +192,8 @@ def project_detail(request: HttpRequest, slug: str) -> HttpResponse:
             "can_manage": can_manage_members(request.user, project),
             "roles": Membership.Role.choices,
             "bars": quota_bars([project])[project.pk],
-            "quota": QuotaPolicy.objects.filter(project=project).first(),
+            "quota": quota,
+            "departments": department_lines(quota),
             "hours": hours,
             "storage": storage_lines(None, request.user, project),
             "parts": _utilization_parts(hours),

@@ -19,11 +19,15 @@ class QuotaSerializer(serializers.ModelSerializer[QuotaPolicy]):
     project: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
         slug_field="slug", read_only=True
     )
+    department = serializers.SerializerMethodField(
+        help_text='The departments it belongs to, the top one first ("Physics / Optics"); empty for none.'
+    )
 
     class Meta:
         model = QuotaPolicy
         fields = [
             "project",
+            "department",
             "max_live_sandboxes",
             "max_gpus",
             "guaranteed_gpus",
@@ -31,6 +35,9 @@ class QuotaSerializer(serializers.ModelSerializer[QuotaPolicy]):
             "max_gpu_hours_month",
         ]
         read_only_fields = fields
+
+    def get_department(self, quota: QuotaPolicy) -> str:
+        return quota.department.path_text if quota.department is not None else ""
 
 
 class QuotaPages(BySlug):
@@ -51,4 +58,5 @@ class QuotaViewSet(ApiView, mixins.ListModelMixin, viewsets.GenericViewSet[Quota
     queryset = QuotaPolicy.objects.none()  # for the schema; get_queryset scopes it
 
     def get_queryset(self) -> QuerySet[QuotaPolicy]:
-        return QuotaPolicy.objects.filter(project__in=api_projects(self.request)).select_related("project")
+        visible = QuotaPolicy.objects.filter(project__in=api_projects(self.request))
+        return visible.select_related("project", "department__parent")

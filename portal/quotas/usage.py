@@ -8,6 +8,7 @@ from typing import Any
 from django.db.models import F, FloatField, Func, Sum
 
 from portal.billing.models import UsageRecord
+from portal.quotas.departments import project_ids_below
 from portal.quotas.models import ModelQuota
 
 
@@ -30,13 +31,14 @@ def month_start(now: datetime) -> datetime:
 
 
 def gpu_hours_since(
-    project_id: int, since: datetime, now: datetime, gpu_models: list[str] | None = None
+    project_id: int | list[int], since: datetime, now: datetime, gpu_models: list[str] | None = None
 ) -> float:
-    """GPU-hours (whole-GPU equivalents x hours) of the project's usage since ``since``,
-    open intervals counted up to ``now``; only on ``gpu_models`` if given. Two queries,
-    whatever the number of intervals."""
+    """GPU-hours (whole-GPU equivalents x hours) of the project's (or projects') usage since
+    ``since``, open intervals counted up to ``now``; only on ``gpu_models`` if given. Two
+    queries, whatever the number of intervals."""
     held = Sum(F("milli_gpu") * DurationSeconds("duration"), output_field=FloatField())
-    records = UsageRecord.objects.filter(project_id=project_id, started_at__gte=since)
+    ids = project_id if isinstance(project_id, list) else [project_id]
+    records = UsageRecord.objects.filter(project_id__in=ids, started_at__gte=since)
     if gpu_models is not None:
         records = records.filter(gpu_model__in=gpu_models)
     milli_seconds = records.filter(ended_at__isnull=False).aggregate(total=held)["total"] or 0
@@ -46,14 +48,21 @@ def gpu_hours_since(
     return hours
 
 
-def model_hours_used_up(row: ModelQuota, project_name: str, now: datetime) -> str:
+def model_hours_used_up(row: ModelQuota, now: datetime, label: str = "") -> str:
     """How a limit per GPU model (``row``) ran out of its GPU-hours this month, or "" while
-    some are left (or it sets none): "project Vision has used 10.2 of its 10 H100-80GB
-    GPU-hours this month"."""
+    some are left (or it sets none): "project vision has used 10.2 of its 10 H100-80GB
+    GPU-hours this month". A department's counts every project under it. ``label``: how to
+    name the project or department (its slug or name, by default)."""
     if row.max_gpu_hours_month is None:
         return ""
-    used = gpu_hours_since(row.quota.project_id, month_start(now), now, row.covered)
+    if row.quota is not None:
+        whose: int | list[int] = row.quota.project_id
+        label = label or f"project {row.quota.project.slug}"
+    else:
+        assert row.department is not None  # noqa: S101 - a check constraint: one or the other
+        whose = project_ids_below(row.department)
+        label = label or f"department {row.department.name}"
+    used = gpu_hours_since(whose, month_start(now), now, row.covered)
     if used < row.max_gpu_hours_month:
         return ""
-    limit = row.max_gpu_hours_month
-    return f"project {project_name} has used {used:.1f} of its {limit} {row.name} GPU-hours this month"
+    return f"{label} has used {used:.1f} of its {row.max_gpu_hours_month} {row.name} GPU-hours this month"

@@ -198,7 +198,7 @@ def model_hours_refusal(req: SandboxRequest, quota: QuotaPolicy | None = None) -
         return None
     for row in quota.model_quotas.filter(max_gpu_hours_month__isnull=False):
         if req.gpu_model in row.covered and (
-            used_up := model_hours_used_up(row, req.project.name, timezone.now())
+            used_up := model_hours_used_up(row, timezone.now(), f"project {req.project.name}")
         ):
             return f"{used_up[0].upper()}{used_up[1:]}."
     return None

@@ -68,11 +68,16 @@ def _warn(victim: Sandbox, beneficiary_id: int, reason: str, grace: timedelta) -
     )  # fmt: skip
     live.sandbox_changed(victim.pk, victim.state)  # its page shows the warning
     label = f"Sandbox {victim.pk}" + (f" ({victim.name})" if victim.name else "")
+    # A reclaim is not about priority: the owner is told the capacity was borrowed.
+    why = (
+        "gives back capacity its project borrowed over its guarantee"
+        if reason.startswith("reclaimed:")
+        else "is preempted for higher-priority work"
+    )
     notify.notify_owner(
         victim,
         Notification.Kind.PREEMPTED,
-        f"{label} is preempted for higher-priority work: it stops at {at}, "
-        f"in {int(grace.total_seconds())} s. Save your work now.",
+        f"{label} {why}: it stops at {at}, in {int(grace.total_seconds())} s. Save your work now.",
     )
     host, key, handle, pk = (
         victim.host.name if victim.host else "",

@@ -42,6 +42,7 @@ from django.conf import settings
 from portal.scheduling import kept_snapshot
 from scheduler.cluster import (
     MODES,
+    DepartmentShare,
     DeviceGrant,
     FairShareState,
     GpuState,
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 BODY_KEY = "gpushare:scheduling:state"
 META_KEY = "gpushare:scheduling:state-meta"
-FORMAT = 3  # bump when the layout below changes: an old digest then reads as missing
+FORMAT = 4  # bump when the layout below changes: an old digest then reads as missing
 # An idle cycle (empty queue) republishes at most this often, so capacity freed by
 # sandboxes that stopped shows in the preview within a few seconds.
 IDLE_REFRESH_S = 5.0
@@ -120,9 +121,14 @@ def encode(
                     s.guaranteed_milli,
                     s.limit_milli,
                     s.usage_gpu_s,
-                    [[m.name, sorted(m.models), m.limit_milli, m.closed] for m in s.model_limits],
+                    _limit_rows(s.model_limits),
+                    s.department,
                 ]
                 for name, s in sorted(fairshare.projects.items())
+            },
+            "departments": {
+                name: [d.parent, d.weight, d.guaranteed_milli, d.limit_milli, _limit_rows(d.model_limits)]
+                for name, d in sorted(fairshare.departments.items())
             },
         },
         "typical": [[t.cpu_milli, t.gpu_milli, t.num_gpu, list(t.models), t.probability] for t in typical],
@@ -407,6 +413,7 @@ def decode(body: bytes, digest_hash: str = "", written_at: float = 0.0) -> Diges
             reservation=_reservation(data["reservation"]),
             fairshare=FairShareState(
                 projects={name: _share(share) for name, share in fair["projects"].items()},
+                departments={name: _department(row) for name, row in fair["departments"].items()},
                 half_life_s=fair["half_life_s"],
                 usage_at=fair["usage_at"],
                 horizon_s=fair["horizon_s"],
@@ -422,10 +429,22 @@ def decode(body: bytes, digest_hash: str = "", written_at: float = 0.0) -> Diges
         return None
 
 
+def _limit_rows(limits: tuple[ModelLimit, ...]) -> list[list[Any]]:
+    return [[m.name, sorted(m.models), m.limit_milli, m.closed] for m in limits]
+
+
+def _limits(rows: list[Any]) -> tuple[ModelLimit, ...]:
+    return tuple(ModelLimit(n, frozenset(models), milli, why) for n, models, milli, why in rows)
+
+
 def _share(row: list[Any]) -> ProjectShare:
-    weight, guaranteed, limit, usage, model_limits = row
-    limits = tuple(ModelLimit(n, frozenset(models), milli, why) for n, models, milli, why in model_limits)
-    return ProjectShare(weight, guaranteed, limit, usage, limits)
+    weight, guaranteed, limit, usage, model_limits, department = row
+    return ProjectShare(weight, guaranteed, limit, usage, _limits(model_limits), department)
+
+
+def _department(row: list[Any]) -> DepartmentShare:
+    parent, weight, guaranteed, limit, model_limits = row
+    return DepartmentShare(parent, weight, guaranteed, limit, _limits(model_limits))
 
 
 def _grant(row: list[Any]) -> DeviceGrant:

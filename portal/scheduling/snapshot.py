@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from portal.billing.models import UsageRecord
 from portal.fleet.models import SIMULATED_BACKENDS, Gpu, Host, MigInstance, running_plan_gpus
-from portal.quotas.models import ModelQuota, QuotaPolicy
+from portal.quotas.models import Department, ModelQuota, QuotaPolicy
 from portal.quotas.usage import model_hours_used_up
 from portal.sandboxes.actions import SandboxRequest
 from portal.sandboxes.gpu_choice import models_accepted
@@ -35,6 +35,7 @@ from scheduler.cluster import (
     MODES,
     MPS,
     TIMESLICE,
+    DepartmentShare,
     DeviceGrant,
     FairShareState,
     GpuState,
@@ -348,22 +349,31 @@ def scheduler_request(request_id: int, asked: SandboxRequest, submitted_at: floa
     )  # fmt: skip
 
 
-def model_limits(now: datetime) -> dict[str, tuple[ModelLimit, ...]]:
-    """Each project's limits per GPU model (``ModelQuota``), by slug; a limit whose GPU-hours
-    of the month are used up is closed, saying so. One query, and two a limit on hours."""
-    found: dict[str, list[ModelLimit]] = defaultdict(list)
-    for row in ModelQuota.objects.select_related("quota__project").order_by("pk"):
-        slug = row.quota.project.slug
-        used_up = model_hours_used_up(row, slug, now)
+def model_limits(
+    now: datetime,
+) -> tuple[dict[str, tuple[ModelLimit, ...]], dict[str, tuple[ModelLimit, ...]]]:
+    """The limits per GPU model (``ModelQuota``) of each project, by slug, and of each
+    department, by name; a limit whose GPU-hours of the month are used up is closed, saying
+    so. One query, and two a limit on hours."""
+    projects: dict[str, list[ModelLimit]] = defaultdict(list)
+    departments: dict[str, list[ModelLimit]] = defaultdict(list)
+    for row in ModelQuota.objects.select_related("quota__project", "department").order_by("pk"):
+        used_up = model_hours_used_up(row, now)
         limit = row.max_gpus * 1000 if row.max_gpus is not None else None
-        found[slug].append(
-            ModelLimit(row.name, frozenset(row.covered), limit, f"quota: {used_up}" if used_up else "")
-        )
-    return {slug: tuple(limits) for slug, limits in found.items()}
+        found = ModelLimit(row.name, frozenset(row.covered), limit, f"quota: {used_up}" if used_up else "")
+        if row.quota is not None:
+            projects[row.quota.project.slug].append(found)
+        elif row.department is not None:
+            departments[row.department.name].append(found)
+    return (
+        {slug: tuple(limits) for slug, limits in projects.items()},
+        {name: tuple(limits) for name, limits in departments.items()},
+    )
 
 
 def build_fairshare(now: float) -> FairShareState:
-    """Weights and quotas from QuotaPolicy; usage decayed from the ledger's intervals."""
+    """Weights and quotas from QuotaPolicy and the departments above projects; usage decayed
+    from the ledger's intervals."""
     half_life_s = settings.FAIRSHARE_HALF_LIFE_H * 3600.0
     since = timezone.now() - timedelta(seconds=half_life_s * 6)  # older usage weighs < 2%
     intervals: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
@@ -372,9 +382,9 @@ def build_fairshare(now: float) -> FairShareState:
     ).values_list("project__slug", "started_at", "ended_at", "milli_gpu"):
         intervals[slug].append((start.timestamp(), end.timestamp() if end else now, milli))
     projects = {}
-    per_model = model_limits(timezone.now())
-    for slug, weight, guaranteed, max_gpus in QuotaPolicy.objects.values_list(
-        "project__slug", "weight", "guaranteed_gpus", "max_gpus"
+    per_model, per_department_model = model_limits(timezone.now())
+    for slug, weight, guaranteed, max_gpus, department in QuotaPolicy.objects.values_list(
+        "project__slug", "weight", "guaranteed_gpus", "max_gpus", "department__name"
     ):
         projects[slug] = ProjectShare(
             weight=weight,
@@ -382,7 +392,18 @@ def build_fairshare(now: float) -> FairShareState:
             limit_milli=max_gpus * 1000,
             usage_gpu_s=decayed_usage(intervals.pop(slug, []), now, half_life_s),
             model_limits=per_model.get(slug, ()),
+            department=department,
         )
     for slug, spans in intervals.items():  # projects without a policy: default weight, no limits
         projects[slug] = ProjectShare(usage_gpu_s=decayed_usage(spans, now, half_life_s))
-    return FairShareState(projects=projects, half_life_s=half_life_s)
+    departments = {
+        d.name: DepartmentShare(
+            parent=d.parent.name if d.parent is not None else None,
+            weight=d.weight,
+            guaranteed_milli=int(d.guaranteed_gpus * 1000) if d.guaranteed_gpus is not None else None,
+            limit_milli=d.max_gpus * 1000 if d.max_gpus is not None else None,
+            model_limits=per_department_model.get(d.name, ()),
+        )
+        for d in Department.objects.select_related("parent")
+    }
+    return FairShareState(projects=projects, departments=departments, half_life_s=half_life_s)

@@ -146,6 +146,7 @@ route("GET", "/sandboxes/{sandbox}/app/lab/tree", **signed_in(403, outsider=404,
 route("GET", "/api/v1/sandboxes/{sandbox}/output/", **signed_in(200, anonymous=401, outsider=404))
 # Its history likewise; a request's preview takes the create's fields (400 without them).
 route("GET", "/api/v1/sandboxes/{sandbox}/events/", **signed_in(200, anonymous=401, outsider=404))
+route("GET", "/api/v1/sandboxes/{sandbox}/attempts/", **signed_in(200, anonymous=401, outsider=404))
 route("POST", "/api/v1/sandboxes/preview/", **signed_in(400, anonymous=401))
 # Accounts: your own password and tokens; a token is revoked by its owner (member) or staff,
 # and does not exist for anyone else. Resetting a password needs no sign-in.
