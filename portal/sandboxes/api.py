@@ -407,7 +407,7 @@ class SandboxViewSet(ApiView, viewsets.ReadOnlyModelViewSet[Sandbox]):
         "(docs/resume.md). Scope read:usage.",
         responses={200: AttemptSerializer(many=True), **errors(401, 403, 404, 429)},
     )
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=None)  # a handful: one plain list
     def attempts(self, request: Request, pk: str | None = None) -> Response:
         sandbox = self.get_object()  # 404 outside the caller's projects
         return Response(AttemptSerializer(resume.attempts_of(sandbox), many=True).data)
