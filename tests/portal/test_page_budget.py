@@ -22,7 +22,8 @@ PAGES: list[tuple[str, str, str, int]] = [
     ("owner", "GET", "/sandboxes/", 5),
     # 1 for the most replicas a GPU is cut into (sharing terms), 1 for the fleet's GPU models (the menu)
     ("owner", "GET", "/sandboxes/new/", 10),
-    ("owner", "POST", "/sandboxes/preview/", 27),  # 2 for the tier's storage: checked, then shown; 1 for the departments
+    # 2 for the tier's storage (checked, then shown), 1 for the departments (fair share's tree)
+    ("owner", "POST", "/sandboxes/preview/", 27),
     ("owner", "GET", "/sandboxes/{sandbox}/", 9),
     ("owner", "GET", "/sandboxes/{sandbox}/status/", 9),
     ("owner", "GET", "/notifications/", 5),
