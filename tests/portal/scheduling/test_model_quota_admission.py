@@ -123,6 +123,7 @@ def test_the_console_sets_a_limit_per_model_and_the_audit_log_records_it(
 ) -> None:
     admin = client_for(people["admin"])
     quota = h100_limit.quota
+    assert quota is not None  # a project's limit (a department's has none)
     body = {"quota": quota.pk, "name": "Hopper", "gpu_models": [H100, "H200"], "max_gpus": "2"}
     saved = admin.post("/console/catalog/model-quotas/new/", body)
     assert saved.status_code == 302, saved.content.decode()[:2000]
