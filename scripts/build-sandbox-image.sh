@@ -7,6 +7,10 @@
 # host's glibc-linked nvidia-smi and libcuda.so into the container (a static busybox rootfs
 # could run neither). The rootfs has a `sandbox` user; the docker driver runs each container
 # as its own uid from SANDBOX_UID_BASE up (wire/uids.py), HOME=/home/sandbox.
+# OpenSSH's server is in it for `gpushare ssh` (workers/drivers/sshd.py): never started as a
+# daemon, run per connection by the agent as the sandbox's uid, stdin and stdout its only
+# channel; nss_wrapper gives that uid, which no passwd file of the image names, a name for
+# sshd; rsync for `rsync -e ssh`. No host key is baked in: each sandbox makes its own.
 # About 45 s with a nearby mirror (measured on the CI machines), once per host.
 #
 # Usage: scripts/build-sandbox-image.sh [--force] [--image NAME:TAG]
@@ -16,7 +20,7 @@
 set -euo pipefail
 
 image="gpushare/sandbox-base:1"
-version="2"  # 1: static busybox; 2: Debian minbase (glibc). An older image is rebuilt.
+version="3"  # 1: static busybox; 2: Debian minbase (glibc); 3: with OpenSSH. An older image is rebuilt.
 force=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -56,8 +60,10 @@ rootfs="$(mktemp -d /tmp/gpushare-rootfs.XXXXXX)"
 trap 'rm -rf "$rootfs"' EXIT
 
 started=$(date +%s)
-echo "build-sandbox-image: debootstrap --variant=minbase $suite from $mirror"
-if ! debootstrap --variant=minbase "$suite" "$rootfs" "$mirror" >"$rootfs.log" 2>&1; then
+# The server of `gpushare ssh` (sftp-server comes with it: scp and VS Code use SFTP).
+packages="openssh-server,libnss-wrapper,rsync"
+echo "build-sandbox-image: debootstrap --variant=minbase --include=$packages $suite from $mirror"
+if ! debootstrap --variant=minbase --include="$packages" "$suite" "$rootfs" "$mirror" >"$rootfs.log" 2>&1; then
     tail -20 "$rootfs.log" >&2
     rm -f "$rootfs.log"
     die "debootstrap failed (see above); set SANDBOX_MIRROR to a reachable Debian mirror"
@@ -68,6 +74,8 @@ rm -f "$rootfs.log"
 rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
     "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/locale/* \
     "$rootfs"/var/log/*.log "$rootfs"/var/cache/debconf/*-old
+# The host keys openssh-server's install made would be every sandbox's: each makes its own.
+rm -f "$rootfs"/etc/ssh/ssh_host_*
 chroot "$rootfs" /usr/sbin/groupadd --gid 1000 sandbox
 chroot "$rootfs" /usr/sbin/useradd --uid 1000 --gid 1000 --home-dir /home/sandbox --create-home \
     --shell /bin/bash sandbox

@@ -2,7 +2,7 @@
 # What the whole test suite needs on this machine, set up idempotently: `make test` runs it
 # first (and so does .ci/run, through `make test`). A second run only checks and returns.
 #
-#   - Debian packages: Docker, busybox, debootstrap, bubblewrap, Chromium, nginx/openssl/systemd (the
+#   - Debian packages: Docker, busybox, debootstrap, bubblewrap, OpenSSH, Chromium, nginx/openssl/systemd (the
 #     deployment test), OpenLDAP (slapd and its headers), libvirt + QEMU + the libvirt headers, what the VM guest's kernel
 #     build needs, and Slurm with munge and MariaDB. Installed with apt-get when we are root; otherwise the exact command is
 #     printed and the script fails.
@@ -23,6 +23,9 @@ step "Debian packages"
 packages=(docker.io busybox-static bubblewrap chromium fonts-dejavu-core
   # the sandbox image: a Debian minbase rootfs (scripts/build-sandbox-image.sh).
   debootstrap
+  # SSH into sandboxes (tests/workers/test_sshd.py, tests/cli/test_ssh*.py): the real client,
+  # and the server's binary that process sandboxes run per connection (its daemon need not run).
+  openssh-client openssh-server
   # approved-registry pulls (tests/workers/test_image_pull.py): a registry on loopback.
   docker-registry
   # single sign-on (tests/identity): OpenLDAP's server and tools, its headers for python-ldap.

@@ -191,6 +191,13 @@ def open_app(task: AnyTask, session: str, allocation_key: str, handle: HandleJso
     agent_for(task).open_app(session, allocation_key, handle)
 
 
+@app.task(name="workers.agent.open_ssh", ignore_result=True, bind=True)
+def open_ssh(
+    task: AnyTask, session: str, allocation_key: str, handle: HandleJson | None, authorized_keys: list[str]
+) -> None:
+    agent_for(task).open_ssh(session, allocation_key, handle, authorized_keys)
+
+
 @app.task(name="workers.agent.open_terminal", ignore_result=True, bind=True)
 def open_terminal(task: AnyTask, session: str, allocation_key: str, handle: HandleJson | None) -> None:
     agent_for(task).open_terminal(session, allocation_key, handle)

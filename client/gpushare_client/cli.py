@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TextIO
 
-from gpushare_client import __version__, commands
+from gpushare_client import __version__, commands, ssh
 from gpushare_client.exits import EXIT_HELP, ClientError, Exit
 from gpushare_client.render import emit_json, say
 from gpushare_client.routes import REQUEST_FIELDS
@@ -23,6 +23,7 @@ portal's "API tokens" page (scopes read:usage and write:sandboxes):
   gpushare login https://gpushare.example.org
   gpushare request --project vision --tier dedicated --image busybox --gpus 1 --wait
   gpushare shell 42 -c 'nvidia-smi'
+  gpushare ssh-config --write && ssh gpushare-42   (scp, rsync, ssh -L, VS Code too)
 
 Every command takes --json: one JSON document on stdout (progress on stderr)."""
 
@@ -141,6 +142,19 @@ def build_parser() -> Parser:
         metavar="COMMAND",
         help="run this command, print its output, exit with its status",
     )
+    sub = _command(
+        subparsers, "ssh-config", ssh.ssh_config, "an OpenSSH entry that reaches sandboxes as gpushare-ID"
+    )
+    sub.add_argument(
+        "--write",
+        action="store_true",
+        help="write it, include it from ~/.ssh/config, and make and add a key if needed (else print it)",
+    )
+    sub.add_argument("--identity", metavar="PATH", help="log in with this private key (its .pub is added)")
+    sub = _command(
+        subparsers, "ssh-proxy", ssh.ssh_proxy, "relay stdin and stdout to a sandbox's sshd (a ProxyCommand)"
+    )
+    sub.add_argument("target", metavar="SANDBOX", help="gpushare-ID or ID")
     sub = _command(subparsers, "extend", commands.extend, "add hours to a sandbox's time limit")
     sub.add_argument("sandbox", type=object_id)
     sub.add_argument("--hours", type=positive, required=True, help="hours to add: 1, 2, 4 or 8")

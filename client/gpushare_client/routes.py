@@ -36,18 +36,21 @@ STOP = Route("POST", "/api/v1/sandboxes/{id}/stop/")
 USAGE = Route("GET", "/api/v1/usage/")
 INVOICES = Route("GET", "/api/v1/invoices/")
 INVOICE = Route("GET", "/api/v1/invoices/{id}/")
+SSH_KEYS = Route("GET", "/api/v1/ssh-keys/")
+ADD_SSH_KEY = Route("POST", "/api/v1/ssh-keys/")
 
 ROUTES: tuple[Route, ...] = (
     PROJECTS, SANDBOXES, SANDBOX, REQUEST, PREVIEW, EVENTS, OUTPUT, ATTEMPTS, EXTEND, STOP, USAGE, INVOICES,
-    INVOICE,
+    INVOICE, SSH_KEYS, ADD_SSH_KEY,
 )  # fmt: skip
 
 # The component of the schema whose fields REQUEST_FIELDS mirror (the body of REQUEST and PREVIEW).
 REQUEST_COMPONENT = "SandboxCreateRequest"
 
-# Not in the OpenAPI schema (it describes HTTP only): the sandbox terminal's WebSocket, which
-# takes the same API token (portal/accounts/socket_auth.py).
+# Not in the OpenAPI schema (it describes HTTP only): the sandbox terminal's and SSH's
+# WebSockets, which take the same API token (portal/accounts/socket_auth.py).
 TERMINAL_SOCKET = "/ws/sandboxes/{id}/terminal/"
+SSH_SOCKET = "/ws/sandboxes/{id}/ssh/"
 
 
 @dataclass(frozen=True)

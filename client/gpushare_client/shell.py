@@ -59,10 +59,10 @@ _PRINT_STATUS = "printf '\\036gpushare:exit=%d\\036\\n' \"$?\""
 SET_UP = "stty -echo -onlcr 2>/dev/null; PS1=''; PS2=''; printf '\\036gpushare:ready\\036\\n'\n"
 
 
-def socket_url(portal: str, sandbox_id: int) -> str:
+def socket_url(portal: str, sandbox_id: int, route: str = TERMINAL_SOCKET) -> str:
     parts = urlsplit(portal)
     scheme = "wss" if parts.scheme == "https" else "ws"
-    path = parts.path.rstrip("/") + TERMINAL_SOCKET.format(id=sandbox_id)
+    path = parts.path.rstrip("/") + route.format(id=sandbox_id)
     return urlunsplit((scheme, parts.netloc, path, "", ""))
 
 
@@ -300,26 +300,33 @@ def _raw_terminal(stream: BinaryIO) -> Any:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
-async def _session(
-    credentials: Credentials, sandbox_id: int, mode: str, command: str | None, capture: bool,
-    stdin: BinaryIO, stdout: BinaryIO,
-) -> ShellResult:  # fmt: skip
-    url = socket_url(credentials.url, sandbox_id)
+async def open_socket(url: str, credentials: Credentials, what: str, **options: Any) -> ClientConnection:
+    """The WebSocket at ``url`` with the API token, or a ClientError saying why not (``what``:
+    whose connection, in the message)."""
     try:
-        ws = await connect(
+        return await connect(
             url,
             additional_headers={"Authorization": f"Bearer {credentials.token}"},
             user_agent_header="gpushare-client",
             open_timeout=30,
+            **options,
         )
     except InvalidURI as exc:
         raise ClientError(Exit.USAGE, f"Not a WebSocket address: {url} ({exc}).") from exc
     except InvalidStatus as exc:
         status = exc.response.status_code
         code = {401: Exit.AUTH, 403: Exit.REFUSED, 404: Exit.NOT_FOUND}.get(status, Exit.UNREACHABLE)
-        raise ClientError(code, f"The portal refused the terminal's connection ({status}).") from exc
+        raise ClientError(code, f"The portal refused {what} ({status}).") from exc
     except (OSError, TimeoutError, WebSocketException) as exc:
         raise ClientError(Exit.UNREACHABLE, f"Cannot reach {url}: {exc or type(exc).__name__}.") from exc
+
+
+async def _session(
+    credentials: Credentials, sandbox_id: int, mode: str, command: str | None, capture: bool,
+    stdin: BinaryIO, stdout: BinaryIO,
+) -> ShellResult:  # fmt: skip
+    url = socket_url(credentials.url, sandbox_id)
+    ws = await open_socket(url, credentials, "the terminal's connection")
     async with ws:
         return await Terminal(ws, stdin, stdout, capture=capture).run(mode, command)
 

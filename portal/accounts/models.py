@@ -1,4 +1,4 @@
-"""Users belong to projects through memberships; API tokens are stored hashed."""
+"""Users belong to projects through memberships; API tokens are stored hashed; SSH keys."""
 
 from __future__ import annotations
 
@@ -131,3 +131,44 @@ class ApiToken(models.Model):
     def find(cls, key: str) -> ApiToken | None:
         """The token with this key, whatever its state (the caller says why it is refused)."""
         return cls.objects.select_related("user").filter(key_hash=token_hash(key)).first()
+
+
+class SshKey(models.Model):
+    """A public key its user logs in to sandboxes with, over SSH through the portal
+    (``gpushare ssh-config``). Every key of the connecting user, and only theirs, is handed
+    to the sandbox's sshd for that one connection (portal/tunnels/ssh.py). Added and removed
+    by ``portal.accounts.ssh_keys``, which checks the key whole first.
+
+    Which of the offered keys the client logged in with is known only to the sshd inside the
+    sandbox, which the tenant controls: so the portal records when a key was last offered,
+    not a use it cannot see."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="ssh_keys")
+    name = models.CharField(max_length=100)
+    public_key = models.TextField()  # "<type> <base64>": no options, no comment (wire.ssh.bare_key)
+    fingerprint = models.CharField(max_length=64)  # "SHA256:<base64>", as ssh-keygen -l shows it
+    created_at = models.DateTimeField(default=timezone.now)
+    last_offered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            # Its index serves the one query of an SSH connection: a user's keys.
+            models.UniqueConstraint(
+                fields=["user", "fingerprint"],
+                name="%(app_label)s_%(class)s_once_per_user",
+                violation_error_message="This key is already on your account.",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(fingerprint__startswith="SHA256:"),
+                name="%(app_label)s_%(class)s_has_a_fingerprint",
+                violation_error_message="Add SSH keys through the account's SSH keys page or API.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.fingerprint})"
+
+    @property
+    def key_type(self) -> str:
+        return self.public_key.split(" ", 1)[0]

@@ -34,6 +34,7 @@ from portal.sandboxes.models import Sandbox, SandboxEvent, SandboxState
 from portal.sandboxes.reach import TERMINAL_ISOLATION
 from portal.tunnels.tunnel import OPEN_TIMEOUT_S, Tunnel, TunnelClosed, TunnelWebSocket
 from wire.relay import StreamBroken
+from wire.spec import HandleJson
 
 FORBIDDEN, CONFLICT = 4403, 4409
 # What a token must hold to type into a sandbox: the scope that changes sandboxes (or admin).
@@ -47,6 +48,14 @@ class Refusal:
 
 
 class SandboxTerminal(TunnelWebSocket):
+    # What is opened, in the words of refusals, the sandbox's history and the audit trail
+    # (the SSH consumer, portal/tunnels/ssh.py, opens "an SSH connection", its event "ssh").
+    what = "a terminal"
+    event = "terminal"
+    isolation_refusal = "Terminals open into container and process sandboxes; a VM has its console."
+    revoked_reason = "The sandbox is no longer running, or you may no longer use its terminal."
+    broke_off = "the terminal's output broke off"
+
     async def connect(self) -> None:
         await self.accept()
         verdict = await database_sync_to_async(self.authorize)(self.scope.get("user"))
@@ -56,8 +65,11 @@ class SandboxTerminal(TunnelWebSocket):
             return
         host, key, handle = verdict
         self._tunnel = Tunnel()
-        await self._tunnel.open(host, "open_terminal", key, handle)
+        await self.open_tunnel(self._tunnel, host, key, handle)
         self.stream(self._from_sandbox(self._tunnel), self._revoked)
+
+    async def open_tunnel(self, tunnel: Tunnel, host: str, key: str, handle: HandleJson | None) -> None:
+        await tunnel.open(host, "open_terminal", key, handle)
 
     def _may_manage(self, user: Any, sandbox: Sandbox) -> bool:
         token = socket_token(self.scope)
@@ -97,15 +109,14 @@ class SandboxTerminal(TunnelWebSocket):
         return verdicts
 
     async def _revoked(self) -> None:
-        reason = "The sandbox is no longer running, or you may no longer use its terminal."
-        await self.send(text_data=json.dumps({"type": "closed", "reason": reason}))
+        await self.send(text_data=json.dumps({"type": "closed", "reason": self.revoked_reason}))
         await self.close(code=FORBIDDEN)
 
     def authorize(self, user: Any) -> Refusal | tuple[str, str, dict[str, Any] | None]:
         sandbox_id = self.scope["url_route"]["kwargs"]["sandbox_id"]
         sandbox = Sandbox.objects.select_related("host").filter(pk=sandbox_id).first()
         if not socket_has_scope(self.scope, TOKEN_SCOPE):
-            return Refusal(FORBIDDEN, f"This API token lacks the scope '{TOKEN_SCOPE}' a terminal needs.")
+            return Refusal(FORBIDDEN, f"This API token lacks the scope '{TOKEN_SCOPE}' {self.what} needs.")
         if (
             user is None
             or not user.is_authenticated
@@ -114,26 +125,31 @@ class SandboxTerminal(TunnelWebSocket):
         ):
             return Refusal(
                 FORBIDDEN,
-                "Only the sandbox's owner, a manager of its project or an admin can open a terminal.",
+                f"Only the sandbox's owner, a manager of its project or an admin can open {self.what}.",
             )
         if sandbox.state != SandboxState.RUNNING or sandbox.host is None:
             return Refusal(CONFLICT, f"The sandbox is {sandbox.get_state_display().lower()}, not running.")
         if sandbox.isolation not in TERMINAL_ISOLATION:
-            return Refusal(
-                CONFLICT, "Terminals open into container and process sandboxes; a VM has its console."
-            )
+            return Refusal(CONFLICT, self.isolation_refusal)
         if sandbox.host.simulated_sandboxes:
             return Refusal(
                 CONFLICT, "The sandbox is simulated (its host keeps state only): nothing runs in it."
             )
+        if (refusal := self.needs(user)) is not None:
+            return refusal
         SandboxEvent.objects.create(
             sandbox=sandbox, at=timezone.now(), from_state=sandbox.state, to_state=sandbox.state,
-            actor=user, message=f"terminal opened by {user.get_username()}",
+            actor=user, message=f"{self.event} opened by {user.get_username()}",
         )  # fmt: skip
         live.sandbox_changed(sandbox.pk, sandbox.state)
         if user.pk != sandbox.owner_id:
-            trail.record(user, "sandbox.terminal", sandbox, None, None, "opened a terminal in it")
+            trail.record(user, f"sandbox.{self.event}", sandbox, None, None, f"opened {self.what} in it")
         return sandbox.host.name, sandbox.allocation_key, sandbox.handle
+
+    def needs(self, user: Any) -> Refusal | None:
+        """What this kind of stream needs of the user beyond the right to the sandbox (the
+        SSH consumer: a key); a terminal, nothing."""
+        return None
 
     async def _from_sandbox(self, tunnel: Tunnel) -> None:
         """The pty's output to the browser, piece by piece, until it ends."""
@@ -145,7 +161,7 @@ class SandboxTerminal(TunnelWebSocket):
         except TunnelClosed as closed:
             reason = closed.reason
         except StreamBroken as exc:
-            reason = f"the terminal's output broke off: {exc}"
+            reason = f"{self.broke_off}: {exc}"
         await self.send(text_data=json.dumps({"type": "closed", "reason": reason}))
         await self.close()
 

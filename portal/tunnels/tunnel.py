@@ -1,7 +1,8 @@
-"""The portal's end of a stream a host agent relays: a terminal's pty, or one connection to a
-sandbox's web app (the protocol, over two Redis streams: ``wire/relay.py``).
+"""The portal's end of a stream a host agent relays: a terminal's pty, an SSH connection to a
+sandbox's sshd, or one connection to a sandbox's web app (the protocol, over two Redis
+streams: ``wire/relay.py``).
 
-One class for the three consumers that hold one (the web terminal, the app's HTTP proxy and
+One class for the consumers that hold one (the web terminal, SSH, the app's HTTP proxy and
 its WebSockets), so that each reads pieces in order and acknowledges them the same way: the
 acknowledgement is what lets the agent send more (flow control). A read may be cancelled
 (a request ends, a browser goes) without losing what it was waiting for.
@@ -55,15 +56,21 @@ class Tunnel:
     async def open(
         self,
         host: str,
-        task: Literal["open_terminal", "open_app"],
+        task: Literal["open_terminal", "open_app", "open_ssh"],
         allocation_key: str,
         handle: HandleJson | None,
+        authorized_keys: list[str] | None = None,
     ) -> None:
-        """Ask ``host``'s agent to open the stream (its Celery task ``task``)."""
+        """Ask ``host``'s agent to open the stream (its Celery task ``task``; ``open_ssh``
+        takes the keys its sshd lets in)."""
         self.host = host
         self._redis = Redis.from_url(settings.REDIS_URL)
         self._inbox = Inbox(self._redis, out_stream(host, self.session))
         agent = to_host(host)
+        if task == "open_ssh":
+            keys = authorized_keys or []
+            await asyncio.to_thread(agent.open_ssh, self.session, allocation_key, handle, keys)
+            return
         opener = agent.open_terminal if task == "open_terminal" else agent.open_app
         await asyncio.to_thread(opener, self.session, allocation_key, handle)
 

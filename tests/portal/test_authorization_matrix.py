@@ -18,11 +18,13 @@ from django.urls import URLPattern, URLResolver, get_resolver
 from django.utils import timezone
 
 from portal.accounts.models import ApiToken, Membership
+from portal.accounts.ssh_keys import do_add_key
 from portal.billing.models import Invoice, UsageRecord
 from portal.fleet.models import Gpu
 from portal.sandboxes import actions
 from portal.sandboxes.models import Sandbox
 from tests.factories import MembershipFactory, UserFactory
+from tests.portal.accounts.test_ssh_keys import ED25519
 from tests.portal.helpers import client_for, place_all, request
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("on_commit_runs")]
@@ -158,6 +160,14 @@ route(
     "/account/tokens/{token}/revoke/",
     **signed_in(404, member=(302, "elsewhere"), admin=(302, "elsewhere")),
 )
+# SSH keys: each user's own; another's key does not exist for them, staff included. The
+# matrix's empty form or body is refused (400) naming the public key it lacks.
+route("GET", "/account/ssh-keys/", **signed_in(200))
+route("POST", "/account/ssh-keys/", **signed_in(400))
+route("POST", "/account/ssh-keys/{ssh_key}/remove/", **signed_in(404, member=(302, "elsewhere")))
+route("GET", "/api/v1/ssh-keys/", **signed_in(200, anonymous=401))
+route("POST", "/api/v1/ssh-keys/", **signed_in(400, anonymous=401))
+route("GET", "/api/v1/ssh-keys/{ssh_key}/", **signed_in(405, anonymous=401))  # DELETE only
 route("GET", "/password-reset/", all=200)
 route("GET", "/password-reset/sent/", all=200)
 route("GET", "/password-reset/{reset}/", all=200)  # a link that is not valid: says so
@@ -187,9 +197,10 @@ def world(people: Any, catalog: Any, fleet: Any, sent_tasks: Any) -> dict[str, A
         project=people["project"], period_start=date(2026, 11, 1), currency="EUR"
     )
     token, _key = ApiToken.issue(people["member"], "matrix", [ApiToken.Scope.READ_USAGE])
+    ssh_key = do_add_key(people["member"], "matrix", ED25519)
     return {
         "users": users, "people": people, "catalog": catalog, "usage": usage.pk, "gpu": gpu.uuid,
-        "invoice": invoice.pk, "token": token.pk,
+        "invoice": invoice.pk, "token": token.pk, "ssh_key": ssh_key.pk,
     }  # fmt: skip
 
 
@@ -223,6 +234,7 @@ def test_each_caller_gets_what_the_matrix_says(world: dict[str, Any], persona: s
             tier=world["catalog"]["dedicated"].pk,
             invoice=world["invoice"],
             token=world["token"],
+            ssh_key=world["ssh_key"],
             reset="MQ/not-a-token",
         )
         data = {"reason": "matrix", "hours": "1"} if method == "POST" else None
@@ -268,6 +280,7 @@ def test_every_route_is_in_the_matrix() -> None:
         .replace("{usage}", "<int:pk>")
         .replace("{invoice}", "<int:pk>")
         .replace("{token}", "<int:pk>")
+        .replace("{ssh_key}", "<int:pk>")
         .replace("{reset}", "<uidb64>/<token>")
         .replace("app/lab/tree", "app/<path:path>")
         .replace("{gpu}", "<str:uuid>")

@@ -49,7 +49,7 @@ FORM_FIELDS = [
     "mps_thread_pct", "duration_hours", "run", "command", "hours", "action", "role", "username",
     "membership", "reason", "host", "gpu", "profile", "target", "fingerprint", "plan", "name", "slug",
     "price_per_gpu_hour", "sharing_mode", "max_gpus", "password", "next", "privileged", "scopes",
-    "expiry_days", "old_password", "new_password1", "new_password2", "email",
+    "expiry_days", "old_password", "new_password1", "new_password2", "email", "public_key",
 ]  # fmt: skip
 # URL kwargs of the URLconf -> a value that exists in the world below (or a plausible one).
 KWARGS = {
@@ -64,6 +64,7 @@ POSTED = {
     "console-start-consolidation", "console-drain-gpu", "console-undrain-gpu", "console-plans",
     "login", "logout", "api-tokens", "api-token-revoke", "password_change", "password_reset",
     "password_reset_confirm", "console-hosts-issue", "console-hosts-rotate", "console-hosts-revoke",
+    "ssh-keys", "ssh-key-remove",
 }  # fmt: skip
 
 

@@ -186,6 +186,12 @@ class SandboxDriver(Protocol):
 
     def exec_terminal(self, handle: SandboxHandle) -> Terminal: ...
 
+    def open_ssh(self, handle: SandboxHandle, authorized_keys: list[str]) -> Terminal:
+        """A byte stream to an SSH server inside the sandbox, run as its user for this one
+        connection, that lets in only ``authorized_keys`` (workers/drivers/sshd.py).
+        DriverError where the sandbox cannot run one (a VM, a simulated or Slurm sandbox)."""
+        ...
+
     def open_app(self, handle: SandboxHandle) -> Terminal:
         """A connection to the sandbox's web app, for the portal's proxy (a byte stream with
         the terminal's interface). DriverError when it has none or it is not listening."""

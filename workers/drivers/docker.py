@@ -44,7 +44,7 @@ from docker.models.containers import _create_container_args  # type: ignore[attr
 from wire import uids
 from wire.config import apps_root, storage_root
 from wire.spec import LABEL_PREFIX, SandboxHandle, SandboxSpec
-from workers.drivers import app_socket, image_pull, storage
+from workers.drivers import app_socket, image_pull, sshd, storage
 from workers.drivers.base import DriverError, SandboxStatus, checked_pipe_dir, require_mps_pipe
 from workers.drivers.docker_gpus import GpuPaths
 from workers.drivers.docker_logs import ContainerLogReader, log_config
@@ -508,14 +508,18 @@ class DockerDriver:
                 log.warning("container %s has a malformed sandbox label; ignored", container.id)
         return handles
 
+    def _running_container(self, handle: SandboxHandle) -> Any:
+        try:
+            container = self.client.containers.get(handle.ref)
+        except docker.errors.NotFound as exc:
+            raise DriverError(f"sandbox {handle.allocation_key} has no container") from exc
+        if container.status != "running":
+            raise DriverError(f"sandbox {handle.allocation_key} is {container.status}, not running")
+        return container
+
     def exec_terminal(self, handle: SandboxHandle) -> DockerTerminal:
         with _engine_errors(f"open a terminal in sandbox {handle.allocation_key}"):
-            try:
-                container = self.client.containers.get(handle.ref)
-            except docker.errors.NotFound as exc:
-                raise DriverError(f"sandbox {handle.allocation_key} has no container") from exc
-            if container.status != "running":
-                raise DriverError(f"sandbox {handle.allocation_key} is {container.status}, not running")
+            container = self._running_container(handle)
             api = self.client.api
             exec_id = api.exec_create(
                 container.id,
@@ -528,3 +532,28 @@ class DockerDriver:
             )["Id"]
             sock = api.exec_start(exec_id, tty=True, socket=True)
         return DockerTerminal(api, exec_id, sock)
+
+    def open_ssh(self, handle: SandboxHandle, authorized_keys: list[str]) -> sshd.MultiplexedServer:
+        """sshd in the container as its uid, over an exec without a tty (workers/drivers/sshd.py)."""
+        with _engine_errors(f"open an SSH connection to sandbox {handle.allocation_key}"):
+            container = self._running_container(handle)
+            config = container.attrs["Config"]
+            variables = dict(entry.split("=", 1) for entry in config.get("Env") or [] if "=" in entry)
+            server = sshd.Server.for_keys(authorized_keys, variables)
+            api = self.client.api
+            exec_id = api.exec_create(
+                container.id,
+                cmd=server.argv,
+                stdin=True,
+                tty=False,
+                user=str(config.get("User") or "nobody"),  # the sandbox's own uid
+                workdir=SANDBOX_HOME,
+                environment=server.env,
+            )["Id"]
+            sock = api.exec_start(exec_id, tty=False, socket=True)
+
+        def exit_status() -> int | None:
+            status = api.exec_inspect(exec_id).get("ExitCode")
+            return status if isinstance(status, int) else None
+
+        return sshd.MultiplexedServer(sock, exit_status)

@@ -762,6 +762,9 @@ class LibvirtDriver:
             f"sandbox {handle.allocation_key}: a VM's web app cannot be reached through the portal yet"
         )
 
+    def open_ssh(self, handle: SandboxHandle, authorized_keys: list[str]) -> ConsoleTerminal:
+        raise DriverError(f"sandbox {handle.allocation_key}: a VM has its console, not SSH via the portal")
+
     def exec_terminal(self, handle: SandboxHandle) -> ConsoleTerminal:
         action = f"open a terminal in sandbox {handle.allocation_key}"
         with _libvirt_errors(action):

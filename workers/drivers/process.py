@@ -75,7 +75,7 @@ from typing import Any
 from wire import uids
 from wire.config import apps_root, storage_root
 from wire.spec import SandboxHandle, SandboxSpec
-from workers.drivers import app_socket, output, procfs, seccomp, storage
+from workers.drivers import app_socket, output, procfs, seccomp, sshd, storage
 from workers.drivers.base import (
     PROTECTED_HOST_PATHS,
     DriverError,
@@ -86,7 +86,7 @@ from workers.drivers.base import (
 from workers.drivers.cgroups import Limits, make_cgroups, oom_kills, remove_cgroups, rlimits
 from workers.drivers.gpu_nodes import GpuNodes, Node
 from workers.drivers.process_terminal import ProcessTerminal
-from workers.drivers.unavailable import DriverUnavailable
+from workers.drivers.unavailable import DriverUnavailable, install_command
 
 log = logging.getLogger(__name__)
 
@@ -687,16 +687,39 @@ class ProcessDriver:
     def open_app(self, handle: SandboxHandle) -> app_socket.SocketStream:
         return app_socket.connect(self.apps_dir, handle.allocation_key)
 
-    def exec_terminal(self, handle: SandboxHandle) -> ProcessTerminal:
+    def _running_state(self, handle: SandboxHandle) -> tuple[dict[str, Any], SandboxSpec]:
         state = self._load(handle.allocation_key)
         if state is None or not self._running(state) or not self._sandbox_members(state):
             raise DriverError(f"sandbox {handle.allocation_key} is not running")
-        spec = SandboxSpec.from_json(state["spec"])
+        return state, SandboxSpec.from_json(state["spec"])
+
+    @staticmethod
+    def _entered(state: dict[str, Any], spec: SandboxSpec, command: list[str]) -> list[str]:
+        """The argv that runs ``command`` inside the running sandbox, with its batch's
+        confinement (enter_sandbox.py)."""
         uid = str(SANDBOX_UID)
         groups = ",".join(map(str, spec.groups())) if os.geteuid() == 0 else "-"  # its storage's
-        argv = [
+        return [
             *state["prlimit"], sys.executable, "-I", _ENTER_SANDBOX, str(state["child_pid"]), uid, uid,
-            groups, SANDBOX_HOME, *state["procs_files"], "--", "/bin/sh", "-i",
+            groups, SANDBOX_HOME, *state["procs_files"], "--", *command,
         ]  # fmt: skip
+
+    def exec_terminal(self, handle: SandboxHandle) -> ProcessTerminal:
+        state, spec = self._running_state(handle)
+        argv = self._entered(state, spec, ["/bin/sh", "-i"])
         env = {**self._sandbox_env(spec), "TERM": "xterm-256color"}
         return ProcessTerminal.spawn(argv, handle.allocation_key, env=env, cwd="/")
+
+    def open_ssh(self, handle: SandboxHandle, authorized_keys: list[str]) -> sshd.PipedServer:
+        """sshd inside the sandbox as its user (workers/drivers/sshd.py): the host's own, which
+        the sandbox sees in its read-only /usr."""
+        if not os.access(sshd.SSHD, os.X_OK):
+            raise DriverError(
+                f"this host has no OpenSSH server ({sshd.SSHD}) for its process sandboxes: "
+                f"{install_command('openssh-server')} (its daemon need not run)"
+            )
+        state, spec = self._running_state(handle)
+        environment = self._sandbox_env(spec)
+        server = sshd.Server.for_keys(authorized_keys, environment)
+        argv = self._entered(state, spec, server.argv)
+        return sshd.PipedServer.spawn(argv, handle.allocation_key, env={**environment, **server.env}, cwd="/")

@@ -128,6 +128,9 @@ class SimulatedDriver:
     def open_app(self, handle: SandboxHandle) -> Terminal:
         raise DriverError(f"sandbox {handle.sandbox_id} is simulated: no app runs in it")
 
+    def open_ssh(self, handle: SandboxHandle, authorized_keys: list[str]) -> Terminal:
+        raise DriverError(f"sandbox {handle.sandbox_id} is simulated: no SSH server runs in it")
+
     def exec_terminal(self, handle: SandboxHandle) -> Terminal:
         raise DriverError(
             f"sandbox {handle.sandbox_id} is simulated (host {self.host or '?'} keeps its state only): "

@@ -83,6 +83,20 @@ class Agent:
     def open_app(self, session: str, allocation_key: str, handle_json: Mapping[str, Any] | None) -> None:
         self._relay(self.context.driver.open_app, session, allocation_key, handle_json, "app")
 
+    def open_ssh(
+        self,
+        session: str,
+        allocation_key: str,
+        handle_json: Mapping[str, Any] | None,
+        authorized_keys: list[str],
+    ) -> None:
+        keys = list(authorized_keys) if isinstance(authorized_keys, list) else []  # the driver checks each
+
+        def opener(handle: SandboxHandle) -> Terminal:
+            return self.context.driver.open_ssh(handle, keys)
+
+        self._relay(opener, session, allocation_key, handle_json, "ssh")
+
     def _relay(
         self,
         opener: Callable[[SandboxHandle], Terminal],

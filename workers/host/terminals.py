@@ -1,5 +1,5 @@
-"""A browser's terminal into a sandbox, or its web app's connection: a pty or a socket,
-relayed through Redis (``workers/relay.py``)."""
+"""A browser's terminal into a sandbox, an SSH connection to it, or its web app's
+connection: a pty, an sshd's pipes or a socket, relayed through Redis (``wire/relay.py``)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def relay_stream(
         except RedisError as exc:
             reason = f"Redis failed ({exc})"
         log.log(
-            logging.INFO if what == "terminal" else logging.DEBUG,
+            logging.INFO if what in ("terminal", "ssh") else logging.DEBUG,
             "%s of %s ended: %s",
             what,
             allocation_key,

@@ -349,6 +349,9 @@ class SlurmDriver:
     def open_app(self, handle: SandboxHandle) -> Terminal:
         raise DriverError("web apps are not served from Slurm jobs")
 
+    def open_ssh(self, handle: SandboxHandle, authorized_keys: list[str]) -> Terminal:
+        raise DriverError("SSH through the portal does not reach Slurm jobs: use their terminal")
+
     def read_output(self, handle: SandboxHandle, offset: int, limit: int) -> OutputChunk:
         path = self._output_path(handle.allocation_key)
         try:
