@@ -69,7 +69,7 @@ BACKFILL_WINDOW_S = 86_400.0
 # What a placement policy sees of a request, and what a preemption plan also depends on.
 # (mode, GPUs, MIG profile, MPS memory, MPS threads, CPU, memory, isolation, GPU models)
 FitShape = tuple[str, int, str, int, int, int, int, str, tuple[str, ...]]
-Shape = tuple[FitShape, int, bool, bool, bool, str]
+Shape = tuple[FitShape, int, bool, bool, bool, str, str]
 
 
 def revert(snapshot: Snapshot, decisions: Sequence[Decision], requests: Sequence[Request]) -> None:
@@ -262,7 +262,11 @@ class _Cycle:
         request = within
         if limit_at:
             swap = self._preemption(request, demand, under=limit_at)
-            if swap is None:
+            # The grants can differ from the estimate (a time-slice replica's share): checked
+            # again, with the victims' shares given back, as the plain path checks them.
+            if swap is None or self.quotas.refusal(
+                request.project, sum(g.milli_gpu for g in swap.place.grants), freeing=swap.victims
+            ):
                 self.decisions.append(Pending(request.id, refusal))
                 return None
             return self._commit(request, swap.place, swap.victims)
@@ -381,16 +385,14 @@ class _Cycle:
     # --- preemption ------------------------------------------------------------------------
 
     def _limit_to_reclaim_under(self, request: Request, demand: int) -> str:
-        """The department whose limit alone refuses ``request``, when the request may reclaim
-        (some level of its path within its guarantee); "" otherwise."""
-        node = self.quotas.refused_at(request.project, demand)
-        if (
-            node is None
-            or not node.startswith("d:")
-            or self.quotas.refused_at(request.project, demand, but=node)
-        ):
+        """The department to reclaim under when only departments' limits refuse ``request``
+        (the lowest of them: its victims are under every one above it too) and the request
+        may reclaim; "" otherwise. ``allowed`` then asks the victims to free what each of
+        those limits is short of."""
+        refusing = self.quotas.refused_along(request.project, demand)
+        if not refusing or any(node.startswith("p:") for node in refusing):
             return ""
-        return node if self.quotas.may_reclaim(request.project, demand) else ""
+        return refusing[0] if self.quotas.may_reclaim(request.project, demand) else ""
 
     def _preemption(self, request: Request, demand: int, under: str = "") -> Plan | None:
         """The fewest victims that make room for ``request``. ``under``: a department whose
@@ -404,11 +406,15 @@ class _Cycle:
             borrowing,
             self._hides(request),
             under,
+            # Whether a reclaim can help depends on where the requester sits in the tree (and,
+            # flat, on its not being the holder): a plan one project could not make another may.
+            request.project if reclaim else "",
         )
         if shape in self.hopeless:
             return None
         candidates: list[Running] = []
         reclaim_only: dict[int, str] = {}  # sandbox id -> the node its reclaim takes down
+        refusing = self.quotas.refused_along(request.project, demand) if under else []
         # Preempting what holds the head's devices would hand them to a request behind it.
         spared = self.head_holders if self._hides(request) else set()
         for alloc in self.victims[request.mode]:
@@ -440,8 +446,10 @@ class _Cycle:
             for v in victims:
                 if v.sandbox_id in reclaim_only:
                     taken.setdefault(reclaim_only[v.sandbox_id], []).append(v.milli_gpu)
-            if under and sum(v.milli_gpu for v in victims) < self.quotas.short_of(under, demand):
-                return False
+            if under:
+                freed = sum(v.milli_gpu for v in victims)
+                if any(freed < self.quotas.short_of(node, demand) for node in refusing):
+                    return False
             return all(sum(m) - max(m) < self.quotas.over_guarantee(node) for node, m in taken.items())
 
         plan = (

@@ -13,10 +13,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from scheduler.cluster import CPU_ONLY, DEDICATED, MIG, MPS, FairShareState, Request, Running
 from scheduler.departments import OrgTree, node_label, project_node
+from scheduler.fair_tree import ClassTree
 from scheduler.gpus import COMPUTE_SLICES
 
 LN2 = math.log(2)
@@ -84,10 +85,8 @@ class FairOrder:
     With departments (scheduler/departments.py) fair share follows the tree, as Slurm's fair
     tree does: siblings are ordered by their own standing at each level, the top first, so a
     project of a department that used little goes before one of a department that used much,
-    whatever the two projects used themselves. A placement raises the standing of every level
-    above its project, so entries of other projects may grow stale: a popped entry is checked
-    against its project's current standing and pushed back when it grew (standings only grow
-    within a cycle).
+    whatever the two projects used themselves (``scheduler/fair_tree.py``: a heap per node
+    and priority class, so a placement keys again only its project's path).
     """
 
     def __init__(
@@ -114,7 +113,15 @@ class FairOrder:
                     self._charge(
                         alloc.project, commitment_gpu_s(alloc.milli_gpu, alloc.ends_at, now, state.horizon_s)
                     )
-        self._heap: list[tuple[int, tuple[float, ...], float, int, str]] = []
+        self._heap: list[tuple[int, float, float, int, str]] = []
+        self._classes: dict[int, ClassTree] = {}  # by priority, highest first (with departments)
+        if not self._tree.flat:
+            for priority in sorted({r.priority for r in queue}, reverse=True):
+                self._classes[priority] = ClassTree(self._tree, self._node_standing)
+            for name, requests in sorted(per_project.items()):
+                for priority in {r.priority for r in requests}:
+                    self._classes[priority].add(name, (r for r in requests if r.priority == priority))
+            return
         for name in sorted(self._waiting):
             self._push(name)
 
@@ -138,23 +145,14 @@ class FairOrder:
         weight = self._tree.weight(node)
         return self._usage.get(node, 0.0) / weight if weight > 0 else math.inf
 
-    def _standings(self, project: str) -> tuple[float, ...]:
-        """The project's standing at each level, the top department's first."""
-        if self._state is None or self._tree.flat:
-            return (self.standing(project),)
-        return tuple(self._node_standing(node) for node in reversed(self._tree.path(project)))
-
     def next(self) -> Request | None:
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            project = entry[-1]
-            if not self._tree.flat:
-                fresh = self._entry(project)
-                if fresh != entry:  # a placement under one of its departments raised it
-                    heapq.heappush(self._heap, fresh)
-                    continue
-            return self._waiting[project].popleft()
-        return None
+        for tree in self._classes.values():
+            if (request := tree.next()) is not None:
+                return request
+        if not self._heap:
+            return None
+        *_, project = heapq.heappop(self._heap)
+        return self._waiting[project].popleft()
 
     def settle(self, request: Request, placed_milli: int = 0, ends_at: float | None = None) -> None:
         """Charge what ``request`` was given (nothing if it waits) and queue its project's next."""
@@ -162,15 +160,18 @@ class FairOrder:
             self._charge(
                 request.project, commitment_gpu_s(placed_milli, ends_at, self._now, self._state.horizon_s)
             )
+        if self._classes:
+            for tree in self._classes.values():  # its levels' standings count in every class
+                tree.refresh(request.project)
+            return
         self._push(request.project)
 
-    def _entry(self, project: str) -> tuple[int, tuple[float, ...], float, int, str]:
-        head = self._waiting[project][0]
-        return (-head.priority, self._standings(project), head.submitted_at, head.id, project)
-
     def _push(self, project: str) -> None:
-        if self._waiting[project]:
-            heapq.heappush(self._heap, self._entry(project))
+        waiting = self._waiting[project]
+        if waiting:
+            head = waiting[0]
+            entry = (-head.priority, self.standing(project), head.submitted_at, head.id, project)
+            heapq.heappush(self._heap, entry)
 
 
 class Quotas:
@@ -183,24 +184,29 @@ class Quotas:
         for alloc in running:
             self.add(alloc.project, alloc.milli_gpu)
 
-    def refusal(self, project: str, milli: int) -> str:
-        """Why ``milli`` more would break a limit on the project's path, or "" when none."""
-        node = self.refused_at(project, milli)
-        if node is None:
-            return ""
-        return (
-            f"quota: {node_label(node)} holds {self.used[node]} of its {self.tree.limit(node)} milli-GPU "
-            f"limit and this needs {milli} more"
-        )
+    def refusal(self, project: str, milli: int, freeing: Sequence[Running] = ()) -> str:
+        """Why ``milli`` more would break a limit on the project's path, or "" when none;
+        ``freeing``: sandboxes whose shares are given back first (a reclaim's victims)."""
+        for node in self.refused_along(project, milli, freeing):
+            held = self.used[node] - self._freed(node, freeing)
+            return (
+                f"quota: {node_label(node)} holds {held} of its {self.tree.limit(node)} milli-GPU "
+                f"limit and this needs {milli} more"
+            )
+        return ""
 
-    def refused_at(self, project: str, milli: int, but: str = "") -> str | None:
-        """The lowest level of the project's path (other than ``but``) whose limit ``milli``
-        more would break, or None."""
-        for node in self.tree.path(project):
-            limit = self.tree.limit(node)
-            if node != but and limit is not None and self.used[node] + milli > limit:
-                return node
-        return None
+    def refused_along(self, project: str, milli: int, freeing: Sequence[Running] = ()) -> list[str]:
+        """The levels of the project's path, lowest first, whose limits ``milli`` more would
+        break (after ``freeing``'s shares are given back)."""
+        return [
+            node
+            for node in self.tree.path(project)
+            if (limit := self.tree.limit(node)) is not None
+            and self.used[node] - self._freed(node, freeing) + milli > limit
+        ]
+
+    def _freed(self, node: str, freeing: Sequence[Running]) -> int:
+        return sum(v.milli_gpu for v in freeing if node in self.tree.path(v.project))
 
     def short_of(self, node: str, milli: int) -> int:
         """How much a node's limit is short of ``milli`` more: what victims under it must free."""

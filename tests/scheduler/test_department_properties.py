@@ -27,6 +27,7 @@ from scheduler.cluster import (
 )
 from scheduler.cycle import run_cycle
 from scheduler.departments import OrgTree
+from scheduler.fairshare import FairOrder
 from scheduler.placement import get_policy
 from tests.scheduler.test_cycle_properties import LIVE_POLICIES, random_cluster, replay
 from tests.scheduler.test_fairshare import dedicated_fleet
@@ -161,3 +162,64 @@ def test_a_guarantee_is_reached_within_one_cycle_by_preemption(seed: int, policy
     assert isinstance(decisions[-1], Place), (decisions, held)
     victims = [d for d in decisions if isinstance(d, Preempt)]
     assert all(next(r for r in snapshot.running if r.sandbox_id == v.sandbox_id).borrowed for v in victims)
+
+
+def reference_order(queue: list[Request], state: FairShareState) -> list[int]:
+    """The fair tree's order by its definition, recomputed from scratch at every step: the
+    highest priority, then the standings from the top level down (a shorter path first on
+    a tie), then age, then id; each request charged an hour of its GPU before the next."""
+    tree = OrgTree(state)
+    usage: dict[str, float] = {}
+    for name, share in state.projects.items():
+        for node in tree.path(name):
+            usage[node] = usage.get(node, 0.0) + share.usage_gpu_s
+    waiting = sorted(queue, key=lambda r: (r.submitted_at, r.id))
+    order = []
+    while waiting:
+
+        def key(r: Request) -> tuple[object, ...]:
+            path = tree.path(r.project)
+            standings = tuple(
+                usage.get(n, 0.0) / w if (w := tree.weight(n)) > 0 else float("inf") for n in reversed(path)
+            )
+            return (-r.priority, standings, r.submitted_at, r.id)
+
+        heads: dict[str, Request] = {}
+        for r in waiting:  # each project's best request: its highest priority, then oldest
+            best = heads.get(r.project)
+            if best is None or (-r.priority, r.submitted_at, r.id) < (
+                -best.priority,
+                best.submitted_at,
+                best.id,
+            ):
+                heads[r.project] = r
+        chosen = min(heads.values(), key=key)
+        waiting.remove(chosen)
+        order.append(chosen.id)
+        for node in tree.path(chosen.project):
+            usage[node] = usage.get(node, 0.0) + 3600.0
+    return order
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_the_fair_tree_order_is_its_definition(seed: int) -> None:
+    rng = random.Random(seed)
+    state = random_tree(rng, guarantees=False)
+    state = FairShareState(state.projects, state.departments, half_life_s=3600.0, usage_at=NOW)
+    queue = [
+        Request(
+            id=i,
+            project=rng.choice(PROJECTS),
+            priority=rng.choice((50, 100)),
+            submitted_at=rng.choice((1.0, 2.0, 3.0)),
+            mode="dedicated",
+        )
+        for i in range(rng.randint(1, 25))
+    ]
+    order = FairOrder(queue, state, [], NOW)
+    got = []
+    while (request := order.next()) is not None:
+        got.append(request.id)
+        order.settle(request, 1000, NOW + 3600.0)
+    assert got == reference_order(queue, state)

@@ -187,3 +187,36 @@ def test_at_the_departments_limit_a_sibling_still_takes_back_what_was_borrowed()
     assert isinstance(outside, Place)  # bio is not under physics' limit: the spare GPUs are its
     [greedy] = run_cycle(snapshot, [req(9, "lasers", gpu_count=3)], POLICY, 10.0, fairshare=state)
     assert isinstance(greedy, Pending) and greedy.reason.startswith("quota: department physics holds 4000")
+
+
+def test_a_plan_one_project_could_not_make_is_still_tried_for_another() -> None:
+    """X (another department) finds nothing it may reclaim from b; a, b's sibling, may take
+    back b's borrowed GPU. X asks first (its department used nothing): a must not inherit
+    X's hopeless answer."""
+    snapshot = dedicated_fleet(1, per_host=2)
+    projects = {
+        "a": ProjectShare(guaranteed_milli=1000, department="d1"),
+        "b": ProjectShare(guaranteed_milli=1000, department="d1"),
+        "x": ProjectShare(guaranteed_milli=1000, department="d2"),
+    }
+    state = FairShareState(projects, {"d1": DepartmentShare(guaranteed_milli=3000), "d2": DepartmentShare()})
+    held_by(snapshot, "b", 2, 100, borrowed_from=1)
+    decisions = run_cycle(snapshot, [req(1, "x"), req(2, "a", at=1)], POLICY, 10.0, fairshare=state)
+    assert [type(d).__name__ for d in decisions] == ["Pending", "Preempt", "Place"], decisions
+    assert decisions[0].request_id == 1 and decisions[-1].request_id == 2  # type: ignore[union-attr]
+
+
+def test_nested_limits_let_siblings_swap_too() -> None:
+    """Group g (limit 2) inside department d (limit 2): p1 holds 2, one borrowed from p2;
+    p2's request is over both limits, and the swap inside g leaves both where they were."""
+    snapshot = dedicated_fleet(1, per_host=4)
+    projects = {
+        "p1": ProjectShare(guaranteed_milli=1000, department="g"),
+        "p2": ProjectShare(guaranteed_milli=1000, department="g"),
+    }
+    departments = {"g": DepartmentShare(parent="d", limit_milli=2000), "d": DepartmentShare(limit_milli=2000)}
+    state = FairShareState(projects, departments)
+    held_by(snapshot, "p1", 2, 100, borrowed_from=1)
+    decisions = run_cycle(snapshot, [req(9, "p2")], POLICY, 10.0, fairshare=state)
+    assert [type(d).__name__ for d in decisions] == ["Preempt", "Place"], decisions
+    assert decisions[0].sandbox_id == 101  # type: ignore[union-attr]
