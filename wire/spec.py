@@ -9,16 +9,14 @@ host reports it and the portal keeps it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NotRequired, TypedDict
 
 from wire.storage import StorageMount
 
 LABEL_PREFIX = "io.gpushare"
-# Fields a spec once had, still in the launch messages of an older portal and in the specs a
-# process driver saved before an upgrade: read and dropped. (The metering facts: the agent
-# no longer computes a running cost, the portal's billing does.)
-RETIRED_SPEC_FIELDS = frozenset({"milli_gpu", "price_per_gpu_hour_micros"})
+# The resume contract's checkpoint folder (portal/sandboxes/resume.py), as the sandbox sees it.
+CHECKPOINT_DIR_VARIABLE = "GPUSHARE_CHECKPOINT_DIR"
 # Fields renamed since, still in what an older portal or agent wrote: handles kept in the
 # portal's database, specs and handles a process driver saved on disk, messages in flight
 # during an upgrade.
@@ -100,16 +98,24 @@ class SandboxSpec:
     owner_id: int = 0  # the owner's portal user id: their sandboxes run as their uid (uids.owner_uid)
     # On a shared GPU (MPS, time-slice): the memory it may hold, watched per sandbox.
     memory_share: MemoryShare | None = None
-    # Its checkpoint folder as the sandbox sees it, in one of its read-write mounts: the agent
-    # makes it before the start (the resume contract, portal/sandboxes/resume.py); "" for none.
-    checkpoint_dir: str = ""
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Its checkpoint folder as the sandbox sees it, in one of its read-write mounts: the
+        agent makes it before the start (the resume contract, portal/sandboxes/resume.py); ""
+        for none. Read from the variable the sandbox is told, not a field of its own, so that
+        an agent not yet upgraded still reads the launch message (and makes no folder)."""
+        return self.env.get(CHECKPOINT_DIR_VARIABLE, "")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxSpec:
-        values = {k: v for k, v in renamed(data).items() if k not in RETIRED_SPEC_FIELDS}
+        # Fields it does not know (a newer portal's, in a message during an upgrade) are left
+        # out: the launch goes on without what they add, rather than failing.
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in renamed(data).items() if k in known}
         values["command"] = tuple(values.get("command") or ())
         values["device_uuids"] = tuple(values.get("device_uuids") or ())
         mps = values.get("mps")

@@ -527,7 +527,7 @@ def do_lose(sandbox_id: int, reason: str, ended_at: datetime | None = None) -> s
             end(sandbox, S.FAILED, ended_at, reason, also=("failure",))
             return S.FAILED
         release(sandbox, ended_at)
-        return requeue(sandbox, f"requeued: {reason}", Attempt.End.LOST)
+        return requeue(sandbox, f"requeued: {reason}", Attempt.End.LOST, at=ended_at)
 
 
 # --- stop -------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from portal.catalog.models import Storage, Tier
 from portal.sandboxes.models import Attempt, Sandbox
+from wire.spec import CHECKPOINT_DIR_VARIABLE
 
 CHECKPOINTS = ".gpushare/checkpoints"  # in the storage's folder: one sub-folder per sandbox
 
@@ -68,7 +69,7 @@ def resume_env(sandbox: Sandbox, folder: str) -> dict[str, str]:
         "GPUSHARE_RESUMED": "1" if sandbox.attempt > 1 else "0",
     }
     if folder:
-        env["GPUSHARE_CHECKPOINT_DIR"] = folder
+        env[CHECKPOINT_DIR_VARIABLE] = folder
     if sandbox.attempt > 1:
         last = Attempt.objects.filter(sandbox=sandbox, number=sandbox.attempt - 1).first()
         if last is not None and last.end:

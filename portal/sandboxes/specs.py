@@ -62,7 +62,6 @@ def launch_spec(sandbox: Sandbox) -> SandboxSpec:
         app=bool(sandbox.image.app),
         pull=ImageRegistry.allows(sandbox.image.reference),
         memory_share=memory_share(tier, allocations),
-        checkpoint_dir=folder,
     )
 
 

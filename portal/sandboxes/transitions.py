@@ -121,11 +121,13 @@ def release(sandbox: Sandbox, at: datetime) -> None:
     Allocation.objects.filter(sandbox=sandbox, active=True).update(active=False, released_at=at)
 
 
-def requeue(sandbox: Sandbox, message: str, why: str, data: dict[str, Any] | None = None) -> str:
+def requeue(
+    sandbox: Sandbox, message: str, why: str, data: dict[str, Any] | None = None, at: datetime | None = None
+) -> str:
     """Put a released sandbox back in the queue, keeping its age; its attempt ended ``why``
-    (an ``Attempt.End``). Its old allocation key matches nothing any more, so a copy that
-    turns up later is stopped as an orphan."""
-    resume.end_attempt(sandbox, timezone.now(), why, message)
+    (an ``Attempt.End``) at ``at`` (now). Its old allocation key matches nothing any more, so
+    a copy that turns up later is stopped as an orphan."""
+    resume.end_attempt(sandbox, at or timezone.now(), why, message)
     old_key = sandbox.allocation_key
     sandbox.host, sandbox.allocation_key, sandbox.handle = None, "", None
     sandbox.started_at = sandbox.placed_at = None
@@ -152,7 +154,9 @@ def end_stopping(sandbox: Sandbox, ended_at: datetime, message: str, why: str = 
         note = f"preempted for sandbox {sandbox.preempted_for_id}" + (f"; {why}" if why else "")
         if sandbox.tier.requeue_on_preemption:
             release(sandbox, ended_at)
-            return requeue(sandbox, f"{note}; queued again, as its tier says", Attempt.End.PREEMPTED)
+            return requeue(
+                sandbox, f"{note}; queued again, as its tier says", Attempt.End.PREEMPTED, at=ended_at
+            )
         end(sandbox, S.PREEMPTED, ended_at, note)
         return S.PREEMPTED
     if sandbox.stop_cause == StopCause.EXPIRED:

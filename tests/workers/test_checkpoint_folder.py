@@ -16,9 +16,12 @@ from tests.workers.test_driver_storage import (  # noqa: F401 - fixtures
     VOLUME,
     home,
     make,
+    make_spec,
     output_of,
     storage_dir,
 )
+from wire import uids
+from wire.spec import SandboxSpec
 from wire.storage import StorageMount
 from workers.drivers import storage
 from workers.drivers.base import DriverError
@@ -36,7 +39,7 @@ def test_a_sandbox_finds_its_folder_made_and_finds_it_again(make: tuple, storage
     driver, spec = make
     for attempt, step in ((1, 0), (2, 1)):
         env = {"GPUSHARE_ATTEMPT": str(attempt), "GPUSHARE_CHECKPOINT_DIR": FOLDER}
-        handle = driver.launch(spec(701, RESUMING, env=env, checkpoint_dir=FOLDER))
+        handle = driver.launch(spec(701, RESUMING, env=env))
         out = output_of(driver, handle, READY)
         assert f"attempt {attempt} from step {step}" in out, out
         driver.stop(handle, grace_s=0)
@@ -47,9 +50,7 @@ def test_a_sandbox_finds_its_folder_made_and_finds_it_again(make: tuple, storage
         assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (0, GID, 0o2770)
 
 
-@pytest.mark.parametrize(
-    "planted", [".gpushare", ".gpushare/checkpoints", ".gpushare/checkpoints/sandbox-701"]
-)
+@pytest.mark.parametrize("planted", [".gpushare", ".gpushare/checkpoints"])
 def test_a_link_planted_on_the_way_is_refused_not_followed(
     storage_dir: Path,  # noqa: F811
     tmp_path: Path,
@@ -67,6 +68,38 @@ def test_a_link_planted_on_the_way_is_refused_not_followed(
     assert list(elsewhere.iterdir()) == []  # nothing made through the link
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root agent can tell its own folders")
+@pytest.mark.parametrize("kind", ["link", "folder of a sandbox's uid"])
+def test_a_checkpoint_folder_made_in_its_place_by_someone_else_is_moved_aside(
+    storage_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    """A sandbox id is easy to guess: another member could make the folder first and fill it
+    with a "checkpoint". The agent moves such a folder aside and makes its own."""
+    volume = storage_dir / "homes" / str(VOLUME)
+    storage.resolve(storage_dir, (home(),))
+    made = volume / ".gpushare" / "checkpoints" / "sandbox-701"
+    made.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "host-folder"
+    elsewhere.mkdir()
+    if kind == "link":
+        made.symlink_to(elsewhere)
+    else:
+        made.mkdir()
+        (made / "state.pt").write_text("not yours")
+        os.chown(made, uids.sandbox_uid(9), GID)
+    storage.resolve(storage_dir, (home(),), folder=FOLDER)
+    assert made.is_dir() and not made.is_symlink() and list(made.iterdir()) == []
+    assert made.stat().st_uid == 0
+    [_aside] = [p for p in made.parent.iterdir() if p.name.startswith("sandbox-701.not-made-by-gpushare-")]
+    assert list(elsewhere.iterdir()) == []
+    # The agent's own folder, found again at the next attempt, is kept with what it holds.
+    (made / "step").write_text("3")
+    storage.resolve(storage_dir, (home(),), folder=FOLDER)
+    assert (made / "step").read_text() == "3"
+
+
 @pytest.mark.parametrize(
     "folder",
     [
@@ -81,3 +114,11 @@ def test_a_folder_outside_its_writable_storage_is_refused(storage_dir: Path, fol
     dataset = StorageMount("mnist", "datasets/mnist", "/datasets/mnist", True, 0)
     with pytest.raises(DriverError, match="folder"):
         storage.resolve(storage_dir, (home(), dataset), folder=folder)
+
+
+def test_a_launch_message_from_a_newer_portal_still_reads() -> None:
+    """During an upgrade the portal may send fields this agent does not know yet: they are
+    left out, and the launch goes on (it failed with a TypeError)."""
+    spec = make_spec("h", 1, "true", env={"GPUSHARE_CHECKPOINT_DIR": FOLDER})
+    newer = SandboxSpec.from_json({**spec.to_json(), "a_field_from_the_future": {"x": 1}})
+    assert newer == spec and newer.checkpoint_dir == FOLDER

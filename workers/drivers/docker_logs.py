@@ -11,7 +11,7 @@ printed more than the cap before the restart may show some of its output twice).
 The engine stamps stdout and stderr lines in two copiers and writes them to the log as they
 come, so an entry can land after a newer one of the other stream (``echo out; echo err >&2``
 logged err first, out a few microseconds older but second). The reader therefore never takes
-"older than the newest returned" to mean "returned": it asks again from ``_LATE`` seconds
+"older than the newest returned" to mean "returned": it asks again from ``_LATE_NS`` (2 s)
 before its cursor and skips only the entries it remembers returning in that window.
 """
 
@@ -43,8 +43,9 @@ def _stamp(raw: bytes) -> tuple[int, int] | None:
 
 
 # How late an entry may land in the log behind a newer one of the other stream and still be
-# read: far more than the microseconds measured, since a loaded engine can stall a copier.
-_LATE_NS = 5 * 10**9
+# read: far more than the microseconds measured, since a loaded engine can stall a copier, yet
+# short, as every poll reads this much of the log again (a chatty sandbox's thousands of lines).
+_LATE_NS = 2 * 10**9
 
 _Entry = tuple[tuple[int, int], int]  # (stamp, hash of its bytes): an entry already returned
 

@@ -31,6 +31,7 @@ import errno
 import logging
 import os
 import posixpath
+import secrets
 import stat
 import struct
 import time
@@ -126,15 +127,26 @@ def _folder_inside(mounts: tuple[StorageMount, ...], folder: str) -> tuple[Stora
 def _make_folder(volume: int, relative: str, name: str) -> None:
     """Make ``relative`` (``a/b``) in a volume the tenant writes: one name at a time, each
     opened without following a link, since the tenant may have planted one at any of them.
-    Made by the agent, a folder is the volume's group's (set-group-id), group-writable."""
+    Made by the agent, a folder is the volume's group's (set-group-id), group-writable. The
+    last one must be the agent's own: one made in its place by someone else (a sandbox id is
+    easy to guess) is moved aside, so that no one hands a sandbox its first "checkpoint"."""
     here = os.dup(volume)
+    parts = relative.split("/")
     try:
-        for part in relative.split("/"):
+        for depth, part in enumerate(parts, 1):
             made = True
             try:
                 os.mkdir(part, VOLUME_MODE, dir_fd=here)
             except FileExistsError:
                 made = False
+                if depth == len(parts) and _planted(here, part):
+                    aside = f"{part}.not-made-by-gpushare-{secrets.token_hex(4)}"
+                    os.rename(part, aside, src_dir_fd=here, dst_dir_fd=here)
+                    log.warning(
+                        "storage %s: %s was not made by gpushare: moved aside to %s", name, relative, aside
+                    )
+                    os.mkdir(part, VOLUME_MODE, dir_fd=here)
+                    made = True
             try:
                 step = tenant_paths.open_beneath(here, part, os.O_RDONLY | os.O_DIRECTORY)
             except OSError as exc:
@@ -149,6 +161,15 @@ def _make_folder(volume: int, relative: str, name: str) -> None:
         raise DriverError(f"storage {name}: cannot make {relative}: {exc.strerror or exc}") from exc
     finally:
         os.close(here)
+
+
+def _planted(folder: int, part: str) -> bool:
+    """Whether ``part`` in ``folder`` is a name the agent did not make: anything but a folder
+    of root's (a root agent makes them all; an unprivileged one, in tests, cannot tell)."""
+    if os.geteuid() != 0:
+        return False
+    info = os.stat(part, dir_fd=folder, follow_symlinks=False)
+    return not stat.S_ISDIR(info.st_mode) or info.st_uid != 0
 
 
 def check_reachable(root: str, what: str = "storage root") -> None:
