@@ -11,6 +11,7 @@ from portal.catalog.models import ImageRegistry, IsolationLevel, PriorityClass, 
 from portal.catalog.sharing import TIER_DESCRIPTION_HELP, tier_mode_help
 from portal.fleet.models import SETTABLE_MODES, Gpu, Host
 from portal.identity.models import GroupRule
+from portal.quotas.departments import promised_within
 from portal.quotas.models import Department, ModelQuota, QuotaPolicy
 from portal.sandboxes.forms import MIG_PROFILES
 from portal.sandboxes.gpu_choice import fleet_models
@@ -172,6 +173,13 @@ class QuotaForm(forms.ModelForm):
             "max_gpu_hours_month",
         ]  # fmt: skip
 
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        guaranteed = data.get("guaranteed_gpus")
+        if guaranteed is not None:
+            _check_room_in(self, data.get("department"), guaranteed, but_quota=self.instance.pk)
+        return data
+
 
 def _gpus(count: Decimal) -> str:
     """ "6", "2.5": a figure of GPUs as a person writes it (a Decimal keeps its zeros)."""
@@ -193,23 +201,39 @@ class DepartmentForm(forms.ModelForm):
         parent, unit = data.get("parent"), self.instance
         if parent is not None and unit.pk is not None and (parent == unit or unit in parent.ancestors()):
             self.add_error("parent", f"{parent} is {unit.name} or one of its parts: that would make a loop.")
-        guaranteed = data.get("guaranteed_gpus")
-        if guaranteed is None:
             return data
-        if parent is not None and parent.guaranteed_gpus is not None and guaranteed > parent.guaranteed_gpus:
-            whole = _gpus(parent.guaranteed_gpus)
-            self.add_error("guaranteed_gpus", f"More than {parent.name} guarantees in all ({whole} GPUs).")
-        if unit.pk is not None:
-            parts = sum(c.guaranteed_gpus or 0 for c in unit.children.all()) + sum(
-                q.guaranteed_gpus for q in unit.quotas.all()
+        guaranteed = data.get("guaranteed_gpus")
+        parts = promised_within(unit) if unit.pk is not None else Decimal(0)
+        if guaranteed is not None and parts > guaranteed:
+            self.add_error(
+                "guaranteed_gpus",
+                f"Its parts guarantee {_gpus(parts)} GPUs together: give it at least that, "
+                "or leave it empty.",
             )
-            if parts > guaranteed:
-                self.add_error(
-                    "guaranteed_gpus",
-                    f"Its parts guarantee {_gpus(Decimal(parts))} GPUs together: give it at least that, "
-                    "or leave it empty.",
-                )
+        _check_room_in(self, parent, guaranteed if guaranteed is not None else parts, but_department=unit.pk)
         return data
+
+
+def _check_room_in(
+    form: forms.ModelForm,
+    parent: Department | None,
+    guaranteed: Decimal,
+    *,
+    but_department: int | None = None,
+    but_quota: int | None = None,
+) -> None:
+    """A guarantee inside a unit that guarantees a figure of its own: with its siblings', it
+    may not promise more than that figure."""
+    if parent is None or parent.guaranteed_gpus is None:
+        return
+    others = promised_within(parent, but_department=but_department, but_quota=but_quota)
+    if others + guaranteed > parent.guaranteed_gpus:
+        form.add_error(
+            "guaranteed_gpus",
+            f"{parent.name} guarantees {_gpus(parent.guaranteed_gpus)} GPUs in all, and its other parts "
+            f"{_gpus(others)} already: at most "
+            f"{_gpus(max(Decimal(0), parent.guaranteed_gpus - others))} here.",
+        )
 
 
 class ModelQuotaForm(forms.ModelForm):

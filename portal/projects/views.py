@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from decimal import Decimal
 from typing import Any
 
 from django.contrib import messages
@@ -28,8 +27,8 @@ from portal.billing.models import UsageRecord
 from portal.billing.pricing import format_money
 from portal.catalog.storage import storage_lines
 from portal.inputs import whole_number
-from portal.quotas.departments import project_ids_below
-from portal.quotas.models import ModelQuota, QuotaPolicy
+from portal.quotas.departments import project_ids_below, tree_figures
+from portal.quotas.models import Department, ModelQuota, QuotaPolicy
 from portal.quotas.usage import gpu_hours_since, month_start
 from portal.sandboxes.models import LIVE_STATES, Allocation
 from portal.telemetry.utilization import GpuHours, gpu_hours
@@ -101,9 +100,11 @@ def _model_bars(ids: list[int], bars: dict[int, list[tuple[str, dict[str, Any]]]
 
 def department_lines(quota: QuotaPolicy | None) -> list[dict[str, Any]]:
     """The project's department and each unit above it, the nearest first: what all of the
-    projects under it hold now against its guarantee and limit (2 queries a level)."""
+    projects under it hold now against the guarantee it gives (its own, or its parts' as the
+    scheduler counts them) and its limit (2 queries, and 2 a level)."""
     if quota is None or quota.department is None:
         return []
+    given = tree_figures(list(Department.objects.all()))
     lines = []
     for unit in [quota.department, *quota.department.ancestors()]:
         under = project_ids_below(unit)
@@ -111,16 +112,13 @@ def department_lines(quota: QuotaPolicy | None) -> list[dict[str, Any]]:
             milli=Sum("milli_gpu")
         )["milli"]
         held = (milli or 0) / 1000
-        guaranteed = unit.guaranteed_gpus
-        if guaranteed is None:  # its parts' guarantees, summed: as the scheduler counts it
-            parts = QuotaPolicy.objects.filter(project_id__in=under).values_list("guaranteed_gpus", flat=True)
-            guaranteed = sum(parts, Decimal(0))
+        guaranteed = given[unit.pk][1]
         lines.append(
             {
                 "unit": unit,
                 "projects": len(under),
                 "guaranteed": guaranteed,
-                "over_guarantee": held > guaranteed,
+                "over_guarantee": guaranteed is not None and held > guaranteed,
                 "bar": _bar(held, unit.max_gpus),
             }
         )

@@ -12,6 +12,7 @@ from portal.accounts.permissions import api_projects
 from portal.api.errors import ERRORS
 from portal.api.pagination import BySlug
 from portal.api.views import ApiView
+from portal.quotas.departments import department_paths
 from portal.quotas.models import QuotaPolicy
 
 
@@ -37,7 +38,10 @@ class QuotaSerializer(serializers.ModelSerializer[QuotaPolicy]):
         read_only_fields = fields
 
     def get_department(self, quota: QuotaPolicy) -> str:
-        return quota.department.path_text if quota.department is not None else ""
+        if quota.department is None:
+            return ""
+        paths = self.context.get("department_paths")
+        return paths[quota.department_id] if paths else quota.department.path_text
 
 
 class QuotaPages(BySlug):
@@ -59,4 +63,8 @@ class QuotaViewSet(ApiView, mixins.ListModelMixin, viewsets.GenericViewSet[Quota
 
     def get_queryset(self) -> QuerySet[QuotaPolicy]:
         visible = QuotaPolicy.objects.filter(project__in=api_projects(self.request))
-        return visible.select_related("project", "department__parent")
+        return visible.select_related("project")
+
+    def get_serializer_context(self) -> dict[str, Any]:
+        # Every path in one query, however deep the tree (a path per row read its parents).
+        return {**super().get_serializer_context(), "department_paths": department_paths()}

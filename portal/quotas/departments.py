@@ -65,3 +65,37 @@ def tree_figures(departments: list[Department]) -> dict[int, tuple[int, Decimal 
     for unit in departments:
         visit(unit, frozenset())
     return found
+
+
+def promised_within(
+    parent: Department, *, but_department: int | None = None, but_quota: int | None = None
+) -> Decimal:
+    """What the parts of ``parent`` guarantee together (its child units, as the scheduler
+    counts each, and its projects), leaving out the one being edited."""
+    units = list(Department.objects.all())
+    given = tree_figures(units)
+    children = sum(
+        (given[u.pk][1] or Decimal(0) for u in units if u.parent_id == parent.pk and u.pk != but_department),
+        Decimal(0),
+    )
+    quotas = QuotaPolicy.objects.filter(department=parent)
+    if but_quota is not None:
+        quotas = quotas.exclude(pk=but_quota)
+    projects = quotas.values_list("guaranteed_gpus", flat=True)
+    return children + sum(projects, Decimal(0))
+
+
+def department_paths() -> dict[int, str]:
+    """Every department's path from the top, "Science / Physics", by id (one query)."""
+    units = {u.pk: u for u in Department.objects.all()}
+    paths: dict[int, str] = {}
+    for pk, unit in units.items():
+        names: list[str] = []
+        seen: set[int] = set()
+        here: Department | None = unit
+        while here is not None and here.pk not in seen:
+            seen.add(here.pk)
+            names.append(here.name)
+            here = units.get(here.parent_id) if here.parent_id is not None else None
+        paths[pk] = " / ".join(reversed(names))
+    return paths

@@ -120,12 +120,24 @@ def test_the_console_builds_the_tree_refusing_loops_and_guarantees_that_do_not_n
         {"name": "Physics", "parent": science.pk, "guaranteed_gpus": "8", "weight": "1"},
     )
     assert too_much.status_code == 400
-    assert "More than Science guarantees in all (6 GPUs)." in too_much.content.decode()
+    assert "Science guarantees 6 GPUs in all, and its other parts 0 already: at most 6 here." in (
+        too_much.content.decode()
+    )
     too_little = admin.post(
         f"/console/catalog/departments/{physics.pk}/",
         {"name": "Physics", "parent": science.pk, "guaranteed_gpus": "3", "weight": "1"},
     )
     assert "Its parts guarantee 4 GPUs together" in too_little.content.decode()
+    vision = QuotaPolicy.objects.get(project=people["project"])
+    greedy = admin.post(
+        f"/console/catalog/quotas/{vision.pk}/",
+        {"project": people["project"].pk, "department": physics.pk, "guaranteed_gpus": "3", "max_gpus": "4",
+         "max_live_sandboxes": "10", "weight": "1"},
+    )  # fmt: skip
+    assert greedy.status_code == 400
+    assert "Physics guarantees 4 GPUs in all, and its other parts 2 already: at most 2 here." in (
+        greedy.content.decode()
+    )
     bad = admin.post(
         "/console/catalog/departments/new/", {"name": "", "guaranteed_gpus": "lots", "weight": "0"}
     )
