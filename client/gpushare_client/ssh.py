@@ -7,6 +7,15 @@ whose other end the sandbox's host runs ``sshd -i`` inside the sandbox as its us
 is opened anywhere). It ends when either side does: ssh closes its stdin, or the portal
 closes the socket (its reason on stderr, which ssh shows).
 
+A sandbox's sshd makes its host key on the sandbox's tmpfs, so each attempt of the sandbox (a
+launch: it is queued again when preempted, when its host is lost, when a fleet plan moves it)
+has a new one, and ``StrictHostKeyChecking accept-new`` would then refuse it as a changed key.
+So before relaying a byte (ssh checks the host key only after), ``ssh-proxy`` reads the
+sandbox's ``attempt`` from the API and compares it with the one it last saw for that sandbox
+(``<config dir>/ssh_attempts.json``); when it differs, it removes ``gpushare-<id>``'s lines from
+``<config dir>/known_hosts`` and says so on stderr: within one attempt the key is trusted on
+first use and held to, as before.
+
 ``ssh-config`` gives OpenSSH a ``Host gpushare-*`` entry whose ProxyCommand is this client,
 so that ``ssh gpushare-42``, ``scp``, ``rsync -e ssh``, ``ssh -L`` and VS Code's Remote-SSH
 ("Connect to Host…", ``gpushare-42``) all work. With ``--write`` it writes that entry to
@@ -23,6 +32,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import hmac
 import json
 import os
 import shlex
@@ -40,13 +50,15 @@ from websockets.exceptions import ConnectionClosed
 from gpushare_client import config
 from gpushare_client.commands import Context
 from gpushare_client.exits import ClientError, Exit
-from gpushare_client.routes import ADD_SSH_KEY, SSH_KEYS, SSH_SOCKET
+from gpushare_client.routes import ADD_SSH_KEY, SANDBOX, SSH_KEYS, SSH_SOCKET
 from gpushare_client.shell import CLOSE_EXIT, _StdinReader, open_socket, socket_url
 
 HOST_PREFIX = "gpushare-"
 CONFIG_FILE = "ssh_config"
 KEY_FILE = "id_ed25519"
 KNOWN_HOSTS = "known_hosts"
+ATTEMPTS_FILE = "ssh_attempts.json"
+MAX_REMEMBERED = 1000  # sandboxes whose attempt is kept; one forgotten is only trusted anew
 
 
 # --- ssh-proxy ----------------------------------------------------------------------------------
@@ -107,9 +119,100 @@ async def _proxy(credentials: config.Credentials, sandbox_id: int) -> None:
         raise ClientError(Exit.UNREACHABLE, f"SSH to sandbox {sandbox_id} broke off ({code}): {said}")
 
 
+def _names_host(names: str, host: str) -> bool:
+    """Whether a known_hosts line's first field (``a,b`` or hashed ``|1|salt|hmac``) is ``host``."""
+    for name in names.split(","):
+        if name == host:
+            return True
+        if name.startswith("|1|"):  # HashKnownHosts: HMAC-SHA1 of the name, keyed by the salt
+            try:
+                _, _, salt, digest = name.split("|")
+                key, wanted = base64.b64decode(salt, validate=True), base64.b64decode(digest, validate=True)
+            except ValueError:
+                continue
+            if hmac.compare_digest(hmac.new(key, host.encode(), "sha1").digest(), wanted):
+                return True
+    return False
+
+
+def forget_host_key(known_hosts: Path, host: str) -> bool:
+    """Remove ``host``'s keys from ``known_hosts`` (as ``ssh-keygen -R`` would, without needing
+    it or leaving a ``.old``); True when there were any. Marker lines (``@revoked``,
+    ``@cert-authority``) are the user's own decisions: kept."""
+    try:
+        lines = known_hosts.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return False
+    kept = [
+        line
+        for line in lines
+        if not line.strip() or line.lstrip()[0] in "#@" or not _names_host(line.split()[0], host)
+    ]
+    if len(kept) == len(lines):
+        return False
+    target = Path(os.path.realpath(known_hosts))  # through a link, as ssh itself writes it
+    _write_private(target, "".join(kept), target.stat().st_mode & 0o777)
+    return True
+
+
+def _seen_attempts(store: Path, portal: str) -> dict[str, int]:
+    """The attempt last seen of each sandbox of ``portal``: {} for another portal (its sandbox
+    42 is another machine) or a file that is missing or not ours."""
+    try:
+        data = json.loads(store.read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    if (
+        not isinstance(data, dict)
+        or data.get("portal") != portal
+        or not isinstance(data.get("attempts"), dict)
+    ):
+        return {}
+    return {k: v for k, v in data["attempts"].items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def forget_stale_host_key(ctx: Context, portal: str, sandbox_id: int) -> bool:
+    """When the sandbox runs another attempt than the one last seen here, forget its host key
+    (it has a new one); True when a key was forgotten. Concurrent proxies may both forget the
+    key of one new attempt: ssh then trusts the same key again, no harm."""
+    try:
+        sandbox = ctx.api().call(SANDBOX, id=sandbox_id)
+    except ClientError as exc:
+        if exc.code != Exit.REFUSED:  # 404, a bad token, the portal down: the socket would fail too
+            raise
+        return False  # a token without read:usage may still connect: trust on first use alone
+    attempt = sandbox.get("attempt") if isinstance(sandbox, dict) else None
+    if not isinstance(attempt, int) or isinstance(attempt, bool):
+        return False  # a portal older than attempts
+    folder = config.config_dir(ctx.env)
+    store = folder / ATTEMPTS_FILE
+    seen = _seen_attempts(store, portal)
+    key = str(sandbox_id)
+    previous = seen.pop(key, None)
+    if previous == attempt:
+        return False
+    host = f"{HOST_PREFIX}{sandbox_id}"
+    try:
+        # With no record, a key held here is of an attempt unknown: forgotten too.
+        forgot = forget_host_key(folder / KNOWN_HOSTS, host)
+        seen[key] = attempt  # last, so that the oldest are the first dropped
+        kept = dict(list(seen.items())[-MAX_REMEMBERED:])
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _write_private(store, json.dumps({"portal": portal, "attempts": kept}) + "\n")
+    except OSError as exc:
+        raise ClientError(Exit.ERROR, f"Cannot update {folder}: {exc}.") from exc
+    if forgot and previous is not None:
+        ctx.say(f"gpushare: sandbox {sandbox_id} runs again (attempt {attempt}): its SSH host key is new")
+    elif forgot:
+        ctx.say(f"gpushare: sandbox {sandbox_id} (attempt {attempt}): its SSH host key is trusted anew")
+    return forgot
+
+
 def ssh_proxy(args: argparse.Namespace, ctx: Context) -> Any:
     sandbox_id = sandbox_of(args.target)
-    asyncio.run(_proxy(config.load(ctx.env), sandbox_id))
+    credentials = config.load(ctx.env)
+    forget_stale_host_key(ctx, credentials.url, sandbox_id)  # before any byte: ssh checks the key after
+    asyncio.run(_proxy(credentials, sandbox_id))
     return None
 
 
@@ -135,10 +238,13 @@ def config_text(portal: str, folder: Path, identity: Path, python: str = sys.exe
             "    User sandbox",
             f"    IdentityFile {_quoted(identity)}",
             "    IdentitiesOnly yes",
-            # Each sandbox makes its host key at its first connection: trusted on first use
-            # (the connection to it is the portal's, over TLS), held to it afterwards.
+            # Each attempt of a sandbox makes its host key at its first connection: trusted on
+            # first use (the connection to it is the portal's, over TLS), held to it afterwards;
+            # ssh-proxy forgets it when the sandbox runs again. Not hashed (Debian's default is),
+            # so that ssh-proxy can find gpushare-<id>'s line.
             f"    UserKnownHostsFile {_quoted(folder / KNOWN_HOSTS)}",
             "    StrictHostKeyChecking accept-new",
+            "    HashKnownHosts no",
             "    CheckHostIP no",
             # A sandbox is someone's machine: never lend it your agent or your display.
             "    ForwardAgent no",
@@ -167,7 +273,8 @@ def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
 def include_in_user_config(ssh_dir: Path, included: Path) -> bool:
     """``Include <included>`` first in ``ssh_dir/config``; False when it was there already."""
     line = f"Include {_quoted(included)}"
-    user_config = ssh_dir / "config"
+    # Through a symlink (a dotfiles repository's file): renaming over the link would detach it.
+    user_config = Path(os.path.realpath(ssh_dir / "config"))
     try:
         old = user_config.read_text()
     except FileNotFoundError:

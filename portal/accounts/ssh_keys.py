@@ -28,6 +28,7 @@ from wire.ssh import KEY_TYPES, MAX_BLOB_CHARS, MAX_KEYS, bare_key
 
 MIN_RSA_BITS = 3072  # NIST's floor past 2030; OpenSSH's ssh-keygen makes 3072 by default
 _ECDSA_POINT_BYTES = {"nistp256": 65, "nistp384": 97, "nistp521": 133}  # uncompressed: 04 || X || Y
+_ECDSA_BITS = {"nistp256": 256, "nistp384": 384, "nistp521": 521}
 MAX_NAME = 100
 
 
@@ -85,10 +86,12 @@ def _key_bits(key_type: str, blob: _Blob) -> int:
                 "(ssh-keygen -t ed25519).",
             )
     else:  # ECDSA: the curve is named in the type and again in the blob
-        curve = key_type.split("-")[2].split("@")[0]
-        if blob.string() != curve.encode() or len(blob.string()) != _ECDSA_POINT_BYTES[curve]:
+        # ecdsa-sha2-nistp256, sk-ecdsa-sha2-nistp256@openssh.com: the third word, sans sk-/@.
+        curve = key_type.removeprefix("sk-").split("-")[2].split("@")[0]
+        # .get, not []: a type or blob naming a curve of no table is the user's error, not a 500.
+        if blob.string() != curve.encode() or len(blob.string()) != _ECDSA_POINT_BYTES.get(curve):
             raise SshKeyError("public_key", f"The key's curve or point does not match {key_type}.")
-        bits = {"nistp256": 256, "nistp384": 384, "nistp521": 521}[curve]
+        bits = _ECDSA_BITS[curve]
     if key_type.startswith("sk-"):
         blob.string()  # the security key's application, e.g. "ssh:"
     blob.end()

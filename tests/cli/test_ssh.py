@@ -1,7 +1,8 @@
 """``gpushare ssh-config`` and ``gpushare ssh-proxy`` (client/gpushare_client/ssh.py): the
 entry OpenSSH reads, checked by the real ``ssh -G``; ``--write`` making and adding a key once,
-and including its file first in ``~/.ssh/config``; the proxy relaying bytes both ways against
-a stand-in of the portal's socket, and saying why the portal refused. Against the real portal,
+and including its file first in ``~/.ssh/config`` (through a symlink); the proxy forgetting a
+sandbox's host key when the sandbox runs another attempt, relaying bytes both ways against a
+stand-in of the portal's socket, and saying why the portal refused. Against the real portal,
 sshd and client: tests/cli/test_ssh_e2e.py."""
 
 from __future__ import annotations
@@ -14,17 +15,20 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from gpushare_client import ssh
 from gpushare_client.exits import ClientError
-from gpushare_client.ssh import config_text, sandbox_of
+from gpushare_client.ssh import config_text, forget_host_key, sandbox_of
+from websockets.http11 import Request, Response
 from websockets.sync.server import Server, ServerConnection, serve
 
 from tests.cli.conftest import Run
-from tests.cli.fake_portal import TOKEN, FakePortal, page
+from tests.cli.fake_portal import BASE, TOKEN, FakePortal, page, sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 needs_openssh = pytest.mark.skipif(
@@ -53,6 +57,7 @@ def test_openssh_reads_the_entry_for_every_sandbox(tmp_path: Path) -> None:
     assert resolved["user"] == "sandbox" and resolved["identityfile"] == str(folder / "id_ed25519")
     assert resolved["userknownhostsfile"] == str(folder / "known_hosts")
     assert resolved["stricthostkeychecking"] == "accept-new" and resolved["identitiesonly"] == "yes"
+    assert resolved["hashknownhosts"] == "no"  # ssh-proxy finds gpushare-<id>'s line by its name
     assert resolved["forwardagent"] == "no" and resolved["serveraliveinterval"] == "60"
     other = subprocess.run(["ssh", "-G", "-F", str(entry), "example.org"], capture_output=True, text=True)
     assert "proxycommand" not in other.stdout  # other hosts are left alone
@@ -111,11 +116,109 @@ def test_write_makes_a_key_adds_it_once_and_includes_the_entry_first(gpushare: R
                        "name": posted[0]["name"]}]  # fmt: skip
 
 
+@needs_openssh
+def test_write_goes_through_a_symlinked_ssh_config(gpushare: Run) -> None:
+    Keys(gpushare.portal)
+    home, dotfiles = gpushare.home / "home", gpushare.home / "dotfiles"
+    (home / ".ssh").mkdir(parents=True)
+    dotfiles.mkdir()
+    target = dotfiles / "ssh_config"
+    target.write_text("Host work\n    User me\n")
+    target.chmod(0o640)
+    (home / ".ssh" / "config").symlink_to(target)
+    gpushare.env["HOME"] = str(home)
+    done = gpushare("ssh-config", "--write")
+    assert done.code == 0, done
+    link = home / ".ssh" / "config"
+    assert link.is_symlink() and link.resolve() == target  # the dotfiles setup stays attached
+    included = f'Include "{gpushare.home / "config" / "gpushare" / "ssh_config"}"'
+    assert target.read_text().splitlines()[1] == included and target.read_text().endswith(
+        "Host work\n    User me\n"
+    )
+    assert target.stat().st_mode & 0o777 == 0o640 and list(dotfiles.iterdir()) == [target]
+
+
 def test_write_with_a_key_that_is_not_there_refuses(gpushare: Run, tmp_path: Path) -> None:
     Keys(gpushare.portal)
     gpushare.env["HOME"] = str(tmp_path / "home")
     done = gpushare("ssh-config", "--write", "--identity", str(tmp_path / "nope"))
     assert done.code == 2 and "No key at" in done.err
+
+
+# --- ssh-proxy: a host key per attempt ----------------------------------------------------------
+
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA0EakXojEzSDFAISLn4t0CKUiHj4Xous65ZINhXhetj"
+
+
+def test_the_proxy_forgets_a_sandboxs_host_key_when_it_runs_again(
+    gpushare: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = gpushare.home / "config" / "gpushare"
+    folder.mkdir(parents=True)
+    known, store = folder / "known_hosts", folder / "ssh_attempts.json"
+    others = (
+        f"gpushare-70 {KEY}\ngpushare-17,gpushare-71 {KEY}\n@revoked gpushare-7 {KEY}\nexample.org {KEY}\n"
+    )
+    relayed: list[str] = []
+
+    async def relay(_credentials: Any, sandbox_id: int) -> None:  # what ssh would then check
+        relayed.append(f"{sandbox_id}: {known.read_text()}")
+
+    monkeypatch.setattr(ssh, "_proxy", relay)
+    known.write_text(f"gpushare-7 {KEY}\n{others}")
+    first = gpushare("ssh-proxy", "gpushare-7")  # no attempt seen yet: the key's attempt is unknown
+    assert first.code == 0 and relayed == [f"7: {others}"], first
+    assert first.err == "gpushare: sandbox 7 (attempt 1): its SSH host key is trusted anew\n"
+    assert json.loads(store.read_text()) == {"portal": BASE, "attempts": {"7": 1}}
+    assert store.stat().st_mode & 0o777 == 0o600
+    known.write_text(f"{others}gpushare-7 {KEY}\n")  # ssh trusted attempt 1's key
+    same = gpushare("ssh-proxy", "7")
+    assert same.code == 0 and same.err == "" and known.read_text() == f"{others}gpushare-7 {KEY}\n", same
+    gpushare.portal.states = [sandbox(state="running", host="h2", attempt=2)]  # preempted, run again
+    again = gpushare("ssh-proxy", "gpushare-7")
+    assert (
+        again.code == 0
+        and again.err == "gpushare: sandbox 7 runs again (attempt 2): its SSH host key is new\n"
+    )
+    assert relayed[-1] == f"7: {others}" and known.read_text() == others  # other hosts' lines untouched
+    assert json.loads(store.read_text())["attempts"] == {"7": 2}
+    assert ssh._seen_attempts(store, "http://other.test") == {}  # another portal's sandbox 7 is another
+
+
+def test_the_proxy_reads_the_attempt_before_relaying_or_says_why_not(
+    gpushare: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    relayed: list[int] = []
+
+    async def relay(_credentials: Any, sandbox_id: int) -> None:
+        relayed.append(sandbox_id)
+
+    monkeypatch.setattr(ssh, "_proxy", relay)
+    known = gpushare.home / "config" / "gpushare" / "known_hosts"
+    known.parent.mkdir(parents=True)
+    known.write_text(f"gpushare-7 {KEY}\n")
+    refused = {"detail": "This token lacks the read:usage scope."}
+    gpushare.portal.overrides[("GET", "/api/v1/sandboxes/7/")] = lambda _r: httpx.Response(403, json=refused)
+    blind = gpushare("ssh-proxy", "gpushare-7")  # a token that may connect but not read: as before
+    assert blind.code == 0 and relayed == [7] and known.read_text() == f"gpushare-7 {KEY}\n", blind
+    missing = gpushare("ssh-proxy", "gpushare-8")  # the fake portal has no sandbox 8: a 404
+    assert missing.code == 5 and relayed == [7], missing
+
+
+@needs_openssh
+def test_a_hashed_entry_is_forgotten_too(tmp_path: Path) -> None:
+    known = tmp_path / "known_hosts"
+    known.write_text(f"gpushare-7 {KEY}\ngpushare-8 {KEY}\n")
+    subprocess.run(["ssh-keygen", "-H", "-f", str(known)], capture_output=True, check=True)
+    assert "gpushare-" not in known.read_text()  # HashKnownHosts yes, as an older entry had
+    assert forget_host_key(known, "gpushare-7") and not forget_host_key(known, "gpushare-7")
+
+    def held(host: str) -> bool:
+        return (
+            subprocess.run(["ssh-keygen", "-F", host, "-f", str(known)], capture_output=True).returncode == 0
+        )
+
+    assert not held("gpushare-7") and held("gpushare-8")
 
 
 # --- ssh-proxy, against a stand-in of the portal's socket --------------------------------------
@@ -138,7 +241,13 @@ def ssh_socket(refuse: tuple[int, str] | None = None) -> Iterator[tuple[str, lis
             if isinstance(message, bytes):
                 ws.send(message[::-1])
 
-    server: Server = serve(handle, "127.0.0.1", 0)
+    def api(connection: ServerConnection, request: Request) -> Response | None:
+        """The portal's API in the same place: the sandbox the proxy reads its attempt from."""
+        if request.path == "/api/v1/sandboxes/7/":
+            return connection.respond(HTTPStatus.OK, json.dumps(sandbox(state="running", host="h1")))
+        return None
+
+    server: Server = serve(handle, "127.0.0.1", 0, process_request=api)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -172,5 +281,10 @@ def test_the_proxy_relays_bytes_both_ways_and_ends_with_its_input(tmp_path: Path
 def test_the_proxy_says_why_the_portal_refused(tmp_path: Path) -> None:
     reason = "You have no SSH key on your account: add one"
     with ssh_socket(refuse=(4409, reason)) as (url, _seen):
-        out, err = proxy(url, tmp_path).communicate(timeout=30)
+        running = proxy(url, tmp_path)
+        # stdin held open, as ssh holds it: closed at once, the proxy would end the socket itself
+        # (1000) before the refusal reached it.
+        assert running.wait(timeout=30) == 3 and running.stdout and running.stderr and running.stdin
+        out, err = running.stdout.read(), running.stderr.read()
+        running.stdin.close()
     assert out == b"" and err.decode() == f"gpushare: SSH to sandbox 7 refused: {reason}\n"

@@ -28,6 +28,14 @@ ECDSA = (
     "dt2eR84oOH+kEHP8NVGzbLpgkzsVhxILWerDzS/+uRXtgrbtQ/HQO2pTGEXdH/6pnVCX/8Qag4hm1nZNeMQa5YEwJEQ3KuGC7V"
     "mR0Cg== ec"
 )
+# A FIDO ECDSA key as ssh-keygen -t ecdsa-sk writes it (type, curve, point, application "ssh:"),
+# its point P-256's generator; ssh-keygen -l reads it and gave this fingerprint.
+SK_ECDSA = (
+    "sk-ecdsa-sha2-nistp256@openssh.com AAAAInNrLWVjZHNhLXNoYTItbmlzdHAyNTZAb3BlbnNzaC5jb20AAAAIbmlzdHAyNTYA"
+    "AABBBGsX0fLhLEJH+Lzm5WOkQPJ3A32BLeszoPShOUXYmMKWT+NC4v4af5uO5+tKfA+eFivOM1drMV7Oy7ZAaDe/UfUAAAAEc3NoOg=="
+    " yubikey"
+)
+SK_ECDSA_TYPE = b"sk-ecdsa-sha2-nistp256@openssh.com"
 RSA_2048 = (
     "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQC4EADcZfhKov1rJckYKARfN6XB3Tf+bI5HTvDVfaTklnT30QM2Fu0IYjnP6tp7LQqp"
     "QnKvgHaRgLAywFbr8r5CQ/7uEstDS9P3fir5IJgsUiBLEpZx6hodh391SqXveARSVKJvZ89nxpLR51Yo9C49h8e0fgsfb99FNQzizJeNFoB"
@@ -57,6 +65,7 @@ def _blob(*fields: bytes) -> str:
         (ED25519, 256, ED25519_FINGERPRINT),
         (ECDSA, 384, "SHA256:Fa5SZdBnf54tzzh3MQ6x8seMorZ2nGfU5gT9XZsbnlw"),
         (RSA_3072, 3072, "SHA256:ZmTV+ig6tJzGfa89hFlCNn/RbxPpFz7sor3ob5YrcTQ"),
+        (SK_ECDSA, 256, "SHA256:Sq6FPgsPWZc3RXSXKFq4uzEhPEwaHZCAoX46/7Q5024"),
     ],
 )
 def test_a_public_key_is_read_whole_with_ssh_keygens_fingerprint(
@@ -87,6 +96,12 @@ def test_a_public_key_is_read_whole_with_ssh_keygens_fingerprint(
             "The key's curve or point",
         ),
         (f"ssh-ed25519 {'A' * 5000}", "The key is longer than any supported key."),
+        # A curve no table names (the type's word that once was taken for it): refused, no KeyError.
+        (f"{SK_ECDSA_TYPE.decode()} {_blob(SK_ECDSA_TYPE, b'sha2', bytes(65), b'ssh:')}", "The key's curve"),
+        (
+            f"{SK_ECDSA_TYPE.decode()} {_blob(SK_ECDSA_TYPE, b'nistp384', bytes(97), b'ssh:')}",
+            "The key's curve",
+        ),
     ],
 )
 def test_what_is_not_a_key_is_refused_with_the_reason(text: str, says: str) -> None:
@@ -144,6 +159,22 @@ def test_the_api_lists_adds_and_removes_your_own_keys(people: Any) -> None:
     assert api.delete(f"/api/v1/ssh-keys/{body['id']}/").status_code == 204
     assert api.get("/api/v1/ssh-keys/").json()["results"] == []
     assert AuditEntry.objects.filter(action="ssh_key.removed").count() == 1
+
+
+CRAFTED_CURVE = f"{SK_ECDSA_TYPE.decode()} {_blob(SK_ECDSA_TYPE, b'sha2', bytes(65), b'ssh:')}"
+
+
+def test_a_fido_ecdsa_key_is_taken_and_a_crafted_curve_refused_not_a_500(people: Any) -> None:
+    api = _api(people["owner"], ["write:sandboxes"])
+    crafted = _post(api, {"public_key": CRAFTED_CURVE})
+    assert crafted.status_code == 400, crafted.content
+    assert list(crafted.json()) == ["public_key"] and "curve or point" in crafted.json()["public_key"][0]
+    page = client_for(people["owner"]).post("/account/ssh-keys/", {"public_key": CRAFTED_CURVE})
+    assert page.status_code == 400 and "public_key" in page.context["form"].errors
+    assert "curve or point does not match" in page.content.decode()
+    added = _post(api, {"public_key": SK_ECDSA})
+    assert added.status_code == 201, added.content
+    assert added.json()["public_key"] == " ".join(SK_ECDSA.split()[:2]) and added.json()["name"] == "yubikey"
 
 
 def test_the_api_is_the_callers_own_and_needs_the_write_scope(people: Any) -> None:
