@@ -74,7 +74,9 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "cycle": lambda: cycle_section(
         [measure_cycle(h, 8, q, 5) for h, q in ((25, 200), (125, 1000), (500, 4000))]
     ),
-    "live": lambda: live_section([measure_live(fill=fill) for fill in (0.5, 3.0)]),
+    "live": lambda: live_section(
+        [measure_live(fill=fill, departments=tree) for tree in (False, True) for fill in (0.5, 3.0)]
+    ),
     "mig": mig_relayout_section,
     "trace": trace_section,
     "consolidation": lambda: consolidation_render(
