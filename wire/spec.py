@@ -9,12 +9,16 @@ host reports it and the portal keeps it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, NotRequired, TypedDict
 
 from wire.storage import StorageMount
 
 LABEL_PREFIX = "io.gpushare"
+# Fields a spec once had, still in the launch messages of an older portal and in the specs a
+# process driver saved before an upgrade: read and dropped. (The metering facts: the agent
+# no longer computes a running cost, the portal's billing does.)
+RETIRED_SPEC_FIELDS = frozenset({"milli_gpu", "price_per_gpu_hour_micros"})
 # The resume contract's checkpoint folder (portal/sandboxes/resume.py), as the sandbox sees it.
 CHECKPOINT_DIR_VARIABLE = "GPUSHARE_CHECKPOINT_DIR"
 # Fields renamed since, still in what an older portal or agent wrote: handles kept in the
@@ -112,10 +116,7 @@ class SandboxSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxSpec:
-        # Fields it does not know (a newer portal's, in a message during an upgrade) are left
-        # out: the launch goes on without what they add, rather than failing.
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in renamed(data).items() if k in known}
+        values = {k: v for k, v in renamed(data).items() if k not in RETIRED_SPEC_FIELDS}
         values["command"] = tuple(values.get("command") or ())
         values["device_uuids"] = tuple(values.get("device_uuids") or ())
         mps = values.get("mps")
