@@ -50,7 +50,15 @@ def receive_samples(session: str, sandbox_id: int, count: int) -> list[dict[str,
         )
         connected, _ = await comm.connect()
         assert connected
-        samples = [json.loads(await comm.receive_from(timeout=10)) for _ in range(count)]
+        # The socket also pushes the sandbox's state changes: one sent as it started running
+        # can reach a socket opened a moment later. Only the GPU samples are counted.
+        samples: list[dict[str, Any]] = []
+        for _ in range(count + 10):
+            message = json.loads(await comm.receive_from(timeout=10))
+            if "gpu" in message:
+                samples.append(message)
+            if len(samples) == count:
+                break
         await comm.disconnect()
         return samples
 
